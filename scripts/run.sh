@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# One entry for a fresh machine: builds the virtual environment if it is missing or stale,
+# then runs the main job or the test suite.
+#
+#   bash scripts/run.sh main [ARGS...]   # the main job: the TP-mode benchmark (scripts/bench_tp_modes.py)
+#   bash scripts/run.sh test [ARGS...]   # the test suite (pytest), ARGS passed through
+#
+# The venv lives in .venv/ and is reused while pyproject.toml (which pins every requirement)
+# and the interpreter are unchanged; a fresh install downloads about 4.7 GB.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${MEGATRON_MUON_VENV:-$repo/.venv}"
+
+find_python312() {
+    # pyenv shims answer `python3.12` even when 3.12 is not the selected version, and then
+    # fail at run time, so every candidate is tried by running it.
+    local candidates=(python3.12)
+    if command -v pyenv >/dev/null 2>&1; then
+        candidates+=("$(pyenv root)"/versions/3.12*/bin/python3.12)
+    fi
+    candidates+=("$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/local/bin/python3.12 /usr/bin/python3.12)
+    local c
+    for c in "${candidates[@]}"; do
+        if "$c" -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1; then
+            command -v "$c" 2>/dev/null || echo "$c"
+            return 0
+        fi
+    done
+    echo "error: Python 3.12 not found (tried: ${candidates[*]}). Install it, e.g. 'pyenv install 3.12'." >&2
+    return 1
+}
+
+ensure_venv() {
+    local py stamp
+    py="$(find_python312)"
+    stamp="$( (cat "$repo/pyproject.toml"; "$py" --version) | sha256sum | cut -d' ' -f1)"
+    if [[ -x "$venv/bin/python" && -f "$venv/.requirements-stamp" \
+          && "$(cat "$venv/.requirements-stamp")" == "$stamp" ]]; then
+        return 0
+    fi
+    echo "[run.sh] creating $venv with $py (pinned requirements changed or venv missing)" >&2
+    rm -rf "$venv"
+    "$py" -m venv "$venv"
+    "$venv/bin/python" -m pip install --quiet --upgrade pip
+    "$venv/bin/python" -m pip install --quiet -e "$repo[test]"
+    echo "$stamp" > "$venv/.requirements-stamp"
+}
+
+cmd="${1:-}"
+shift || true
+case "$cmd" in
+    main)
+        ensure_venv
+        exec "$venv/bin/python" "$repo/scripts/bench_tp_modes.py" "$@"
+        ;;
+    test)
+        ensure_venv
+        cd "$repo"
+        exec "$venv/bin/python" -m pytest "$@"
+        ;;
+    *)
+        echo "usage: bash scripts/run.sh {main|test} [ARGS...]" >&2
+        exit 2
+        ;;
+esac

@@ -11,8 +11,9 @@ A replicated matrix (partition_dim None) is computed by its owner alone and its 
 every other rank in the same second all-to-all.
 
 Traffic per sharded matrix of S bytes: (t−1)/t·S there and the same back, summed over ranks
-(each non-owner shard moves once each way), i.e. 2(t−1)/t²·S per rank on average — half of what
-duplicated's all-gather moves at t = 2 and a 2/t fraction in general (Canzona, arXiv 2602.06079).
+(each non-owner shard moves once each way), i.e. 2(t−1)/t²·S per rank on average: a 2/t fraction
+of duplicated's (t−1)/t·S — the same at t = 2, a quarter at t = 8 (Canzona, arXiv 2602.06079) —
+and NS runs once per matrix instead of t times.
 """
 
 from __future__ import annotations

@@ -1,0 +1,111 @@
+"""newton_schulz: shapes, dtypes, coefficient schedules, references and errors (one process)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz as eo_newton_schulz
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
+
+from megatron_muon import COEFFICIENT_SETS, newton_schulz, ns_flops
+from megatron_muon.newton_schulz import coefficient_schedule
+
+SHAPES = [(96, 40), (40, 96), (64, 64), (48, 24), (1, 7), (7, 1)]
+
+
+def randn(*shape, seed=0, dtype=torch.float32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_bitwise_equal_to_torch_optim_muon_in_bf16(shape):
+    """Same op sequence as torch.optim.Muon's private NS (bf16, jordan, 5 steps): atol = 0."""
+    g = randn(*shape)
+    want = torch_zeropower(g, COEFFICIENT_SETS["jordan"][0], 5, 1e-7)
+    got = newton_schulz(g.bfloat16())
+    assert got.dtype == torch.bfloat16 and got.shape == g.shape
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("name", ["jordan", "simple", "quintic", "polar_express", "cans", "aol"])
+@pytest.mark.parametrize("steps", [1, 3, 5, 9])
+def test_named_sets_match_emerging_optimizers(name, steps):
+    """Steps 9 > every set's length, so the cycle / repeat-last rules are exercised."""
+    g = randn(96, 40, seed=steps)
+    theirs = eo_newton_schulz(g, steps, "simple" if name == "jordan" else name)
+    ours = newton_schulz(g, steps, name)
+    # fp32, same GEMMs; emerging normalizes with F.normalize (a different norm kernel), so
+    # results agree to fp32 reassociation (observed < 1e-6). Polar Express/CANS start with
+    # coefficients near 8 and 25, which amplify a last-bit difference a little more.
+    assert (ours - theirs).abs().max().item() <= 2e-5
+
+
+def test_explicit_list_cycles_like_emerging_custom():
+    coeffs = [(3.0, -3.2, 1.2), (2.0, -1.5, 0.5)]
+    g = randn(40, 96, seed=3)
+    theirs = eo_newton_schulz(g, 5, "custom", custom_coefficient_sets=coeffs)
+    assert (newton_schulz(g, 5, coeffs) - theirs).abs().max().item() <= 2e-5
+    assert coefficient_schedule(coeffs, 5) == [coeffs[0], coeffs[1], coeffs[0], coeffs[1], coeffs[0]]
+
+
+def test_schedule_rules():
+    pe = COEFFICIENT_SETS["polar_express"]
+    assert coefficient_schedule("polar_express", 10) == list(pe) + [pe[-1], pe[-1]]  # repeat last
+    q = COEFFICIENT_SETS["quintic"]
+    assert coefficient_schedule("quintic", 7) == list(q) + [q[0], q[1]]  # cycles
+
+
+def test_batched_equals_each_matrix():
+    x = randn(5, 48, 24, seed=4)
+    batched = newton_schulz(x)
+    each = torch.stack([newton_schulz(m) for m in x])
+    # baddbmm vs addmm may block the GEMM differently: fp32 reassociation only.
+    assert (batched - each).abs().max().item() <= 1e-5
+
+
+def test_output_is_nearly_orthogonal():
+    """Jordan's quintic leaves singular values in roughly [0.7, 1.2] (it trades exactness for
+    slope at zero), far from the input's spread."""
+    x = randn(64, 32, seed=5) @ torch.diag(torch.logspace(-2, 1, 32))
+    s = torch.linalg.svdvals(newton_schulz(x, 10))
+    assert s.min() > 0.6 and s.max() < 1.25
+
+
+def test_transposes_tall_matrices():
+    x = randn(96, 40, seed=6)
+    # Same math on the same orientation; only the memory layout handed to the GEMM differs
+    # (a transposed view vs a contiguous copy), which may change blocking: fp32 ulps only.
+    assert (newton_schulz(x) - newton_schulz(x.T.contiguous()).T).abs().max().item() <= 1e-6
+
+
+def test_zero_matrix_and_zero_rows():
+    assert torch.equal(newton_schulz(torch.zeros(8, 5)), torch.zeros(8, 5))  # eps clamp: no NaN
+    x = randn(10, 6, seed=7)
+    x[3] = 0
+    padded = newton_schulz(x)
+    assert torch.equal(padded[3], torch.zeros(6))
+    # NS preserves zero rows, so zero-padding then cropping equals NS of the unpadded matrix.
+    keep = [i for i in range(10) if i != 3]
+    assert (padded[keep] - newton_schulz(x[keep])).abs().max().item() <= 1e-6
+
+
+def test_ns_flops():
+    assert ns_flops(64, 64) == 30 * 64**3
+    assert ns_flops(96, 40) == ns_flops(40, 96) == 5 * (4 * 40 * 40 * 96 + 2 * 40**3)
+    assert ns_flops(10, 20, steps=1) == 4 * 100 * 20 + 2 * 1000
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: newton_schulz(torch.ones(5)), r"2-D \(m, n\) or 3-D .* got shape \(5,\)"),
+        (lambda: newton_schulz(torch.ones(2, 2, 2, 2)), r"got shape \(2, 2, 2, 2\)"),
+        (lambda: newton_schulz(torch.ones(3, 3), steps=0), r"steps must be an integer >= 1, got 0"),
+        (lambda: newton_schulz(torch.ones(3, 3), coefficients="nope"), r"unknown coefficient set 'nope'"),
+        (lambda: newton_schulz(torch.ones(3, 3), coefficients=[(1.0, 2.0)]), r"\(a, b, c\) tuples"),
+        (lambda: newton_schulz(torch.ones(3, 3, dtype=torch.int64)), r"floating-point"),
+    ],
+)
+def test_bad_input(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -1,0 +1,294 @@
+"""Each TP mode against Newton–Schulz of the full matrix on one process.
+
+One gloo world per world size (1, 2, 3, 4) runs every mode on the same list of matrices — tall,
+wide, square and odd shapes, each with partition_dim 0, 1 and None, two copies each so that
+batching and owner spreading are exercised — and sends its pieces back. The parent assembles
+the pieces and compares them with ``newton_schulz`` on the whole matrix, computed here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import run_world
+from megatron_muon import comm_stats, newton_schulz, ns_flops, orthogonalize_sharded
+from megatron_muon.owner_exchange import split_rounds
+from megatron_muon.tp_modes import distributed_ns_flops
+
+WORLD_SIZES = (1, 2, 3, 4)
+EXACT_MODES = ("duplicated", "distributed", "owner")
+BASE_SHAPES = {"tall": (96, 40), "wide": (40, 96), "square": (64, 64), "odd": (48, 24)}
+PDIMS = (0, 1, None)
+COPIES = 2
+
+# fp32 tolerance for an exact mode against NS of the full matrix. The modes change only the
+# summation order (Gram matrices summed over ranks, batched vs single GEMMs); NS keeps entries
+# of the normalized iterate below ~1.5, so each reordering moves an entry by a few fp32 ulps and
+# five iterations amplify that to the ~1e-6 observed. 1e-5 leaves a 10x margin and is still
+# four orders below the gap to any non-exact answer (blockwise differs by > 1e-2, tested).
+FP32_ATOL = 1e-5
+# bf16 carries 8 mantissa bits (ulp 2^-8 ≈ 4e-3 near 1); batched-vs-single GEMM order changes
+# round differently, and five iterations compound a few ulps.
+BF16_ATOL = 6e-2
+
+
+def full_shape(base: tuple[int, int], pdim: int | None, t: int) -> tuple[int, int]:
+    """The base shape with its partition dim rounded down to a multiple of t (40 → 39 at t=3)."""
+    rows, cols = base
+    if pdim == 0:
+        rows -= rows % t
+    elif pdim == 1:
+        cols -= cols % t
+    return rows, cols
+
+
+def matrix_cases(t: int) -> list[tuple[str, int | None, int, tuple[int, int]]]:
+    return [
+        (name, pdim, copy, full_shape(base, pdim, t))
+        for name, base in BASE_SHAPES.items()
+        for pdim in PDIMS
+        for copy in range(COPIES)
+    ]
+
+
+def make_full(index: int, shape: tuple[int, int], dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + index)
+    return torch.randn(shape, generator=g).to(dtype)
+
+
+def shard_of(full: torch.Tensor, pdim: int | None, t: int, rank: int) -> torch.Tensor:
+    return full if pdim is None else full.chunk(t, dim=pdim)[rank].contiguous()
+
+
+@contextlib.contextmanager
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _stats(stats) -> dict:
+    return {
+        "calls": dict(stats.calls),
+        "bytes_sent": stats.bytes_sent,
+        "by_primitive": dict(stats.bytes_by_primitive),
+        "ns_flops": stats.ns_flops,
+    }
+
+
+# ---- what every rank runs ------------------------------------------------------------------
+
+
+def _tp_worker(rank: int, t: int) -> dict:
+    from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
+
+    cases = matrix_cases(t)
+    fulls = [make_full(i, shape) for i, (_, _, _, shape) in enumerate(cases)]
+    pdims = [pdim for _, pdim, _, _ in cases]
+    shards = [shard_of(f, p, t, rank) for f, p in zip(fulls, pdims)]
+    out: dict = {"pieces": {}, "stats": {}, "single": {}, "emerging": {}, "ours_quintic": {}}
+
+    for mode in ("duplicated", "distributed", "owner", "blockwise"):
+        with comm_stats() as stats:
+            out["pieces"][mode] = orthogonalize_sharded(shards, pdims, mode=mode)
+        out["stats"][mode] = _stats(stats)
+
+    # One matrix per call: the same op sequence as newton_schulz on a batch of one.
+    for i, (name, pdim, copy, _) in enumerate(cases):
+        if copy == 0 and pdim is not None:
+            for mode in ("duplicated", "owner"):
+                out["single"][(mode, i)] = orthogonalize_sharded([shards[i]], [pdim], mode=mode)[0]
+                out["single"][(mode, i, "bf16")] = orthogonalize_sharded(
+                    [shards[i].bfloat16()], [pdim], mode=mode
+                )[0]
+
+    # emerging-optimizers' newton_schulz_tp on the same shards (quintic, its default set).
+    torch.set_float32_matmul_precision("highest")
+    for i, (name, pdim, copy, _) in enumerate(cases):
+        if copy == 0 and pdim is not None:
+            for mode in ("duplicated", "distributed"):
+                out["emerging"][(mode, i)] = newton_schulz_tp(
+                    shards[i], 5, "quintic", tp_group=dist.group.WORLD, partition_dim=pdim, tp_mode=mode
+                )
+                out["ours_quintic"][(mode, i)] = orthogonalize_sharded(
+                    [shards[i]], [pdim], mode=mode, coefficients="quintic"
+                )[0]
+
+    # A small bucket forces several exchange rounds; the result must not depend on it.
+    bucket = 8 * 1024
+    with comm_stats() as stats:
+        out["pieces"]["owner_small_bucket"] = orthogonalize_sharded(shards, pdims, mode="owner", bucket_bytes=bucket)
+    out["stats"]["owner_small_bucket"] = _stats(stats)
+    out["pieces"]["duplicated_small_bucket"] = orthogonalize_sharded(
+        shards, pdims, mode="duplicated", bucket_bytes=bucket
+    )
+    return out
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda t: f"world{t}")
+def world(request):
+    t = request.param
+    return t, run_world(t, _tp_worker)
+
+
+def _assembled(ranks: list, t: int, key_fn, pdim) -> torch.Tensor:
+    pieces = [key_fn(r) for r in ranks]
+    if pdim is None:
+        for r in range(1, t):  # a replicated matrix's result must be identical everywhere
+            assert torch.equal(pieces[r], pieces[0]), f"rank {r} disagrees on a replicated matrix"
+        return pieces[0]
+    return torch.cat(pieces, dim=pdim)
+
+
+# ---- equivalence ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", EXACT_MODES + ("owner_small_bucket", "duplicated_small_bucket"))
+def test_exact_modes_match_full_newton_schulz(world, mode):
+    t, ranks = world
+    for i, (name, pdim, copy, shape) in enumerate(matrix_cases(t)):
+        got = _assembled(ranks, t, lambda r: r["pieces"][mode][i], pdim)
+        assert got.shape == shape and got.dtype == torch.float32
+        want = newton_schulz(make_full(i, shape))
+        err = (got - want).abs().max().item()
+        assert err <= FP32_ATOL, f"{mode} t={t} {name} {shape} pdim={pdim}: max error {err:.2e}"
+
+
+def test_blockwise_is_newton_schulz_of_the_local_shard(world):
+    t, ranks = world
+    for i, (name, pdim, copy, shape) in enumerate(matrix_cases(t)):
+        full = make_full(i, shape)
+        for rank, res in enumerate(ranks):
+            want = newton_schulz(shard_of(full, pdim, t, rank))
+            err = (res["pieces"]["blockwise"][i] - want).abs().max().item()
+            assert err <= FP32_ATOL, f"blockwise t={t} {name} pdim={pdim} rank {rank}: {err:.2e}"
+        if pdim is not None and t > 1:
+            # The comparison above can tell exact from blockwise: they differ by far more.
+            blockwise = _assembled(ranks, t, lambda r: r["pieces"]["blockwise"][i], pdim)
+            gap = (blockwise - newton_schulz(full)).abs().max().item()
+            assert gap > 1e-2, f"blockwise unexpectedly equals full NS for {name} pdim={pdim}"
+
+
+def test_single_matrix_is_bitwise_newton_schulz(world):
+    """With one matrix per call the owner and duplicated paths run the exact op sequence of
+    ``newton_schulz`` on a batch of one, so the answer is bitwise equal (atol = 0), fp32 and bf16."""
+    t, ranks = world
+    for i, (name, pdim, copy, shape) in enumerate(matrix_cases(t)):
+        if copy != 0 or pdim is None:
+            continue
+        for dtype, tag in ((torch.float32, ()), (torch.bfloat16, ("bf16",))):
+            with one_thread():  # the ranks run single-threaded; GEMM blocking follows threads
+                want = newton_schulz(make_full(i, shape).to(dtype)[None])[0]
+            for mode in ("duplicated", "owner"):
+                got = _assembled(ranks, t, lambda r: r["single"][(mode, i, *tag)], pdim)
+                assert got.dtype == dtype
+                assert torch.equal(got, want), f"{mode} {dtype} t={t} {name} pdim={pdim} not bitwise"
+
+
+def test_bf16_batched_modes_within_bf16_tolerance(world):
+    t, ranks = world
+    for i, (name, pdim, copy, shape) in enumerate(matrix_cases(t)):
+        if copy != 0 or pdim is None:
+            continue
+        got = _assembled(ranks, t, lambda r: r["single"][("owner", i, "bf16")], pdim).float()
+        want = newton_schulz(make_full(i, shape))
+        assert (got - want).abs().max().item() <= BF16_ATOL
+
+
+def test_against_emerging_optimizers_newton_schulz_tp(world):
+    """emerging-optimizers 0.3.0 is an independent implementation of both exact TP modes."""
+    t, ranks = world
+    for i, (name, pdim, copy, shape) in enumerate(matrix_cases(t)):
+        if copy != 0 or pdim is None:
+            continue
+        for mode in ("duplicated", "distributed"):
+            theirs = _assembled(ranks, t, lambda r: r["emerging"][(mode, i)], pdim)
+            ours = _assembled(ranks, t, lambda r: r["ours_quintic"][(mode, i)], pdim)
+            err = (ours - theirs).abs().max().item()
+            # Same math, different GEMM entry points (batched vs 2-D, F.normalize vs a clamped
+            # norm): fp32 reassociation only, as for FP32_ATOL.
+            assert err <= FP32_ATOL, f"{mode} t={t} {name} pdim={pdim}: {err:.2e} from emerging-optimizers"
+
+
+# ---- accounting ----------------------------------------------------------------------------
+
+
+def _shape_check_bytes(t: int, num_matrices: int) -> int:
+    # Header (3 int64) and table (3 int64 per matrix), each all-gathered: input × (t − 1).
+    return (3 + 3 * num_matrices) * 8 * (t - 1)
+
+
+def test_owner_traffic_equals_analytic_total(world):
+    t, ranks = world
+    cases = matrix_cases(t)
+    payload = 0
+    for _, pdim, _, (rows, cols) in cases:
+        full_bytes = rows * cols * 4
+        if t == 1:
+            continue
+        # Sharded: every non-owner shard goes there and back. Replicated: the owner's result
+        # goes to the t − 1 others.
+        payload += 2 * (t - 1) * full_bytes // t if pdim is not None else (t - 1) * full_bytes
+    meta = _shape_check_bytes(t, len(cases)) * t if t > 1 else 0
+    total = sum(r["stats"]["owner"]["bytes_sent"] for r in ranks)
+    assert total == payload + meta
+    assert sum(r["stats"]["owner"]["by_primitive"].get("all_to_all", 0) for r in ranks) == payload
+    for r in ranks:
+        assert r["stats"]["owner"]["calls"].get("all_to_all", 0) == 2
+    # Each matrix is orthogonalized exactly once in the whole group.
+    assert sum(r["stats"]["owner"]["ns_flops"] for r in ranks) == sum(ns_flops(*s) for *_, s in cases)
+
+
+def test_owner_small_bucket_runs_several_rounds(world):
+    t, ranks = world
+    cases = matrix_cases(t)
+    rounds = split_rounds([rows * cols * 4 for *_, (rows, cols) in cases], 8 * 1024)
+    assert len(rounds) > 1
+    for r in ranks:
+        assert r["stats"]["owner_small_bucket"]["calls"]["all_to_all"] == 2 * len(rounds)
+
+
+def test_duplicated_and_distributed_traffic_and_flops(world):
+    t, ranks = world
+    cases = matrix_cases(t)
+    meta = _shape_check_bytes(t, len(cases)) if t > 1 else 0
+    gather = sum(r * c * 4 // t * (t - 1) for _, p, _, (r, c) in cases if p is not None and t > 1)
+    full_flops = sum(ns_flops(*s) for *_, s in cases)
+    # distributed: per same-shape group (COPIES matrices), one norm all-reduce of COPIES
+    # floats and five Gram all-reduces of COPIES × k × k floats, ring-counted.
+    ring = lambda nbytes: 2 * (t - 1) * nbytes // t
+    dist_bytes = 0
+    dist_flops = 0
+    for _, pdim, copy, (rows, cols) in cases:
+        if pdim is None or t == 1:
+            dist_flops += ns_flops(rows, cols)
+            continue
+        k, local_cols = (cols, rows // t) if pdim == 0 else (rows, cols // t)
+        dist_flops += distributed_ns_flops(k, local_cols)
+        if copy == 0:
+            dist_bytes += ring(COPIES * 4) + 5 * ring(COPIES * k * k * 4)
+    for r in ranks:
+        assert r["stats"]["duplicated"]["bytes_sent"] == gather + meta
+        assert r["stats"]["duplicated"]["ns_flops"] == full_flops  # t-fold redundant
+        assert r["stats"]["distributed"]["bytes_sent"] == dist_bytes + meta
+        assert r["stats"]["distributed"]["ns_flops"] == dist_flops
+        assert r["stats"]["blockwise"]["bytes_sent"] == 0
+
+
+# ---- single process, no torch.distributed ----------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ("duplicated", "distributed", "blockwise", "owner"))
+def test_world_of_one_without_torch_distributed(mode):
+    assert not dist.is_initialized()
+    mats = [make_full(i, s) for i, s in enumerate([(96, 40), (40, 96), (64, 64)])]
+    got = orthogonalize_sharded(mats, [0, 1, None], mode=mode)
+    for m, g in zip(mats, got):
+        assert (g - newton_schulz(m)).abs().max().item() <= FP32_ATOL

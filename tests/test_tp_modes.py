@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from dist_harness import run_world
-from megatron_muon import comm_stats, newton_schulz, ns_flops, orthogonalize_sharded
+from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
+
+from megatron_muon import COEFFICIENT_SETS, comm_stats, newton_schulz, ns_flops, orthogonalize_sharded
 from megatron_muon.owner_exchange import split_rounds
 from megatron_muon.tp_modes import distributed_ns_flops
 
@@ -192,14 +194,17 @@ def test_single_matrix_is_bitwise_newton_schulz(world):
                 assert torch.equal(got, want), f"{mode} {dtype} t={t} {name} pdim={pdim} not bitwise"
 
 
-def test_bf16_batched_modes_within_bf16_tolerance(world):
+def test_bf16_paths_match_torch_optim_muon_newton_schulz(world):
+    """torch.optim.Muon's own NS (bf16, jordan) on the full matrix, as an outside reference."""
     t, ranks = world
     for i, (name, pdim, copy, shape) in enumerate(matrix_cases(t)):
         if copy != 0 or pdim is None:
             continue
-        got = _assembled(ranks, t, lambda r: r["single"][("owner", i, "bf16")], pdim).float()
-        want = newton_schulz(make_full(i, shape))
-        assert (got - want).abs().max().item() <= BF16_ATOL
+        want = torch_zeropower(make_full(i, shape), COEFFICIENT_SETS["jordan"][0], 5, 1e-7).float()
+        for mode in ("duplicated", "owner"):
+            got = _assembled(ranks, t, lambda r: r["single"][(mode, i, "bf16")], pdim).float()
+            err = (got - want).abs().max().item()
+            assert err <= BF16_ATOL, f"{mode} bf16 t={t} {name} pdim={pdim}: {err:.2e} from torch"
 
 
 def test_against_emerging_optimizers_newton_schulz_tp(world):

@@ -6,23 +6,35 @@ plan without communicating, which is what lets the owner exchange agree on split
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 __all__ = ["plan_owners", "rank_loads"]
 
 
-def plan_owners(costs: Sequence[float], num_ranks: int) -> list[int]:
+def plan_owners(
+    costs: Sequence[float],
+    num_ranks: int,
+    *,
+    fixed: Mapping[int, int] | None = None,
+    prefer: Sequence[int | None] | None = None,
+) -> list[int]:
     """Assign each matrix one owner rank, balancing the summed cost per rank.
 
     Longest-processing-time first (Graham 1969): visit matrices by decreasing cost and give
     each to the currently least-loaded rank. LPT's makespan is within 4/3 − 1/(3·num_ranks)
     of optimal, and for transformer layer sets (many copies of a few shapes) it is near
     perfect. Ties break deterministically: equal costs keep their input order, equal loads go
-    to the lowest rank, so the plan is a pure function of (costs, num_ranks).
+    to the lowest rank, so the plan is a pure function of the arguments.
 
     Args:
         costs: one non-negative cost per matrix (``ns_flops`` of the full matrix, usually).
         num_ranks: size of the group the owners are drawn from (>= 1).
+        fixed: matrix → rank assignments made before LPT runs (their cost counts toward that
+            rank's load). The DP plan fixes a matrix that lies wholly in one rank's range to
+            that rank, so it never moves.
+        prefer: per matrix, a rank to use instead of LPT's choice whenever that does not raise
+            the current maximum load beyond what LPT's choice would make it (the DP plan
+            prefers the rank holding the largest piece: fewer bytes move).
 
     Returns:
         ``owner_rank[i]`` in ``[0, num_ranks)`` for every matrix i.
@@ -32,10 +44,22 @@ def plan_owners(costs: Sequence[float], num_ranks: int) -> list[int]:
     for i, c in enumerate(costs):
         if not c >= 0:  # also rejects NaN
             raise ValueError(f"plan_owners: cost of matrix {i} must be >= 0, got {c!r}")
+    fixed = dict(fixed or {})
+    if prefer is not None and len(prefer) != len(costs):
+        raise ValueError(f"plan_owners: {len(prefer)} preferences for {len(costs)} matrices")
+    for i, r in {**fixed, **{i: r for i, r in enumerate(prefer or []) if r is not None}}.items():
+        if not (0 <= i < len(costs)) or not (0 <= r < num_ranks):
+            raise ValueError(f"plan_owners: matrix {i} pinned or preferred to rank {r}, outside {num_ranks} ranks")
     loads = [0.0] * num_ranks
     owner_rank = [0] * len(costs)
-    for i in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
+    for i, r in sorted(fixed.items()):
+        owner_rank[i] = r
+        loads[r] += costs[i]
+    for i in sorted((i for i in range(len(costs)) if i not in fixed), key=lambda i: (-costs[i], i)):
         r = min(range(num_ranks), key=lambda r: (loads[r], r))
+        want = prefer[i] if prefer is not None else None
+        if want is not None and loads[want] + costs[i] <= max(max(loads), loads[r] + costs[i]):
+            r = want
         owner_rank[i] = r
         loads[r] += costs[i]
     return owner_rank

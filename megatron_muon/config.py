@@ -1,0 +1,80 @@
+"""The one typed configuration of the plugin.
+
+Every ``--muon-*`` flag (upstream's and ours) lands in one field here; the CLI layer only
+translates flags into a ``MuonConfig`` and the optimizer only reads this object.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from .newton_schulz import COEFFICIENT_SETS
+from .orthogonalize import DP_MODES
+from .scaling import SCALE_MODES
+from .tp_modes import MODES
+
+__all__ = ["MuonConfig", "NS_PRECISIONS"]
+
+# Upstream --muon-fp32-matmul-prec: "medium" runs NS in bf16 (emerging-optimizers casts to bf16
+# explicitly), "high"/"highest" keep fp32 (TF32 / full fp32 matmuls on GPUs).
+NS_PRECISIONS = {"medium": torch.bfloat16, "high": torch.float32, "highest": torch.float32}
+
+
+@dataclass
+class MuonConfig:
+    """Muon settings; defaults are upstream megatron-core 0.19.2's ``OptimizerConfig`` muon_* ones."""
+
+    momentum: float = 0.95
+    """EMA momentum μ: B ← μB + (1−μ)G. Upstream's CLI default is 0.9 but its config default is
+    0.95 (torch.optim.Muon's too); we use 0.95 on both paths."""
+    nesterov: bool = True
+    """use G.lerp(B, μ) instead of B as the matrix to orthogonalize."""
+    split_qkv: bool = True
+    """orthogonalize Q, K and V of a fused QKV weight separately, per query group."""
+    split_fc1: bool = True
+    """orthogonalize the gate and up halves of a fused SwiGLU fc1 separately (upstream #6688)."""
+    scale_mode: str = "spectral"
+    """update scale by shape: spectral, shape_scaling or unit_rms_norm (``scaling.py``)."""
+    extra_scale_factor: float = 1.0
+    """multiplies the scale (0.2 with spectral matches AdamW's update RMS, Moonlight)."""
+    fp32_matmul_prec: str = "medium"
+    """NS precision: medium = bf16 (upstream default), high/highest = fp32."""
+    coefficient_type: str = "quintic"
+    """Newton–Schulz coefficient set (upstream default: quintic)."""
+    num_ns_steps: int = 5
+    """Newton–Schulz iterations."""
+    tp_mode: str = "owner"
+    """how NS runs across TP shards: duplicated, distributed, blockwise or owner."""
+    dp_mode: str = "owner"
+    """without the distributed optimizer: owner (NS once per DP group, results exchanged) or
+    redundant (every DP rank computes everything; for comparison)."""
+    owner_bucket_bytes: int = 256 * 2**20
+    """cap on full-matrix bytes per owner-exchange round (--muon-owner-bucket-size-mb)."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (self.tp_mode in MODES, "--muon-tp-mode", f"one of {MODES}", self.tp_mode),
+            (self.dp_mode in DP_MODES, "--muon-dp-mode", f"one of {DP_MODES}", self.dp_mode),
+            (self.scale_mode in SCALE_MODES, "--muon-scale-mode", f"one of {SCALE_MODES}", self.scale_mode),
+            (self.fp32_matmul_prec in NS_PRECISIONS, "--muon-fp32-matmul-prec", f"one of {sorted(NS_PRECISIONS)}",
+             self.fp32_matmul_prec),
+            (self.coefficient_type in COEFFICIENT_SETS, "--muon-coefficient-type",
+             f"one of {sorted(COEFFICIENT_SETS)}", self.coefficient_type),
+            (isinstance(self.num_ns_steps, int) and self.num_ns_steps >= 1, "--muon-num-ns-steps",
+             "an integer >= 1", self.num_ns_steps),
+            (0.0 <= self.momentum < 1.0, "--muon-momentum", "a value in [0, 1)", self.momentum),
+            (self.owner_bucket_bytes > 0, "--muon-owner-bucket-size-mb", "a positive size", self.owner_bucket_bytes),
+        ]
+        for ok, flag, expected, got in checks:
+            if not ok:
+                raise ValueError(f"{flag}: expected {expected}, got {got!r}")
+
+    @property
+    def ns_dtype(self) -> torch.dtype:
+        return NS_PRECISIONS[self.fp32_matmul_prec]
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]

@@ -1,0 +1,188 @@
+"""One inner optimizer for a whole model: Muon on hidden matrices, AdamW on everything else.
+
+Param groups carry ``algorithm`` (``"muon"`` or ``"adamw"``) next to Megatron's own keys, so
+Megatron's LR scheduler (which rewrites ``lr`` and ``weight_decay`` per group), grad clipping
+and found-inf skipping work unchanged: this class only implements ``step``.
+
+The parameters it updates are whatever Megatron hands an inner optimizer: full fp32 main params
+(no distributed optimizer) or flat fp32 shard main params (distributed optimizer). Muon needs
+to know, for every matrix of the model — including those this rank holds nothing of — where
+its pieces live; the Megatron adapter describes that with ``attach`` (a ``MatrixLayout`` per
+matrix and the DP/TP groups). Without ``attach`` every Muon param is one whole local matrix,
+which makes this a plain single-process Muon + AdamW.
+
+Per step, for the Muon matrices (upstream emerging-optimizers semantics):
+    B ← B.lerp(G, 1 − μ);  U ← G.lerp(B, μ) if nesterov else B
+    O ← orthogonalize_updates(U)                    (scaled, exact per tp_mode; one call for all)
+    θ ← θ·(1 − lr·wd) − lr·O                         (decoupled weight decay)
+and ``torch.optim.AdamW``'s own functional step for the rest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.optim.adam import adam as functional_adam
+
+from .config import MuonConfig
+from .matrix_layout import MatrixLayout
+from .orthogonalize import orthogonalize_updates
+
+__all__ = ["ALGORITHMS", "MuonMatrix", "MuonWithAdamW"]
+
+ALGORITHMS = ("muon", "adamw")
+
+
+@dataclass
+class MuonMatrix:
+    """A model matrix as this rank's optimizer sees it."""
+
+    layout: MatrixLayout
+    """where its pieces live across TP and DP."""
+    param: torch.Tensor | None
+    """the tensor this rank updates (its DP range of the TP-local shard), or None if it holds none."""
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon + AdamW in one ``torch.optim.Optimizer``.
+
+    Args:
+        params: param groups, each with ``algorithm`` in ``ALGORITHMS`` (default ``"adamw"``).
+        lr, weight_decay: defaults for groups that do not set them.
+        betas, eps: AdamW's (Megatron's ``--adam-beta1/2``, ``--adam-eps``).
+        config: the Muon settings.
+    """
+
+    def __init__(
+        self,
+        params,
+        *,
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        config: MuonConfig | None = None,
+    ) -> None:
+        self.config = config or MuonConfig()
+        defaults = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, algorithm="adamw")
+        super().__init__(params, defaults)
+        for g, group in enumerate(self.param_groups):
+            if group["algorithm"] not in ALGORITHMS:
+                raise ValueError(f"param group {g}: algorithm must be one of {ALGORITHMS}, got {group['algorithm']!r}")
+        self._matrices: list[MuonMatrix] | None = None
+        self._dp_group = self._tp_group = None
+        self._validated = False
+        self.muon_steps = 0
+        """optimizer steps applied (skipped steps never reach ``step``)."""
+
+    # ---- wiring ---------------------------------------------------------------------------
+    def attach(self, matrices: Sequence[MuonMatrix], *, dp_group=None, tp_group=None) -> None:
+        """Describe every Muon matrix of the model (same list, same order, on every rank)."""
+        mine = {id(p) for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]}
+        listed = {id(m.param) for m in matrices if m.param is not None}
+        if mine != listed:
+            raise ValueError(
+                f"MuonWithAdamW.attach: the matrices name {len(listed)} local params, the muon groups "
+                f"hold {len(mine)}; every muon param must appear exactly once"
+            )
+        self._matrices = list(matrices)
+        self._dp_group, self._tp_group = dp_group, tp_group
+        self._validated = False
+
+    def matrices(self) -> list[MuonMatrix]:
+        if self._matrices is not None:
+            return self._matrices
+        return [  # single process: each muon param is one whole matrix
+            MuonMatrix(MatrixLayout(f"param {i}", tuple(p.shape), None, 1), p)
+            for i, p in enumerate(p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"])
+        ]
+
+    # ---- step -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MuonWithAdamW.step: closures are not supported (Megatron never passes one)")
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                self._adamw_step(group)
+        self._muon_step()
+        self.muon_steps += 1
+        return None
+
+    def _group_of(self) -> dict[int, dict]:
+        return {id(p): g for g in self.param_groups for p in g["params"]}
+
+    def _muon_step(self) -> None:
+        matrices = self.matrices()
+        if not matrices:
+            return
+        cfg = self.config
+        group_of = self._group_of()
+        updates = []
+        for m in matrices:
+            p = m.param
+            if p is None or p.grad is None:
+                # Every rank joins every collective: a missing grad contributes zeros (as
+                # KellerJordan/Muon does), so the exchange sizes stay the plan's.
+                n = 0 if p is None else p.numel()
+                updates.append(torch.zeros(n, device=p.device if p is not None else "cpu"))
+                continue
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            buf, grad = state["momentum_buffer"], p.grad
+            buf.lerp_(grad, 1 - cfg.momentum)
+            update = grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf
+            updates.append(update.reshape(-1))
+        orth = orthogonalize_updates(
+            updates,
+            [m.layout for m in matrices],
+            tp_mode=cfg.tp_mode,
+            dp_group=self._dp_group,
+            tp_group=self._tp_group,
+            dp_mode=cfg.dp_mode,
+            steps=cfg.num_ns_steps,
+            coefficients=cfg.coefficient_type,
+            ns_dtype=cfg.ns_dtype,
+            scale_mode=cfg.scale_mode,
+            extra_scale_factor=cfg.extra_scale_factor,
+            bucket_bytes=cfg.owner_bucket_bytes,
+            validate=not self._validated,
+        )
+        self._validated = True
+        for m, o in zip(matrices, orth):
+            p = m.param
+            if p is None or p.grad is None:
+                continue
+            group = group_of[id(p)]
+            p.mul_(1 - group["lr"] * group["weight_decay"])
+            p.add_(o.view_as(p), alpha=-group["lr"])
+
+    def _adamw_step(self, group) -> None:
+        params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            params.append(p)
+            grads.append(p.grad)
+            exp_avgs.append(state["exp_avg"])
+            exp_avg_sqs.append(state["exp_avg_sq"])
+            steps.append(state["step"])
+        if not params:
+            return
+        beta1, beta2 = group["betas"]
+        # torch.optim.AdamW's own single-tensor path: the same arithmetic as the reference.
+        functional_adam(
+            params, grads, exp_avgs, exp_avg_sqs, [], steps,
+            foreach=False, capturable=False, differentiable=False, fused=None,
+            grad_scale=None, found_inf=None, has_complex=False, decoupled_weight_decay=True,
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
+        )

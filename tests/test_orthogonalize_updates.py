@@ -1,0 +1,178 @@
+"""The optimizer's orthogonalize step across TP × DP, without Megatron.
+
+Parameters shaped like a transformer's (fused QKV split per query group, fused gate/up fc1,
+a row-parallel weight, a weight that is not TP-split) are laid out in a flat buffer and cut into
+equal contiguous DP ranges as Megatron's distributed optimizer cuts its grad buckets, so some
+matrices are cut across DP ranks and some are not. Every rank's scaled piece must equal the
+same piece of NS of the *global* sub-matrices, computed here on one process.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_harness import run_world
+from megatron_muon import comm_stats, newton_schulz
+from megatron_muon.matrix_layout import MatrixLayout, RowSplit
+from megatron_muon.orthogonalize import orthogonalize_updates, plan_dp_owners
+from megatron_muon.scaling import muon_scale
+
+# name, TP-local shape, partition_dim, row split (groups, sizes) or None
+PARAMS = [
+    ("qkv", (2 * 12, 16), 0, (2, (8, 2, 2))),  # 2 local query groups of [q 8; k 2; v 2] rows
+    ("proj", (16, 8), 1, None),
+    ("fc1", (2 * 10, 16), 0, (1, (10, 10))),  # [gate; up]
+    ("fc2", (16, 10), 1, None),
+    ("router", (6, 16), None, None),  # not TP-split: every TP rank holds all of it
+]
+FP32_ATOL = 1e-5  # fp32 NS; only summation order differs (see test_tp_modes.FP32_ATOL)
+
+
+def layouts(tp: int, dp: int, cut: bool) -> list[MatrixLayout]:
+    """Megatron-style DP ranges: params back to back, the buffer cut in dp equal parts."""
+    sizes = [r * c for _, (r, c), *_ in PARAMS]
+    total = sum(sizes)
+    shard = -(-total // dp)
+    out, offset = [], 0
+    for (name, shape, pdim, split), n in zip(PARAMS, sizes):
+        ranges = None
+        if cut:
+            spans = [(max(offset, d * shard), min(offset + n, (d + 1) * shard)) for d in range(dp)]
+            ranges = tuple((lo - offset, hi - offset) if hi > lo else (0, 0) for lo, hi in spans)
+        out.append(MatrixLayout(name, shape, pdim, tp, RowSplit(split[0], split[1]) if split else None, ranges))
+        offset += n
+    return out
+
+
+def global_matrix(i: int, tp: int) -> torch.Tensor:
+    """The full (all TP ranks) update of param i, seeded by index."""
+    _, (r, c), pdim, _ = PARAMS[i]
+    shape = (r * tp, c) if pdim == 0 else (r, c * tp) if pdim == 1 else (r, c)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(50 + i))
+
+
+def tp_local(full: torch.Tensor, pdim, tp: int, tp_rank: int) -> torch.Tensor:
+    return full if pdim is None else full.chunk(tp, dim=pdim)[tp_rank]
+
+
+def expected_local(i: int, layout: MatrixLayout, tp: int, tp_rank: int, scale_mode="spectral") -> torch.Tensor:
+    """NS of each global sub-matrix, scaled by its global shape, cut back to this TP rank."""
+    full = global_matrix(i, tp)
+    pdim = layout.partition_dim
+    locals_ = [layout.split_rows(tp_local(full, pdim, tp, r)) for r in range(tp)]
+    subs = []
+    for k, (rows, cols) in enumerate(layout.sub_global_shapes()):
+        sub = locals_[0][k] if pdim is None else torch.cat([parts[k] for parts in locals_], dim=pdim)
+        ns = newton_schulz(sub) * muon_scale(rows, cols, scale_mode)
+        subs.append(tp_local(ns, pdim, tp, tp_rank))
+    return layout.join_rows(subs)
+
+
+def _worker(rank: int, world: int, tp: int) -> dict:
+    dp = world // tp
+    # Megatron's grid: TP groups are consecutive ranks, DP groups stride by tp.
+    tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
+    dp_groups = [dist.new_group(list(range(j, world, tp))) for j in range(tp)]
+    tp_rank, dp_rank = rank % tp, rank // tp
+    tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
+    results = {}
+    for cut in (True, False):
+        lays = layouts(tp, dp, cut)
+        pieces = []
+        for i, lay in enumerate(lays):
+            s, e = lay.local_range(dp_rank)
+            pieces.append(tp_local(global_matrix(i, tp), lay.partition_dim, tp, tp_rank).reshape(-1)[s:e].clone())
+        for tp_mode in ("duplicated", "distributed", "owner", "blockwise"):
+            dp_modes = ("owner", "redundant") if not cut else ("owner",)
+            for dp_mode in dp_modes:
+                with comm_stats() as stats:
+                    out = orthogonalize_updates(
+                        pieces, lays, tp_mode=tp_mode, dp_group=dp_group, tp_group=tp_group,
+                        dp_mode=dp_mode, ns_dtype=torch.float32, coefficients="jordan",
+                    )
+                results[(cut, tp_mode, dp_mode)] = {
+                    "out": out, "bytes": dict(stats.bytes_by_primitive), "flops": stats.ns_flops,
+                }
+    return {"tp_rank": tp_rank, "dp_rank": dp_rank, "results": results}
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (2, 2), (4, 2), (4, 1), (3, 1)], ids=lambda p: f"world{p[0]}-tp{p[1]}")
+def world(request):
+    n, tp = request.param
+    return n, tp, run_world(n, _worker, tp)
+
+
+@pytest.mark.parametrize("cut", [True, False], ids=["dp_cut", "dp_whole"])
+@pytest.mark.parametrize("tp_mode", ["duplicated", "distributed", "owner"])
+def test_exact_modes_equal_global_newton_schulz(world, cut, tp_mode):
+    n, tp, ranks = world
+    dp = n // tp
+    lays = layouts(tp, dp, cut)
+    for r in ranks:
+        for dp_mode in ("owner",) + (("redundant",) if not cut else ()):
+            out = r["results"][(cut, tp_mode, dp_mode)]["out"]
+            for i, lay in enumerate(lays):
+                s, e = lay.local_range(r["dp_rank"])
+                want = expected_local(i, lay, tp, r["tp_rank"]).reshape(-1)[s:e]
+                err = (out[i] - want).abs().max().item() if e > s else 0.0
+                assert out[i].shape == want.shape
+                assert err <= FP32_ATOL, f"{lay.name} {tp_mode}/{dp_mode} cut={cut}: {err:.2e}"
+
+
+def test_blockwise_differs_from_exact(world):
+    n, tp, ranks = world
+    if tp == 1:
+        pytest.skip("with TP=1 the local shard is the whole matrix")
+    lays = layouts(tp, n // tp, False)
+    r = ranks[0]
+    got = r["results"][(False, "blockwise", "owner")]["out"][2]  # fc1
+    want = expected_local(2, lays[2], tp, r["tp_rank"]).reshape(-1)
+    assert (got - want).abs().max().item() > 1e-2
+
+
+def test_dp_replicas_agree_bitwise(world):
+    """Plain DDP: every DP replica must end with the very same update (upstream's bug)."""
+    n, tp, ranks = world
+    for key in [(False, m, d) for m in ("duplicated", "distributed", "owner") for d in ("owner", "redundant")]:
+        for r in ranks:
+            twin = [q for q in ranks if q["tp_rank"] == r["tp_rank"]]
+            for q in twin:
+                for a, b in zip(r["results"][key]["out"], q["results"][key]["out"]):
+                    assert torch.equal(a, b), f"DP replicas differ for {key}"
+
+
+def test_only_cut_or_moved_matrices_travel_across_dp(world):
+    n, tp, ranks = world
+    dp = n // tp
+    if dp == 1:
+        pytest.skip("no DP group")
+    lays = layouts(tp, dp, True)
+    owners = plan_dp_owners(lays, dp)
+    # Bytes of pieces not already on their owner, there and back, fp32, summed over the DP
+    # group — once per TP rank (each TP rank runs its own DP exchange).
+    moved = sum(
+        2 * (e - s) * 4
+        for lay, o in zip(lays, owners)
+        for d, (s, e) in enumerate(lay.dp_ranges)
+        if d != o
+    )
+    # blockwise has no TP traffic, so all its all-to-all bytes are the DP exchange.
+    total = sum(r["results"][(True, "blockwise", "owner")]["bytes"].get("all_to_all", 0) for r in ranks)
+    assert total == moved * tp
+    whole = [lay.name for lay in lays if len(lay.holders(dp)) == 1]
+    assert whole, "the layout should leave some matrices uncut"
+    for lay, o in zip(lays, owners):
+        if len(lay.holders(dp)) == 1:
+            assert o == next(iter(lay.holders(dp))), f"{lay.name} lies on one rank but is owned elsewhere"
+
+
+def test_plain_ddp_owner_runs_each_matrix_once(world):
+    n, tp, ranks = world
+    lays = layouts(tp, n // tp, False)
+    total_owner = sum(r["results"][(False, "owner", "owner")]["flops"] for r in ranks)
+    total_redundant = sum(r["results"][(False, "owner", "redundant")]["flops"] for r in ranks)
+    once = sum(lay.ns_cost(5) for lay in lays)
+    assert total_owner == once
+    assert total_redundant == once * (n // tp)

@@ -10,6 +10,11 @@ Same constructor arguments, defaults and update as ``torch.optim.Muon`` (torch 2
 
 plus ``ns_dtype`` (fp32 gives a high-precision reference) and ``coefficients`` (any set of
 ``newton_schulz``). With the defaults the update is bitwise torch.optim.Muon's on CPU.
+
+Two more options make it the single-process reference of Megatron's Muon:
+``scale_mode``/``extra_scale_factor`` scale the orthogonalized update by shape
+(``scaling.muon_scale``) instead of adjusting the lr, and a param group's ``row_split``
+(a ``RowSplit``) orthogonalizes fused sub-matrices (QKV per query group, fc1 gate/up) apart.
 """
 
 from __future__ import annotations
@@ -18,7 +23,9 @@ import math
 
 import torch
 
+from .matrix_layout import MatrixLayout, RowSplit
 from .newton_schulz import COEFFICIENT_SETS, Coefficients, coefficient_schedule, newton_schulz
+from .scaling import muon_scale
 
 __all__ = ["Muon", "adjusted_lr"]
 
@@ -48,6 +55,10 @@ class Muon(torch.optim.Optimizer):
         ns_dtype: dtype the Newton–Schulz iteration runs in (torch uses bf16).
         coefficients: a ``newton_schulz`` coefficient set name or list; overrides
             ``ns_coefficients`` when given.
+        scale_mode, extra_scale_factor: when ``scale_mode`` is set, scale each orthogonalized
+            (sub-)matrix by ``muon_scale`` of its shape and step with the plain lr (Megatron's
+            rule) instead of ``adjust_lr_fn``.
+    Param groups may also set ``row_split`` (a ``RowSplit``, needs ``scale_mode``).
     """
 
     def __init__(
@@ -64,6 +75,8 @@ class Muon(torch.optim.Optimizer):
         *,
         ns_dtype: torch.dtype = torch.bfloat16,
         coefficients: Coefficients | None = None,
+        scale_mode: str | None = None,
+        extra_scale_factor: float = 1.0,
     ) -> None:
         if not lr >= 0:
             raise ValueError(f"Muon: lr must be >= 0, got {lr}")
@@ -87,9 +100,14 @@ class Muon(torch.optim.Optimizer):
             ns_steps=ns_steps,
             adjust_lr_fn=adjust_lr_fn,
             ns_dtype=ns_dtype,
+            scale_mode=scale_mode,
+            extra_scale_factor=extra_scale_factor,
+            row_split=None,
         )
         super().__init__(params, defaults)
         for g, group in enumerate(self.param_groups):
+            if group["row_split"] is not None and (group["scale_mode"] is None or not isinstance(group["row_split"], RowSplit)):
+                raise ValueError(f"Muon: param group {g}: row_split must be a RowSplit and needs scale_mode")
             for i, p in enumerate(group["params"]):
                 if p.ndim != 2:
                     raise ValueError(
@@ -114,9 +132,17 @@ class Muon(torch.optim.Optimizer):
                 buf = state["momentum_buffer"]
                 buf.lerp_(p.grad, 1 - mu)
                 update = p.grad.lerp(buf, mu) if group["nesterov"] else buf
-                ortho = newton_schulz(
-                    update.to(group["ns_dtype"]), group["ns_steps"], group["coefficients"], eps=group["eps"]
+                ns = lambda x: newton_schulz(
+                    x.to(group["ns_dtype"]), group["ns_steps"], group["coefficients"], eps=group["eps"]
                 )
                 p.mul_(1 - lr * wd)
-                p.add_(ortho, alpha=-adjusted_lr(lr, group["adjust_lr_fn"], *p.shape))
+                if group["scale_mode"] is None:
+                    p.add_(ns(update), alpha=-adjusted_lr(lr, group["adjust_lr_fn"], *p.shape))
+                    continue
+                layout = MatrixLayout("", tuple(p.shape), None, 1, group["row_split"])
+                parts = [
+                    ns(part).float() * muon_scale(*part.shape, group["scale_mode"], group["extra_scale_factor"])
+                    for part in layout.split_rows(update)
+                ]
+                p.add_(layout.join_rows(parts), alpha=-lr)
         return loss

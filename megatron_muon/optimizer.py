@@ -99,6 +99,24 @@ class MuonWithAdamW(torch.optim.Optimizer):
             for i, p in enumerate(p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"])
         ]
 
+    def init_state(self) -> None:
+        """Create every param's state now (Megatron's checkpointing reads state before step 1).
+
+        Muon params: ``momentum_buffer``; AdamW params: ``exp_avg``, ``exp_avg_sq``; both keep
+        a ``step`` tensor, which Megatron's distributed optimizer reads per param.
+        """
+        for group in self.param_groups:
+            for p in group["params"]:
+                state = self.state[p]
+                if state:
+                    continue
+                state["step"] = torch.tensor(0.0)
+                if group["algorithm"] == "muon":
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                else:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+
     # ---- step -----------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None):
@@ -131,7 +149,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
+                state["step"] = torch.tensor(0.0)
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
             buf, grad = state["momentum_buffer"], p.grad
             buf.lerp_(grad, 1 - cfg.momentum)
             update = grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf

@@ -1,40 +1,35 @@
 """CPU shims that let megatron-core 0.19.2 train a GPTModel under gloo on a CUDA-less torch.
 
-``apply_cpu_patches()`` returns the names of the patches it applied (``[]`` when CUDA is
-available: nothing is touched then). It is idempotent. Each patch below names its call sites.
+``apply_cpu_patches()`` applies them once and returns their names; it does nothing and returns
+``[]`` when CUDA is available. Each patch names its call sites. Megatron hard-codes CUDA in three
+ways; each patch retargets exactly the functions that need it, in place (their ``__code__``, so
+every alias of a patched function, e.g. ``l2_norm_impl`` in clip_grads, sees the change):
 
-How the patches work, narrowest first:
+* string literals ``device='cuda'`` and ``param.type() == 'torch.cuda.FloatTensor'``: these
+  constants become ``'cpu'`` and ``'torch.FloatTensor'`` (what ``Tensor.type()`` gives on CPU);
+* calls through the global ``torch`` (``torch.cuda.current_device()``, ``current_stream()``,
+  ``synchronize()``, ``get_rng_state()``, ``manual_seed()``): inside the patched function only,
+  ``torch`` resolves to ``_CPU_TORCH``, the real module except that ``.cuda`` answers those for
+  the CPU (device ``cpu``; no-op stream waits and synchronize, CPU kernels being synchronous;
+  the CPU generator). ``torch.cuda`` itself is never modified;
+* the RNG tracker's module functions ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` are
+  replaced (they are looked up at call time). On a CPU "device" the device generator is the CPU
+  default generator, so the tracker forks that one, with the per-TP-rank seeds used on GPUs.
 
-* **Constant retargeting.** Megatron hard-codes CUDA in string literals: ``device='cuda'`` and
-  ``param.type() == 'torch.cuda.FloatTensor'``. ``_retarget_constants`` rewrites those constants
-  in the code object of the named functions only (``'cuda'`` -> ``'cpu'``,
-  ``'torch.cuda.XTensor'`` -> ``'torch.XTensor'``, i.e. what ``Tensor.type()`` returns on CPU).
-  Everything else in those functions runs unchanged, and the patch fails loudly if a constant it
-  expects is not there (a different Megatron version).
-* **A CPU view of ``torch``.** Calls such as ``torch.cuda.current_device()`` are looked up through
-  the module global ``torch`` at call time. ``_install_cpu_torch`` replaces that global, in the
-  listed Megatron modules only, by ``_CpuTorch``: the real ``torch`` except that ``.cuda`` answers
-  ``current_device()`` with the CPU device, ``current_stream()`` with a stream whose waits are
-  no-ops (CPU work is synchronous), and RNG calls with the CPU generator. ``torch.cuda`` itself,
-  and every other module, are untouched.
-* **Module functions.** The RNG tracker's ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` are
-  module globals looked up at call time; they are replaced by CPU-generator versions.
-
-On a CPU "device" the device generator *is* the CPU default generator, so the RNG tracker forks
-the CPU generator the way it forks the CUDA one on GPUs (same per-TP-rank seeds).
+A patch raises if a constant or name it expects is missing, i.e. on another Megatron version.
 """
 
 from __future__ import annotations
 
-import importlib
+import dis
 import types
-from contextlib import nullcontext
 
 import torch
 
-__all__ = ["apply_cpu_patches", "PATCHES"]
+__all__ = ["PATCHES", "apply_cpu_patches"]
 
 _APPLIED: list[str] | None = None
+_VIEW = "_megatron_muon_cpu_torch"  # the global name patched functions use instead of `torch`
 
 
 # --------------------------------------------------------------------------- mechanisms
@@ -43,18 +38,15 @@ _APPLIED: list[str] | None = None
 class _NullStream:
     """Stands in for a CUDA stream: CPU kernels are synchronous, so every wait is already met."""
 
-    def wait_event(self, event):  # noqa: D102 - mirrors torch.cuda.Stream
+    def wait_event(self, event):
         pass
 
-    def wait_stream(self, stream):  # noqa: D102
-        pass
-
-    def synchronize(self):  # noqa: D102
+    def wait_stream(self, stream):
         pass
 
 
 class _CpuCuda:
-    """``torch.cuda`` as seen by a patched module: device, stream and RNG calls go to the CPU."""
+    """``torch.cuda`` as seen by a patched function: device, stream, seed calls go to the CPU."""
 
     @staticmethod
     def current_device():
@@ -65,18 +57,18 @@ class _CpuCuda:
         return _NullStream()
 
     @staticmethod
-    def get_rng_state(device=None):
-        return torch.get_rng_state()
+    def synchronize(device=None):
+        pass  # CPU kernels have finished when they return
 
     @staticmethod
-    def set_rng_state(state, device=None):
-        torch.set_rng_state(state)
+    def get_rng_state(device="cuda"):
+        return torch.get_rng_state()
 
     @staticmethod
     def manual_seed(seed):
         torch.default_generator.manual_seed(int(seed))
 
-    def __getattr__(self, name):  # everything else is the real torch.cuda
+    def __getattr__(self, name):  # anything else: the real torch.cuda (raises as before)
         return getattr(torch.cuda, name)
 
 
@@ -85,26 +77,13 @@ class _CpuTorch(types.ModuleType):
 
     cuda = _CpuCuda()
 
-    def __init__(self):
-        super().__init__("torch")
-
     def __getattr__(self, name):
         return getattr(torch, name)
 
 
-_CPU_TORCH = _CpuTorch()
+_CPU_TORCH = _CpuTorch("torch")
 
-
-def _install_cpu_torch(*module_names: str) -> None:
-    """Rebind the global ``torch`` of each named Megatron module to the CPU view."""
-    for name in module_names:
-        module = importlib.import_module(name)
-        if module.torch is not _CPU_TORCH:
-            assert module.torch is torch, f"{name}.torch is not torch"
-            module.torch = _CPU_TORCH
-
-
-_CONST_MAP = {
+_CONSTANTS = {
     "cuda": "cpu",
     "torch.cuda.FloatTensor": "torch.FloatTensor",
     "torch.cuda.HalfTensor": "torch.HalfTensor",
@@ -112,43 +91,238 @@ _CONST_MAP = {
 }
 
 
+def _walk(code: types.CodeType):
+    """``code`` and every code object nested in it (lambdas, inner functions)."""
+    yield code
+    for c in code.co_consts:
+        if isinstance(c, types.CodeType):
+            yield from _walk(c)
+
+
+def _strings(code: types.CodeType) -> set[str]:
+    """Every string constant of ``code``, inside tuple constants and nested code included."""
+    found = set()
+    for c in _walk(code):
+        for v in c.co_consts:
+            items = v if isinstance(v, (tuple, frozenset)) else (v,)
+            found.update(x for x in items if isinstance(x, str))
+    return found
+
+
 def _map_const(value):
     if isinstance(value, str):
-        return _CONST_MAP.get(value, value)
-    if isinstance(value, tuple):  # `x in ['a', 'b']` compiles to a tuple constant
-        return tuple(_map_const(v) for v in value)
-    if isinstance(value, frozenset):
-        return frozenset(_map_const(v) for v in value)
-    if isinstance(value, types.CodeType):
-        return _retarget_code(value)
+        return _CONSTANTS.get(value, value)
+    if isinstance(value, (tuple, frozenset)):  # `x in ['a', 'b']` compiles to a tuple constant
+        return type(value)(_map_const(v) for v in value)
     return value
 
 
-def _retarget_code(code: types.CodeType) -> types.CodeType:
-    return code.replace(co_consts=tuple(_map_const(c) for c in code.co_consts))
+def _rewrite(code: types.CodeType, consts: bool, view: bool) -> types.CodeType:
+    co_consts = tuple(
+        _rewrite(c, consts, view) if isinstance(c, types.CodeType)
+        else (_map_const(c) if consts else c)
+        for c in code.co_consts
+    )
+    co_names = tuple(_VIEW if (view and n == "torch") else n for n in code.co_names)
+    return code.replace(co_consts=co_consts, co_names=co_names)
 
 
-def _retarget_constants(owner, attr: str, expected: set[str]) -> None:
-    """Rewrite the CUDA string constants of ``owner.attr`` in place (its ``__code__``).
+def _retarget(owner, attr: str, *, consts: tuple[str, ...] = (), view: bool = False) -> None:
+    """Retarget ``owner.attr`` (a function or method) to the CPU, in place.
 
-    ``expected`` lists the constants that must be present; a mismatch means Megatron changed and
-    the patch must be revisited, so it raises instead of silently doing nothing.
+    ``consts``: the CUDA string constants it must contain; they are all mapped by ``_CONSTANTS``.
+    ``view``: its global ``torch`` becomes ``_CPU_TORCH`` (``torch`` must only be read as a
+    global there: a local ``import torch`` or an attribute named ``torch`` would be renamed too).
     """
     func = getattr(owner, attr)
     func = getattr(func, "__func__", func)  # classmethod / staticmethod
-    func = getattr(func, "__wrapped__", func)
+    func = getattr(func, "__wrapped__", func)  # functools.wraps / lru_cache
     code = func.__code__
+    where = f"{getattr(owner, '__name__', owner)}.{attr}"
+    missing = set(consts) - _strings(code)
+    if missing:
+        raise RuntimeError(f"cpu_patches: {where} has no {sorted(missing)}; Megatron changed?")
+    if view:
+        ops = {i.opname for c in _walk(code) for i in dis.get_instructions(c)
+               if i.argval == "torch"}
+        if ops != {"LOAD_GLOBAL"}:
+            raise RuntimeError(f"cpu_patches: {where} uses `torch` as {sorted(ops)}")
+        func.__globals__[_VIEW] = _CPU_TORCH
+    func.__code__ = _rewrite(code, bool(consts), view)
 
-    def consts(c):
-        for v in c.co_consts:
-            if isinstance(v, (tuple, frozenset)):
-                yield from v
-            elif isinstance(v, types.CodeType):
-                yield from consts(v)
-            else:
-                yield v
 
-    found = {v for v in consts(code) if isinstance(v, str)}
-    if not (expected & found) and found.isdisjoint(_CONST_MAP.values()):
-        raise RuntimeError(f"{owner.__name__}.{attr}: none of {sorted(expected)} found")
-    func.__code__ = _retarget_code(code)
+# --------------------------------------------------------------------------- the patches
+
+
+def patch_rng_tracker() -> None:
+    """megatron/core/tensor_parallel/random.py: the CUDA RNG tracker keeps CPU generator states.
+
+    * module functions ``_get_cuda_rng_state`` / ``_set_cuda_rng_state`` (called by
+      ``CudaRNGStatesTracker.add`` and ``.fork``) read ``torch.cuda.random.get_rng_state`` /
+      ``torch.cuda.default_generators``: replaced by ``torch.get_rng_state`` / ``set_rng_state``;
+    * ``CudaRNGStatesTracker.add`` calls ``torch.cuda.get_rng_state()`` and
+      ``torch.cuda.manual_seed(seed)``: CPU view, so each named state is the CPU generator
+      seeded with that seed.
+
+    ``model_parallel_cuda_manual_seed`` itself needs nothing: its ``torch.cuda.manual_seed`` is
+    queued lazily by torch and never runs without CUDA; seed the CPU generator separately.
+    As the forked generator is the CPU one, ``fork`` logs "CPU RNG state changed within GPU RNG
+    context" whenever something random runs inside it (dropout in TP regions): expected here.
+    """
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def _get_cpu_rng_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()  # a fresh tensor already, clone or not
+
+    def _set_cpu_rng_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = _get_cpu_rng_state
+    mrandom._set_cuda_rng_state = _set_cpu_rng_state
+    _retarget(mrandom.CudaRNGStatesTracker, "add", view=True)
+
+
+def patch_grad_buffer() -> None:
+    """megatron/core/distributed/param_and_grad_buffer.py (DDP's contiguous buffers): CPU view.
+
+    * ``_ParamAndGradBuffer.__init__`` allocates ``param_data`` / ``grad_data`` with
+      ``device=torch.cuda.current_device()``;
+    * ``_ParamAndGradBucketGroup.start_grad_sync`` (from ``finish_grad_sync``) waits on
+      CUDA-graph events through ``torch.cuda.current_stream()`` (there are none on CPU).
+    """
+    from megatron.core.distributed import param_and_grad_buffer as m
+
+    _retarget(m._ParamAndGradBuffer, "__init__", view=True)
+    _retarget(m._ParamAndGradBucketGroup, "start_grad_sync", view=True)
+
+
+def patch_rotary() -> None:
+    """megatron/core/models/common/embeddings/rotary_pos_embedding.py: CPU view.
+
+    ``RotaryEmbedding.get_emb`` moves ``inv_freq`` (built on CPU under
+    ``use_cpu_initialization``) to ``torch.cuda.current_device()`` on the first forward.
+    """
+    from megatron.core.models.common.embeddings import rotary_pos_embedding as m
+
+    _retarget(m.RotaryEmbedding, "get_emb", view=True)
+
+
+def patch_utils() -> None:
+    """megatron/core/utils.py.
+
+    * ``GlobalMemoryBuffer.get_tensor`` allocates with ``device=torch.cuda.current_device()``
+      (CPU view); ``DotProductAttention.forward`` takes its QK^T buffer from it;
+    * ``local_multi_tensor_l2_norm`` (the no-apex ``multi_tensor_l2norm`` that
+      ``get_grad_norm_fp32`` uses) returns ``torch.tensor(..., device="cuda")``.
+    """
+    from megatron.core import utils as m
+
+    _retarget(m.GlobalMemoryBuffer, "get_tensor", view=True)
+    _retarget(m, "local_multi_tensor_l2_norm", consts=("cuda",))
+
+
+def patch_causal_mask() -> None:
+    """megatron/core/transformer/utils.py: ``get_default_causal_mask`` builds its mask with
+    ``torch.ones(sq, sq, device="cuda")``; ``FusedScaleMaskSoftmax.forward_torch_softmax`` calls
+    it when the batch carries no attention mask (causal mask type)."""
+    from megatron.core.transformer import utils as m
+
+    _retarget(m, "get_default_causal_mask", consts=("cuda",))
+
+
+def patch_optimizer() -> None:
+    """megatron/core/optimizer/optimizer.py: ``device='cuda'`` literals.
+
+    * ``MegatronOptimizer.has_grad_norm_group`` (from ``step`` -> ``get_grad_norm``): an
+      all-reduced ``torch.tensor([flag], ..., device='cuda')``;
+    * ``MixedPrecisionOptimizer.__init__`` (base of ``DistributedOptimizer`` and
+      ``Float16OptimizerWithFloat16Params``): ``found_inf``, ``_dummy_overflow_buf``,
+      ``_scale_one`` are ``torch.tensor(..., device='cuda')``;
+    * ``Float16OptimizerWithFloat16Params.__init__`` sorts params with ``param.type() in
+      ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']`` / ``== 'torch.cuda.FloatTensor'``
+      (else TypeError);
+    * ``FP32Optimizer.__init__``: ``self._scale = torch.tensor([1.0], ..., device='cuda')``.
+    """
+    from megatron.core.optimizer import optimizer as m
+
+    _retarget(m.MegatronOptimizer, "has_grad_norm_group", consts=("cuda",))
+    _retarget(m.MixedPrecisionOptimizer, "__init__", consts=("cuda",))
+    types_ = ("torch.cuda.HalfTensor", "torch.cuda.BFloat16Tensor", "torch.cuda.FloatTensor")
+    _retarget(m.Float16OptimizerWithFloat16Params, "__init__", consts=types_)
+    _retarget(m.FP32Optimizer, "__init__", consts=("cuda",))
+
+
+def patch_clip_grads() -> None:
+    """megatron/core/optimizer/clip_grads.py (called from ``MegatronOptimizer.step``).
+
+    * ``get_grad_norm_fp32``: ``torch.zeros(1, ..., device='cuda')`` accumulators;
+    * ``clip_grad_by_total_norm_fp32``: ``assert param.grad.type() == 'torch.cuda.FloatTensor'``
+      and a ``device='cuda'`` overflow buffer (reached when ``clip_grad > 0``);
+    * ``count_zeros_fp32``: a ``device='cuda'`` counter (reached with ``log_num_zeros_in_grad``).
+    """
+    from megatron.core.optimizer import clip_grads as m
+
+    _retarget(m, "get_grad_norm_fp32", consts=("cuda",))
+    _retarget(m, "clip_grad_by_total_norm_fp32", consts=("cuda", "torch.cuda.FloatTensor"))
+    _retarget(m, "count_zeros_fp32", consts=("cuda",))
+
+
+def patch_distrib_optimizer() -> None:
+    """megatron/core/optimizer/distrib_optimizer.py: ``Tensor.type()`` string checks.
+
+    * ``DistributedOptimizer._build_model_and_main_param_groups`` sorts params with
+      ``model_param.type() in ['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']`` (gets an
+      fp32 main shard) and ``== 'torch.cuda.FloatTensor'`` (shard of itself), else TypeError;
+    * ``DistributedOptimizer.__init__`` marks 16-bit params (``param.main_param = None``,
+      ``main_param_sharded = True``) with the same ``in [...]`` check. Training runs without
+      this one; it keeps that bookkeeping as on GPUs (``megatron.training``'s
+      ``calc_params_l2_norm`` reads it).
+    """
+    from megatron.core.optimizer import distrib_optimizer as m
+
+    half = ("torch.cuda.HalfTensor", "torch.cuda.BFloat16Tensor")
+    _retarget(m.DistributedOptimizer, "_build_model_and_main_param_groups",
+              consts=(*half, "torch.cuda.FloatTensor"))
+    _retarget(m.DistributedOptimizer, "__init__", consts=half)
+
+
+def patch_pipeline() -> None:
+    """megatron/core/pipeline_parallel: the 1F1B schedule and its p2p exchange.
+
+    * schedules.py ``forward_backward_no_pipelining`` and
+      ``forward_backward_pipelining_without_interleaving``:
+      ``total_num_tokens = torch.zeros([], ..., device="cuda")``;
+    * p2p_communication.py ``P2PCommunicator._communicate``: receive buffers allocated with
+      ``device=torch.cuda.current_device()`` (in its inner ``create_tensor_recv_prev/next``) and
+      ``torch.cuda.synchronize()`` after batched isend/irecv (CPU view; synchronize is a no-op).
+    """
+    from megatron.core.pipeline_parallel import p2p_communication, schedules
+
+    _retarget(schedules, "forward_backward_no_pipelining", consts=("cuda",))
+    _retarget(schedules, "forward_backward_pipelining_without_interleaving", consts=("cuda",))
+    _retarget(p2p_communication.P2PCommunicator, "_communicate", view=True)
+
+
+PATCHES = (
+    patch_rng_tracker,
+    patch_grad_buffer,
+    patch_rotary,
+    patch_utils,
+    patch_causal_mask,
+    patch_optimizer,
+    patch_clip_grads,
+    patch_distrib_optimizer,
+    patch_pipeline,
+)
+
+
+def apply_cpu_patches() -> list[str]:
+    """Apply every patch once (idempotent); return their names, or ``[]`` when CUDA is there."""
+    global _APPLIED
+    if torch.cuda.is_available():
+        return []
+    if _APPLIED is None:
+        for patch in PATCHES:
+            patch()
+        _APPLIED = [p.__name__ for p in PATCHES]
+    return list(_APPLIED)

@@ -1,0 +1,320 @@
+"""A tiny real Megatron GPT for gloo ranks: build, run one step, gather full weights.
+
+Helpers for ``dist_harness.run_world`` children (and the one-process TP=1 reference), not pytest
+fixtures; megatron-core 0.19.2 layout. ``init_megatron`` / ``destroy_megatron``: CPU patches,
+parallel state, seeds. ``build_tiny_gpt``: ``GPTModel`` (local spec, RoPE, SwiGLU, GQA 4 heads /
+2 groups, hidden 64, ffn 128, vocab 128, seq 16, 2 layers, untied output layer) in Megatron's
+``DistributedDataParallel``. ``make_batch`` / ``forward_backward``: one step's grads, the way
+``train_step`` makes them. ``gather_full_params``: full fp32 weights under layout-free names.
+
+Full weights do not depend on the layout: each matrix is drawn from a generator seeded by (seed,
+its global name) and each rank keeps its TP shard (``init="by_name"``, the default).
+``init="megatron"`` keeps Megatron's ``use_cpu_initialization`` draws: full matrices from the
+CPU generator in build order, TP-invariant but not PP-invariant (a later stage never draws the
+earlier stages' weights).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+HIDDEN, FFN, HEADS, GROUPS, VOCAB, SEQ, LAYERS = 64, 128, 4, 2, 128, 16, 2
+INIT_STD = 0.02
+
+
+def init_megatron(tp: int, pp: int = 1, seed: int = 1234):
+    """Patch for CPU, build Megatron's parallel state, seed; return the ProcessGroupCollection.
+
+    Needs an initialized default (gloo) group whose size is a multiple of ``tp * pp``; the rest
+    is data parallelism. Rank order is Megatron's default "tp-cp-ep-dp-pp" (TP fastest).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_muon.cpu_patches import apply_cpu_patches
+
+    apply_cpu_patches()
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    # The tracker forks the CPU generator after the patches; seeds per TP rank as on GPUs.
+    model_parallel_cuda_manual_seed(seed)
+    torch.manual_seed(seed)  # spawned ranks start with different CPU RNG states
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def destroy_megatron() -> None:
+    """Tear down Megatron's parallel state (the default group stays up)."""
+    from megatron.core import parallel_state as ps
+
+    ps.destroy_model_parallel()
+
+
+def _unwrap(module):
+    while hasattr(module, "module"):  # DDP -> Float16Module -> GPTModel
+        module = module.module
+    return module
+
+
+def global_name(model, name: str) -> str:
+    """``decoder.layers.<local>.x`` -> ``decoder.layers.<global>.x``; other names unchanged.
+
+    A stage's layers are numbered from 0 in its parameter names; ``layer_number`` is global.
+    """
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+    return ".".join(parts)
+
+
+def shard_of(full: torch.Tensor, param, tp_rank: int, tp: int) -> torch.Tensor:
+    """This TP rank's piece of ``full``, laid out as Megatron lays out ``param``.
+
+    A strided param (``partition_stride`` s > 1, the gated fc1 with s=2) is cut into s*tp equal
+    chunks along ``partition_dim``; rank r holds chunks r, r+tp, ... in that order, so fc1 on
+    rank r is [gate_r; up_r] while the full (TP=1) matrix is [gate; up].
+    """
+    if not getattr(param, "tensor_model_parallel", False) or tp == 1:
+        return full
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    chunks = torch.chunk(full, stride * tp, dim=dim)
+    return torch.cat(chunks[tp_rank::tp], dim=dim)
+
+
+def unshard(pieces: list[torch.Tensor], param) -> torch.Tensor:
+    """Inverse of ``shard_of``: the full tensor from every TP rank's piece, in rank order."""
+    if not getattr(param, "tensor_model_parallel", False) or len(pieces) == 1:
+        return pieces[0]
+    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    per_rank = [torch.chunk(p, stride, dim=dim) for p in pieces]
+    return torch.cat([per_rank[r][k] for k in range(stride) for r in range(len(pieces))], dim=dim)
+
+
+def _init_by_name(model, seed: int, tp_rank: int, tp: int, num_layers: int) -> None:
+    """Redraw every matrix from (seed, global name); 1-D params (norm weights, ones) are kept.
+
+    Standard deviations follow Megatron: ``INIT_STD``, and ``INIT_STD / sqrt(2 * layers)`` for
+    the output projections (linear_proj, linear_fc2).
+    """
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() < 2:
+                continue
+            gname = global_name(model, name)
+            std = INIT_STD
+            if gname.endswith(("linear_proj.weight", "linear_fc2.weight")):
+                std = INIT_STD / math.sqrt(2.0 * num_layers)
+            shape = list(param.shape)
+            if getattr(param, "tensor_model_parallel", False):
+                shape[param.partition_dim] *= tp
+            gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(gname.encode()))
+            param.copy_(shard_of(torch.randn(shape, generator=gen) * std, param, tp_rank, tp))
+
+
+def build_tiny_gpt(
+    tp: int,
+    pp: int = 1,
+    *,
+    bf16: bool = False,
+    use_distributed_optimizer: bool = False,
+    bucket_size: int | None = None,
+    seed: int = 1234,
+    init: str = "by_name",
+    num_layers: int = LAYERS,
+) -> list:
+    """The tiny GPT on this rank's TP x PP slot, wrapped like ``megatron.training.get_model``.
+
+    ``bf16``: bf16 params inside ``Float16Module`` (as ``--bf16`` does); grads reduce in fp32.
+    Returns ``[DistributedDataParallel(...)]`` (one chunk: no virtual pipeline stages).
+    Call after ``init_megatron(tp, pp)``.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.module import Float16Module
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    assert VOCAB % tp == 0 and FFN % tp == 0 and GROUPS % tp == 0, "tiny GPT supports tp in 1, 2"
+    assert num_layers % pp == 0
+    assert init in ("by_name", "megatron")
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    config = TransformerConfig(
+        num_layers=num_layers,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=FFN,
+        num_attention_heads=HEADS,
+        num_query_groups=GROUPS,
+        gated_linear_unit=True,
+        activation_func=F.silu,  # with gated_linear_unit: SwiGLU
+        normalization="RMSNorm",
+        add_bias_linear=False,
+        hidden_dropout=0.0,  # dropout would make TP layouts draw different masks
+        attention_dropout=0.0,
+        init_method_std=INIT_STD,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=dtype,
+        bf16=bf16,
+        params_dtype=dtype,
+        use_cpu_initialization=True,  # draw full matrices, keep the shard: TP-invariant
+        # The fused paths are CUDA kernels (or need apex); the unfused ones are plain torch.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+        vocab_size=VOCAB,
+        max_sequence_length=SEQ,
+        pre_process=ps.is_pipeline_first_stage(),
+        post_process=ps.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=False,
+        position_embedding_type="rope",
+    )
+    if init == "by_name":
+        _init_by_name(model, seed, ps.get_tensor_model_parallel_rank(), tp, num_layers)
+    if bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=use_distributed_optimizer,
+        bucket_size=bucket_size,
+    )
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
+
+
+def make_batch(seed: int, micro_batch_size: int = 2, seq_len: int = SEQ, vocab: int = VOCAB,
+               dp_rank: int | None = None) -> dict:
+    """A deterministic batch: ``tokens``, ``labels`` (next tokens), ``position_ids``, all [b, s].
+
+    ``dp_rank=None`` gives every rank the same batch; an int gives each DP rank its own.
+    No attention mask: the local spec's attention is causal by its mask type.
+    """
+    gen = torch.Generator().manual_seed(seed * 7919 + (0 if dp_rank is None else 1 + dp_rank))
+    ids = torch.randint(0, vocab, (micro_batch_size, seq_len + 1), generator=gen)
+    pos = torch.arange(seq_len).unsqueeze(0).expand(micro_batch_size, -1).contiguous()
+    return {"tokens": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous(),
+            "position_ids": pos}
+
+
+def _model_loss(model, batch) -> torch.Tensor:
+    out = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return out.float().mean()  # GPTModel returns per-token cross entropy [b, s]
+
+
+def forward_backward(model_chunks: list, batch: dict, *, pp: int, num_microbatches: int = 1,
+                     optimizer=None, use_schedule: bool | None = None) -> float:
+    """One forward/backward as ``train_step`` runs it; returns the global batch's mean token loss
+    on every rank (the last PP stage's, averaged over DP ranks).
+
+    Grads are zeroed first, as ``train_step`` does: DDP grad buffers, ``optimizer.zero_grad()``
+    if given, and ``param.grad = None`` always: ``FP32Optimizer.prepare_grads`` leaves
+    ``param.grad`` aliased to ``param.main_grad``, and the next backward would add every
+    gradient twice. Afterwards ``param.main_grad`` holds the DP-averaged gradient
+    (``finalize_model_grads`` -> ``finish_grad_sync``), which the Megatron optimizers consume.
+
+    ``use_schedule`` (default ``pp > 1``): Megatron's ``get_forward_backward_func()`` schedule
+    (1F1B, or no-pipelining at pp=1) over ``num_microbatches`` slices of the batch; it divides
+    each micro-batch loss by their number and calls ``config.finalize_model_grads_func``.
+    Otherwise (pp=1 only): one direct model call, ``loss.backward()``, ``finalize_model_grads``.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    for chunk in model_chunks:
+        chunk.zero_grad_buffer()
+        for param in chunk.parameters():
+            param.grad = None
+    if optimizer is not None:
+        optimizer.zero_grad()
+    if use_schedule is None:
+        use_schedule = pp > 1
+    if not use_schedule:
+        assert pp == 1 and num_microbatches == 1
+        loss = _model_loss(model_chunks[0], batch)
+        loss.backward()
+        finalize_model_grads(model_chunks)
+        return _dp_mean(loss.detach().reshape(1))
+
+    config = get_model_config(model_chunks[0])
+    config.finalize_model_grads_func = finalize_model_grads  # as megatron.training.train does
+    b = batch["tokens"].shape[0]
+    assert b % num_microbatches == 0
+    mbs = b // num_microbatches
+    micro = [{k: v[i * mbs:(i + 1) * mbs] for k, v in batch.items()}
+             for i in range(num_microbatches)]
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        out = model(mb["tokens"], mb["position_ids"], None, labels=mb["labels"])
+
+        def loss_func(output_tensor):
+            loss = output_tensor.float().mean()
+            # The schedule divides `loss` by num_microbatches in place: report a copy.
+            return loss, {"loss": loss.detach().clone()}
+
+        return out, loss_func
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro),
+        model=model_chunks,
+        num_microbatches=num_microbatches,
+        seq_length=batch["tokens"].shape[1],
+        micro_batch_size=mbs,
+        forward_only=False,
+    )
+    loss = torch.zeros(1)
+    if ps.is_pipeline_last_stage():
+        loss[0] = sum(d["loss"] for d in losses) / num_microbatches
+    if pp > 1:
+        pp_group = ps.get_pipeline_model_parallel_group()
+        dist.broadcast(loss, src=dist.get_global_rank(pp_group, pp - 1), group=pp_group)
+    return _dp_mean(loss)
+
+
+def _dp_mean(loss: torch.Tensor) -> float:
+    """The loss averaged over DP ranks: the global batch's mean (equal-sized DP batches)."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_data_parallel_group()
+    loss = loss.clone()
+    dist.all_reduce(loss, group=group)
+    return loss.item() / dist.get_world_size(group)
+
+
+def gather_full_params(model_chunks: list, tp_group, pp: int) -> dict[str, torch.Tensor]:
+    """{global name: full fp32 tensor} for the whole model, returned on every rank.
+
+    TP shards are all-gathered over ``tp_group`` and reassembled with ``unshard`` (undoing the
+    gated fc1's per-rank [gate_r; up_r] interleave); PP stages are exchanged over the pipeline
+    group and layer numbers made global, so the keys match the TP=1, PP=1 model's names.
+    """
+    from megatron.core import parallel_state as ps
+
+    tp = dist.get_world_size(tp_group)
+    full = {}
+    for chunk in model_chunks:
+        model = _unwrap(chunk)
+        for name, param in model.named_parameters():
+            local = param.detach().to(torch.float32, copy=True)  # never alias the live param
+            if getattr(param, "tensor_model_parallel", False) and tp > 1:
+                pieces = [torch.empty_like(local) for _ in range(tp)]
+                dist.all_gather(pieces, local, group=tp_group)
+                local = unshard(pieces, param)
+            full[global_name(model, name)] = local
+    if pp > 1:
+        stages = [None] * pp
+        dist.all_gather_object(stages, full, group=ps.get_pipeline_model_parallel_group())
+        full = {k: v for stage in stages for k, v in stage.items()}
+    return full

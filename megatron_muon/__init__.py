@@ -35,3 +35,8 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+# Command line (no Megatron import); Megatron hooks: ``megatron_muon.integration.install()``.
+from .cli import add_muon_args, muon_config_from_args  # noqa: E402
+
+__all__ += ["add_muon_args", "muon_config_from_args"]

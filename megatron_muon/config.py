@@ -29,8 +29,8 @@ class MuonConfig:
     momentum: float = 0.95
     """EMA momentum μ: B ← μB + (1−μ)G. Upstream's CLI default is 0.9 but its config default is
     0.95 (torch.optim.Muon's too); we use 0.95 on both paths."""
-    nesterov: bool = True
-    """use G.lerp(B, μ) instead of B as the matrix to orthogonalize."""
+    nesterov: bool = False
+    """use G.lerp(B, μ) instead of B as the matrix to orthogonalize (upstream: --muon-nesterov)."""
     split_qkv: bool = True
     """orthogonalize Q, K and V of a fused QKV weight separately, per query group."""
     split_fc1: bool = True
@@ -45,8 +45,9 @@ class MuonConfig:
     """Newton–Schulz coefficient set (upstream default: quintic)."""
     num_ns_steps: int = 5
     """Newton–Schulz iterations."""
-    tp_mode: str = "owner"
-    """how NS runs across TP shards: duplicated, distributed, blockwise or owner."""
+    tp_mode: str = "blockwise"
+    """how NS runs across TP shards: duplicated, distributed, blockwise or owner. The default is
+    upstream's (blockwise: cheap but not exact Muon); owner is the exact, recommended mode."""
     dp_mode: str = "owner"
     """without the distributed optimizer: owner (NS once per DP group, results exchanged) or
     redundant (every DP rank computes everything; for comparison)."""

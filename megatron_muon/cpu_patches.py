@@ -221,6 +221,17 @@ def patch_utils() -> None:
     _retarget(m, "local_multi_tensor_l2_norm", consts=("cuda",))
 
 
+def patch_grad_scaler() -> None:
+    """megatron/core/optimizer/grad_scaler.py: ``MegatronGradScaler.__init__`` and
+    ``DynamicGradScaler.__init__`` build their scale tensors with ``device='cuda'``; a loss scale
+    (``--loss-scale``) is what makes ``MixedPrecisionOptimizer.prepare_grads`` check grads for
+    inf/NaN and skip the step."""
+    from megatron.core.optimizer import grad_scaler as m
+
+    _retarget(m.MegatronGradScaler, "__init__", consts=("cuda",))
+    _retarget(m.DynamicGradScaler, "__init__", consts=("cuda",))
+
+
 def patch_causal_mask() -> None:
     """megatron/core/transformer/utils.py: ``get_default_causal_mask`` builds its mask with
     ``torch.ones(sq, sq, device="cuda")``; ``FusedScaleMaskSoftmax.forward_torch_softmax`` calls
@@ -310,6 +321,7 @@ PATCHES = (
     patch_utils,
     patch_causal_mask,
     patch_optimizer,
+    patch_grad_scaler,
     patch_clip_grads,
     patch_distrib_optimizer,
     patch_pipeline,

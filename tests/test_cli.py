@@ -1,0 +1,309 @@
+"""The CLI layer and the Megatron hooks, against megatron-core 0.19.2's real argparse.
+
+``add_muon_args`` on Megatron's parser (``add_megatron_arguments``): owner accepted, upstream
+choices kept, defaults and every flag translated by ``muon_config_from_args``; the plain-argparse
+fallback defines the same flags as Megatron. ``integration.install()``: Megatron's own
+``parse_args`` / ``validate_args`` keep ``--use-distributed-optimizer`` for ``--optimizer muon``,
+reject unsupported combinations naming the flag, and ``get_megatron_optimizer`` dispatches —
+last on a real one-rank GPT, with the config Megatron builds from the parsed args.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import pytest
+
+from dist_harness import run_world
+from megatron_muon.cli import add_muon_args, muon_config_from_args
+from megatron_muon.config import MuonConfig
+
+# The smallest command line that passes validate_args on one CPU process.
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
+        "--max-position-embeddings 16 --micro-batch-size 2 --train-iters 1 --lr 1e-3").split()
+
+# The CLI's documented defaults: upstream 0.19.2's flags (nesterov off, blockwise), momentum 0.95.
+CLI_DEFAULTS = MuonConfig(
+    momentum=0.95, nesterov=False, split_qkv=True, split_fc1=True, scale_mode="spectral",
+    extra_scale_factor=1.0, fp32_matmul_prec="medium", coefficient_type="quintic", num_ns_steps=5,
+    tp_mode="blockwise", dp_mode="owner", owner_bucket_bytes=256 * 2**20,
+)
+
+# (flags, MuonConfig field, value): every field is reached by some flag.
+FLAG_TO_FIELD = [
+    ("--muon-momentum 0.8", "momentum", 0.8),
+    ("--muon-nesterov", "nesterov", True),
+    ("--muon-no-split-qkv", "split_qkv", False),
+    ("--muon-no-split-fc1", "split_fc1", False),
+    ("--muon-no-split-fc1 --muon-split-fc1", "split_fc1", True),
+    ("--muon-scale-mode unit_rms_norm", "scale_mode", "unit_rms_norm"),
+    ("--muon-scale-mode shape_scaling", "scale_mode", "shape_scaling"),
+    ("--muon-extra-scale-factor 0.2", "extra_scale_factor", 0.2),
+    ("--muon-fp32-matmul-prec high", "fp32_matmul_prec", "high"),
+    ("--muon-fp32-matmul-prec highest", "fp32_matmul_prec", "highest"),
+    ("--muon-coefficient-type polar_express", "coefficient_type", "polar_express"),
+    ("--muon-num-ns-steps 7", "num_ns_steps", 7),
+    ("--muon-tp-mode owner", "tp_mode", "owner"),
+    ("--muon-tp-mode duplicated", "tp_mode", "duplicated"),
+    ("--muon-dp-mode redundant", "dp_mode", "redundant"),
+    ("--muon-owner-bucket-size-mb 0.5", "owner_bucket_bytes", 2**19),
+]
+
+# (flags, the flag the ValueError must name)
+BAD_VALUES = [
+    ("--muon-fp32-matmul-prec low", "--muon-fp32-matmul-prec"),
+    ("--muon-scalar-optimizer lion", "--muon-scalar-optimizer"),
+    ("--muon-coefficient-type nope", "--muon-coefficient-type"),
+    ("--muon-num-ns-steps 0", "--muon-num-ns-steps"),
+    ("--muon-momentum 1.0", "--muon-momentum"),
+    ("--muon-owner-bucket-size-mb 0", "--muon-owner-bucket-size-mb"),
+]
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    from megatron.training import arguments, training
+
+    return arguments, training
+
+
+@pytest.fixture(scope="module")
+def parser(megatron):
+    """Megatron's full parser (as ``parse_args`` builds it) plus ours."""
+    arguments, _ = megatron
+    return add_muon_args(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+
+
+def _parse(parser, flags: str = "") -> argparse.Namespace:
+    return parser.parse_args(flags.split())
+
+
+# --- add_muon_args on Megatron's parser --------------------------------------------------------
+
+
+def test_owner_is_a_tp_mode(parser):
+    assert _parse(parser, "--muon-tp-mode owner").muon_tp_mode == "owner"
+
+
+@pytest.mark.parametrize("mode", ["blockwise", "duplicated", "distributed"])
+def test_upstream_tp_modes_still_accepted(parser, mode):
+    assert _parse(parser, f"--muon-tp-mode {mode}").muon_tp_mode == mode
+
+
+def test_unknown_tp_mode_is_rejected_naming_the_flag(parser, capsys):
+    with pytest.raises(SystemExit):
+        _parse(parser, "--muon-tp-mode bogus")
+    assert "--muon-tp-mode" in capsys.readouterr().err
+
+
+def test_help_calls_owner_exact_and_recommended(parser):
+    help_text = parser._option_string_actions["--muon-tp-mode"].help
+    assert "owner" in help_text and "exact" in help_text and "recommended" in help_text
+    assert any(g.title == "megatron-muon" for g in parser._action_groups)
+
+
+def test_defaults_translate_to_the_documented_config(parser):
+    assert muon_config_from_args(_parse(parser)) == CLI_DEFAULTS
+
+
+@pytest.mark.parametrize("flags,field,value", FLAG_TO_FIELD, ids=[f[0] for f in FLAG_TO_FIELD])
+def test_flag_maps_to_its_field(parser, flags, field, value):
+    config = muon_config_from_args(_parse(parser, flags))
+    assert getattr(config, field) == value
+    others = {f: getattr(config, f) for f in MuonConfig.field_names() if f != field}
+    assert others == {f: getattr(CLI_DEFAULTS, f) for f in others}
+
+
+def test_every_field_has_a_flag():
+    assert {field for _, field, _ in FLAG_TO_FIELD} == set(MuonConfig.field_names())
+
+
+@pytest.mark.parametrize("flags,flag", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])
+def test_bad_value_names_its_flag(parser, flags, flag):
+    with pytest.raises(ValueError, match=flag):
+        muon_config_from_args(_parse(parser, flags))
+
+
+def test_plain_argparse_defines_the_upstream_flags_as_megatron_does(parser):
+    plain = add_muon_args(argparse.ArgumentParser())
+    muon = {a.dest: a for a in parser._actions if a.dest.startswith("muon_")}
+    mine = {a.dest: a for a in plain._actions if a.dest.startswith("muon_")}
+    assert mine.keys() == muon.keys()
+    for dest, action in muon.items():
+        assert (mine[dest].default, mine[dest].choices, mine[dest].type, mine[dest].nargs) == (
+            action.default, action.choices, action.type, action.nargs), dest
+    assert muon_config_from_args(plain.parse_args([])) == CLI_DEFAULTS
+    assert muon_config_from_args(argparse.Namespace()) == CLI_DEFAULTS
+
+
+def test_add_muon_args_is_idempotent(parser):
+    assert add_muon_args(parser) is parser
+    assert _parse(parser, "--muon-tp-mode owner").muon_tp_mode == "owner"
+
+
+# --- integration.install() with Megatron's parse_args / validate_args --------------------------
+
+
+@pytest.fixture
+def installed(megatron, monkeypatch):
+    """install() for one test; monkeypatch puts Megatron's functions back afterwards."""
+    from megatron_muon import integration
+
+    arguments, training = megatron
+    for module, name in [(arguments, "add_megatron_arguments"), (arguments, "validate_args"),
+                         (training, "get_megatron_optimizer")]:
+        monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    integration.install()
+    return arguments, training
+
+
+def _parse_and_validate(arguments, monkeypatch, flags: str) -> argparse.Namespace:
+    """What ``parse_and_validate_args`` does, minus global state (tokenizer, timers)."""
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, *flags.split()])
+    args = arguments.parse_args()
+    arguments.validate_args(args)
+    return args
+
+
+def test_upstream_rewrites_muon_distributed_optimizer_to_layer_wise(megatron, monkeypatch):
+    """Why the validate_args hook exists (megatron-core 0.19.2 without install())."""
+    arguments, _ = megatron
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("RANK", "0")
+    args = _parse_and_validate(arguments, monkeypatch, "--optimizer muon --use-distributed-optimizer")
+    assert (args.use_distributed_optimizer, args.use_layer_wise_distributed_optimizer) == (False, True)
+
+
+def test_install_keeps_megatrons_distributed_optimizer_for_muon(installed, monkeypatch):
+    arguments, _ = installed
+    args = _parse_and_validate(arguments, monkeypatch,
+                               "--optimizer muon --use-distributed-optimizer --muon-tp-mode owner")
+    assert args.optimizer == "muon" and args.megatron_muon is True
+    assert (args.use_distributed_optimizer, args.use_layer_wise_distributed_optimizer) == (True, False)
+    assert muon_config_from_args(args).tp_mode == "owner"
+
+
+def test_install_leaves_other_optimizers_alone(installed, monkeypatch):
+    arguments, _ = installed
+    args = _parse_and_validate(arguments, monkeypatch, "--optimizer adam --use-distributed-optimizer")
+    assert (args.optimizer, args.megatron_muon, args.use_distributed_optimizer) == ("adam", False, True)
+
+
+def test_every_megatron_parser_knows_our_flags_after_install(installed, monkeypatch):
+    """inprocess_restart / ft_integration re-parse sys.argv with no extra_args_provider."""
+    arguments, _ = installed
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *BASE, "--muon-tp-mode", "owner",
+                                      "--muon-no-split-fc1", "--muon-dp-mode", "redundant"])
+    args = arguments.parse_args(ignore_unknown_args=True)
+    assert (args.muon_tp_mode, args.muon_split_fc1, args.muon_dp_mode) == ("owner", False, "redundant")
+
+
+def test_install_is_idempotent(installed):
+    from megatron_muon import integration
+
+    arguments, training = installed
+    before = (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer)
+    integration.install()
+    assert (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer) == before
+
+
+REJECTED = [
+    ("--optimizer muon --fp16", "--fp16"),
+    ("--optimizer muon --use-distributed-optimizer --use-megatron-fsdp", "--use-megatron-fsdp"),
+    ("--optimizer muon --use-torch-fsdp2", "--use-torch-fsdp2"),
+    ("--optimizer muon --ckpt-format torch_dcp", "--ckpt-format"),
+    ("--optimizer muon --dump-param-to-param-group-map x.json", "--dump-param-to-param-group-map"),
+    ("--optimizer muon --use-distributed-optimizer --muon-dp-mode redundant", "--muon-dp-mode"),
+    ("--optimizer muon --muon-fp32-matmul-prec low", "--muon-fp32-matmul-prec"),
+    ("--optimizer muon --muon-scalar-optimizer lion", "--muon-scalar-optimizer"),
+    ("--optimizer adaptive_muon --muon-tp-mode owner", "--muon-tp-mode"),
+]
+
+
+@pytest.mark.parametrize("flags,flag", REJECTED, ids=[r[1] for r in REJECTED])
+def test_unsupported_combination_rejected_naming_the_flag(installed, monkeypatch, flags, flag):
+    arguments, _ = installed
+    with pytest.raises(ValueError, match=f"^{flag}") as info:
+        _parse_and_validate(arguments, monkeypatch, flags)
+    assert "\n" not in str(info.value)
+
+
+def test_dispatcher(megatron, monkeypatch):
+    """muon + plugin active → get_megatron_muon_optimizer(muon_config_from_args(args)); else the original."""
+    from types import SimpleNamespace
+
+    from megatron.training import global_vars
+
+    from megatron_muon import integration, megatron_optimizer
+
+    arguments, training = megatron
+    calls = []
+    monkeypatch.setattr(arguments, "add_megatron_arguments", arguments.add_megatron_arguments)
+    monkeypatch.setattr(arguments, "validate_args", arguments.validate_args)
+    monkeypatch.setattr(training, "get_megatron_optimizer", lambda *a, **k: calls.append(("upstream", a, k)))
+    monkeypatch.setattr(megatron_optimizer, "get_megatron_muon_optimizer",
+                        lambda *a, **k: calls.append(("muon", a, k)))
+    integration.install()
+    model, overrides = object(), {"o": 1}
+
+    def call(optimizer: str, **args):
+        monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", argparse.Namespace(**args))
+        calls.clear()
+        training.get_megatron_optimizer(SimpleNamespace(optimizer=optimizer), [model], config_overrides=overrides,
+                                        use_gloo_process_groups=False, dump_param_to_param_group_map=None)
+        return calls[0]
+
+    kind, a, k = call("muon", megatron_muon=True, muon_tp_mode="owner")
+    assert kind == "muon" and a[1] == [model] and a[2] == MuonConfig(**{**vars(CLI_DEFAULTS), "tp_mode": "owner"})
+    assert k == dict(config_overrides=overrides, pg_collection=None, use_gloo_process_groups=False)
+    assert call("adam", megatron_muon=False)[0] == "upstream"
+    assert call("muon", megatron_muon=False)[0] == "upstream"  # --optimizer dist_muon: upstream's
+    with pytest.raises(RuntimeError, match="install"):
+        call("muon")  # validate_args hook never ran
+
+
+def _real_optimizer(rank: int, world: int) -> dict:
+    """Megatron's args → Megatron's OptimizerConfig → training.get_megatron_optimizer, one step."""
+    import os
+
+    import torch
+
+    os.environ.update(WORLD_SIZE="1", RANK="0")
+    from megatron.training import arguments, global_vars, training
+
+    from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
+    from megatron_muon import integration
+    from megatron_muon.megatron_optimizer import MuonDistributedOptimizer
+
+    integration.install()
+    sys.argv = ["pretrain_gpt.py", *BASE, *"--optimizer muon --use-distributed-optimizer --muon-tp-mode owner "
+                "--muon-nesterov --clip-grad 0".split()]
+    args = arguments.parse_args()
+    arguments.validate_args(args)
+    global_vars.set_args(args)
+    init_megatron(1)
+    model = build_tiny_gpt(1, use_distributed_optimizer=True)
+    config, overrides = training.get_megatron_optimizer_config(args)
+    optimizer = training.get_megatron_optimizer(config, model, config_overrides=overrides,
+                                                use_gloo_process_groups=args.use_gloo_process_groups,
+                                                dump_param_to_param_group_map=args.dump_param_to_param_group_map)
+    inner = optimizer.chained_optimizers[0]
+    before = {n: p.detach().clone() for n, p in model[0].named_parameters()}
+    forward_backward(model, make_batch(0), pp=1)
+    ok, _, _ = optimizer.step()
+    moved = sum(not torch.equal(before[n], p) for n, p in model[0].named_parameters())
+    out = dict(kind=type(inner).__name__, is_muon=isinstance(inner, MuonDistributedOptimizer), ok=ok,
+               tp_mode=inner.optimizer.config.tp_mode, nesterov=inner.optimizer.config.nesterov,
+               moved=moved, total=len(before))
+    destroy_megatron()
+    return out
+
+
+def test_get_megatron_optimizer_builds_muon_from_megatron_args():
+    (out,) = run_world(1, _real_optimizer)
+    assert out["is_muon"], out["kind"]
+    assert out["ok"] and (out["tp_mode"], out["nesterov"]) == ("owner", True)
+    assert out["moved"] == out["total"]

@@ -1,0 +1,115 @@
+"""A skipped step changes nothing; unsupported configurations fail with one line naming the flag."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist_harness import run_world
+from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
+
+
+def _config(**kw):
+    from megatron.core.optimizer import OptimizerConfig
+
+    base = dict(optimizer="adam", lr=0.02, min_lr=0.02, weight_decay=0.1, bf16=False, clip_grad=0.0)
+    return OptimizerConfig(**{**base, **kw})
+
+
+def _snapshot(optimizer) -> dict:
+    inner = optimizer.chained_optimizers[0].optimizer
+    params = {id(p): p.detach().clone() for g in inner.param_groups for p in g["params"]}
+    state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in inner.state.items()}
+    return dict(params=params, state=state, muon_steps=inner.muon_steps)
+
+
+def _nan_worker(rank: int, world: int, dist_opt: bool, bf16: bool) -> dict:
+    from megatron_muon.config import MuonConfig
+    from megatron_muon.megatron_optimizer import get_megatron_muon_optimizer
+
+    init_megatron(2, 1)
+    model = build_tiny_gpt(2, 1, use_distributed_optimizer=dist_opt, bf16=bf16)
+    # A loss scale is what makes Megatron check grads for inf/NaN (ConstantGradScaler); Megatron's
+    # plain fp32 optimizer (no distributed optimizer, no bf16) has no such check at all.
+    optimizer = get_megatron_muon_optimizer(
+        _config(use_distributed_optimizer=dist_opt, loss_scale=1.0, bf16=bf16), model,
+        MuonConfig(tp_mode="owner", fp32_matmul_prec="highest"),
+    )
+    batch = make_batch(3)
+    forward_backward(model, batch, pp=1, optimizer=optimizer)
+    assert optimizer.step()[0]
+    before = _snapshot(optimizer)
+    forward_backward(model, batch, pp=1, optimizer=optimizer)
+    if rank == 1:  # one rank's one gradient entry: found-inf is all-reduced, so all ranks skip
+        next(model[0].parameters()).main_grad.view(-1)[0] = float("nan")
+    ok, grad_norm, _ = optimizer.step()
+    after = _snapshot(optimizer)
+    forward_backward(model, batch, pp=1, optimizer=optimizer)
+    ok_again = optimizer.step()[0]
+    destroy_megatron()
+    same_params = all(torch.equal(before["params"][k], after["params"][k]) for k in before["params"])
+    same_state = all(
+        torch.equal(v, after["state"][k][name]) for k, s in before["state"].items() for name, v in s.items()
+    )
+    return dict(ok=ok, same_params=same_params, same_state=same_state, ok_again=ok_again,
+                steps=(before["muon_steps"], after["muon_steps"]))
+
+
+@pytest.mark.parametrize("dist_opt, bf16", [(False, True), (True, False)], ids=["ddp-bf16", "distopt-fp32"])
+def test_nan_step_is_skipped_and_changes_nothing(dist_opt, bf16):
+    for r in run_world(2, _nan_worker, dist_opt, bf16):
+        assert r["ok"] is False, "Megatron's found-inf check should reject the step"
+        assert r["same_params"] and r["same_state"], "a skipped step touched params or momentum"
+        assert r["steps"][0] == r["steps"][1], "the step counter moved on a skipped step"
+        assert r["ok_again"], "training must resume after a skipped step"
+
+
+def _errors_worker(rank: int, world: int) -> dict:
+    from megatron_muon.config import MuonConfig
+    from megatron_muon.megatron_optimizer import get_megatron_muon_optimizer
+
+    init_megatron(1, 1)
+    model = build_tiny_gpt(1, 1)
+    errors = {}
+
+    def attempt(name, make):
+        try:
+            make()
+            errors[name] = "<no error>"
+        except ValueError as e:
+            errors[name] = str(e)
+
+    attempt("fp16", lambda: get_megatron_muon_optimizer(_config(fp16=True, bf16=False), model))
+    attempt("tp_mode", lambda: MuonConfig(tp_mode="sharded"))
+    ddp = model[0].ddp_config
+    # The flags below are read from DDP's config; setting them on the built model's config is
+    # what Megatron's own arguments do before wrapping (the check runs before any use of it).
+    ddp.use_megatron_fsdp = True
+    attempt("fsdp", lambda: get_megatron_muon_optimizer(_config(), model))
+    ddp.use_megatron_fsdp = False
+    ddp.num_distributed_optimizer_instances = 2
+    attempt("instances", lambda: get_megatron_muon_optimizer(_config(), model))
+    ddp.num_distributed_optimizer_instances = 1
+    expert = model[0].module.decoder.layers[0].mlp.linear_fc1.weight
+    expert.allreduce = False  # what Megatron sets on expert-parallel weights
+    attempt("experts", lambda: get_megatron_muon_optimizer(_config(), model))
+    destroy_megatron()
+    return errors
+
+
+EXPECTED = {
+    "fp16": r"^--fp16: .*use --bf16$",
+    "tp_mode": r"^--muon-tp-mode: expected one of .*'owner'.* got 'sharded'$",
+    "fsdp": r"^--use-megatron-fsdp: not supported with Muon",
+    "instances": r"^--num-distributed-optimizer-instances > 1: not supported",
+    "experts": r"^expert-parallel parameters \(.*linear_fc1.weight\): MoE experts are not supported",
+}
+
+
+def test_unsupported_configurations_name_the_flag():
+    import re
+
+    errors = run_world(1, _errors_worker)[0]
+    for name, pattern in EXPECTED.items():
+        assert re.search(pattern, errors[name]), f"{name}: {errors[name]!r}"
+        assert "\n" not in errors[name], "errors are one line"

@@ -232,6 +232,22 @@ def patch_grad_scaler() -> None:
     _retarget(m.DynamicGradScaler, "__init__", consts=("cuda",))
 
 
+def patch_dist_checkpointing() -> None:
+    """megatron/core/dist_checkpointing/strategies: the torch_dist save path.
+
+    * ``filesystem_async.FileSystemWriterAsync.preload_tensors`` ends with
+      ``torch.cuda.synchronize()`` (CPU view: a no-op, CPU copies are synchronous);
+    * ``state_dict_saver.save_state_dict_async_finalize`` broadcasts a flag made with
+      ``device=torch.cuda.current_device()`` (CPU view: the CPU device).
+    Both may be wrapped by a decorator; the function underneath is the one retargeted.
+    """
+    from megatron.core.dist_checkpointing.strategies import state_dict_saver
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    for owner, attr in ((FileSystemWriterAsync, "preload_tensors"), (state_dict_saver, "save_state_dict_async_finalize")):
+        _retarget(owner, attr, view=True)
+
+
 def patch_causal_mask() -> None:
     """megatron/core/transformer/utils.py: ``get_default_causal_mask`` builds its mask with
     ``torch.ones(sq, sq, device="cuda")``; ``FusedScaleMaskSoftmax.forward_torch_softmax`` calls
@@ -325,6 +341,7 @@ PATCHES = (
     patch_clip_grads,
     patch_distrib_optimizer,
     patch_pipeline,
+    patch_dist_checkpointing,
 )
 
 

@@ -35,6 +35,7 @@ from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from .checkpoint import MuonCheckpointMixin, prepare_for_checkpointing
 from .config import MuonConfig
 from .matrix_layout import MatrixLayout, RowSplit
 from .optimizer import MuonMatrix, MuonWithAdamW
@@ -80,19 +81,24 @@ def _param_names(model_chunks) -> dict[int, str]:
     return {id(p): f"chunk{c}.{n}" for c, chunk in enumerate(model_chunks) for n, p in chunk.named_parameters()}
 
 
-class MuonDistributedOptimizer(DistributedOptimizer):
+class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
     """Megatron's ZeRO-1 ``DistributedOptimizer`` with a ``MuonWithAdamW`` inside.
 
     Megatron's buffers, reduce-scatter and param all-gather are untouched; each DP rank keeps
     momentum only for its own range (as it keeps Adam state). The only addition is the layout
     of every Muon matrix — every DP rank's range of it, computed with Megatron's own range
     function for each rank — so the inner step can send cut matrices to one DP owner.
+
+    Checkpointing (``MuonCheckpointMixin``, ``checkpoint.py``): Megatron's formats, with Muon's
+    momentum stored as ``exp_avg`` (and a zero ``exp_avg_sq``) so it reshards like Adam state;
+    after a load the model params are re-gathered from the main shards on every DP replica.
     """
 
     def __init__(self, *args, tp_group=None, muon_config: MuonConfig, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         if self.is_stub_optimizer:
             return
+        prepare_for_checkpointing(self.optimizer)
         dp_size = get_pg_size(self.data_parallel_group)
         tp_size = get_pg_size(tp_group) if tp_group is not None else 1
         main_of = {}
@@ -176,6 +182,7 @@ def get_megatron_muon_optimizer(
         eps=config.adam_eps,
         config=muon_config,
     )
+    prepare_for_checkpointing(inner)
     init_state_fn = _init_state
     grad_scaler = ConstantGradScaler(config.loss_scale) if config.loss_scale else None
     if config.use_distributed_optimizer:

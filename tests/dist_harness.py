@@ -56,7 +56,9 @@ def run_world(world_size: int, fn, *args, timeout: float = 600.0) -> list:
     with tempfile.TemporaryDirectory(prefix="mm-rdzv-") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         procs = [
-            ctx.Process(target=_child, args=(r, world_size, init_file, fn, args, results), daemon=True)
+            # Not daemonic: a rank may start children of its own (dist_checkpointing's torch_dist
+            # writer runs a multiprocessing Manager). The finally below ends every rank.
+            ctx.Process(target=_child, args=(r, world_size, init_file, fn, args, results), daemon=False)
             for r in range(world_size)
         ]
         for p in procs:

@@ -1,0 +1,361 @@
+"""Save / load of Muon through Megatron's dist_checkpointing (torch_dist), as megatron.training does.
+
+The tiny GPT of ``megatron_harness`` at TP2 x DP2 (4 gloo ranks), tp_mode owner, small buckets:
+
+* bitwise resume: train 2 steps, save (model + optimizer + scheduler), rebuild everything from
+  scratch with a DIFFERENT init seed, load, train 2 more steps; the result must equal an
+  uninterrupted 4-step run bitwise (every param, fp32 main param and optimizer state tensor, the
+  step counters). With the distributed optimizer (``dp_reshardable``, megatron.training's
+  default) and without it (``FP32Optimizer``); the same in bf16 (``Float16Module`` params, fp32
+  main params; ``Float16OptimizerWithFloat16Params`` without the distributed optimizer).
+* post-load param sync (upstream #6920): loading the distributed optimizer's state ALONE (not the
+  model's) into a fresh model must leave every DP replica with the saved params.
+* DP resharding: the distributed optimizer's checkpoints saved at TP2 x DP2 (``fully_reshardable``,
+  and ``dp_reshardable``, whose unpadded bucket layout does not depend on DP here) are loaded at
+  TP2 x DP1 (2 ranks); the loaded params and optimizer state equal the saved ones bitwise, and
+  one more step matches the uninterrupted run's third step within ``ATOL``.
+
+Each run checks everything it can; a run that raises fails only its own tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from dist_harness import ChildError, run_world
+from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
+
+LR, WD, BETAS, EPS = 0.02, 0.1, (0.9, 0.95), 1e-8
+MUON = dict(tp_mode="owner", momentum=0.9, nesterov=True, scale_mode="spectral", extra_scale_factor=0.2,
+            fp32_matmul_prec="highest", coefficient_type="quintic", num_ns_steps=5)
+SMALL_BUCKET = 4000  # elements: DP ranges cut matrices mid-way, several buckets
+TP = 2
+SEED, OTHER_SEED = 1234, 999
+# DP resharding: the continued step runs at DP1 instead of DP2. Every rank sees the same batch and
+# the 1/DP grad scaling is a power of two, so the DP-averaged gradients are the same numbers; yet
+# DP1 is a different program (no DP padding, no reduce-scatter / all-gather, Muon's owner exchange
+# on one rank), free to reassociate sums. Observed on CPU: 0.0 (bitwise) for both formats. The
+# bound is ``tests/test_megatron_optimizer.py``'s fp32 tolerance (2e-6: 2x margin over the worst
+# TP2 reordering after 3 steps). Broken loads are far off (measured by breaking checkpoint.py):
+# momentum not restored 1.0e-2 (already in the bitwise load check), one step tensor shared by all
+# params (Megatron's own load) 5.6e-3 after the step.
+ATOL = 2e-6
+KINDS = {"distopt": (True, False), "ddp": (False, False),
+         "distopt-bf16": (True, True), "ddp-bf16": (False, True)}
+"""run name: (use_distributed_optimizer, bf16)."""
+SHARDINGS = {"distopt": ("dp_reshardable", "fully_reshardable"), "ddp": (None,),
+             "distopt-bf16": ("dp_reshardable",), "ddp-bf16": (None,)}
+"""the checkpoints each run saves; the first is the one it resumes from."""
+CHECKPOINTS = [f"{kind}-{sharding}" for kind, shardings in SHARDINGS.items() for sharding in shardings]
+
+
+def _optimizer_config(dist_opt: bool, bf16: bool):
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR, weight_decay=WD, adam_beta1=BETAS[0],
+                           adam_beta2=BETAS[1], adam_eps=EPS, bf16=bf16, clip_grad=0.0,
+                           use_distributed_optimizer=dist_opt)
+
+
+def _build(dist_opt: bool, seed: int, bf16: bool = False):
+    """A fresh model, optimizer and scheduler (after ``init_megatron``)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    from megatron_muon.config import MuonConfig
+    from megatron_muon.megatron_optimizer import get_megatron_muon_optimizer
+
+    model = build_tiny_gpt(TP, 1, bf16=bf16, use_distributed_optimizer=dist_opt, bucket_size=SMALL_BUCKET,
+                           seed=seed)
+    optimizer = get_megatron_muon_optimizer(_optimizer_config(dist_opt, bf16), model, MuonConfig(**MUON))
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0,
+                                        lr_decay_steps=100, lr_decay_style="constant", start_wd=WD, end_wd=WD,
+                                        wd_incr_steps=100, wd_incr_style="constant")
+    return model, optimizer, scheduler
+
+
+def _train(model, optimizer, scheduler, first: int, last: int) -> None:
+    for step in range(first, last):  # a different batch every step
+        forward_backward(model, make_batch(100 + step), pp=1, optimizer=optimizer)
+        ok, _, _ = optimizer.step()
+        assert ok
+        scheduler.step(1)
+
+
+def _metadata(sharding_type: str | None) -> dict:
+    """What megatron.training's ``_build_sharded_state_dict_metadata`` builds."""
+    from megatron.core import parallel_state as ps
+
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if sharding_type is not None:
+        metadata["distrib_optim_sharding_type"] = sharding_type
+        # True = the gloo gather (--distrib-optim-fully-reshardable-mem-efficient); the default
+        # (False) all-gathers on the CUDA device, which this CPU build does not have.
+        metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
+    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    return metadata
+
+
+def _unwrap(module):
+    """DDP -> (Float16Module ->) GPTModel, as megatron.training's ``unwrap_model`` before
+    ``sharded_state_dict``."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def _save(ckpt_dir: str, model, optimizer, scheduler, sharding_type: str | None) -> None:
+    """As ``megatron.training.checkpointing.save_checkpoint`` (generate_state_dict) does."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+    metadata = _metadata(sharding_type)
+    state = {"model": _unwrap(model[0]).sharded_state_dict(metadata=metadata)}
+    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    dist_checkpointing.save(state, ckpt_dir, content_metadata=_clean_metadata_for_serialization(metadata))
+
+
+def _load(ckpt_dir: str, model, optimizer, scheduler, *, load_model: bool = True) -> None:
+    """As ``megatron.training.checkpointing.load_checkpoint`` does: the sharding type comes from
+    the checkpoint's content metadata; model, then optimizer, then scheduler."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    metadata = dist_checkpointing.load_content_metadata(ckpt_dir) or {}
+    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    state = {"model": _unwrap(model[0]).sharded_state_dict(metadata=metadata)}
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    if not load_model:
+        del state["model"]
+    loaded = dist_checkpointing.load(state, ckpt_dir)
+    if load_model:
+        model[0].load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["opt_param_scheduler"])
+
+
+def _snapshot(model, optimizer) -> dict:
+    """This rank's TP-local params and, per param, its fp32 main param (``main``) and optimizer
+    state as full TP-local tensors (distributed optimizer: every DP rank's range summed over DP),
+    the per-param steps and ``muon_steps``."""
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+    from megatron.core.optimizer import DistributedOptimizer
+
+    from megatron_muon.megatron_optimizer import is_muon_matrix
+
+    opt = optimizer.chained_optimizers[0]
+    inner = opt.optimizer
+    distributed = isinstance(opt, DistributedOptimizer)
+    params, states, steps = {}, {}, set()
+    for name, p in model[0].named_parameters():
+        params[name] = p.detach().clone()
+        keys = ("momentum_buffer",) if is_muon_matrix(p) else ("exp_avg", "exp_avg_sq")
+        if distributed:
+            full = {k: torch.zeros(p.numel()) for k in ("main", *keys)}
+            if p in opt.model_param_group_index_map:
+                gi, go = opt.model_param_group_index_map[p]
+                main = inner.param_groups[gi]["params"][go]
+                rng = opt._get_model_param_range_map(p)["param"]
+                full["main"][rng.start:rng.end] = main
+                for k in keys:
+                    full[k][rng.start:rng.end] = inner.state[main][k]
+                steps.add(float(inner.state[main]["step"]))
+            for v in full.values():  # disjoint ranges: the sum is exact
+                dist.all_reduce(v, group=ps.get_data_parallel_group())
+            states[name] = {k: v.view(p.shape) for k, v in full.items()}
+        else:
+            main = getattr(p, "main_param", None)
+            main = p if main is None else main  # bf16: Megatron's fp32 copy
+            states[name] = {"main": main.detach().clone(), **{k: inner.state[main][k].clone() for k in keys}}
+            steps.add(float(inner.state[main]["step"]))
+    return dict(params=params, states=states, steps=steps, muon_steps=inner.muon_steps,
+                lr=sorted({g["lr"] for g in optimizer.param_groups}),
+                algorithms=[g["algorithm"] for g in optimizer.param_groups],
+                tp_rank=ps.get_tensor_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank())
+
+
+def _resume_run(kind: str, root: str) -> dict:
+    """One kind's runs on this rank: uninterrupted, saved, resumed (and optimizer-only)."""
+    dist_opt, bf16 = KINDS[kind]
+    out = {}
+    # The uninterrupted run.
+    init_megatron(TP, 1)
+    model, optimizer, scheduler = _build(dist_opt, SEED, bf16)
+    ref = {}
+    for step in range(4):
+        _train(model, optimizer, scheduler, step, step + 1)
+        ref[step + 1] = _snapshot(model, optimizer)
+    destroy_megatron()
+
+    # 2 steps, save, rebuild from scratch (other init), load, 2 more steps.
+    init_megatron(TP, 1)
+    model, optimizer, scheduler = _build(dist_opt, SEED, bf16)
+    _train(model, optimizer, scheduler, 0, 2)
+    paths = {}
+    for sharding in SHARDINGS[kind]:
+        paths[sharding] = os.path.join(root, f"{kind}-{sharding}")
+        _save(paths[sharding], model, optimizer, scheduler, sharding)
+    destroy_megatron()
+
+    init_megatron(TP, 1)
+    model, optimizer, scheduler = _build(dist_opt, OTHER_SEED, bf16)
+    fresh = {n: p.detach().clone() for n, p in model[0].named_parameters()}
+    _load(paths[SHARDINGS[kind][0]], model, optimizer, scheduler)
+    loaded = _snapshot(model, optimizer)
+    _train(model, optimizer, scheduler, 2, 4)
+    resumed = _snapshot(model, optimizer)
+    destroy_megatron()
+    out[kind] = dict(ref=ref, fresh=fresh, loaded=loaded, resumed=resumed)
+
+    if kind == "distopt":  # the optimizer alone into a fresh model: the post-load param sync
+        init_megatron(TP, 1)
+        model, optimizer, scheduler = _build(dist_opt, OTHER_SEED, bf16)
+        _load(paths["dp_reshardable"], model, optimizer, scheduler, load_model=False)
+        out["optimizer_only"] = _snapshot(model, optimizer)
+        destroy_megatron()
+    return out
+
+
+def _world4(rank: int, world: int, root: str) -> dict:
+    """Every kind in one world; a kind that raises is reported to its own tests (every rank
+    raises at the same point: the runs are symmetric), the others still run."""
+    import traceback
+
+    from megatron.core import parallel_state as ps
+
+    out = {}
+    for kind in KINDS:
+        try:
+            out.update(_resume_run(kind, root))
+        except Exception:  # noqa: BLE001 - reported by the tests of this kind
+            out[kind] = traceback.format_exc()
+            if kind == "distopt":
+                out["optimizer_only"] = out[kind]
+            if ps.model_parallel_is_initialized():
+                destroy_megatron()
+    return out
+
+
+def _world2(rank: int, world: int, root: str) -> dict:
+    """TP2 x DP1: load each TP2 x DP2 distributed-optimizer checkpoint, one more step."""
+    import traceback
+
+    from megatron.core import parallel_state as ps
+
+    out = {}
+    for sharding in SHARDINGS["distopt"]:
+        try:
+            init_megatron(TP, 1)
+            model, optimizer, scheduler = _build(True, OTHER_SEED)
+            _load(os.path.join(root, f"distopt-{sharding}"), model, optimizer, scheduler)
+            loaded = _snapshot(model, optimizer)
+            _train(model, optimizer, scheduler, 2, 3)
+            out[sharding] = dict(loaded=loaded, continued=_snapshot(model, optimizer))
+        except Exception:  # noqa: BLE001 - reported by the test of this sharding type
+            out[sharding] = traceback.format_exc()
+        if ps.model_parallel_is_initialized():
+            destroy_megatron()
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("muon-ckpt")  # made here, shared by every rank
+    for name in CHECKPOINTS:  # dist_checkpointing.save wants an existing, empty directory
+        (root / name).mkdir()
+    root = str(root)
+    world4 = run_world(4, _world4, root)
+    try:
+        world2 = run_world(2, _world2, root)
+    except ChildError as e:  # reported by test_dp_resharding_load alone
+        world2 = str(e)
+    return world4, world2
+
+
+def _ok(result, what: str):
+    """A run's result, or the failure with the rank's traceback."""
+    if isinstance(result, str):
+        pytest.fail(f"{what} raised:\n{result}", pytrace=False)
+    return result
+
+
+def _assert_equal(a: dict, b: dict, what: str) -> None:
+    assert a.keys() == b.keys(), what
+    for name in a:
+        if isinstance(a[name], dict):
+            _assert_equal(a[name], b[name], f"{what} {name}")
+        else:
+            assert torch.equal(a[name], b[name]), (
+                f"{what} {name}: max diff {(a[name] - b[name]).abs().max().item():.3e}")
+
+
+def _flat(tree: dict, prefix: tuple = ()) -> dict:
+    out = {}
+    for k, v in tree.items():
+        out.update(_flat(v, prefix + (k,)) if isinstance(v, dict) else {prefix + (k,): v})
+    return out
+
+
+def _assert_same_state(x: dict, y: dict, what: str) -> None:
+    _assert_equal(x["params"], y["params"], f"{what}: param")
+    _assert_equal(x["states"], y["states"], f"{what}: optimizer state")
+    assert x["steps"] == y["steps"], what
+    assert x["muon_steps"] == y["muon_steps"], what
+    assert x["lr"] == y["lr"] and x["algorithms"] == y["algorithms"], what
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_bitwise_resume(runs, kind):
+    """TP2 x DP2: save after 2 steps, load into a differently initialized model, 2 more steps ==
+    4 uninterrupted steps, bitwise (params, momentum, Adam moments, steps, muon_steps)."""
+    for r in runs[0]:
+        res = _ok(r[kind], kind)
+        # The fresh model really is different, so the load has something to do.
+        fc1 = next(n for n in res["fresh"] if n.endswith("layers.0.mlp.linear_fc1.weight"))
+        assert not torch.equal(res["fresh"][fc1], res["ref"][2]["params"][fc1])
+        _assert_same_state(res["loaded"], res["ref"][2], f"{kind} rank {res['loaded']['tp_rank']}: loaded")
+        assert res["loaded"]["steps"] == {2.0} and res["loaded"]["muon_steps"] == 2
+        _assert_same_state(res["resumed"], res["ref"][4], f"{kind}: resumed")
+        assert res["resumed"]["muon_steps"] == 4
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "optimizer_only"])
+def test_dp_replicas_identical_after_load(runs, kind):
+    """After a load every DP replica holds the same params (upstream #6920), also when only the
+    distributed optimizer's state was loaded; then they are the saved params."""
+    snaps = [_ok(r[kind], kind) for r in runs[0]]
+    snaps = [s if kind == "optimizer_only" else s["loaded"] for s in snaps]
+    for a in snaps:
+        for b in snaps:
+            if a["tp_rank"] == b["tp_rank"]:
+                _assert_equal(a["params"], b["params"], f"{kind}: DP replicas")
+    if kind == "optimizer_only":
+        for r in runs[0]:
+            _assert_same_state(r["optimizer_only"], r["distopt"]["ref"][2], "optimizer-only load")
+
+
+@pytest.mark.parametrize("sharding", SHARDINGS["distopt"])
+def test_dp_resharding_load(runs, sharding):
+    """Saved at TP2 x DP2, loaded at TP2 x DP1: params and every optimizer state (Muon momentum
+    under ``exp_avg``) arrive bitwise; one more step matches the DP2 run."""
+    world4, world2 = runs
+    refs = [_ok(r["distopt"], "distopt")["ref"] for r in world4]
+    ref = {x[2]["tp_rank"]: x for x in refs if x[2]["dp_rank"] == 0}
+    world2 = _ok(world2, "the TP2 x DP1 run")
+    for r in world2:
+        r = _ok(r[sharding], f"the TP2 x DP1 load of {sharding}")
+        tp_rank = r["loaded"]["tp_rank"]
+        _assert_same_state(r["loaded"], ref[tp_rank][2], f"DP2 -> DP1 tp_rank {tp_rank}: loaded")
+        cont, want = r["continued"], ref[tp_rank][3]
+        for part in ("params", "states"):
+            flat_c, flat_w = _flat(cont[part]), _flat(want[part])
+            assert flat_c.keys() == flat_w.keys()
+            worst = max(((flat_c[k] - flat_w[k]).abs().max().item(), k) for k in flat_w)
+            assert worst[0] <= ATOL, f"DP1 continuation: {part} {worst[1]} off by {worst[0]:.2e}"
+        assert cont["steps"] == {3.0} and cont["muon_steps"] == 3

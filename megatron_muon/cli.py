@@ -127,6 +127,21 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Cap, in MiB of full matrices, on what one owner-exchange round gathers (bounds the "
              "extra memory of owner modes). Default 256.",
     )
+    group.add_argument(
+        "--muonbp-period", type=int, default=None, metavar="P",
+        help="MuonBP (Khaled et al., arXiv 2510.16981): orthogonalize each rank's TP block (no TP "
+             "traffic) on most steps and the whole matrix, with --muon-tp-mode, when the applied-"
+             "step count t (0-based) has t %% P == 0. Default: off (plain Muon). 1 is exactly Muon, "
+             "0 never takes a full step (BlockMuon). The paper found P=5 best.",
+    )
+    group.add_argument(
+        "--muonbp-block-lr-mult", type=float, default=1.0,
+        help="Learning rate of MuonBP's block steps as a multiple of --lr (η_block / η_full; full "
+             "steps use the scheduled lr). Default 1.0: the paper's theory puts the optimal ratio "
+             "between 1 and 1/sqrt(r·c) for an r×c block grid, and we found no ratio stated for its "
+             "experiments; with block-shape RMS matching (--muon-scale-mode on the block's shape) "
+             "equal rates give block and full updates the same per-entry RMS.",
+    )
     return parser
 
 
@@ -162,4 +177,6 @@ def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
         tp_mode=get("muon_tp_mode", "blockwise"),
         dp_mode=get("muon_dp_mode", "owner"),
         owner_bucket_bytes=int(round(get("muon_owner_bucket_size_mb", 256) * MB)),
+        muonbp_period=get("muonbp_period", None),
+        muonbp_block_lr_mult=get("muonbp_block_lr_mult", 1.0),
     )

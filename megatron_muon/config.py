@@ -53,6 +53,12 @@ class MuonConfig:
     redundant (every DP rank computes everything; for comparison)."""
     owner_bucket_bytes: int = 256 * 2**20
     """cap on full-matrix bytes per owner-exchange round (--muon-owner-bucket-size-mb)."""
+    muonbp_period: int | None = None
+    """MuonBP (arXiv 2510.16981): None = off (plain Muon); P >= 1 = a full (exact, ``tp_mode``)
+    step when the applied-step counter t (0-based) has t % P == 0, a block step otherwise;
+    0 = never a full step (BlockMuon). P = 1 is exactly Muon."""
+    muonbp_block_lr_mult: float = 1.0
+    """η_block / η_full: the learning-rate multiplier of MuonBP's block steps."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -68,9 +74,26 @@ class MuonConfig:
             (0.0 <= self.momentum < 1.0, "--muon-momentum", "a value in [0, 1)", self.momentum),
             (self.owner_bucket_bytes > 0, "--muon-owner-bucket-size-mb", "a positive size", self.owner_bucket_bytes),
         ]
+        if self.muonbp_period is not None:
+            checks += [
+                (isinstance(self.muonbp_period, int) and self.muonbp_period >= 0, "--muonbp-period",
+                 "an integer >= 0 (0: never a full step)", self.muonbp_period),
+                (self.muonbp_block_lr_mult > 0, "--muonbp-block-lr-mult", "a value > 0", self.muonbp_block_lr_mult),
+                (self.muonbp_period == 0 or self.tp_mode != "blockwise", "--muonbp-period",
+                 "an exact --muon-tp-mode (owner, duplicated or distributed) for its full steps, not blockwise",
+                 self.muonbp_period),
+            ]
         for ok, flag, expected, got in checks:
             if not ok:
                 raise ValueError(f"{flag}: expected {expected}, got {got!r}")
+
+    def step_kind(self, t: int) -> str:
+        """``"muon"`` (MuonBP off), ``"full"`` or ``"block"`` for applied step t (0-based)."""
+        if self.muonbp_period is None:
+            return "muon"
+        if self.muonbp_period > 0 and t % self.muonbp_period == 0:
+            return "full"
+        return "block"
 
     @property
     def ns_dtype(self) -> torch.dtype:

@@ -16,6 +16,14 @@ Per step, for the Muon matrices (upstream emerging-optimizers semantics):
     O ← orthogonalize_updates(U)                    (scaled, exact per tp_mode; one call for all)
     θ ← θ·(1 − lr·wd) − lr·O                         (decoupled weight decay)
 and ``torch.optim.AdamW``'s own functional step for the rest.
+
+MuonBP (Khaled et al., arXiv 2510.16981, Algorithm 1; ``MuonConfig.muonbp_period``): the
+momentum is updated every step as above; on a *full* step (t % P == 0, t the 0-based count of
+applied steps) O is the exact orthogonalization of the whole matrix (``tp_mode``) scaled by the
+full shape, with lr η_full = the scheduled lr; on a *block* step O is NS of this rank's TP block
+(``blockwise``: no TP traffic; DP fragments are still reassembled on their owner) scaled by the
+block's shape, with lr η_block = ``muonbp_block_lr_mult`` × η_full. Weight decay uses the
+scheduled lr on every step, so it is the same as Muon's.
 """
 
 from __future__ import annotations
@@ -75,7 +83,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._dp_group = self._tp_group = None
         self._validated = False
         self.muon_steps = 0
-        """optimizer steps applied (skipped steps never reach ``step``)."""
+        """optimizer steps applied (skipped steps never reach ``step``); MuonBP's phase."""
+        self.last_step_kind: str | None = None
+        """``"muon"``, ``"full"`` or ``"block"``: what the last applied step did (for logs)."""
+        from .checkpoint import prepare_for_checkpointing
+
+        prepare_for_checkpointing(self)  # muon_steps travels in state_dict(); groups tagged
 
     # ---- wiring ---------------------------------------------------------------------------
     def attach(self, matrices: Sequence[MuonMatrix], *, dp_group=None, tp_group=None) -> None:
@@ -137,6 +150,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if not matrices:
             return
         cfg = self.config
+        kind = cfg.step_kind(self.muon_steps)
+        tp_mode = "blockwise" if kind == "block" else cfg.tp_mode
+        lr_mult = cfg.muonbp_block_lr_mult if kind == "block" else 1.0
+        self.last_step_kind = kind
         group_of = self._group_of()
         updates = []
         for m in matrices:
@@ -159,7 +176,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         orth = orthogonalize_updates(
             updates,
             [m.layout for m in matrices],
-            tp_mode=cfg.tp_mode,
+            tp_mode=tp_mode,
             dp_group=self._dp_group,
             tp_group=self._tp_group,
             dp_mode=cfg.dp_mode,
@@ -178,7 +195,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 continue
             group = group_of[id(p)]
             p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(o.view_as(p), alpha=-group["lr"])
+            p.add_(o.view_as(p), alpha=-group["lr"] * lr_mult)
 
     def _adamw_step(self, group) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

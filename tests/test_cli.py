@@ -48,6 +48,8 @@ FLAG_TO_FIELD = [
     ("--muon-tp-mode duplicated", "tp_mode", "duplicated"),
     ("--muon-dp-mode redundant", "dp_mode", "redundant"),
     ("--muon-owner-bucket-size-mb 0.5", "owner_bucket_bytes", 2**19),
+    ("--muonbp-period 0", "muonbp_period", 0),  # 0 (BlockMuon) is valid with the default blockwise
+    ("--muonbp-block-lr-mult 0.5", "muonbp_block_lr_mult", 0.5),
 ]
 
 # (flags, the flag the ValueError must name)
@@ -58,6 +60,9 @@ BAD_VALUES = [
     ("--muon-num-ns-steps 0", "--muon-num-ns-steps"),
     ("--muon-momentum 1.0", "--muon-momentum"),
     ("--muon-owner-bucket-size-mb 0", "--muon-owner-bucket-size-mb"),
+    ("--muonbp-period -1 --muon-tp-mode owner", "--muonbp-period"),
+    ("--muonbp-period 5", "--muonbp-period"),  # full steps need an exact mode; default is blockwise
+    ("--muonbp-period 5 --muon-tp-mode owner --muonbp-block-lr-mult 0", "--muonbp-block-lr-mult"),
 ]
 
 

@@ -142,6 +142,12 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "experiments; with block-shape RMS matching (--muon-scale-mode on the block's shape) "
              "equal rates give block and full updates the same per-entry RMS.",
     )
+    group.add_argument(
+        "--muon-log-stats", action="store_true",
+        help="Append to Megatron's iteration log line what the last optimizer step did: its kind "
+             "(muon, or MuonBP's full / block), the bytes megatron-muon sent from the logging rank "
+             "and the wall time of its orthogonalize step.",
+    )
     return parser
 
 
@@ -179,4 +185,5 @@ def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
         owner_bucket_bytes=int(round(get("muon_owner_bucket_size_mb", 256) * MB)),
         muonbp_period=get("muonbp_period", None),
         muonbp_block_lr_mult=get("muonbp_block_lr_mult", 1.0),
+        log_stats=get("muon_log_stats", False),
     )

@@ -59,6 +59,9 @@ class MuonConfig:
     0 = never a full step (BlockMuon). P = 1 is exactly Muon."""
     muonbp_block_lr_mult: float = 1.0
     """η_block / η_full: the learning-rate multiplier of MuonBP's block steps."""
+    log_stats: bool = False
+    """append the last step's kind (muon / full / block), bytes sent and orthogonalize time to
+    Megatron's iteration log line (--muon-log-stats)."""
 
     def __post_init__(self) -> None:
         checks = [

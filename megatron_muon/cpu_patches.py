@@ -248,6 +248,32 @@ def patch_dist_checkpointing() -> None:
         _retarget(owner, attr, view=True)
 
 
+def patch_timers() -> None:
+    """megatron/core/timers.py: ``Timer.start`` / ``Timer.stop`` call ``torch.cuda.synchronize()``
+    (CPU view: a no-op, CPU kernels are synchronous) and
+    ``Timers._get_elapsed_time_all_ranks`` gathers on ``torch.cuda.current_device()`` (CPU view):
+    Megatron's training loop times every iteration with them."""
+    from megatron.core import timers as m
+
+    _retarget(m.Timer, "start", view=True)
+    _retarget(m.Timer, "stop", view=True)
+    _retarget(m.Timers, "_get_elapsed_time_all_ranks", view=True)
+
+
+def patch_training_log() -> None:
+    """megatron/training: ``training.training_log`` (Megatron's iteration log line) starts and
+    resets its loss accumulators with ``torch.tensor([0.0], device='cuda')``;
+    ``utils.common_utils.reduce_max_stat_across_model_parallel_group`` see below. (Its memory report,
+    ``torch.cuda.memory_stats``, runs only with --log-memory-to-tensorboard and is left alone.)"""
+    from megatron.training import training as m
+    from megatron.training.utils import common_utils
+
+    _retarget(m, "training_log", consts=("cuda",))
+    # The lr it logs is reduced over the model-parallel group from a tensor made on
+    # ``torch.cuda.current_device()`` (CPU view).
+    _retarget(common_utils, "reduce_max_stat_across_model_parallel_group", view=True)
+
+
 def patch_causal_mask() -> None:
     """megatron/core/transformer/utils.py: ``get_default_causal_mask`` builds its mask with
     ``torch.ones(sq, sq, device="cuda")``; ``FusedScaleMaskSoftmax.forward_torch_softmax`` calls
@@ -342,6 +368,8 @@ PATCHES = (
     patch_distrib_optimizer,
     patch_pipeline,
     patch_dist_checkpointing,
+    patch_timers,
+    patch_training_log,
 )
 
 

@@ -6,7 +6,7 @@ Usage: call ``install()`` before Megatron first parses the command line
     import megatron_muon.integration
     megatron_muon.integration.install()
 
-``install()`` (idempotent) replaces three module attributes of megatron-core 0.19.2's training
+``install()`` (idempotent) replaces four module attributes of megatron-core 0.19.2's training
 package; each exists because Megatron itself would do something else:
 
 1. ``megatron.training.arguments.add_megatron_arguments``: now also runs ``add_muon_args``.
@@ -25,6 +25,9 @@ package; each exists because Megatron itself would do something else:
    with a one-line error naming it. It records ``args.megatron_muon`` (True: the plugin runs).
 3. ``megatron.training.training.get_megatron_optimizer`` (the name ``setup_model_and_optimizer``
    calls). A dispatcher: ``get_megatron_muon_optimizer`` when the plugin runs, else the original.
+4. ``megatron.training.training.training_log``: with ``--muon-log-stats`` the iteration log line
+   ends with what the last optimizer step did (``stats_text``: kind — muon, or MuonBP's full /
+   block — bytes sent, orthogonalize time).
 
 ``--optimizer dist_muon`` (deprecated upstream) and the other emerging optimizers keep upstream's
 implementations. ``--yaml-cfg`` bypasses ``validate_args``; with it ``--optimizer muon`` is
@@ -103,11 +106,13 @@ def _wrap_get_megatron_optimizer(get_megatron_optimizer):
                     "parse_and_validate_args (and --yaml-cfg is not supported)"
                 )
             if active:
-                return get_megatron_muon_optimizer(
+                optimizer = get_megatron_muon_optimizer(
                     config, model_chunks, muon_config_from_args(args),
                     config_overrides=config_overrides, pg_collection=pg_collection,
                     use_gloo_process_groups=use_gloo_process_groups,
                 )
+                _BUILT[:] = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [])]
+                return optimizer
         return get_megatron_optimizer(
             config, model_chunks, config_overrides=config_overrides,
             use_gloo_process_groups=use_gloo_process_groups, pg_collection=pg_collection,
@@ -116,6 +121,53 @@ def _wrap_get_megatron_optimizer(get_megatron_optimizer):
 
     setattr(dispatcher, _ORIGINAL, get_megatron_optimizer)
     return dispatcher
+
+
+_BUILT: list = []  # the MuonWithAdamW optimizers the dispatcher built (for the log line)
+
+
+def stats_text(optimizers) -> str:
+    """`` muon step: full | muon bytes sent: 1.23 MB | muon orthogonalize: 4.5 ms |`` for the
+    last step of every megatron-muon optimizer (one per model chunk group; usually one)."""
+    parts = []
+    for inner in optimizers:
+        stats = getattr(inner, "last_step_stats", None)
+        if stats:
+            parts.append(
+                f" muon step: {stats['kind']} | muon bytes sent: {stats['bytes_sent'] / 1e6:.3f} MB |"
+                f" muon orthogonalize: {stats['orthogonalize_ms']:.1f} ms |"
+            )
+    return "".join(parts)
+
+
+def _wrap_training_log(training_log):
+    """With --muon-log-stats, Megatron's iteration line gets ``stats_text`` appended: the line
+    is built inside ``training_log`` and printed by ``print_rank_last``, so that name is
+    redirected for the duration of the call only."""
+    from megatron.training import training
+
+    @functools.wraps(training_log)
+    def wrapper(*args, **kwargs):
+        from megatron.training import get_args
+
+        margs = get_args()
+        if not (getattr(margs, ACTIVE, False) and getattr(margs, "muon_log_stats", False) and _BUILT):
+            return training_log(*args, **kwargs)
+        printer = training.print_rank_last
+
+        def print_with_stats(message):
+            if " iteration " in message and message.rstrip().endswith("|"):
+                message = message.rstrip() + stats_text(_BUILT)
+            printer(message)
+
+        training.print_rank_last = print_with_stats
+        try:
+            return training_log(*args, **kwargs)
+        finally:
+            training.print_rank_last = printer
+
+    setattr(wrapper, _ORIGINAL, training_log)
+    return wrapper
 
 
 def _wrap_add_megatron_arguments(add_megatron_arguments):
@@ -128,13 +180,14 @@ def _wrap_add_megatron_arguments(add_megatron_arguments):
 
 
 def install() -> None:
-    """Install the three hooks into ``megatron.training``; calling it again changes nothing."""
+    """Install the four hooks into ``megatron.training``; calling it again changes nothing."""
     from megatron.training import arguments, training
 
     hooks = [
         (arguments, "add_megatron_arguments", _wrap_add_megatron_arguments),
         (arguments, "validate_args", _wrap_validate_args),
         (training, "get_megatron_optimizer", _wrap_get_megatron_optimizer),
+        (training, "training_log", _wrap_training_log),
     ]
     for module, name, wrap in hooks:
         if not hasattr(getattr(module, name), _ORIGINAL):

@@ -28,12 +28,14 @@ scheduled lr on every step, so it is the same as Muon's.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch.optim.adam import adam as functional_adam
 
+from .comm import comm_stats
 from .config import MuonConfig
 from .matrix_layout import MatrixLayout
 from .orthogonalize import orthogonalize_updates
@@ -86,6 +88,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """optimizer steps applied (skipped steps never reach ``step``); MuonBP's phase."""
         self.last_step_kind: str | None = None
         """``"muon"``, ``"full"`` or ``"block"``: what the last applied step did (for logs)."""
+        self.last_step_stats: dict = {}
+        """the last step's kind, package bytes sent by this rank, NS FLOPs, orthogonalize ms."""
         from .checkpoint import prepare_for_checkpointing
 
         prepare_for_checkpointing(self)  # muon_steps travels in state_dict(); groups tagged
@@ -173,22 +177,28 @@ class MuonWithAdamW(torch.optim.Optimizer):
             buf.lerp_(grad, 1 - cfg.momentum)
             update = grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf
             updates.append(update.reshape(-1))
-        orth = orthogonalize_updates(
-            updates,
-            [m.layout for m in matrices],
-            tp_mode=tp_mode,
-            dp_group=self._dp_group,
-            tp_group=self._tp_group,
-            dp_mode=cfg.dp_mode,
-            steps=cfg.num_ns_steps,
-            coefficients=cfg.coefficient_type,
-            ns_dtype=cfg.ns_dtype,
-            scale_mode=cfg.scale_mode,
-            extra_scale_factor=cfg.extra_scale_factor,
-            bucket_bytes=cfg.owner_bucket_bytes,
-            validate=not self._validated,
-        )
+        started = time.perf_counter()
+        with comm_stats() as stats:
+            orth = orthogonalize_updates(
+                updates,
+                [m.layout for m in matrices],
+                tp_mode=tp_mode,
+                dp_group=self._dp_group,
+                tp_group=self._tp_group,
+                dp_mode=cfg.dp_mode,
+                steps=cfg.num_ns_steps,
+                coefficients=cfg.coefficient_type,
+                ns_dtype=cfg.ns_dtype,
+                scale_mode=cfg.scale_mode,
+                extra_scale_factor=cfg.extra_scale_factor,
+                bucket_bytes=cfg.owner_bucket_bytes,
+                validate=not self._validated,
+            )
         self._validated = True
+        self.last_step_stats = dict(
+            kind=kind, bytes_sent=stats.bytes_sent, ns_flops=stats.ns_flops,
+            orthogonalize_ms=1e3 * (time.perf_counter() - started),
+        )
         for m, o in zip(matrices, orth):
             p = m.param
             if p is None or p.grad is None:

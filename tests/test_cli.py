@@ -50,6 +50,7 @@ FLAG_TO_FIELD = [
     ("--muon-owner-bucket-size-mb 0.5", "owner_bucket_bytes", 2**19),
     ("--muonbp-period 0", "muonbp_period", 0),  # 0 (BlockMuon) is valid with the default blockwise
     ("--muonbp-block-lr-mult 0.5", "muonbp_block_lr_mult", 0.5),
+    ("--muon-log-stats", "log_stats", True),
 ]
 
 # (flags, the flag the ValueError must name)
@@ -157,6 +158,7 @@ def installed(megatron, monkeypatch):
 
     arguments, training = megatron
     for module, name in [(arguments, "add_megatron_arguments"), (arguments, "validate_args"),
+                         (training, "training_log"),
                          (training, "get_megatron_optimizer")]:
         monkeypatch.setattr(module, name, getattr(module, name))
     monkeypatch.setenv("WORLD_SIZE", "1")
@@ -272,6 +274,8 @@ def test_dispatcher(megatron, monkeypatch):
 
 def _real_optimizer(rank: int, world: int) -> dict:
     """Megatron's args → Megatron's OptimizerConfig → training.get_megatron_optimizer, one step."""
+    import contextlib
+    import io
     import os
 
     import torch
@@ -285,10 +289,10 @@ def _real_optimizer(rank: int, world: int) -> dict:
 
     integration.install()
     sys.argv = ["pretrain_gpt.py", *BASE, *"--optimizer muon --use-distributed-optimizer --muon-tp-mode owner "
-                "--muon-nesterov --clip-grad 0".split()]
+                "--muon-nesterov --clip-grad 0 --muonbp-period 2 --muon-log-stats --log-interval 1".split()]
     args = arguments.parse_args()
     arguments.validate_args(args)
-    global_vars.set_args(args)
+    global_vars.set_global_variables(args, build_tokenizer=False)  # args, timers, ... as training does
     init_megatron(1)
     model = build_tiny_gpt(1, use_distributed_optimizer=True)
     config, overrides = training.get_megatron_optimizer_config(args)
@@ -300,7 +304,13 @@ def _real_optimizer(rank: int, world: int) -> dict:
     forward_backward(model, make_batch(0), pp=1)
     ok, _, _ = optimizer.step()
     moved = sum(not torch.equal(before[n], p) for n, p in model[0].named_parameters())
-    out = dict(kind=type(inner).__name__, is_muon=isinstance(inner, MuonDistributedOptimizer), ok=ok,
+    # Megatron's own iteration log, through the training_log hook (--muon-log-stats).
+    args.padded_vocab_size = 128  # set by the tokenizer in a real run; read by the FLOPs estimate
+    global_vars.get_timers()("interval-time", log_level=0).start(barrier=True)  # as train() does
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        training.training_log({"lm loss": torch.tensor(4.0)}, {}, 1e-3, 1, 1.0, False, 0, 1.0, None, None, None)
+    out = dict(log=printed.getvalue(), kind=type(inner).__name__, is_muon=isinstance(inner, MuonDistributedOptimizer), ok=ok,
                tp_mode=inner.optimizer.config.tp_mode, nesterov=inner.optimizer.config.nesterov,
                moved=moved, total=len(before))
     destroy_megatron()
@@ -312,3 +322,6 @@ def test_get_megatron_optimizer_builds_muon_from_megatron_args():
     assert out["is_muon"], out["kind"]
     assert out["ok"] and (out["tp_mode"], out["nesterov"]) == ("owner", True)
     assert out["moved"] == out["total"]
+    # MuonBP P=2: the first applied step (t = 0) is a full step, and the log line says so.
+    line = next(l for l in out["log"].splitlines() if " iteration " in l)
+    assert "muon step: full |" in line and "muon bytes sent:" in line and "muon orthogonalize:" in line, line

@@ -173,6 +173,24 @@ def bench_rank(rank: int, nproc: int, args, shapes, device) -> list[dict]:
             calls={k: v for k, v in stats.calls.items() if k != "shape_check"},
         ), run))
 
+    # MuonBP (arXiv 2510.16981) with period P: a block step is exactly a blockwise call and a full
+    # step an owner call (rows above); this row runs one whole period, [owner, blockwise × (P−1)],
+    # and reports it per step, so its time, bytes and FLOPs are the period's average.
+    period = args.muonbp_period
+
+    def run_period(validate=False):
+        for t in range(period):
+            orthogonalize_sharded(shards, pdims, mode="owner" if t == 0 else "blockwise", steps=args.steps,
+                                  coefficients=args.coefficients, validate=validate)
+
+    with comm_stats() as stats:
+        run_period(validate=True)
+    rows.append((dict(
+        impl="ours", mode=f"muonbp P={period} (avg/step)", ns_flops=stats.ns_flops // period,
+        bytes_sent=(stats.bytes_sent - stats.bytes_by_primitive["shape_check"]) // period,
+        calls={k: v for k, v in stats.calls.items() if k != "shape_check"}, per_step_divisor=period,
+    ), run_period))
+
     # Megatron's newton_schulz accepts fp32 only; with precision "medium" it casts to bf16 itself.
     precision = "highest" if args.dtype == "fp32" else "medium"
     pg_collection = ProcessGroupCollection(tp=dist.group.WORLD)  # the TP group is every rank here
@@ -262,7 +280,8 @@ def summarize(per_rank: list[list[dict]]) -> list[dict]:
     """One row per (impl, mode): time stats, bytes and FLOPs over ranks, ratio to Megatron duplicated."""
     rows = []
     for row_by_rank in zip(*per_rank):
-        times_ms = [1e3 * t for t in row_by_rank[0]["times"]]  # already the max over ranks
+        divisor = row_by_rank[0].get("per_step_divisor", 1)  # a MuonBP row times a whole period
+        times_ms = [1e3 * t / divisor for t in row_by_rank[0]["times"]]  # already the max over ranks
         sent = [r["bytes_sent"] for r in row_by_rank]
         flops = [r["ns_flops"] for r in row_by_rank]
         rows.append(dict(
@@ -304,11 +323,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="Newton–Schulz iterations")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=1, help="untimed steps per row before timing")
+    parser.add_argument("--muonbp-period", type=int, default=5,
+                        help="MuonBP period for the period-average row (the paper's best: 5)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the ranks")
     parser.add_argument("--json", type=Path, help="also write the rows here")
     args = parser.parse_args()
-    if args.nproc < 1 or args.layers < 1 or args.scale < 1 or args.repeats < 1 or args.warmup < 0:
-        parser.error("--nproc, --layers, --scale and --repeats must be >= 1, --warmup >= 0")
+    if min(args.nproc, args.layers, args.scale, args.repeats, args.muonbp_period) < 1 or args.warmup < 0:
+        parser.error("--nproc, --layers, --scale, --repeats and --muonbp-period must be >= 1, --warmup >= 0")
 
     use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= args.nproc \
         and torch.distributed.is_nccl_available()
@@ -333,6 +354,9 @@ def main() -> None:
         "time: per step, the slowest rank's; median and min–max over the repeats; the rows take "
         "turns, one step each per round, so load drift on the host hits them alike.",
         "ours: bytes and FLOPs from megatron_muon.comm_stats (payload only; the shape check runs untimed).",
+        f"muonbp P={args.muonbp_period}: one period [owner, blockwise x {args.muonbp_period - 1}] run as one "
+        "timed unit, reported per step; its block step is the blockwise row (0 TP bytes), its full step "
+        "the owner row.",
         "megatron: bytes measured by intercepting torch.distributed.all_gather / all_gather_into_tensor / "
         "all_reduce during one untimed step, counted with megatron_muon/comm.py's convention "
         "(all_gather: own input × (t−1); all_reduce: 2(t−1)/t × bytes).",

@@ -1,0 +1,258 @@
+"""The shipped YAML configs, the YAML → argv loader, and docs/flags.md.
+
+Each ``configs/*.yaml`` goes through ``load_yaml_args`` and then Megatron's own ``parse_args``
+(with ``integration.install()``) and ``validate_args`` on this one CPU process. validate_args
+never initializes torch.distributed; it only reads WORLD_SIZE / RANK, so WORLD_SIZE is set to
+TP x PP x CP (data-parallel size 1) and the divisibility checks run for real. Two checks need
+the machine a config is meant for, and are given its answers (see ``_as_on_a_gpu_node``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_muon.cli import muon_config_from_args
+from megatron_muon.yaml_config import args_from_mapping, build_parser, load_yaml_args, main, read_yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+EXPECTED_CONFIGS = {"tiny-cpu", "gpt-125m-muon", "llama3-8b-tp8-owner", "llama3-8b-tp8-muonbp",
+                    "llama3-70b-tp8-pp4-owner"}
+
+
+@pytest.fixture(scope="module")
+def parser():
+    return build_parser()
+
+
+def _write(tmp_path, text: str) -> Path:
+    path = tmp_path / "cfg.yaml"
+    path.write_text(text)
+    return path
+
+
+# --- the loader ------------------------------------------------------------------------------
+
+
+def test_scalars_and_lists_map_one_to_one(tmp_path):
+    path = _write(tmp_path, "num_layers: 2\nnum-attention-heads: 4\nlr: 3.0e-3\n"
+                            "train_data_path: [a, b]\nvalid_data_path:\n  - c\nmuon_tp_mode: owner\n")
+    assert load_yaml_args(path) == ["--num-layers", "2", "--num-attention-heads", "4", "--lr", "0.003",
+                                    "--train-data-path", "a", "b", "--valid-data-path", "c",
+                                    "--muon-tp-mode", "owner"]
+
+
+@pytest.mark.parametrize("text,argv", [
+    ("bf16: true", ["--bf16"]),                                  # store_true
+    ("bf16: false", []),                                         # its default: left out
+    ("muon_split_fc1: false", ["--muon-no-split-fc1"]),          # a dest: the flag that gives false
+    ("muon_split_fc1: true", ["--muon-split-fc1"]),
+    ("muon_split_qkv: false", ["--muon-no-split-qkv"]),          # dest of a store_false flag
+    ("muon_split_qkv: true", []),
+    ("muon_no_split_qkv: true", ["--muon-no-split-qkv"]),        # the flag itself: true = pass it
+    ("muon_no_split_qkv: false", []),
+    ("disable_bias_linear: true", ["--disable-bias-linear"]),
+    ("add_bias_linear: false", ["--disable-bias-linear"]),
+    ("gradient_accumulation_fusion: false", ["--no-gradient-accumulation-fusion"]),
+    ("layernorm_epsilon: 1.0e-6", ["--norm-epsilon", "1e-06"]),  # a dest, not an option string
+    ("tokenizer_model: null", []),                               # null: Megatron's default
+])
+def test_bool_and_dest_handling(tmp_path, parser, text, argv):
+    assert load_yaml_args(_write(tmp_path, text + "\n")) == argv
+    if argv:
+        parser.parse_args(argv)  # and the parser accepts what came out
+
+
+def test_unknown_key_names_key_and_file(tmp_path):
+    path = _write(tmp_path, "num_layers: 2\nnum_layerz: 3\n")
+    with pytest.raises(ValueError, match="num_layerz") as info:
+        load_yaml_args(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("text,key", [
+    ("num_layers: two", "num_layers"),          # int flag, a word
+    ("num_layers: 2.5", "num_layers"),          # int flag, a float
+    ("lr: fast", "lr"),                         # float flag
+    ("num_layers: true", "num_layers"),         # a bool for a value flag
+    ("swiglu: 1", "swiglu"),                    # a number for an on/off flag
+    ("muon_tp_mode: exact", "muon_tp_mode"),    # outside the choices
+    ("seq_length: [1, 2]", "seq_length"),       # a list for a one-value flag
+    ("muon_nesterov: [true]", "muon_nesterov"),
+    ("swiglu: false\nno_persist_layer_norm: 3", "no_persist_layer_norm"),
+])
+def test_wrong_type_names_the_key(tmp_path, text, key):
+    path = _write(tmp_path, text + "\n")
+    with pytest.raises(ValueError, match=f"'{key}'") as info:
+        load_yaml_args(path)
+    assert str(path) in str(info.value)
+
+
+def test_two_keys_for_one_setting_rejected(tmp_path):
+    with pytest.raises(ValueError, match="muon_no_split_fc1"):
+        load_yaml_args(_write(tmp_path, "muon_split_fc1: true\nmuon_no_split_fc1: true\n"))
+    with pytest.raises(ValueError, match="appears twice"):
+        load_yaml_args(_write(tmp_path, "lr: 1.0e-3\nlr: 2.0e-3\n"))
+
+
+def test_config_must_be_a_mapping(tmp_path):
+    with pytest.raises(ValueError, match="mapping"):
+        load_yaml_args(_write(tmp_path, "- --num-layers\n- 2\n"))
+
+
+def test_cli_prints_shell_quoted_args_then_extras(tmp_path, capsys):
+    path = _write(tmp_path, "num_layers: 2\nsave: dir with space\n")
+    assert main([str(path), "--lr", "1e-3"]) == 0
+    assert capsys.readouterr().out == "--num-layers 2 --save 'dir with space' --lr 1e-3\n"
+    assert main([str(_write(tmp_path, "bogus_flag: 1\n"))]) == 1
+    assert "bogus_flag" in capsys.readouterr().err
+
+
+def test_builtin_reader_matches_pyyaml():
+    """Without PyYAML a built-in reader handles the configs' flat subset; with it, both agree."""
+    yaml = pytest.importorskip("yaml")
+    from megatron_muon.yaml_config import _read_flat_yaml
+
+    for path in CONFIGS:
+        assert _read_flat_yaml(path.read_text(), path) == yaml.safe_load(path.read_text()), path
+
+
+# --- the shipped configs ---------------------------------------------------------------------
+
+
+def test_the_configs_are_all_here():
+    assert {p.stem for p in CONFIGS} == EXPECTED_CONFIGS
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    from megatron.training import arguments
+
+    return arguments
+
+
+@pytest.fixture
+def installed(megatron, monkeypatch):
+    from megatron.training import training
+
+    from megatron_muon import integration
+
+    for module, name in [(megatron, "add_megatron_arguments"), (megatron, "validate_args"),
+                         (training, "training_log"), (training, "get_megatron_optimizer")]:
+        monkeypatch.setattr(module, name, getattr(module, name))
+    integration.install()
+    return megatron
+
+
+def _as_on_a_gpu_node(arguments, monkeypatch):
+    """What validate_args reads from the machine, for the GPU node a TP>1 config is meant for.
+
+    With TP (or CP) > 1, megatron-core 0.19.2's validate_args (1) queries the GPU's architecture,
+    ``get_device_arch_version()`` = ``torch.cuda.get_device_properties('cuda:0').major``, which
+    raises on a machine without a GPU, and (2) before Blackwell asserts
+    CUDA_DEVICE_MAX_CONNECTIONS=1, which the launcher must export (configs/README.md). Here the
+    first answers 9 (Hopper, the H100/H200 the Llama configs target) and the second is set, as
+    the launch line sets it; every other check runs unchanged. For tiny-cpu (gloo, TP=2) the
+    same architecture query happens in a real CPU run: the training entry has to answer it too.
+    """
+    monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+
+
+def _parse_and_validate(arguments, monkeypatch, argv: list[str]):
+    monkeypatch.setattr(sys, "argv", ["pretrain_gpt.py", *argv])
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    probe = arguments.parse_args()
+    world = probe.tensor_model_parallel_size * probe.pipeline_model_parallel_size * probe.context_parallel_size
+    monkeypatch.setenv("WORLD_SIZE", str(world))  # one data-parallel replica
+    args = arguments.parse_args()
+    arguments.validate_args(args)
+    return args
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_config_passes_megatrons_parse_and_validate(installed, monkeypatch, path):
+    _as_on_a_gpu_node(installed, monkeypatch)
+    args = _parse_and_validate(installed, monkeypatch, load_yaml_args(path))
+    data = read_yaml(path)
+    assert args.optimizer == "muon" and args.megatron_muon is True
+    assert args.use_distributed_optimizer and not args.use_layer_wise_distributed_optimizer
+    assert args.data_parallel_size == 1
+    assert args.global_batch_size % args.micro_batch_size == 0
+    for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "lr",
+                "tensor_model_parallel_size", "pipeline_model_parallel_size", "muon_tp_mode"):
+        assert getattr(args, key) == data[key], key
+    assert args.num_layers % args.pipeline_model_parallel_size == 0
+    config = muon_config_from_args(args)
+    assert config.tp_mode == "owner"
+    assert config.log_stats == bool(data.get("muon_log_stats", False))
+
+
+LLAMA3 = {  # Llama-3 shapes: layers, hidden, heads, KV groups, FFN
+    "llama3-8b": (32, 4096, 32, 8, 14336),
+    "llama3-70b": (80, 8192, 64, 8, 28672),
+}
+
+
+@pytest.mark.parametrize("path", [p for p in CONFIGS if p.stem.startswith("llama3")],
+                         ids=lambda p: p.stem)
+def test_llama3_configs_have_llama3_shapes(installed, monkeypatch, path):
+    _as_on_a_gpu_node(installed, monkeypatch)
+    args = _parse_and_validate(installed, monkeypatch, load_yaml_args(path))
+    shape = LLAMA3["-".join(path.stem.split("-")[:2])]
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.num_query_groups,
+            args.ffn_hidden_size) == shape
+    assert args.group_query_attention and args.swiglu and args.untie_embeddings_and_output_weights
+    assert (args.normalization, args.position_embedding_type, args.rotary_base) == ("RMSNorm", "rope", 500000)
+    assert (args.seq_length, args.tensor_model_parallel_size, args.bf16) == (8192, 8, True)
+    assert not args.add_bias_linear
+    config = muon_config_from_args(args)
+    assert (config.scale_mode, config.extra_scale_factor) == ("spectral", 0.2)
+    assert config.muonbp_period == (5 if "muonbp" in path.stem else None)
+    if "70b" in path.stem:
+        assert args.pipeline_model_parallel_size == 4
+
+
+def test_tiny_cpu_is_the_cpu_demo(installed, monkeypatch):
+    _as_on_a_gpu_node(installed, monkeypatch)
+    args = _parse_and_validate(installed, monkeypatch, load_yaml_args(ROOT / "configs" / "tiny-cpu.yaml"))
+    assert (args.tensor_model_parallel_size, args.distributed_backend, args.transformer_impl) == (2, "gloo", "local")
+    assert (args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length) == (2, 64, 4, 64)
+    assert (args.micro_batch_size, args.global_batch_size, args.train_iters) == (2, 4, 200)
+    assert not args.bf16 and not args.gradient_accumulation_fusion
+    assert (args.tokenizer_type, args.vocab_size, args.ckpt_format) == ("NullTokenizer", 257, "torch_dist")
+    assert args.train_data_path == ["data/train_text_document"]
+    assert args.valid_data_path == ["data/valid_text_document"]
+    assert (args.lr, args.lr_decay_style, args.log_interval, args.save_interval) == (3e-3, "cosine", 10, 100)
+    assert args.lr_warmup_iters > 0
+
+
+# --- docs/flags.md ---------------------------------------------------------------------------
+
+
+def _gen_flags_doc():
+    spec = importlib.util.spec_from_file_location("gen_flags_doc", ROOT / "scripts" / "gen_flags_doc.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_flags_doc_is_current(parser):
+    gen = _gen_flags_doc()
+    expected = gen.render(parser)
+    assert expected == gen.render(parser), "render() is not deterministic"
+    doc = ROOT / "docs" / "flags.md"
+    assert doc.exists() and doc.read_text() == expected, (
+        f"docs/flags.md is stale (the --muon-* argparse definitions changed); regenerate it with: "
+        f"{gen.COMMAND}")
+
+
+def test_flags_doc_lists_every_muon_flag(parser):
+    text = (ROOT / "docs" / "flags.md").read_text()
+    flags = {s for a in parser._actions for s in a.option_strings if s.startswith("--muon")}
+    assert flags and all(f"`{flag}`" in text for flag in flags)

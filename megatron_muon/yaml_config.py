@@ -290,9 +290,12 @@ def load_yaml_args(path: str | Path) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    lines = bool(argv) and argv[0] == "--lines"  # one argument per line, for `mapfile` in scripts
+    if lines:
+        argv = argv[1:]
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m megatron_muon.yaml_config CONFIG.yaml [EXTRA ARGS...]\n"
-              "Prints the config's Megatron arguments, shell-quoted, then EXTRA ARGS.",
+        print("usage: python -m megatron_muon.yaml_config [--lines] CONFIG.yaml [EXTRA ARGS...]\n"
+              "Prints the config's Megatron arguments, shell-quoted (or one per line), then EXTRA ARGS.",
               file=sys.stderr if not argv else sys.stdout)
         return 2 if not argv else 0
     try:
@@ -300,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(shlex.join(args + argv[1:]))
+    print("\n".join(args + argv[1:]) if lines else shlex.join(args + argv[1:]))
     return 0
 
 

@@ -2,8 +2,11 @@
 # One entry for a fresh machine: builds the virtual environment if it is missing or stale,
 # then runs the main job or the test suite.
 #
-#   bash scripts/run.sh main [ARGS...]   # the main job: the TP-mode benchmark (scripts/bench_tp_modes.py)
+#   bash scripts/run.sh main [ARGS...]   # the main job: the tiny-GPT demo (configs/tiny-cpu.yaml):
+#                                        #   byte-level data from the stdlib, then Megatron's own training
+#                                        #   loop with --optimizer muon --muon-tp-mode owner on 2 processes
 #   bash scripts/run.sh test [ARGS...]   # the test suite (pytest), ARGS passed through
+#   bash scripts/run.sh bench [ARGS...]  # the TP-mode benchmark (scripts/bench_tp_modes.py)
 #
 # The venv lives in .venv/ and is reused while the requirements pinned in pyproject.toml and
 # the interpreter are unchanged; a fresh install downloads about 4.7 GB.
@@ -59,6 +62,23 @@ shift || true
 case "$cmd" in
     main)
         ensure_venv
+        cd "$repo"
+        if [[ ! -f data/train_text_document.bin ]]; then
+            "$venv/bin/python" scripts/prepare_data.py --out data
+        fi
+        port="$("$venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+        # Megatron's validate_args wants this whenever TP > 1 (kernel ordering on pre-Blackwell GPUs).
+        export CUDA_DEVICE_MAX_CONNECTIONS=1
+        config_text="$("$venv/bin/python" -m megatron_muon.yaml_config --lines configs/tiny-cpu.yaml "$@")"
+        mapfile -t config_args <<< "$config_text"
+        "$venv/bin/torchrun" --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$port" \
+            scripts/pretrain_gpt.py "${config_args[@]}"
+        echo
+        echo "Checkpoint: checkpoints/tiny-cpu. Running the same command again resumes from it; to train on:"
+        echo "  bash scripts/run.sh main --train-iters 400 --override-opt-param-scheduler"
+        ;;
+    bench)
+        ensure_venv
         exec "$venv/bin/python" "$repo/scripts/bench_tp_modes.py" "$@"
         ;;
     test)
@@ -67,7 +87,7 @@ case "$cmd" in
         exec "$venv/bin/python" -m pytest "$@"
         ;;
     *)
-        echo "usage: bash scripts/run.sh {main|test} [ARGS...]" >&2
+        echo "usage: bash scripts/run.sh {main|test|bench} [ARGS...]" >&2
         exit 2
         ;;
 esac

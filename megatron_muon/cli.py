@@ -144,9 +144,9 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--muon-log-stats", action="store_true",
-        help="Append to Megatron's iteration log line what the last optimizer step did: its kind "
-             "(muon, or MuonBP's full / block), the bytes megatron-muon sent from the logging rank "
-             "and the wall time of its orthogonalize step.",
+        help="Append to Megatron's iteration log line what the last optimizer step did: the TP "
+             "mode, its kind (muon, or MuonBP's full / block), the bytes megatron-muon sent from the "
+             "logging rank and the wall time of its orthogonalize step.",
     )
     return parser
 

@@ -127,14 +127,15 @@ _BUILT: list = []  # the MuonWithAdamW optimizers the dispatcher built (for the 
 
 
 def stats_text(optimizers) -> str:
-    """`` muon step: full | muon bytes sent: 1.23 MB | muon orthogonalize: 4.5 ms |`` for the
+    """`` muon mode: owner | muon step: full | muon bytes sent: 1.23 MB | muon orthogonalize: 4.5 ms |`` for the
     last step of every megatron-muon optimizer (one per model chunk group; usually one)."""
     parts = []
     for inner in optimizers:
         stats = getattr(inner, "last_step_stats", None)
         if stats:
             parts.append(
-                f" muon step: {stats['kind']} | muon bytes sent: {stats['bytes_sent'] / 1e6:.3f} MB |"
+                f" muon mode: {inner.config.tp_mode} | muon step: {stats['kind']} |"
+                f" muon bytes sent: {stats['bytes_sent'] / 1e6:.3f} MB |"
                 f" muon orthogonalize: {stats['orthogonalize_ms']:.1f} ms |"
             )
     return "".join(parts)

@@ -324,4 +324,5 @@ def test_get_megatron_optimizer_builds_muon_from_megatron_args():
     assert out["moved"] == out["total"]
     # MuonBP P=2: the first applied step (t = 0) is a full step, and the log line says so.
     line = next(l for l in out["log"].splitlines() if " iteration " in l)
-    assert "muon step: full |" in line and "muon bytes sent:" in line and "muon orthogonalize:" in line, line
+    assert "muon mode: owner | muon step: full |" in line, line
+    assert "muon bytes sent:" in line and "muon orthogonalize:" in line, line

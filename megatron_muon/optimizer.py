@@ -82,6 +82,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if group["algorithm"] not in ALGORITHMS:
                 raise ValueError(f"param group {g}: algorithm must be one of {ALGORITHMS}, got {group['algorithm']!r}")
         self._matrices: list[MuonMatrix] | None = None
+        self._owners: list[int] | None = None
         self._dp_group = self._tp_group = None
         self._validated = False
         self.muon_steps = 0
@@ -107,14 +108,20 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._matrices = list(matrices)
         self._dp_group, self._tp_group = dp_group, tp_group
         self._validated = False
+        # The DP owner plan depends only on the layouts: computed once here, not every step.
+        from . import comm
+        from .orthogonalize import plan_dp_owners
+
+        self._owners = plan_dp_owners([m.layout for m in self._matrices], comm.group_size(dp_group),
+                                      self.config.num_ns_steps)
 
     def matrices(self) -> list[MuonMatrix]:
-        if self._matrices is not None:
-            return self._matrices
-        return [  # single process: each muon param is one whole matrix
-            MuonMatrix(MatrixLayout(f"param {i}", tuple(p.shape), None, 1), p)
-            for i, p in enumerate(p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"])
-        ]
+        if self._matrices is None:  # single process: each muon param is one whole matrix
+            self._matrices = [
+                MuonMatrix(MatrixLayout(f"param {i}", tuple(p.shape), None, 1), p)
+                for i, p in enumerate(p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"])
+            ]
+        return self._matrices
 
     def init_state(self) -> None:
         """Create every param's state now (Megatron's checkpointing reads state before step 1).
@@ -186,6 +193,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 dp_group=self._dp_group,
                 tp_group=self._tp_group,
                 dp_mode=cfg.dp_mode,
+                owners=self._owners,
                 steps=cfg.num_ns_steps,
                 coefficients=cfg.coefficient_type,
                 ns_dtype=cfg.ns_dtype,

@@ -20,6 +20,7 @@ Pure torch + torch.distributed; no Megatron import.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -168,15 +169,26 @@ def _tp_orthogonalize(owned: dict[int, torch.Tensor], layouts, tp_kwargs) -> dic
     return done
 
 
+@functools.lru_cache(maxsize=4096)
+def _row_scales(layout: MatrixLayout, blockwise: bool, scale_mode: str, extra: float, device: torch.device):
+    """Per sub-matrix scales of a layout (a float when all are equal, else a per-row vector).
+
+    Cached: layouts are frozen and fixed for a run, so the vector is built once, not per step.
+    """
+    shapes = layout.sub_local_shapes() if blockwise else layout.sub_global_shapes()
+    scales = [muon_scale(r, c, scale_mode, extra) for r, c in shapes]
+    if len(set(scales)) == 1:
+        return scales[0]
+    return layout.row_values(scales).to(device)
+
+
 def _scaled(flat: torch.Tensor, layout: MatrixLayout, start: int, tp_mode: str, scale_mode: str, extra: float):
     """fp32 ``flat`` (elements [start, start+n) of the TP-local matrix) × its rows' scales."""
-    shapes = layout.sub_local_shapes() if tp_mode == "blockwise" else layout.sub_global_shapes()
-    scales = [muon_scale(r, c, scale_mode, extra) for r, c in shapes]
     out = flat.to(torch.float32)
-    if len(set(scales)) == 1:
-        return out * scales[0]
-    row_scale = layout.row_values(scales).to(out.device)
-    return _scale_rows(out, start, layout.local_shape[1], row_scale)
+    scale = _row_scales(layout, tp_mode == "blockwise", scale_mode, extra, out.device)
+    if isinstance(scale, float):
+        return out * scale
+    return _scale_rows(out, start, layout.local_shape[1], scale)
 
 
 def _scale_rows(flat: torch.Tensor, start: int, cols: int, row_scale: torch.Tensor) -> torch.Tensor:

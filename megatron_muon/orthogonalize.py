@@ -75,6 +75,7 @@ def orthogonalize_updates(
     extra_scale_factor: float = 1.0,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     validate: bool = True,
+    hardware=None,
 ) -> list[torch.Tensor]:
     """Scaled orthogonalized updates for this rank's pieces of every matrix.
 
@@ -91,6 +92,7 @@ def orthogonalize_updates(
             casts to it anyway); the returned updates are fp32.
         scale_mode, extra_scale_factor: ``scaling.muon_scale`` on each sub-matrix's global shape
             (its local shape in blockwise mode, as Megatron does).
+        hardware: ``cost_model.Hardware`` for ``tp_mode="auto"`` (see ``orthogonalize_sharded``).
 
     Returns:
         per matrix, an fp32 flat tensor shaped like ``pieces[i]``.
@@ -107,7 +109,7 @@ def orthogonalize_updates(
             )
     device = pieces[0].device if pieces else torch.device("cpu")
     tp_kwargs = dict(mode=tp_mode, group=tp_group, steps=steps, coefficients=coefficients, eps=eps,
-                     bucket_bytes=bucket_bytes, validate=validate)
+                     bucket_bytes=bucket_bytes, validate=validate, hardware=hardware)
 
     results: dict[int, torch.Tensor] = {}
     if dp_mode == "redundant" or dp_size == 1:
@@ -123,7 +125,12 @@ def orthogonalize_updates(
 
     owners = list(owners) if owners is not None else plan_dp_owners(layouts, dp_size, steps)
     element = torch.empty(0, dtype=ns_dtype).element_size()
-    out: list[torch.Tensor | None] = [None] * len(layouts)
+    # Pieces travel to their DP owners in rounds of at most bucket_bytes, but the TP mode runs
+    # once over everything this rank owns: owner mode balances its TP plan over the whole list,
+    # and per-round calls would restart that plan from zero load each time (TP rank 0 would take
+    # the largest sub-matrix of every round). The owned matrices are 1/DP of the TP-local Muon
+    # weights in the NS dtype; orthogonalize_sharded bounds its own full-matrix rounds.
+    rounds, owned = [], {}
     for chunk in split_rounds([l.numel * element for l in layouts], bucket_bytes):
         plans = [layouts[i].owned_matrix(owners[i], dp_size) for i in chunk]
         exchange = OwnerExchange(plans, dp_group, dtype=ns_dtype, device=device)
@@ -132,9 +139,14 @@ def orthogonalize_updates(
             for i, plan in zip(chunk, plans)
         ]
         buffers = exchange.to_owners(local)
-        owned = {chunk[j]: buf for j, buf in buffers.items()}
-        done = _tp_orthogonalize(owned, layouts, tp_kwargs)
-        back = exchange.from_owners({j: done[chunk[j]] for j in buffers})
+        owned.update({chunk[j]: buf for j, buf in buffers.items()})
+        rounds.append((chunk, exchange, sorted(buffers)))
+    done = _tp_orthogonalize(owned, layouts, tp_kwargs)
+    del owned
+
+    out: list[torch.Tensor | None] = [None] * len(layouts)
+    for chunk, exchange, mine_here in rounds:
+        back = exchange.from_owners({j: done[chunk[j]] for j in mine_here})
         for j, i in enumerate(chunk):
             start, end = layouts[i].local_range(dp_rank)
             if layouts[i].dp_ranges is None and owners[i] == dp_rank:

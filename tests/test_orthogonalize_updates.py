@@ -181,3 +181,38 @@ def test_plain_ddp_owner_runs_each_matrix_once(world):
     once = sum(lay.ns_cost(5) for lay in lays)
     assert total_owner == once
     assert total_redundant == once * (n // tp)
+
+
+def _rounds_worker(rank: int, world: int, tp: int) -> dict:
+    dp = world // tp
+    tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
+    dp_groups = [dist.new_group(list(range(j, world, tp))) for j in range(tp)]
+    tp_rank, dp_rank = rank % tp, rank // tp
+    lays = layouts(tp, dp, cut=True)
+    pieces = []
+    for i, lay in enumerate(lays):
+        s, e = lay.local_range(dp_rank)
+        pieces.append(tp_local(global_matrix(i, tp), lay.partition_dim, tp, tp_rank).reshape(-1)[s:e].clone())
+    out = {}
+    for bucket_bytes in (1, 2**30):  # one matrix per exchange round, or a single round
+        with comm_stats() as stats:
+            result = orthogonalize_updates(pieces, lays, tp_mode="owner", dp_group=dp_groups[tp_rank],
+                                           tp_group=tp_groups[dp_rank], ns_dtype=torch.float32,
+                                           coefficients="jordan", bucket_bytes=bucket_bytes)
+        out[bucket_bytes] = (result, stats.ns_flops)
+    return out
+
+
+def test_exchange_rounds_do_not_change_the_tp_plan():
+    # The DP exchange runs in bucket-sized rounds, but the TP owner plan must balance over all a
+    # DP owner's matrices at once: planning per round (from zero load each time) put the largest
+    # sub-matrix of every round on TP rank 0. The per-rank NS FLOPs and the results must not
+    # depend on the bucket size.
+    ranks = run_world(4, _rounds_worker, 2)
+    for r in ranks:
+        (one_per_round, flops_small), (single, flops_big) = r[1], r[2**30]
+        assert flops_small == flops_big
+        for a, b in zip(one_per_round, single):
+            assert torch.equal(a, b)  # same plan, same batches: bitwise
+    per_rank = [r[2**30][1] for r in ranks]
+    assert max(per_rank) < sum(per_rank)  # the work is spread, not all on one rank

@@ -2,7 +2,8 @@
 
 The math lives in pure modules that import no Megatron:
     newton_schulz   the iteration, coefficient sets, ``ns_flops``
-    tp_modes        ``orthogonalize_sharded``: duplicated / distributed / blockwise / owner
+    tp_modes        ``orthogonalize_sharded``: duplicated / distributed / blockwise / owner / auto
+    auto_mode       ``choose_tp_modes``: auto's per-matrix choice by the cost model
     owner_mode      owner mode: plan, exchange there, batched NS, exchange back
     owner_exchange  the generic "pieces go to an owner and come back" all-to-all
     planner         ``plan_owners``: LPT on NS cost
@@ -10,6 +11,7 @@ The math lives in pure modules that import no Megatron:
     muon            single-process ``Muon``, the reference
 """
 
+from .auto_mode import choose_tp_modes, hardware_profile
 from .comm import CommStats, comm_stats
 from .muon import Muon, adjusted_lr
 from .newton_schulz import COEFFICIENT_SETS, newton_schulz, ns_flops
@@ -26,7 +28,9 @@ __all__ = [
     "OwnerExchange",
     "Piece",
     "adjusted_lr",
+    "choose_tp_modes",
     "comm_stats",
+    "hardware_profile",
     "newton_schulz",
     "ns_flops",
     "orthogonalize_sharded",

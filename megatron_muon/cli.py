@@ -4,8 +4,9 @@
 ``parse_and_validate_args``. Megatron (0.19.2) already defines the upstream ``--muon-*`` flags;
 we keep every one with its upstream meaning and only
 
-- accept ``owner`` for ``--muon-tp-mode`` (the exact mode; upstream's default stays the default,
-  so an existing command line computes what it computed before),
+- accept ``owner`` and ``auto`` for ``--muon-tp-mode`` (the exact mode, and the cost model's
+  per-matrix choice among the exact modes; upstream's default stays the default, so an existing
+  command line computes what it computed before),
 - accept ``highest`` for ``--muon-fp32-matmul-prec`` (fp32 Newton–Schulz, like ``high``),
 - default ``--muon-momentum`` to 0.95, the value of upstream's ``OptimizerConfig`` and of
   ``torch.optim.Muon`` (upstream's CLI alone says 0.9; we use 0.95 on every path),
@@ -33,7 +34,9 @@ _TP_MODE_HELP = (
     "owner (megatron-muon; exact and recommended): each TP-sharded matrix is orthogonalized whole "
     "on one owner rank, owners load-balanced across ranks, results identical for any TP size. "
     "duplicated / distributed: whole-matrix NS on every rank, or sharded NS with all-reduces "
-    "(exact). blockwise: each shard orthogonalized on its own, so the update depends on the TP "
+    "(exact). auto (megatron-muon; exact): per matrix, the cheapest of owner, duplicated and "
+    "distributed by the cost model on --muon-auto-hardware. "
+    "blockwise: each shard orthogonalized on its own, so the update depends on the TP "
     "size. The default stays Megatron's (blockwise in megatron-core 0.19.2) so that an existing "
     "command line computes the same thing; pass --muon-tp-mode owner for the exact update."
 )
@@ -88,6 +91,7 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     tp_mode = _action(parser, "--muon-tp-mode")
     _add_choice(tp_mode, "owner")
+    _add_choice(tp_mode, "auto")
     tp_mode.help = _TP_MODE_HELP
 
     prec = _action(parser, "--muon-fp32-matmul-prec")
@@ -113,6 +117,14 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--muon-no-split-fc1", action="store_false", dest="muon_split_fc1",
         help="Orthogonalize a fused SwiGLU fc1 weight as one matrix (like --muon-no-split-qkv).",
+    )
+    group.add_argument(
+        "--muon-auto-hardware", type=str, default="detect", metavar="PROFILE_OR_JSON",
+        help="Hardware constants of the cost model that --muon-tp-mode auto uses to pick each "
+             "matrix's mode (ignored by the other modes). detect (default): this device (H200: "
+             "h200; any other CUDA GPU: h100-sxm; no GPU: cpu-gloo, an order-of-magnitude CPU/gloo "
+             "default); a profile: h100-sxm, h200, cpu-gloo; or the path of a JSON file of the "
+             "Hardware fields, as scripts/calibrate_hardware.py writes it.",
     )
     group.add_argument(
         "--muon-dp-mode", type=str, default="owner", choices=["owner", "redundant"],
@@ -181,6 +193,7 @@ def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
         coefficient_type=get("muon_coefficient_type", "quintic"),
         num_ns_steps=get("muon_num_ns_steps", 5),
         tp_mode=get("muon_tp_mode", "blockwise"),
+        auto_hardware=get("muon_auto_hardware", "detect"),
         dp_mode=get("muon_dp_mode", "owner"),
         owner_bucket_bytes=int(round(get("muon_owner_bucket_size_mb", 256) * MB)),
         muonbp_period=get("muonbp_period", None),

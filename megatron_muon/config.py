@@ -7,6 +7,7 @@ translates flags into a ``MuonConfig`` and the optimizer only reads this object.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from .newton_schulz import COEFFICIENT_SETS
 from .orthogonalize import DP_MODES
 from .scaling import SCALE_MODES
 from .tp_modes import MODES
+
+if TYPE_CHECKING:
+    from .cost_model import Hardware
 
 __all__ = ["MuonConfig", "NS_PRECISIONS"]
 
@@ -46,8 +50,15 @@ class MuonConfig:
     num_ns_steps: int = 5
     """Newton–Schulz iterations."""
     tp_mode: str = "blockwise"
-    """how NS runs across TP shards: duplicated, distributed, blockwise or owner. The default is
-    upstream's (blockwise: cheap but not exact Muon); owner is the exact, recommended mode."""
+    """how NS runs across TP shards: duplicated, distributed, blockwise, owner or auto. The default
+    is upstream's (blockwise: cheap but not exact Muon); owner is the exact, recommended mode;
+    auto picks, per matrix, the cheapest exact mode (owner, duplicated or distributed) by the
+    cost model on ``auto_hardware`` (``auto_mode.py``)."""
+    auto_hardware: str = "detect"
+    """with tp_mode auto: the hardware constants of the cost model (--muon-auto-hardware):
+    ``detect`` (this device: H200 → h200, other CUDA GPUs → h100-sxm, CPU → cpu-gloo), a profile
+    name (h100-sxm, h200, cpu-gloo) or the path of a JSON file of ``cost_model.Hardware`` fields
+    (``scripts/calibrate_hardware.py``). Ignored by the other modes."""
     dp_mode: str = "owner"
     """without the distributed optimizer: owner (NS once per DP group, results exchanged) or
     redundant (every DP rank computes everything; for comparison)."""
@@ -83,12 +94,18 @@ class MuonConfig:
                  "an integer >= 0 (0: never a full step)", self.muonbp_period),
                 (self.muonbp_block_lr_mult > 0, "--muonbp-block-lr-mult", "a value > 0", self.muonbp_block_lr_mult),
                 (self.muonbp_period == 0 or self.tp_mode != "blockwise", "--muonbp-period",
-                 "an exact --muon-tp-mode (owner, duplicated or distributed) for its full steps, not blockwise",
+                 "an exact --muon-tp-mode (owner, duplicated, distributed or auto) for its full steps, not "
+                 "blockwise",
                  self.muonbp_period),
             ]
         for ok, flag, expected, got in checks:
             if not ok:
                 raise ValueError(f"{flag}: expected {expected}, got {got!r}")
+        if self.tp_mode == "auto" and self.auto_hardware != "detect":
+            # A bad name or JSON file fails here, naming --muon-auto-hardware. ``detect`` waits for
+            # the optimizer: asking CUDA for the device name before Megatron sets the device
+            # would open a context on GPU 0 from every rank.
+            self.hardware()
 
     def step_kind(self, t: int) -> str:
         """``"muon"`` (MuonBP off), ``"full"`` or ``"block"`` for applied step t (0-based)."""
@@ -97,6 +114,14 @@ class MuonConfig:
         if self.muonbp_period > 0 and t % self.muonbp_period == 0:
             return "full"
         return "block"
+
+    def hardware(self) -> Hardware | None:
+        """The cost model's constants for tp_mode auto (None for the other modes)."""
+        if self.tp_mode != "auto":
+            return None
+        from .auto_mode import hardware_profile
+
+        return hardware_profile(self.auto_hardware)
 
     @property
     def ns_dtype(self) -> torch.dtype:

@@ -69,8 +69,8 @@ def _wrap_validate_args(validate_args):
     @functools.wraps(validate_args)
     def wrapper(args, defaults={}):  # noqa: B006 (Megatron's signature)
         if args.optimizer != "muon":
-            if getattr(args, "muon_tp_mode", None) == "owner" and "muon" in args.optimizer:
-                raise ValueError(f"--muon-tp-mode owner: needs --optimizer muon (megatron-muon), not {args.optimizer}")
+            if getattr(args, "muon_tp_mode", None) in ("owner", "auto") and "muon" in args.optimizer:
+                raise ValueError(f"--muon-tp-mode {args.muon_tp_mode}: needs --optimizer muon (megatron-muon), not {args.optimizer}")
             setattr(args, ACTIVE, False)
             return validate_args(args, defaults)
         check_supported_args(args)

@@ -85,6 +85,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._owners: list[int] | None = None
         self._dp_group = self._tp_group = None
         self._validated = False
+        self._hardware = self.config.hardware()  # tp_mode auto's cost-model constants, resolved once
         self.muon_steps = 0
         """optimizer steps applied (skipped steps never reach ``step``); MuonBP's phase."""
         self.last_step_kind: str | None = None
@@ -201,6 +202,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 extra_scale_factor=cfg.extra_scale_factor,
                 bucket_bytes=cfg.owner_bucket_bytes,
                 validate=not self._validated,
+                hardware=self._hardware,
             )
         self._validated = True
         self.last_step_stats = dict(

@@ -11,6 +11,9 @@ The modes (``docs/tp_modes.md`` has the derivations and the cost table):
 ``owner``        every matrix gets one owner rank (``planner.plan_owners``); shards travel
                  there by one all-to-all and back by another (``owner_exchange``). Exact; NS
                  runs once per matrix. Implemented in ``owner_mode.py``.
+``auto``         per matrix, the cheapest of owner / duplicated / distributed by the cost model
+                 (``auto_mode.choose_tp_modes``, on the ``hardware`` constants); each subset runs
+                 in its mode's implementation. Exact, since every candidate is.
 
 When is ``distributed`` cheaper than ``duplicated``? For a matrix with unsharded dim k,
 sharded dim S, t ranks and s NS steps, per rank:
@@ -27,6 +30,7 @@ With k > S the Gram is the large one and distributed costs more compute than dup
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,9 +39,13 @@ from .newton_schulz import Coefficients, coefficient_schedule, newton_schulz, ns
 from .owner_exchange import split_rounds
 from .sharding import ShardSpec, group_by, join_shards, split_full
 
+if TYPE_CHECKING:
+    from .cost_model import Hardware
+
 __all__ = ["DEFAULT_BUCKET_BYTES", "MODES", "distributed_ns_flops", "orthogonalize_sharded"]
 
-MODES = ("duplicated", "distributed", "blockwise", "owner")
+# Append new modes last: _validate_across_ranks sends MODES.index(mode).
+MODES = ("duplicated", "distributed", "blockwise", "owner", "auto")
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
 
@@ -53,6 +61,7 @@ def orthogonalize_sharded(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     full_shapes: Sequence[tuple[int, int]] | None = None,
     validate: bool = True,
+    hardware: Hardware | None = None,
 ) -> list[torch.Tensor]:
     """Orthogonalize matrices that ``group`` holds in TP shards; return this rank's pieces.
 
@@ -69,6 +78,9 @@ def orthogonalize_sharded(
         full_shapes: optional global shapes to check the shards against.
         validate: check, with one small all-gather of shapes, that every rank agrees on the
             matrix list before moving data. Callers with a fixed layout may check once.
+        hardware: the cost model's constants for ``auto`` (ignored by the other modes);
+            None = ``auto_mode.hardware_profile("detect")``. Every rank of ``group`` must pass
+            the same constants: the choice is made locally, without communicating.
 
     Returns:
         A list with ``shards[i].shape`` and dtype per entry. For the exact modes, the pieces
@@ -85,11 +97,46 @@ def orthogonalize_sharded(
         from .owner_mode import owner_orthogonalize
 
         return owner_orthogonalize(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes)
+    if mode == "auto":
+        return _auto(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes, hardware)
     run = {"duplicated": _duplicated, "distributed": _distributed, "blockwise": _blockwise}[mode]
     return run(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes)
 
 
 # ---- modes -------------------------------------------------------------------------------
+
+
+def _auto(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes, hardware):
+    """Each matrix in the mode ``choose_tp_modes`` picks; one sub-call per mode, in a fixed order.
+
+    Every rank computes the same choice from the same (validated) shapes, so the sub-calls and
+    their collectives line up across the group. Each sub-mode records its own bytes and FLOPs.
+    """
+    from .auto_mode import AUTO_CANDIDATES, choose_tp_modes, hardware_profile
+    from .cost_model import Matrix
+
+    hw = hardware if hardware is not None else hardware_profile("detect")
+    matrices = [Matrix(*s.full_shape, s.partition_dim) for s in specs]
+    dtype_bytes = max(shards[s.index].element_size() for s in specs)
+    chosen = choose_tp_modes(matrices, size, hw, steps=steps, dtype_bytes=dtype_bytes)
+    out: list[torch.Tensor | None] = [None] * len(shards)
+    for mode in AUTO_CANDIDATES:
+        members = [s for s, m in zip(specs, chosen) if m == mode]
+        if not members:
+            continue
+        sub_shards = [shards[s.index] for s in members]
+        sub_specs = [ShardSpec(j, s.local_shape, s.partition_dim, s.group_size) for j, s in enumerate(members)]
+        if mode == "owner":
+            from .owner_mode import owner_orthogonalize
+
+            results = owner_orthogonalize(sub_shards, sub_specs, group, size, rank, steps, coefficients, eps,
+                                          bucket_bytes)
+        else:
+            run = {"duplicated": _duplicated, "distributed": _distributed}[mode]
+            results = run(sub_shards, sub_specs, group, size, rank, steps, coefficients, eps, bucket_bytes)
+        for s, res in zip(members, results):
+            out[s.index] = res
+    return out
 
 
 def _blockwise(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes):

@@ -88,7 +88,7 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
         "",
         "## Upstream Megatron flags (as megatron-muon extends them)",
         "",
-        "Defined by Megatron-LM; megatron-muon adds the choices `owner` (`--muon-tp-mode`) and "
+        "Defined by Megatron-LM; megatron-muon adds the choices `owner` and `auto` (`--muon-tp-mode`) and "
         "`highest` (`--muon-fp32-matmul-prec`), rewrites their help, and defaults "
         "`--muon-momentum` to 0.95.",
         "",

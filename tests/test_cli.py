@@ -46,6 +46,8 @@ FLAG_TO_FIELD = [
     ("--muon-num-ns-steps 7", "num_ns_steps", 7),
     ("--muon-tp-mode owner", "tp_mode", "owner"),
     ("--muon-tp-mode duplicated", "tp_mode", "duplicated"),
+    ("--muon-tp-mode auto", "tp_mode", "auto"),
+    ("--muon-auto-hardware h100-sxm", "auto_hardware", "h100-sxm"),
     ("--muon-dp-mode redundant", "dp_mode", "redundant"),
     ("--muon-owner-bucket-size-mb 0.5", "owner_bucket_bytes", 2**19),
     ("--muonbp-period 0", "muonbp_period", 0),  # 0 (BlockMuon) is valid with the default blockwise
@@ -64,6 +66,7 @@ BAD_VALUES = [
     ("--muonbp-period -1 --muon-tp-mode owner", "--muonbp-period"),
     ("--muonbp-period 5", "--muonbp-period"),  # full steps need an exact mode; default is blockwise
     ("--muonbp-period 5 --muon-tp-mode owner --muonbp-block-lr-mult 0", "--muonbp-block-lr-mult"),
+    ("--muon-tp-mode auto --muon-auto-hardware tpu-v5", "--muon-auto-hardware"),
 ]
 
 

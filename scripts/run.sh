@@ -7,6 +7,11 @@
 #                                        #   loop with --optimizer muon --muon-tp-mode owner on 2 processes
 #   bash scripts/run.sh test [ARGS...]   # the test suite (pytest), ARGS passed through
 #   bash scripts/run.sh bench [ARGS...]  # the TP-mode benchmark (scripts/bench_tp_modes.py)
+#   bash scripts/run.sh perf             # docs/performance.md's tables, into bench-results/: hardware
+#                                        #   calibration, optimizer-step benchmark, cost-model validation,
+#                                        #   planner quality, GPU projection (about 10 minutes on 2 cores)
+#   bash scripts/run.sh compare [ARGS...] # the convergence comparison (scripts/compare_optimizers.py,
+#                                        #   about 30 minutes on 2 cores), into bench-results/compare/
 #
 # The venv lives in .venv/ and is reused while the requirements pinned in pyproject.toml and
 # the interpreter are unchanged; a fresh install downloads about 4.7 GB.
@@ -81,13 +86,36 @@ case "$cmd" in
         ensure_venv
         exec "$venv/bin/python" "$repo/scripts/bench_tp_modes.py" "$@"
         ;;
+    perf)
+        ensure_venv
+        cd "$repo"
+        out=bench-results
+        mkdir -p "$out"
+        py="$venv/bin/python"
+        "$py" scripts/calibrate_hardware.py --nproc 2 --out "$out/hardware-2proc.json" | tee "$out/hardware-2proc.md"
+        "$py" scripts/calibrate_hardware.py --nproc 4 --out "$out/hardware-4proc.json" | tee "$out/hardware-4proc.md"
+        "$py" scripts/bench_optimizer_step.py --out-dir "$out"
+        "$py" scripts/validate_cost_model.py --bench "$out/optimizer_step.json" \
+            --hardware 2="$out/hardware-2proc.json" --hardware 4="$out/hardware-4proc.json" \
+            --json "$out/cost_model_validation.json" | tee "$out/cost_model_validation.md"
+        "$py" scripts/planner_quality.py --json "$out/planner_quality.json" | tee "$out/planner_quality.md"
+        "$py" scripts/project_performance.py --json "$out/projection.json" | tee "$out/projection.md"
+        ;;
+    compare)
+        ensure_venv
+        cd "$repo"
+        if [[ ! -f data/train_text_document.bin ]]; then
+            "$venv/bin/python" scripts/prepare_data.py --out data
+        fi
+        exec "$venv/bin/python" scripts/compare_optimizers.py "$@"
+        ;;
     test)
         ensure_venv
         cd "$repo"
         exec "$venv/bin/python" -m pytest "$@"
         ;;
     *)
-        echo "usage: bash scripts/run.sh {main|test|bench} [ARGS...]" >&2
+        echo "usage: bash scripts/run.sh {main|test|bench|perf|compare} [ARGS...]" >&2
         exit 2
         ;;
 esac

@@ -1,0 +1,182 @@
+"""Measure the cost model's hardware constants on this machine, with micro-benchmarks only.
+
+    python scripts/calibrate_hardware.py --nproc 2 --out bench-results/hardware-2proc.json
+    python scripts/calibrate_hardware.py --nproc 4 --out bench-results/hardware-4proc.json
+
+Starts ``--nproc`` processes exactly as the optimizer-step benchmark does (gloo on the CPU, or
+NCCL with one GPU per rank; on the CPU each process gets cores // nproc threads, at least one),
+so every constant is measured under the same contention as the steps it will predict. All
+ranks run every probe at once; a probe's time is the slowest rank's, and each constant is the
+median over ``--repeats``. Nothing here runs an optimizer or Newton–Schulz: the constants are
+calibrated on separate kernels and then used, unchanged, to predict the benchmark's rows
+(``scripts/validate_cost_model.py``).
+
+Probes (fp32 on the CPU, the NS dtype the benchmark uses there; bf16 on GPUs):
+    matmul_flops          batched square GEMMs of sizes 128, 256 and 512 (what NS multiplies at
+                          the benchmark's scale); the geometric mean of the three rates
+    kernel_overhead_s     an in-place add on a 16-element tensor (dispatch cost, no data)
+    memory_bandwidth      ``a.add_(b)`` on 32 MiB tensors: 3 × 32 MiB touched per call
+    collective_latency_s  a 4-byte all-reduce
+    bandwidths            all-gather, all-reduce and all-to-all of 4 MiB per rank, bytes by
+                          ``megatron_muon/comm.py``'s convention over (time − latency); the
+                          all-gather rate is the bandwidth, the others are its efficiencies
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from megatron_muon.cost_model import Hardware  # noqa: E402
+
+GEMM_SIZES = (128, 256, 512)
+GEMM_TARGET_FLOPS = 2e8  # per timed call: long enough to dwarf dispatch, short enough to repeat
+MEMORY_ELEMENTS = 8 * 2**20  # 32 MiB in fp32
+COLLECTIVE_ELEMENTS = 2**20  # 4 MiB in fp32
+
+
+def _timed(fn, device, repeats: int) -> float:
+    """Median over repeats of the slowest rank's seconds for one ``fn()``."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()  # warm-up: first-touch pages, cuBLAS heuristics, gloo connections
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        samples.append(float(elapsed))
+    return statistics.median(samples)
+
+
+def measure(rank: int, nproc: int, device: torch.device, dtype: torch.dtype, repeats: int) -> dict:
+    """Every probe on every rank at once; returns the constants (identical on all ranks)."""
+    rates = []
+    for n in GEMM_SIZES:
+        batch = max(1, round(GEMM_TARGET_FLOPS / (2 * n**3)))
+        a = torch.randn(batch, n, n, device=device, dtype=dtype)
+        b = torch.randn(batch, n, n, device=device, dtype=dtype)
+        seconds = _timed(lambda: torch.bmm(a, b), device, repeats)
+        rates.append(2 * batch * n**3 / seconds)
+    matmul_flops = math.exp(sum(math.log(r) for r in rates) / len(rates))
+
+    tiny = torch.zeros(16, device=device, dtype=torch.float32)
+    calls = 200
+    overhead = _timed(lambda: [tiny.add_(1.0) for _ in range(calls)], device, repeats) / calls
+
+    x = torch.ones(MEMORY_ELEMENTS, device=device)
+    y = torch.ones(MEMORY_ELEMENTS, device=device)
+    memory_bandwidth = 3 * x.numel() * 4 / _timed(lambda: x.add_(y), device, repeats)
+
+    scalar = torch.zeros(1, device=device)
+    latency = _timed(lambda: dist.all_reduce(scalar), device, repeats)
+
+    payload = torch.ones(COLLECTIVE_ELEMENTS, device=device)
+    nbytes = payload.numel() * 4
+    gathered = [torch.empty_like(payload) for _ in range(nproc)]
+    exchanged = torch.empty_like(payload)
+    sent = {  # bytes this rank sends, comm.py's convention
+        "all_gather": nbytes * (nproc - 1),
+        "all_reduce": 2 * (nproc - 1) * nbytes / nproc,
+        "all_to_all": nbytes * (nproc - 1) / nproc,
+    }
+    seconds = {
+        "all_gather": _timed(lambda: dist.all_gather(gathered, payload), device, repeats),
+        "all_reduce": _timed(lambda: dist.all_reduce(payload), device, repeats),
+        "all_to_all": _timed(lambda: dist.all_to_all_single(exchanged, payload), device, repeats),
+    }
+    rate = {k: sent[k] / max(seconds[k] - latency, 1e-9) for k in sent}
+    return dict(
+        matmul_flops=matmul_flops, gemm_rates={str(n): r for n, r in zip(GEMM_SIZES, rates)},
+        kernel_overhead_s=overhead, memory_bandwidth=memory_bandwidth, collective_latency_s=latency,
+        collective_seconds=seconds, collective_rates=rate,
+    )
+
+
+def child(rank: int, nproc: int, init_file: str, backend: str, repeats: int, out_queue) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device, dtype = torch.device("cuda", rank), torch.bfloat16
+    else:
+        # the benchmark's thread policy: the cores split evenly, at least one per process
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // nproc))
+        device, dtype = torch.device("cpu"), torch.float32
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=nproc)
+    try:
+        result = measure(rank, nproc, device, dtype, repeats)
+        if rank == 0:
+            out_queue.put(result)
+    finally:
+        dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2, help="processes, as in the benchmark layout")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, required=True, help="JSON file with the Hardware fields")
+    args = parser.parse_args()
+    if args.nproc < 2:
+        raise SystemExit("--nproc: expected >= 2 (the collectives need peers)")
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.nproc else "gloo"
+    ctx = mp.get_context("spawn")
+    out_queue = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        procs = [ctx.Process(target=child, args=(r, args.nproc, os.path.join(tmp, "rdzv"), backend, args.repeats,
+                                                  out_queue)) for r in range(args.nproc)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            raise SystemExit(f"calibration failed: exit codes {[p.exitcode for p in procs]}")
+        raw = out_queue.get(timeout=10)
+    gather_rate = raw["collective_rates"]["all_gather"]
+    device = torch.cuda.get_device_name(0) if backend == "nccl" else f"cpu ({os.cpu_count()} cores)"
+    hw = Hardware(
+        name=f"{'gpu' if backend == 'nccl' else 'cpu'}-{backend}-{args.nproc}proc",
+        source=f"scripts/calibrate_hardware.py --nproc {args.nproc} on {device}, "
+        f"{datetime.date.today().isoformat()}",
+        matmul_flops=raw["matmul_flops"],
+        memory_bandwidth=raw["memory_bandwidth"],
+        intra_node_bandwidth=gather_rate,
+        inter_node_bandwidth=gather_rate,  # one host: there is no second level
+        collective_latency_s=raw["collective_latency_s"],
+        kernel_overhead_s=raw["kernel_overhead_s"],
+        ranks_per_node=args.nproc,
+        all_gather_efficiency=1.0,
+        all_reduce_efficiency=raw["collective_rates"]["all_reduce"] / gather_rate,
+        all_to_all_efficiency=raw["collective_rates"]["all_to_all"] / gather_rate,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dataclasses.asdict(hw), indent=2) + "\n")
+    print(f"| constant | value |\n|---|---:|")
+    print(f"| matmul FLOP/s (GEMM {', '.join(map(str, GEMM_SIZES))}) | "
+          f"{hw.matmul_flops / 1e9:.1f} G ({', '.join(f'{r / 1e9:.1f}' for r in raw['gemm_rates'].values())}) |")
+    print(f"| memory bandwidth | {hw.memory_bandwidth / 1e9:.2f} GB/s |")
+    print(f"| kernel overhead | {hw.kernel_overhead_s * 1e6:.1f} µs |")
+    print(f"| collective latency | {hw.collective_latency_s * 1e6:.1f} µs |")
+    for k, r in raw["collective_rates"].items():
+        print(f"| {k} bandwidth (4 MiB) | {r / 1e9:.2f} GB/s ({raw['collective_seconds'][k] * 1e3:.2f} ms) |")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""scripts/bench_optimizer_step.py end to end at a tiny size (TP 2, gloo, 2 processes).
+
+One run of the script (Llama-3-8B / 64: hidden 64, ffn 224, 8 heads / 2 groups, 1 layer, vocab
+128, no warm-up) in a
+temp dir; the tests read its JSON. Nothing here is a recorded number: bytes and FLOPs are
+derived from the model shapes in the JSON, times only have to exist and be positive.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_muon.newton_schulz import ns_flops
+
+ROOT = Path(__file__).resolve().parents[1]
+REPEATS = 2
+VOCAB = 128
+FP32 = 4  # bytes: NS runs in fp32 on the CPU, so the owner exchange moves fp32
+EXPECTED_LABELS = {
+    "ours owner", "ours duplicated", "ours distributed", "ours blockwise",
+    "ours MuonBP P=5 full step", "ours MuonBP P=5 block step", "ours MuonBP P=5 period avg",
+    "megatron duplicated", "megatron distributed", "megatron blockwise",
+    "megatron layer-wise (duplicated)", "megatron adam distopt",
+}
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, str(ROOT / "scripts" / "bench_optimizer_step.py"), "--layouts", "tp2", "--scale", "64",
+           "--layers", "1", "--vocab", str(VOCAB), "--warmup", "0", "--repeats", str(REPEATS), "--out-dir", str(out), "--timeout", "240"]
+    done = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
+    assert "| ours owner |" in done.stdout  # the table goes to stdout too
+    assert (out / "optimizer_step.md").read_text().startswith("Optimizer step")
+    return json.loads((out / "optimizer_step.json").read_text())
+
+
+def _rows(report):
+    (layout,) = report["layouts"]
+    assert (layout["name"], layout["tp"], layout["dp"], layout["world"]) == ("tp2", 2, 1, 2)
+    return {r["label"]: r for r in layout["rows"]}
+
+
+def _sub_matrices(report):
+    """Full global shapes of what ours orthogonalizes: QKV as Q, K, V (each stacked over query
+    groups), gated fc1 as gate and up, proj and fc2 whole; and what Megatron does (fc1 fused)."""
+    m = report["model"]
+    q, kv = m["heads"] * m["head_dim"], m["query_groups"] * m["head_dim"]
+    ours, megatron = [], []
+    for mat in report["muon_matrices"]:
+        rows, cols = mat["rows"], mat["cols"]
+        if mat["kind"] == "qkv":
+            assert rows == q + 2 * kv
+            split = [(q, cols), (kv, cols), (kv, cols)]
+            ours += split
+            megatron += split
+        elif mat["kind"] == "fc1":
+            ours += [(rows // 2, cols)] * 2
+            megatron.append((rows, cols))
+        else:
+            ours.append((rows, cols))
+            megatron.append((rows, cols))
+    return ours, megatron
+
+
+def test_every_row_with_positive_times(report):
+    rows = _rows(report)
+    assert set(rows) == EXPECTED_LABELS
+    for r in rows.values():
+        assert len(r["times_ms"]) == REPEATS and min(r["times_ms"]) > 0, r["label"]
+        assert r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert len(r["bytes_sent_per_rank"]) == len(r["ns_flops_per_rank"]) == len(r["peak_mib_per_rank"]) == 2
+        assert min(r["state_mib_per_rank"]) > 0 and min(r["peak_mib_per_rank"]) > 0, r["label"]
+    assert rows["megatron duplicated"]["ratio_vs_megatron_duplicated"] == 1.0
+
+
+def test_model_inventory(report):
+    m = report["model"]
+    assert (m["hidden"], m["ffn"], m["heads"], m["query_groups"], m["head_dim"], m["layers"]) == (64, 224, 8, 2, 8, 1)
+    kinds = sorted(mat["kind"] for mat in report["muon_matrices"])
+    assert kinds == ["fc1", "fc2", "proj", "qkv"]
+    shapes = {mat["kind"]: (mat["rows"], mat["cols"], mat["partition_dim"]) for mat in report["muon_matrices"]}
+    assert shapes == {"qkv": (96, 64, 0), "proj": (64, 64, 1), "fc1": (448, 64, 0), "fc2": (64, 224, 1)}
+    assert sum(p["numel"] for p in report["adam_params"]) == 2 * VOCAB * 64 + 3 * 64  # embedding, output, 3 norms
+
+
+def test_owner_bytes_are_the_exchange_and_nothing_else(report):
+    rows = _rows(report)
+    # owner_mode: at t = 2 each sub-matrix's non-owner shard (half of it) goes to the owner and
+    # the owner's result for it comes back: the full matrix's bytes per matrix, summed over ranks.
+    full_bytes = sum(mat["rows"] * mat["cols"] * FP32 for mat in report["muon_matrices"])
+    assert sum(rows["ours owner"]["package_bytes_per_rank"]) == full_bytes
+    assert rows["ours blockwise"]["package_bytes_per_rank"] == [0, 0]
+    assert rows["ours MuonBP P=5 block step"]["package_bytes_per_rank"] == [0, 0]
+    assert rows["ours MuonBP P=5 full step"]["package_bytes_per_rank"] == rows["ours owner"]["package_bytes_per_rank"]
+    # Every collective of the step is counted by the shim; Megatron's own (grad-norm all-reduces)
+    # are the same for every ours row, so the difference to blockwise is exactly our traffic.
+    for mode in ("owner", "duplicated", "distributed"):
+        r, block = rows[f"ours {mode}"], rows["ours blockwise"]
+        assert [a - b for a, b in zip(r["bytes_sent_per_rank"], block["bytes_sent_per_rank"])] == r["package_bytes_per_rank"]
+    assert rows["ours owner"]["bytes_by_primitive"]["all_to_all_single"] > 0
+    assert rows["megatron duplicated"]["bytes_by_primitive"]["all_gather"] > 0
+
+
+def test_ns_flops(report):
+    rows = _rows(report)
+    ours, megatron = _sub_matrices(report)
+    expected_ours = sum(ns_flops(r, c, 5) for r, c in ours)
+    assert rows["ours duplicated"]["ns_flops_per_rank"] == [expected_ours] * 2
+    # Megatron's are counted by wrapping emerging_optimizers' newton_schulz: the same formula on
+    # the shapes it runs (full fused fc1 on every rank in duplicated mode).
+    assert rows["megatron duplicated"]["ns_flops_per_rank"] == [sum(ns_flops(r, c, 5) for r, c in megatron)] * 2
+    # owner: NS once per sub-matrix somewhere in the TP group.
+    assert sum(rows["ours owner"]["ns_flops_per_rank"]) == expected_ours
+    assert rows["megatron adam distopt"]["ns_flops_max"] == 0
+
+
+def test_exactness_passed(report):
+    (layout,) = report["layouts"]
+    check = layout["exactness"]
+    assert check["passed"] and check["tolerance"] == 1e-5
+    checked = {k: v for k, v in check["max_abs_diff"].items() if "not checked" not in k}
+    assert len(checked) == 6 and max(checked.values()) <= check["tolerance"]
+    # fc1 really differs (split vs fused gate/up): the check would see a wrong update.
+    fc1 = next(v for k, v in check["max_abs_diff"].items() if "not checked" in k)
+    assert fc1 > 10 * check["tolerance"]

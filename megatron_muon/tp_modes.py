@@ -89,8 +89,12 @@ def orthogonalize_sharded(
     """
     size, rank = comm.group_size(group), comm.group_rank(group)
     specs = _validate_local(shards, partition_dims, mode, size, steps, coefficients, full_shapes)
+    if mode == "auto" and hardware is None:
+        from .auto_mode import hardware_profile
+
+        hardware = hardware_profile("detect")
     if validate and size > 1 and mode != "blockwise":
-        _validate_across_ranks(specs, mode, steps, size, group, shards)
+        _validate_across_ranks(specs, mode, steps, size, group, shards, hardware if mode == "auto" else None)
     if not specs:
         return []
     if mode == "owner":
@@ -112,10 +116,10 @@ def _auto(shards, specs, group, size, rank, steps, coefficients, eps, bucket_byt
     Every rank computes the same choice from the same (validated) shapes, so the sub-calls and
     their collectives line up across the group. Each sub-mode records its own bytes and FLOPs.
     """
-    from .auto_mode import AUTO_CANDIDATES, choose_tp_modes, hardware_profile
+    from .auto_mode import AUTO_CANDIDATES, choose_tp_modes
     from .cost_model import Matrix
 
-    hw = hardware if hardware is not None else hardware_profile("detect")
+    hw = hardware
     matrices = [Matrix(*s.full_shape, s.partition_dim) for s in specs]
     dtype_bytes = max(shards[s.index].element_size() for s in specs)
     chosen = choose_tp_modes(matrices, size, hw, steps=steps, dtype_bytes=dtype_bytes)
@@ -267,7 +271,18 @@ def _validate_local(shards, partition_dims, mode, size, steps, coefficients, ful
     return specs
 
 
-def _validate_across_ranks(specs, mode, steps, size, group, shards) -> None:
+def _hardware_tag(hardware) -> int:
+    """A checksum of ``auto``'s constants, equal on two ranks only if the constants are equal
+    (crc32 of their repr: stable across processes, unlike ``hash``); 0 for the other modes."""
+    if hardware is None:
+        return 0
+    import dataclasses
+    import zlib
+
+    return zlib.crc32(repr(dataclasses.astuple(hardware)).encode())
+
+
+def _validate_across_ranks(specs, mode, steps, size, group, shards, hardware=None) -> None:
     """Check with two small all-gathers that every rank describes the same matrices.
 
     Must run before any payload collective: mismatched sizes would otherwise hang or corrupt
@@ -276,14 +291,18 @@ def _validate_across_ranks(specs, mode, steps, size, group, shards) -> None:
     because the split is even, which is the claim being checked).
     """
     device = shards[0].device if shards else torch.device("cpu")
-    header = torch.tensor([len(specs), MODES.index(mode), steps], dtype=torch.int64, device=device)
+    # auto: ranks with different hardware constants (``detect`` on mixed GPUs) would choose
+    # different modes and their collectives would not line up: compare a checksum of them too
+    header = torch.tensor([len(specs), MODES.index(mode), steps, _hardware_tag(hardware)], dtype=torch.int64,
+                          device=device)
     headers = [torch.empty_like(header) for _ in range(size)]
     comm.all_gather(headers, header, group, tag="shape_check")
     lengths = [int(h[0]) for h in headers]
     if len(set(lengths)) > 1 or any(not torch.equal(h[1:], header[1:]) for h in headers):
         raise ValueError(
             f"orthogonalize_sharded: ranks disagree on the call: matrices per rank {lengths}, "
-            f"(mode index, steps) per rank {[tuple(h[1:].tolist()) for h in headers]} {_where(mode, size)}"
+            f"(mode index, steps, auto hardware checksum) per rank {[tuple(h[1:].tolist()) for h in headers]}; "
+            f"with auto every rank needs the same --muon-auto-hardware constants {_where(mode, size)}"
         )
     if not specs:
         return

@@ -11,9 +11,9 @@ NullTokenizer, vocab 257; built first if missing). The full comparison (about 30
 
 Runs (each optimizer × each LR of its grid; ``--optimizers`` picks a subset):
 
-    adamw      --optimizer adam                                   lrs 1e-3, 3e-3, 1e-2
-    muon       --optimizer muon --muon-tp-mode owner              lrs 2e-3, 5e-3, 1e-2
-    blockmuon  --optimizer muon --muon-tp-mode blockwise          lrs 2e-3, 5e-3, 1e-2
+    adamw      --optimizer adam                                   lrs 3e-4, 1e-3, 3e-3
+    muon       --optimizer muon --muon-tp-mode owner              lrs 1e-3, 3e-3, 1e-2
+    blockmuon  --optimizer muon --muon-tp-mode blockwise          lrs 1e-3, 3e-3, 1e-2
     muonbp     --optimizer muon --muon-tp-mode owner --muonbp-period 5   (same lrs as muon)
 
 all with ``--use-distributed-optimizer``, the same seed (same initial weights, same batches in
@@ -41,8 +41,9 @@ would give the embedding and output layer their own lr, not the norms; ``--extra
 it to every run if wanted.) With the default ``--muon-scale-mode spectral`` the orthogonalized
 update is scaled by sqrt(max(rows, cols)), so its per-entry RMS is lr itself, several times
 AdamW's at the same lr: Muon alone would want a lower lr than AdamW, while its AdamW half wants
-AdamW's. The Muon grids are centred at 5e-3 as a compromise (a 20-iteration pilot at lr 1e-2
-was stable and ahead of AdamW at 3e-3); AdamW's at 3e-3. ``--lr-grid NAME=a,b,c`` replaces a
+AdamW's. The Muon grids span 1e-3..1e-2 around 3e-3 (a 20-iteration pilot at lr 1e-2 was
+stable and ahead of AdamW at 3e-3); AdamW's span 3e-4..3e-3 (a first full sweep at 1e-3, 3e-3,
+1e-2 had its best at 1e-3, the edge). ``--lr-grid NAME=a,b,c`` replaces a
 grid; results.md flags an optimizer whose best lr lies at the edge of its grid.
 
 Evaluation: ``--evals`` (5) evaluations spread over the run (``--eval-interval`` = train-iters /
@@ -94,10 +95,10 @@ OPTIMIZERS = {
     "muonbp": ("MuonBP (P=5)", ["--optimizer", "muon", "--muon-tp-mode", "owner", "--muonbp-period", "5"]),
 }
 DEFAULT_LRS = {
-    "adamw": [1e-3, 3e-3, 1e-2],
-    "muon": [2e-3, 5e-3, 1e-2],
-    "blockmuon": [2e-3, 5e-3, 1e-2],
-    "muonbp": [2e-3, 5e-3, 1e-2],
+    "adamw": [3e-4, 1e-3, 3e-3],
+    "muon": [1e-3, 3e-3, 1e-2],
+    "blockmuon": [1e-3, 3e-3, 1e-2],
+    "muonbp": [1e-3, 3e-3, 1e-2],
 }
 MODELS = {
     "default": dict(num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2, seq_length=256),

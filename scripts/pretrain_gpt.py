@@ -285,6 +285,12 @@ def main() -> None:
     cfg = pretrain_cfg_container_from_args(args)  # no ModelConfig: the model comes from model_provider
     pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
              model_provider=model_provider)
+    # Leave together: a rank that exits while a peer's gloo worker threads still run can abort
+    # in the C++ runtime ("terminate called without an active exception", seen on a loaded CPU
+    # host after training had finished), which fails the job although its work is done.
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -27,23 +27,27 @@ from megatron_muon.cost_model import Hardware, ModelShape, Weight, optimizer_ste
 TARGET = 0.25  # the issue's target: every row within 25%
 
 
-def model_from_bench(bench: dict) -> ModelShape:
-    """The benchmark's model as the cost model sees it (QKV per group into q, k, v; fc1 halves)."""
+def model_from_bench(bench: dict, split_fc1: bool = True) -> ModelShape:
+    """The benchmark's model as the cost model sees it: QKV split into q, k, v; fc1 into gate and
+    up when ``split_fc1`` (ours; megatron-core 0.19.2 orthogonalizes fc1 whole)."""
     m = bench["model"]
     q_rows = m["heads"] * m["head_dim"]
     kv_rows = m["query_groups"] * m["head_dim"]
     weights = []
     for w in bench["muon_matrices"]:
-        sub_rows = {"qkv": (q_rows, kv_rows, kv_rows), "fc1": (w["rows"] // 2, w["rows"] // 2)}.get(w["kind"], ())
+        halves = (w["rows"] // 2, w["rows"] // 2) if split_fc1 else ()
+        sub_rows = {"qkv": (q_rows, kv_rows, kv_rows), "fc1": halves}.get(w["kind"], ())
         weights.append(Weight(w["name"], w["rows"], w["cols"], w["partition_dim"], sub_rows))
     sharded = sum(p["numel"] for p in bench["adam_params"] if p["partition_dim"] is not None)
     replicated = sum(p["numel"] for p in bench["adam_params"] if p["partition_dim"] is None)
     return ModelShape("bench", tuple(weights), sharded, replicated, len(bench["adam_params"]), m["layers"])
 
 
-def predict_row(row: dict, model: ModelShape, tp: int, dp: int, hw: Hardware, ns_bytes: int, period: int,
-                clip_grad: bool) -> float:
-    """Predicted seconds of one benchmark row."""
+def predict_row(row: dict, models: dict[str, ModelShape], tp: int, dp: int, hw: Hardware, ns_bytes: int,
+                period: int, clip_grad: bool) -> float:
+    """Predicted seconds of one benchmark row (``models``: "ours" and "megatron" views)."""
+    model = models[row["impl"]]
+
     def step(optimizer: str, mode: str) -> float:
         return optimizer_step_cost(model, optimizer=optimizer, tp=tp, dp=dp, hw=hw, tp_mode=mode,
                                    ns_bytes=ns_bytes, clip_grad=clip_grad).total_s
@@ -78,7 +82,7 @@ def main() -> None:
             raise SystemExit(f"--hardware: expected WORLD=FILE (e.g. 2=hw.json), got {spec!r}")
         hardware[int(world)] = Hardware(**json.loads(Path(path).read_text()))
     ns_bytes = {"float32": 4, "bfloat16": 2}[bench["ns_dtype"]]
-    model = model_from_bench(bench)
+    models = {"ours": model_from_bench(bench), "megatron": model_from_bench(bench, split_fc1=False)}
     clip_grad = bench.get("clip_grad", 1.0) > 0
 
     table, errors = [], []
@@ -87,7 +91,7 @@ def main() -> None:
             raise SystemExit(f"--hardware: no constants for {layout['world']} processes (layout {layout['name']})")
         hw = hardware[layout["world"]]
         for row in layout["rows"]:
-            predicted = predict_row(row, model, layout["tp"], layout["dp"], hw, ns_bytes, args.period, clip_grad)
+            predicted = predict_row(row, models, layout["tp"], layout["dp"], hw, ns_bytes, args.period, clip_grad)
             measured = row["median_ms"] / 1e3
             error = (predicted - measured) / measured
             errors.append(abs(error))

@@ -341,3 +341,20 @@ def test_optimizer_auto_equals_owner_at_tp2(tmp_path):
             for i, (x, y) in enumerate(zip(r[a], r[b])):
                 err = (x - y).abs().max().item()
                 assert err <= FP32_ATOL, f"{a} vs {b} param {i}: {err:.2e}"
+
+
+def _mismatched_hardware_worker(rank: int, t: int) -> str:
+    hw = NO_LATENCY if rank == 0 else GPU_PROFILES["h100-sxm"]
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(rank))
+    try:
+        orthogonalize_sharded([x], [0], mode="auto", hardware=hw)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_with_different_hardware_are_rejected_before_any_payload_moves():
+    # Different constants could choose different modes per rank and hang the collectives; the
+    # cross-rank check compares a checksum of the constants and names the flag instead.
+    for message in run_world(2, _mismatched_hardware_worker):
+        assert "ranks disagree on the call" in message and "--muon-auto-hardware" in message, message

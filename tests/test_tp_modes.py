@@ -226,8 +226,9 @@ def test_against_emerging_optimizers_newton_schulz_tp(world):
 
 
 def _shape_check_bytes(t: int, num_matrices: int) -> int:
-    # Header (3 int64) and table (3 int64 per matrix), each all-gathered: input × (t − 1).
-    return (3 + 3 * num_matrices) * 8 * (t - 1)
+    # Header (4 int64: count, mode, steps, auto's hardware checksum) and table (3 int64 per
+    # matrix), each all-gathered: input × (t − 1).
+    return (4 + 3 * num_matrices) * 8 * (t - 1)
 
 
 def test_owner_traffic_equals_analytic_total(world):

@@ -12,8 +12,8 @@ NullTokenizer, vocab 257; built first if missing). The full comparison (about 30
 Runs (each optimizer × each LR of its grid; ``--optimizers`` picks a subset):
 
     adamw      --optimizer adam                                   lrs 3e-4, 1e-3, 3e-3
-    muon       --optimizer muon --muon-tp-mode owner              lrs 1e-3, 3e-3, 1e-2
-    blockmuon  --optimizer muon --muon-tp-mode blockwise          lrs 1e-3, 3e-3, 1e-2
+    muon       --optimizer muon --muon-tp-mode owner              lrs 3e-4, 1e-3, 3e-3
+    blockmuon  --optimizer muon --muon-tp-mode blockwise          lrs 3e-4, 1e-3, 3e-3
     muonbp     --optimizer muon --muon-tp-mode owner --muonbp-period 5   (same lrs as muon)
 
 all with ``--use-distributed-optimizer``, the same seed (same initial weights, same batches in
@@ -41,9 +41,10 @@ would give the embedding and output layer their own lr, not the norms; ``--extra
 it to every run if wanted.) With the default ``--muon-scale-mode spectral`` the orthogonalized
 update is scaled by sqrt(max(rows, cols)), so its per-entry RMS is lr itself, several times
 AdamW's at the same lr: Muon alone would want a lower lr than AdamW, while its AdamW half wants
-AdamW's. The Muon grids span 1e-3..1e-2 around 3e-3 (a 20-iteration pilot at lr 1e-2 was
-stable and ahead of AdamW at 3e-3); AdamW's span 3e-4..3e-3 (a first full sweep at 1e-3, 3e-3,
-1e-2 had its best at 1e-3, the edge). ``--lr-grid NAME=a,b,c`` replaces a
+AdamW's. All grids are 3e-4, 1e-3, 3e-3: first sweeps at AdamW 1e-3/3e-3/1e-2 and at Muon,
+BlockMuon and MuonBP 1e-3/3e-3/1e-2 had their best at 1e-3, the low edge, every time (and 1e-2
+was the worst for all four), so the grids were moved down one step (``--reuse`` kept the runs
+already made). ``--lr-grid NAME=a,b,c`` replaces a
 grid; results.md flags an optimizer whose best lr lies at the edge of its grid.
 
 Evaluation: ``--evals`` (5) evaluations spread over the run (``--eval-interval`` = train-iters /
@@ -96,9 +97,9 @@ OPTIMIZERS = {
 }
 DEFAULT_LRS = {
     "adamw": [3e-4, 1e-3, 3e-3],
-    "muon": [1e-3, 3e-3, 1e-2],
-    "blockmuon": [1e-3, 3e-3, 1e-2],
-    "muonbp": [1e-3, 3e-3, 1e-2],
+    "muon": [3e-4, 1e-3, 3e-3],
+    "blockmuon": [3e-4, 1e-3, 3e-3],
+    "muonbp": [3e-4, 1e-3, 3e-3],
 }
 MODELS = {
     "default": dict(num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2, seq_length=256),
@@ -137,6 +138,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out-dir", type=Path, default=REPO / "bench-results" / "compare")
     p.add_argument("--extra-args", default="", help="more Megatron flags for every run (one shell string)")
     p.add_argument("--run-timeout", type=float, default=1800, help="seconds before a run is killed")
+    p.add_argument("--reuse", action="store_true",
+                   help="keep the successful runs of --out-dir's results.json whose Megatron flags are "
+                        "unchanged (to extend a grid or finish an interrupted comparison)")
     args = p.parse_args(argv)
     args.optimizers = [o.strip() for o in args.optimizers.split(",") if o.strip()]
     unknown = [o for o in args.optimizers if o not in OPTIMIZERS]
@@ -253,6 +257,17 @@ def run_one(name: str, lr: float, flags: list[str], out_dir: Path, timeout: floa
     return result
 
 
+def previous_runs(results_path: Path, flags: list[str]) -> dict[tuple[str, float], dict]:
+    """(optimizer, lr) → a successful run recorded with exactly these shared Megatron flags
+    (the per-run flags follow from the optimizer and the lr; the port is not among them)."""
+    if not results_path.is_file():
+        return {}
+    recorded = json.loads(results_path.read_text())
+    if recorded["meta"]["megatron_flags"] != flags:
+        return {}
+    return {(r["optimizer"], r["lr"]): r for r in recorded["runs"] if r["status"] == "ok"}
+
+
 def smooth(values: list[float], beta: float = 0.7) -> list[float]:
     """Bias-corrected exponential moving average (as TensorBoard's smoothing)."""
     out, avg = [], 0.0
@@ -367,10 +382,13 @@ def main(argv=None) -> int:
     )
     runs = []
     total = sum(len(args.lrs[name]) for name in args.optimizers)
+    done = previous_runs(out_dir / "results.json", flags) if args.reuse else {}
     for name in args.optimizers:
         for lr in args.lrs[name]:
             print(f"[{len(runs) + 1}/{total}] {OPTIMIZERS[name][0]} lr {lr:g} ...", end=" ", flush=True)
-            r = run_one(name, lr, flags, out_dir, args.run_timeout)
+            r = done.get((name, lr)) or run_one(name, lr, flags, out_dir, args.run_timeout)
+            if (name, lr) in done:
+                print("(reused)", end=" ")
             runs.append(r)
             print(f"{r['status']}, best val {fmt(r['best_val_loss'])}, {r['wall_s']:.0f} s", flush=True)
             # Written after every run, so an interrupted comparison keeps what it finished.

@@ -101,3 +101,14 @@ def test_parse_log_and_failed_rows():
     assert "| AdamW | 0.001 (grid edge) | 4.1000 |" in md
     assert "| Muon | failed |" in md and "| Muon | 0.005 | FAILED (rc 1) |" in md
     assert compare.best_runs([ok, failed]) == {"adamw": ok}
+
+
+def test_reuse_keeps_only_successful_runs_with_the_same_flags(tmp_path):
+    results = tmp_path / "results.json"
+    runs = [dict(optimizer="muon", lr=1e-3, status="ok", best_val_loss=2.0),
+            dict(optimizer="adamw", lr=1e-3, status="failed", best_val_loss=None)]
+    results.write_text(json.dumps(dict(meta=dict(megatron_flags=["--num-layers", "4"]), runs=runs)))
+    kept = compare.previous_runs(results, ["--num-layers", "4"])
+    assert list(kept) == [("muon", 1e-3)]  # the failed run is made again
+    assert compare.previous_runs(results, ["--num-layers", "2"]) == {}  # other flags: nothing reused
+    assert compare.previous_runs(tmp_path / "missing.json", []) == {}

@@ -11,15 +11,24 @@ median over ``--repeats``. Nothing here runs an optimizer or Newton–Schulz: th
 calibrated on separate kernels and then used, unchanged, to predict the benchmark's rows
 (``scripts/validate_cost_model.py``).
 
+Every compute probe runs for tens of milliseconds per call, so that the ranks really overlap
+(on a shared host they contend for the cores as they do during a step; a probe of a few
+milliseconds would let them take turns and overstate the per-rank rate).
+
 Probes (fp32 on the CPU, the NS dtype the benchmark uses there; bf16 on GPUs):
     matmul_flops          batched square GEMMs of sizes 128, 256 and 512 (what NS multiplies at
-                          the benchmark's scale); the geometric mean of the three rates
+                          the benchmark's scale), batches of 4 repeated to ~4 GFLOP per call;
+                          the geometric mean of the three rates
     kernel_overhead_s     an in-place add on a 16-element tensor (dispatch cost, no data)
-    memory_bandwidth      ``a.add_(b)`` on 32 MiB tensors: 3 × 32 MiB touched per call
-    collective_latency_s  a 4-byte all-reduce
-    bandwidths            all-gather, all-reduce and all-to-all of 4 MiB per rank, bytes by
-                          ``megatron_muon/comm.py``'s convention over (time − latency); the
-                          all-gather rate is the bandwidth, the others are its efficiencies
+    memory_bandwidth      ``c = a + b`` on 32 MiB tensors, 8 times per call: 3 × 32 MiB touched
+                          per add, the result freshly allocated each time, as optimizer code
+                          allocates its temporaries (on a CPU the page faults of fresh memory
+                          cost more than the copy: an in-place add reaches ~5× this rate)
+    collective_latency_s  a 4-byte all-reduce (the mean of 20 in a row)
+    bandwidths            all-gather, all-reduce and all-to-all of 1 MiB and 8 MiB per rank:
+                          the extra bytes sent (``megatron_muon/comm.py``'s convention) over the
+                          extra time; the all-gather rate is the bandwidth, the others are its
+                          efficiencies
 """
 
 from __future__ import annotations
@@ -44,9 +53,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from megatron_muon.cost_model import Hardware  # noqa: E402
 
 GEMM_SIZES = (128, 256, 512)
-GEMM_TARGET_FLOPS = 2e8  # per timed call: long enough to dwarf dispatch, short enough to repeat
+GEMM_TARGET_FLOPS = 4e9  # per timed call: tens of ms, so that concurrent ranks overlap
+GEMM_BATCH = 4  # matrices per bmm
 MEMORY_ELEMENTS = 8 * 2**20  # 32 MiB in fp32
-COLLECTIVE_ELEMENTS = 2**20  # 4 MiB in fp32
+MEMORY_PASSES = 8  # adds per timed call
+COLLECTIVE_ELEMENTS = (2**18, 2**21)  # 1 MiB and 8 MiB in fp32
+LATENCY_CALLS = 20  # scalar all-reduces per timed call
 
 
 def _timed(fn, device, repeats: int) -> float:
@@ -70,11 +82,13 @@ def measure(rank: int, nproc: int, device: torch.device, dtype: torch.dtype, rep
     """Every probe on every rank at once; returns the constants (identical on all ranks)."""
     rates = []
     for n in GEMM_SIZES:
-        batch = max(1, round(GEMM_TARGET_FLOPS / (2 * n**3)))
-        a = torch.randn(batch, n, n, device=device, dtype=dtype)
-        b = torch.randn(batch, n, n, device=device, dtype=dtype)
-        seconds = _timed(lambda: torch.bmm(a, b), device, repeats)
-        rates.append(2 * batch * n**3 / seconds)
+        # a small batch (as NS batches a few same-shape matrices) repeated up to the FLOP target,
+        # so the operands stay cache-sized as in a step, yet the call lasts long enough to overlap
+        a = torch.randn(GEMM_BATCH, n, n, device=device, dtype=dtype)
+        b = torch.randn(GEMM_BATCH, n, n, device=device, dtype=dtype)
+        calls = max(1, round(GEMM_TARGET_FLOPS / (2 * GEMM_BATCH * n**3)))
+        seconds = _timed(lambda: [torch.bmm(a, b) for _ in range(calls)], device, repeats)
+        rates.append(2 * GEMM_BATCH * n**3 * calls / seconds)
     matmul_flops = math.exp(sum(math.log(r) for r in rates) / len(rates))
 
     tiny = torch.zeros(16, device=device, dtype=torch.float32)
@@ -83,26 +97,34 @@ def measure(rank: int, nproc: int, device: torch.device, dtype: torch.dtype, rep
 
     x = torch.ones(MEMORY_ELEMENTS, device=device)
     y = torch.ones(MEMORY_ELEMENTS, device=device)
-    memory_bandwidth = 3 * x.numel() * 4 / _timed(lambda: x.add_(y), device, repeats)
+    memory_bandwidth = MEMORY_PASSES * 3 * x.numel() * 4 / _timed(
+        lambda: [x + y for _ in range(MEMORY_PASSES)], device, repeats)
 
     scalar = torch.zeros(1, device=device)
-    latency = _timed(lambda: dist.all_reduce(scalar), device, repeats)
+    latency = _timed(lambda: [dist.all_reduce(scalar) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
 
-    payload = torch.ones(COLLECTIVE_ELEMENTS, device=device)
-    nbytes = payload.numel() * 4
-    gathered = [torch.empty_like(payload) for _ in range(nproc)]
-    exchanged = torch.empty_like(payload)
-    sent = {  # bytes this rank sends, comm.py's convention
-        "all_gather": nbytes * (nproc - 1),
-        "all_reduce": 2 * (nproc - 1) * nbytes / nproc,
-        "all_to_all": nbytes * (nproc - 1) / nproc,
-    }
-    seconds = {
-        "all_gather": _timed(lambda: dist.all_gather(gathered, payload), device, repeats),
-        "all_reduce": _timed(lambda: dist.all_reduce(payload), device, repeats),
-        "all_to_all": _timed(lambda: dist.all_to_all_single(exchanged, payload), device, repeats),
-    }
-    rate = {k: sent[k] / max(seconds[k] - latency, 1e-9) for k in sent}
+    # Bandwidth from the slope between two payload sizes, so the latency (jittery when ranks
+    # share cores) cancels instead of being subtracted.
+    seconds, sent = {}, {}
+    for size in COLLECTIVE_ELEMENTS:
+        payload = torch.ones(size, device=device)
+        nbytes = payload.numel() * 4
+        gathered = [torch.empty_like(payload) for _ in range(nproc)]
+        exchanged = torch.empty_like(payload)
+        sent[size] = {  # bytes this rank sends, comm.py's convention
+            "all_gather": nbytes * (nproc - 1),
+            "all_reduce": 2 * (nproc - 1) * nbytes / nproc,
+            "all_to_all": nbytes * (nproc - 1) / nproc,
+        }
+        seconds[size] = {
+            "all_gather": _timed(lambda: dist.all_gather(gathered, payload), device, repeats),
+            "all_reduce": _timed(lambda: dist.all_reduce(payload), device, repeats),
+            "all_to_all": _timed(lambda: dist.all_to_all_single(exchanged, payload), device, repeats),
+        }
+    small, large = COLLECTIVE_ELEMENTS
+    rate = {k: (sent[large][k] - sent[small][k]) / max(seconds[large][k] - seconds[small][k], 1e-9)
+            for k in sent[large]}
+    seconds = seconds[large]
     return dict(
         matmul_flops=matmul_flops, gemm_rates={str(n): r for n, r in zip(GEMM_SIZES, rates)},
         kernel_overhead_s=overhead, memory_bandwidth=memory_bandwidth, collective_latency_s=latency,
@@ -174,7 +196,7 @@ def main() -> None:
     print(f"| kernel overhead | {hw.kernel_overhead_s * 1e6:.1f} µs |")
     print(f"| collective latency | {hw.collective_latency_s * 1e6:.1f} µs |")
     for k, r in raw["collective_rates"].items():
-        print(f"| {k} bandwidth (4 MiB) | {r / 1e9:.2f} GB/s ({raw['collective_seconds'][k] * 1e3:.2f} ms) |")
+        print(f"| {k} bandwidth (1 → 8 MiB) | {r / 1e9:.2f} GB/s ({raw['collective_seconds'][k] * 1e3:.2f} ms at 8 MiB) |")
     print(f"\nwrote {args.out}")
 
 

@@ -9,7 +9,7 @@
 #   bash scripts/run.sh bench [ARGS...]  # the TP-mode benchmark (scripts/bench_tp_modes.py)
 #   bash scripts/run.sh perf             # docs/performance.md's tables, into bench-results/: hardware
 #                                        #   calibration, optimizer-step benchmark, cost-model validation,
-#                                        #   planner quality, GPU projection (about 10 minutes on 2 cores)
+#                                        #   planner quality, GPU projection (about 3 minutes on 2 cores)
 #   bash scripts/run.sh compare [ARGS...] # the convergence comparison (scripts/compare_optimizers.py,
 #                                        #   about 30 minutes on 2 cores), into bench-results/compare/
 #

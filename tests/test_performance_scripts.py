@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from megatron_muon.cost_model import Hardware
 
 REPO = Path(__file__).resolve().parents[1]

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .newton_schulz import ns_flops
 from .planner import plan_owners, rank_loads
@@ -89,31 +89,27 @@ class Hardware:
 
 # Vendor figures; docs/performance.md explains each. NS GEMMs at 4096-wide shapes reach about
 # 70% of the dense bf16 peak on Hopper (cuBLAS), which is the sustained rate used here.
+_H100_SXM = Hardware(
+    name="h100-sxm",
+    source="NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16 (x0.7 sustained), 3.35 TB/s HBM3 "
+    "(x0.8), NVLink 4 450 GB/s per direction (NCCL bus bw ~360 GB/s), ConnectX-7 400 Gb/s per GPU "
+    "(~40 GB/s achieved), 8 GPUs per node",
+    matmul_flops=0.7 * 989e12,
+    memory_bandwidth=0.8 * 3.35e12,
+    intra_node_bandwidth=360e9,
+    inter_node_bandwidth=40e9,
+    collective_latency_s=20e-6,
+    kernel_overhead_s=5e-6,
+    ranks_per_node=8,
+)
 GPU_PROFILES: dict[str, Hardware] = {
-    "h100-sxm": Hardware(
-        name="h100-sxm",
-        source="NVIDIA H100 SXM datasheet: 989 TFLOP/s dense bf16 (x0.7 sustained), 3.35 TB/s HBM3 "
-        "(x0.8), NVLink 4 450 GB/s per direction (NCCL bus bw ~360 GB/s), ConnectX-7 400 Gb/s per GPU "
-        "(~40 GB/s achieved), 8 GPUs per node",
-        matmul_flops=0.7 * 989e12,
-        memory_bandwidth=0.8 * 3.35e12,
-        intra_node_bandwidth=360e9,
-        inter_node_bandwidth=40e9,
-        collective_latency_s=20e-6,
-        kernel_overhead_s=5e-6,
-        ranks_per_node=8,
-    ),
-    "h200": Hardware(
+    "h100-sxm": _H100_SXM,
+    # the H200 differs only in its memory: same dies' compute, same NVLink and NICs
+    "h200": replace(
+        _H100_SXM,
         name="h200",
-        source="NVIDIA H200 SXM datasheet: same compute and interconnect as H100 SXM, 4.8 TB/s HBM3e "
-        "(x0.8)",
-        matmul_flops=0.7 * 989e12,
+        source="NVIDIA H200 SXM datasheet: same compute and interconnect as H100 SXM, 4.8 TB/s HBM3e (x0.8)",
         memory_bandwidth=0.8 * 4.8e12,
-        intra_node_bandwidth=360e9,
-        inter_node_bandwidth=40e9,
-        collective_latency_s=20e-6,
-        kernel_overhead_s=5e-6,
-        ranks_per_node=8,
     ),
 }
 

@@ -62,21 +62,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import queue
 import statistics
 import sys
-import tempfile
 import time
-import traceback
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _bench_megatron_setup as setup  # noqa: E402
+from _collectives import CollectiveCounter  # noqa: E402
+from _launch import backend_for, launch  # noqa: E402
 
 LAYER_WISE = "megatron layer-wise (duplicated)"
 LAYOUTS = {"tp2": (2, 1), "tp2dp2": (2, 2)}  # (TP, DP); 2 query groups allow TP <= 2
@@ -132,7 +130,7 @@ def measure_steps(row, ddp, opt, grads, device) -> list[dict]:
     steps = []
     for _ in range(n):
         setup.fill_main_grads(ddp, grads)
-        with setup.CollectiveCounter() as counter, setup.NsFlopCounter() as flops, comm_stats() as stats:
+        with CollectiveCounter() as counter, setup.NsFlopCounter() as flops, comm_stats() as stats:
             opt.step()
         steps.append(dict(kind=inner.last_step_kind if inner else None, bytes_sent=counter.bytes_sent,
                           bytes_by_primitive=counter.bytes_by_primitive, calls=counter.calls,
@@ -195,67 +193,21 @@ def bench_rank(tp: int, args, device) -> dict:
     return dict(exactness=exact, measured=measured, times=times, params=params)
 
 
-def child(rank, world, tp, init_file, backend, args, result_queue):
+def rank_main(rank: int, world: int, device, tp: int, args) -> dict:
+    """One rank (started by ``_launch.launch``): Megatron's parallel state, then ``bench_rank``."""
     warnings.filterwarnings("ignore")  # Megatron warns on import that TE / Apex are absent
+    if device.type == "cpu":
+        from megatron_muon.cpu_patches import apply_cpu_patches
+
+        apply_cpu_patches()
+        setup.apply_layer_wise_cpu_patch()
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
     try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-        else:
-            # The ranks share the host's cores; more threads than that only adds contention.
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // world))
-            device = torch.device("cpu")
-            from megatron_muon.cpu_patches import apply_cpu_patches
-
-            apply_cpu_patches()
-            setup.apply_layer_wise_cpu_patch()
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world)
-        from megatron.core import parallel_state as ps
-
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-        try:
-            result = bench_rank(tp, args, device)
-        finally:
-            ps.destroy_model_parallel()
-            dist.destroy_process_group()
-        result_queue.put((rank, True, result))
-    except BaseException:  # noqa: BLE001 - the parent reports it; a silent child would hang it
-        result_queue.put((rank, False, traceback.format_exc()))
-
-
-def run_ranks(world, tp, backend, args) -> list[dict]:
-    """Start the ranks; their results by rank, or raise with the first child's traceback."""
-    ctx = mp.get_context("spawn")
-    result_queue = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="bench-optstep-rdzv-") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=child, args=(r, world, tp, init_file, backend, args, result_queue), daemon=True)
-                 for r in range(world)]
-        for p in procs:
-            p.start()
-        collected, deadline = {}, time.monotonic() + args.timeout
-        try:
-            while len(collected) < world:
-                try:
-                    rank, ok, payload = result_queue.get(timeout=1.0)
-                except queue.Empty:
-                    crashed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
-                    if crashed:
-                        raise RuntimeError(f"ranks died without a report (rank: exit code): {crashed}")
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"no result from ranks {sorted(set(range(world)) - set(collected))} "
-                                           f"after {args.timeout:.0f}s")
-                    continue
-                if not ok:
-                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
-                collected[rank] = payload
-        finally:
-            for p in procs:  # after a failure the others may sit in a collective forever
-                p.join(timeout=5 if len(collected) == world else 0.5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-    return [collected[r] for r in range(world)]
+        return bench_rank(tp, args, device)
+    finally:
+        ps.destroy_model_parallel()
 
 
 # ---- report --------------------------------------------------------------------------------
@@ -372,13 +324,13 @@ def main() -> None:
     for name in layouts:
         tp, dp = LAYOUTS[name]
         world = tp * dp
-        use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world and dist.is_nccl_available()
-        backend = "nccl" if use_cuda else "gloo"
+        backend = backend_for(world)
+        use_cuda = backend == "nccl"
         report |= dict(backend=backend, device=torch.cuda.get_device_name(0) if use_cuda else "cpu",
                        ns_dtype="bfloat16" if use_cuda else "float32")
         started = time.perf_counter()
         try:
-            results = run_ranks(world, tp, backend, args)
+            results = launch(world, rank_main, tp, args, timeout=args.timeout, tag="bench-optstep")
         except RuntimeError as err:  # a rank's traceback is the useful part, not the parent's
             raise SystemExit(f"error ({name}): {err}") from None
         report["muon_matrices"], report["adam_params"] = model_inventory(results)

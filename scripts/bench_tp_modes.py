@@ -28,23 +28,18 @@ median time relative to Megatron duplicated.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
-import os
-import queue
 import statistics
 import sys
-import tempfile
 import time
-import traceback
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from _collectives import CollectiveCounter  # noqa: E402
+from _launch import backend_for, launch  # noqa: E402
 from megatron_muon import comm_stats, ns_flops, orthogonalize_sharded  # noqa: E402
 from megatron_muon.llama_shapes import llama3_matrices  # noqa: E402
 from megatron_muon.tp_modes import distributed_ns_flops  # noqa: E402
@@ -98,44 +93,6 @@ def timed_rounds(runs, args, device) -> list[list[float]]:
     return slowest.tolist()
 
 
-def intercepted_traffic(run) -> tuple[int, dict[str, int]]:
-    """Run once with torch.distributed's collectives wrapped; bytes this rank sent, calls.
-
-    Megatron calls ``torch.distributed.*`` directly, so the only way to see its traffic is to
-    wrap those functions for one step; bytes follow ``megatron_muon/comm.py``'s convention.
-    """
-    # name -> (payload argument, bytes this rank sends for n payload bytes in a group of t)
-    conventions = {
-        "all_gather": ("tensor", lambda n, t: n * (t - 1)),  # own input, to every other rank
-        "all_gather_into_tensor": ("input_tensor", lambda n, t: n * (t - 1)),
-        "all_reduce": ("tensor", lambda n, t: 2 * (t - 1) * n // t),  # ring send volume
-    }
-    sent, calls, originals = [0], {}, {}
-
-    def counting(name, original):
-        payload, volume = conventions[name]
-        signature = inspect.signature(original)
-
-        def wrapper(*a, **kw):
-            bound = signature.bind(*a, **kw).arguments
-            tensor, t = bound[payload], dist.get_world_size(bound.get("group"))
-            sent[0] += volume(tensor.numel() * tensor.element_size(), t)
-            calls[name] = calls.get(name, 0) + 1
-            return original(*a, **kw)
-
-        return wrapper
-
-    try:
-        for name in conventions:
-            originals[name] = getattr(dist, name)
-            setattr(dist, name, counting(name, originals[name]))
-        run()
-    finally:
-        for name, original in originals.items():
-            setattr(dist, name, original)
-    return sent[0], calls
-
-
 def megatron_ns_flops(mode: str, full_shape, local_shape, pdim: int, steps: int) -> int:
     """Analytic NS FLOPs of one matrix on one rank in Megatron's modes."""
     if mode == "duplicated":
@@ -146,7 +103,7 @@ def megatron_ns_flops(mode: str, full_shape, local_shape, pdim: int, steps: int)
     return distributed_ns_flops(k, local_shape[pdim], steps)
 
 
-def bench_rank(rank: int, nproc: int, args, shapes, device) -> list[dict]:
+def bench_rank(rank: int, nproc: int, device, args, shapes) -> list[dict]:
     """This rank's measurements for every row: step times (max over ranks), bytes, FLOPs."""
     from emerging_optimizers.utils import fp32_matmul_precision
     from megatron.core.optimizer.emerging_optimizers import TensorParallelMuon
@@ -207,70 +164,15 @@ def bench_rank(rank: int, nproc: int, args, shapes, device) -> list[dict]:
                 for p, grad in zip(params, shards_fp32):
                     opt.orthogonalize(p, grad)
 
-        bytes_sent, calls = intercepted_traffic(run)
+        with CollectiveCounter() as counter:  # Megatron calls torch.distributed directly
+            run()
+        bytes_sent, calls = counter.bytes_sent, dict(counter.calls)
         flops = sum(megatron_ns_flops(mode, m.shape, s.shape, pd, args.steps)
                     for m, s, pd in zip(full, shards_fp32, pdims))
         rows.append((dict(impl="megatron", mode=mode, ns_flops=flops, bytes_sent=bytes_sent, calls=calls), run))
 
     times = timed_rounds([run for _, run in rows], args, device)
     return [dict(measured, times=row_times) for (measured, _), row_times in zip(rows, times)]
-
-
-def child(rank, nproc, init_file, backend, args, shapes, result_queue):
-    # Megatron warns on import that Transformer Engine / Apex are absent; irrelevant to NS.
-    warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-    try:
-        if backend == "nccl":
-            torch.cuda.set_device(rank)
-            device = torch.device("cuda", rank)
-        else:
-            # The ranks share the host's cores; more threads than that only adds contention.
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // nproc))
-            device = torch.device("cpu")
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank,
-                                world_size=nproc, **({"device_id": device} if backend == "nccl" else {}))
-        try:
-            rows = bench_rank(rank, nproc, args, shapes, device)
-        finally:
-            dist.destroy_process_group()
-        result_queue.put((rank, True, rows))
-    except BaseException:  # noqa: BLE001 - the parent reports it; a silent child would hang it
-        result_queue.put((rank, False, traceback.format_exc()))
-
-
-def run_ranks(nproc, backend, args, shapes) -> list[list[dict]]:
-    """Start the ranks; return their rows by rank, or raise with the first child's traceback."""
-    ctx = mp.get_context("spawn")
-    result_queue = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="bench-tp-rdzv-") as tmp:
-        init_file = os.path.join(tmp, "rendezvous")
-        procs = [ctx.Process(target=child, args=(r, nproc, init_file, backend, args, shapes, result_queue),
-                             daemon=True) for r in range(nproc)]
-        for p in procs:
-            p.start()
-        collected, deadline = {}, time.monotonic() + args.timeout
-        try:
-            while len(collected) < nproc:
-                try:
-                    rank, ok, payload = result_queue.get(timeout=1.0)
-                except queue.Empty:
-                    crashed = {r: p.exitcode for r, p in enumerate(procs) if p.exitcode not in (None, 0)}
-                    if crashed:
-                        raise RuntimeError(f"ranks died without a report (rank: exit code): {crashed}")
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"no result from ranks {sorted(set(range(nproc)) - set(collected))} "
-                                           f"after {args.timeout:.0f}s")
-                    continue
-                if not ok:
-                    raise RuntimeError(f"rank {rank} failed:\n{payload}")
-                collected[rank] = payload
-        finally:
-            for p in procs:  # after a failure the others may sit in a collective forever
-                p.join(timeout=5 if len(collected) == nproc else 0.5)
-                if p.is_alive():
-                    p.kill()
-                    p.join()
-    return [collected[r] for r in range(nproc)]
 
 
 # ---- report --------------------------------------------------------------------------------
@@ -331,15 +233,15 @@ def main() -> None:
     if min(args.nproc, args.layers, args.scale, args.repeats, args.muonbp_period) < 1 or args.warmup < 0:
         parser.error("--nproc, --layers, --scale, --repeats and --muonbp-period must be >= 1, --warmup >= 0")
 
-    use_cuda = torch.cuda.is_available() and torch.cuda.device_count() >= args.nproc \
-        and torch.distributed.is_nccl_available()
-    backend, device = ("nccl", "cuda") if use_cuda else ("gloo", "cpu")
+    backend = backend_for(args.nproc)
+    use_cuda = backend == "nccl"
+    device = "cuda" if use_cuda else "cpu"
     args.dtype = args.dtype or ("bf16" if use_cuda else "fp32")
     shapes, notes = layer_shapes(args.scale, args.nproc)
 
     wall = time.perf_counter()
     try:
-        rows = summarize(run_ranks(args.nproc, backend, args, shapes))
+        rows = summarize(launch(args.nproc, bench_rank, args, shapes, timeout=args.timeout, tag="bench-tp"))
     except RuntimeError as err:  # a rank's traceback is the useful part, not the parent's
         raise SystemExit(f"error: {err}") from None
     wall = time.perf_counter() - wall
@@ -357,8 +259,8 @@ def main() -> None:
         f"muonbp P={args.muonbp_period}: one period [owner, blockwise x {args.muonbp_period - 1}] run as one "
         "timed unit, reported per step; its block step is the blockwise row (0 TP bytes), its full step "
         "the owner row.",
-        "megatron: bytes measured by intercepting torch.distributed.all_gather / all_gather_into_tensor / "
-        "all_reduce during one untimed step, counted with megatron_muon/comm.py's convention "
+        "megatron: bytes measured by wrapping every torch.distributed collective (scripts/_collectives.py) "
+        "during one untimed step, counted with megatron_muon/comm.py's convention "
         "(all_gather: own input × (t−1); all_reduce: 2(t−1)/t × bytes).",
         "megatron: NS FLOPs computed analytically (duplicated: full matrix on every rank; blockwise: local "
         "shard; distributed: distributed_ns_flops(k, local cols), k the unsharded dim).",

@@ -3,8 +3,8 @@
     python scripts/calibrate_hardware.py --nproc 2 --out bench-results/hardware-2proc.json
     python scripts/calibrate_hardware.py --nproc 4 --out bench-results/hardware-4proc.json
 
-Starts ``--nproc`` processes exactly as the optimizer-step benchmark does (gloo on the CPU, or
-NCCL with one GPU per rank; on the CPU each process gets cores // nproc threads, at least one),
+Starts ``--nproc`` processes with the benchmarks' own launcher (``scripts/_launch.py``: gloo on
+the CPU with cores // nproc threads per process, at least one; or NCCL with one GPU per rank),
 so every constant is measured under the same contention as the steps it will predict. All
 ranks run every probe at once; a probe's time is the slowest rank's, and each constant is the
 median over ``--repeats``. Nothing here runs an optimizer or Newton–Schulz: the constants are
@@ -41,15 +41,14 @@ import math
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+from _launch import backend_for, launch  # noqa: E402
 from megatron_muon.cost_model import Hardware  # noqa: E402
 
 GEMM_SIZES = (128, 256, 512)
@@ -132,21 +131,9 @@ def measure(rank: int, nproc: int, device: torch.device, dtype: torch.dtype, rep
     )
 
 
-def child(rank: int, nproc: int, init_file: str, backend: str, repeats: int, out_queue) -> None:
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device, dtype = torch.device("cuda", rank), torch.bfloat16
-    else:
-        # the benchmark's thread policy: the cores split evenly, at least one per process
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // nproc))
-        device, dtype = torch.device("cpu"), torch.float32
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=nproc)
-    try:
-        result = measure(rank, nproc, device, dtype, repeats)
-        if rank == 0:
-            out_queue.put(result)
-    finally:
-        dist.destroy_process_group()
+def rank_main(rank: int, nproc: int, device: torch.device, repeats: int) -> dict:
+    """One rank (started by ``_launch.launch``, the benchmarks' launcher and thread policy)."""
+    return measure(rank, nproc, device, torch.bfloat16 if device.type == "cuda" else torch.float32, repeats)
 
 
 def main() -> None:
@@ -157,19 +144,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.nproc < 2:
         raise SystemExit("--nproc: expected >= 2 (the collectives need peers)")
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= args.nproc else "gloo"
-    ctx = mp.get_context("spawn")
-    out_queue = ctx.Queue()
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=child, args=(r, args.nproc, os.path.join(tmp, "rdzv"), backend, args.repeats,
-                                                  out_queue)) for r in range(args.nproc)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join()
-        if any(p.exitcode for p in procs):
-            raise SystemExit(f"calibration failed: exit codes {[p.exitcode for p in procs]}")
-        raw = out_queue.get(timeout=10)
+    backend = backend_for(args.nproc)
+    try:
+        raw = launch(args.nproc, rank_main, args.repeats, tag="calibrate")[0]  # identical on every rank
+    except RuntimeError as err:  # a rank's traceback is the useful part, not the parent's
+        raise SystemExit(f"calibration failed: {err}") from None
     gather_rate = raw["collective_rates"]["all_gather"]
     device = torch.cuda.get_device_name(0) if backend == "nccl" else f"cpu ({os.cpu_count()} cores)"
     hw = Hardware(
@@ -189,7 +168,7 @@ def main() -> None:
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dataclasses.asdict(hw), indent=2) + "\n")
-    print(f"| constant | value |\n|---|---:|")
+    print("| constant | value |\n|---|---:|")
     print(f"| matmul FLOP/s (GEMM {', '.join(map(str, GEMM_SIZES))}) | "
           f"{hw.matmul_flops / 1e9:.1f} G ({', '.join(f'{r / 1e9:.1f}' for r in raw['gemm_rates'].values())}) |")
     print(f"| memory bandwidth | {hw.memory_bandwidth / 1e9:.2f} GB/s |")

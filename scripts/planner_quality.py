@@ -82,7 +82,7 @@ with warnings.catch_warnings():
     from megatron_muon.owner_exchange import OwnedMatrix
     from megatron_muon.owner_mode import tp_owned_matrix
     from megatron_muon.planner import plan_owners
-    from megatron_muon.tp_modes import DEFAULT_BUCKET_BYTES, _validate_local
+    from megatron_muon.tp_modes import _validate_local
 
 MODELS = ("8B", "70B", "405B")
 CONFIGS = ((8, 8), (8, 64))  # (TP, DP); PP = 1

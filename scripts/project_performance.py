@@ -67,6 +67,10 @@ def main() -> None:
     parser.add_argument("--period", type=int, default=5, help="MuonBP period P")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if not 0 < args.mfu <= 1:
+        parser.error(f"--mfu: expected a fraction in (0, 1], got {args.mfu}")
+    if min(args.seq, args.global_batch, args.period) < 1:
+        parser.error("--seq, --global-batch and --period: expected integers >= 1")
     tokens = args.seq * args.global_batch
     out = {"tokens_per_step": tokens, "mfu": args.mfu, "layouts": LAYOUTS, "rows": []}
     rows = ROWS + (("ours MuonBP P=%d (period avg)" % args.period, "ours", "muonbp"),)

@@ -97,7 +97,7 @@ def main() -> None:
             errors.append(abs(error))
             table.append(dict(layout=layout["name"], label=row["label"], measured_ms=measured * 1e3,
                               predicted_ms=predicted * 1e3, error=error))
-    print(f"| layout | row | measured ms | predicted ms | error |\n|---|---|---:|---:|---:|")
+    print("| layout | row | measured ms | predicted ms | error |\n|---|---|---:|---:|---:|")
     for r in table:
         flag = "" if abs(r["error"]) <= TARGET else " ✗"
         print(f"| {r['layout']} | {r['label']} | {r['measured_ms']:.1f} | {r['predicted_ms']:.1f} | "

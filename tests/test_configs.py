@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from megatron_muon.cli import muon_config_from_args
-from megatron_muon.yaml_config import args_from_mapping, build_parser, load_yaml_args, main, read_yaml
+from megatron_muon.yaml_config import build_parser, load_yaml_args, main, read_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -1,46 +1,41 @@
 """megatron-muon: exact, load-balanced Muon for Megatron-LM under tensor and data parallelism.
 
-The math lives in pure modules that import no Megatron:
-    newton_schulz   the iteration, coefficient sets, ``ns_flops``
-    tp_modes        ``orthogonalize_sharded``: duplicated / distributed / blockwise / owner / auto
-    auto_mode       ``choose_tp_modes``: auto's per-matrix choice by the cost model
-    owner_mode      owner mode: plan, exchange there, batched NS, exchange back
-    owner_exchange  the generic "pieces go to an owner and come back" all-to-all
-    planner         ``plan_owners``: LPT on NS cost
-    comm            the package's collectives and ``comm_stats`` accounting
-    muon            single-process ``Muon``, the reference
+Three layers, each importing only the ones below it (``tests/test_layers.py`` enforces it):
+
+    core/      the math on plain tensors: Newton–Schulz, update scaling, the single-process
+               ``Muon`` reference, shard/full shape arithmetic, model shapes, matrix layouts
+    parallel/  the math across a process group: collectives and ``comm_stats``, the planner,
+               the owner exchange, the TP modes, the optimizer's orthogonalize step, ``auto``
+               and its cost model
+    megatron/  everything that imports Megatron: the optimizer factory and
+               ``MuonDistributedOptimizer``, checkpointing, the CLI flags, the training hooks,
+               the YAML loader, the CPU patches
+
+``config.py`` (``MuonConfig``) and ``optimizer.py`` (``MuonWithAdamW``) sit between ``parallel``
+and ``megatron``. This top level exports what a user builds with and imports no Megatron;
+the Megatron adapter is ``megatron_muon.megatron``.
 """
 
-from .auto_mode import choose_tp_modes, hardware_profile
-from .comm import CommStats, comm_stats
-from .muon import Muon, adjusted_lr
-from .newton_schulz import COEFFICIENT_SETS, newton_schulz, ns_flops
-from .owner_exchange import OwnedMatrix, OwnerExchange, Piece
-from .planner import plan_owners, rank_loads
-from .tp_modes import MODES, orthogonalize_sharded
+from .config import MuonConfig
+from .core.muon import Muon
+from .core.newton_schulz import newton_schulz, ns_flops
+from .megatron.cli import add_muon_args, muon_config_from_args
+from .optimizer import MuonWithAdamW
+from .parallel.comm import comm_stats
+from .parallel.planner import plan_owners
+from .parallel.tp_modes import orthogonalize_sharded
 
 __all__ = [
-    "COEFFICIENT_SETS",
-    "CommStats",
-    "MODES",
     "Muon",
-    "OwnedMatrix",
-    "OwnerExchange",
-    "Piece",
-    "adjusted_lr",
-    "choose_tp_modes",
+    "MuonConfig",
+    "MuonWithAdamW",
+    "add_muon_args",
     "comm_stats",
-    "hardware_profile",
+    "muon_config_from_args",
     "newton_schulz",
     "ns_flops",
     "orthogonalize_sharded",
     "plan_owners",
-    "rank_loads",
 ]
 
 __version__ = "0.1.0"
-
-# Command line (no Megatron import); Megatron hooks: ``megatron_muon.integration.install()``.
-from .cli import add_muon_args, muon_config_from_args  # noqa: E402
-
-__all__ += ["add_muon_args", "muon_config_from_args"]

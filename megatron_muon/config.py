@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .newton_schulz import COEFFICIENT_SETS
-from .orthogonalize import DP_MODES
-from .scaling import SCALE_MODES
-from .tp_modes import MODES
+from .core.newton_schulz import COEFFICIENT_SETS, DEFAULT_COEFFICIENTS
+from .core.scaling import SCALE_MODES
+from .parallel.orthogonalize import DP_MODES
+from .parallel.tp_modes import MODES
 
 if TYPE_CHECKING:
-    from .cost_model import Hardware
+    from .parallel.cost_model import Hardware
 
 __all__ = ["MuonConfig", "NS_PRECISIONS"]
 
@@ -34,7 +34,10 @@ class MuonConfig:
     """EMA momentum μ: B ← μB + (1−μ)G. Upstream's CLI default is 0.9 but its config default is
     0.95 (torch.optim.Muon's too); we use 0.95 on both paths."""
     nesterov: bool = False
-    """use G.lerp(B, μ) instead of B as the matrix to orthogonalize (upstream: --muon-nesterov)."""
+    """use G.lerp(B, μ) instead of B as the matrix to orthogonalize (upstream: --muon-nesterov).
+    Off, as upstream Megatron's flag is; ``torch.optim.Muon`` (and ``core.muon.Muon``, which
+    mirrors it) default to on. The difference is on purpose: a Megatron command line keeps its
+    meaning."""
     split_qkv: bool = True
     """orthogonalize Q, K and V of a fused QKV weight separately, per query group."""
     split_fc1: bool = True
@@ -45,8 +48,9 @@ class MuonConfig:
     """multiplies the scale (0.2 with spectral matches AdamW's update RMS, Moonlight)."""
     fp32_matmul_prec: str = "medium"
     """NS precision: medium = bf16 (upstream default), high/highest = fp32."""
-    coefficient_type: str = "quintic"
-    """Newton–Schulz coefficient set (upstream default: quintic)."""
+    coefficient_type: str = DEFAULT_COEFFICIENTS
+    """Newton–Schulz coefficient set: quintic, upstream Megatron's default and the package's
+    (``newton_schulz.DEFAULT_COEFFICIENTS``); ``torch.optim.Muon`` uses jordan (= simple)."""
     num_ns_steps: int = 5
     """Newton–Schulz iterations."""
     tp_mode: str = "blockwise"
@@ -58,7 +62,7 @@ class MuonConfig:
     """with tp_mode auto: the hardware constants of the cost model (--muon-auto-hardware):
     ``detect`` (this device: H200 → h200, other CUDA GPUs → h100-sxm, CPU → cpu-gloo), a profile
     name (h100-sxm, h200, cpu-gloo) or the path of a JSON file of ``cost_model.Hardware`` fields
-    (``scripts/calibrate_hardware.py``). Ignored by the other modes."""
+    (``scripts/bench/calibrate_hardware.py``). Ignored by the other modes."""
     dp_mode: str = "owner"
     """without the distributed optimizer: owner (NS once per DP group, results exchanged) or
     redundant (every DP rank computes everything; for comparison)."""
@@ -119,7 +123,7 @@ class MuonConfig:
         """The cost model's constants for tp_mode auto (None for the other modes)."""
         if self.tp_mode != "auto":
             return None
-        from .auto_mode import hardware_profile
+        from .parallel.auto_mode import hardware_profile
 
         return hardware_profile(self.auto_hardware)
 

@@ -35,10 +35,10 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adam import adam as functional_adam
 
-from .comm import comm_stats
 from .config import MuonConfig
-from .matrix_layout import MatrixLayout
-from .orthogonalize import orthogonalize_updates
+from .core.matrix_layout import MatrixLayout
+from .parallel.comm import comm_stats
+from .parallel.orthogonalize import orthogonalize_updates
 
 __all__ = ["ALGORITHMS", "MuonMatrix", "MuonWithAdamW"]
 
@@ -92,9 +92,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """``"muon"``, ``"full"`` or ``"block"``: what the last applied step did (for logs)."""
         self.last_step_stats: dict = {}
         """the last step's kind, package bytes sent by this rank, NS FLOPs, orthogonalize ms."""
-        from .checkpoint import prepare_for_checkpointing
-
-        prepare_for_checkpointing(self)  # muon_steps travels in state_dict(); groups tagged
+        # muon_steps is MuonBP's phase: it travels in state_dict() so a resume keeps the schedule.
+        self.register_state_dict_post_hook(_save_muon_steps)
+        self.register_load_state_dict_pre_hook(_pop_muon_steps)
+        self.register_load_state_dict_post_hook(_restore_muon_steps)
 
     # ---- wiring ---------------------------------------------------------------------------
     def attach(self, matrices: Sequence[MuonMatrix], *, dp_group=None, tp_group=None) -> None:
@@ -110,8 +111,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._dp_group, self._tp_group = dp_group, tp_group
         self._validated = False
         # The DP owner plan depends only on the layouts: computed once here, not every step.
-        from . import comm
-        from .orthogonalize import plan_dp_owners
+        from .parallel import comm
+        from .parallel.orthogonalize import plan_dp_owners
 
         self._owners = plan_dp_owners([m.layout for m in self._matrices], comm.group_size(dp_group),
                                       self.config.num_ns_steps)
@@ -243,3 +244,28 @@ class MuonWithAdamW(torch.optim.Optimizer):
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
         )
+
+
+# ---- state dict: the step counter ---------------------------------------------------------------
+
+
+def _save_muon_steps(optimizer: MuonWithAdamW, state_dict: dict) -> dict:
+    state_dict["muon_steps"] = int(optimizer.muon_steps)
+    return state_dict
+
+
+def _pop_muon_steps(optimizer: MuonWithAdamW, state_dict: dict) -> dict:
+    # torch hands pre-hooks its own shallow copy of the caller's dict: popping is local.
+    optimizer._loaded_muon_steps = state_dict.pop("muon_steps", None)
+    return state_dict
+
+
+def _restore_muon_steps(optimizer: MuonWithAdamW) -> None:
+    loaded = getattr(optimizer, "_loaded_muon_steps", None)
+    optimizer._loaded_muon_steps = None
+    if loaded is None:  # a state dict without the counter: every param steps once per step
+        steps = [float(s["step"]) for s in optimizer.state.values() if "step" in s]
+        if not steps:
+            return
+        loaded = max(steps)
+    optimizer.muon_steps = int(loaded)

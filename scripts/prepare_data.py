@@ -44,8 +44,8 @@ import random
 import sys
 import sysconfig
 import time
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Iterable, List, Optional, Sequence
 
 import numpy as np
 
@@ -62,7 +62,7 @@ SKIP_DIRS = frozenset(
 )
 
 
-def megatron_flags(out_dir: str | os.PathLike) -> List[str]:
+def megatron_flags(out_dir: str | os.PathLike) -> list[str]:
     """The Megatron-LM arguments that train on what ``build`` wrote to ``out_dir``."""
     out = Path(out_dir)
     return [
@@ -96,7 +96,7 @@ def decode(ids: Iterable[int]) -> bytes:
     return bytes(out)
 
 
-def default_roots() -> List[Path]:
+def default_roots() -> list[Path]:
     return [Path(sysconfig.get_paths()["stdlib"])]
 
 
@@ -182,7 +182,7 @@ def write_indexed(prefix: Path, docs) -> int:
 
 def build(
     out_dir: str | os.PathLike,
-    inputs: Optional[Sequence[str | os.PathLike]] = None,
+    inputs: Sequence[str | os.PathLike] | None = None,
     max_bytes: int = DEFAULT_MAX_BYTES,
     valid_fraction: float = 0.05,
     seed: int = 1234,
@@ -249,7 +249,7 @@ def summary(manifest: dict) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument(

@@ -6,7 +6,7 @@ megatron-core 0.19.2, whose ``megatron.training`` it drives unchanged):
     parse_and_validate_args -> pretrain_cfg_container_from_args -> pretrain(...)
     (pretrain -> setup_model_and_optimizer -> train -> train_step / training_log / save_checkpoint)
 
-* ``megatron_muon.integration.install()`` runs before anything parses the command line, so
+* ``megatron_muon.megatron.hooks.install()`` runs before anything parses the command line, so
   ``--optimizer muon`` and every ``--muon-*`` flag are known to every Megatron parser;
 * ``model_provider`` builds ``GPTModel`` with the local layer spec (``--transformer-impl local``;
   the Transformer Engine spec is used only with ``--transformer-impl transformer_engine``);
@@ -14,7 +14,7 @@ megatron-core 0.19.2, whose ``megatron.training`` it drives unchanged):
   ``--data-path`` or ``--train-data-path/--valid-data-path`` (an indexed dataset prefix, e.g. the
   byte-level one read with ``--tokenizer-type NullTokenizer --vocab-size 257``), or
   ``MockGPTDataset`` with ``--mock-data``;
-* without CUDA, ``megatron_muon.cpu_patches.apply_cpu_patches()`` retargets Megatron's
+* without CUDA, ``megatron_muon.megatron.cpu_patches.apply_cpu_patches()`` retargets Megatron's
   hard-coded CUDA calls to the CPU; run with ``--distributed-backend gloo``.
 
 CPU example (2 gloo ranks, TP=2; Megatron asks for CUDA_DEVICE_MAX_CONNECTIONS=1 with TP > 1)::
@@ -63,13 +63,13 @@ import torch
 # Runnable as `torchrun scripts/pretrain_gpt.py` from a checkout without installing the package.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import megatron_muon.integration  # noqa: E402
+import megatron_muon.megatron.hooks  # noqa: E402
 
 # Before anything parses sys.argv (megatron.training parses it more than once).
-megatron_muon.integration.install()
+megatron_muon.megatron.hooks.install()
 
 if not torch.cuda.is_available():
-    from megatron_muon.cpu_patches import apply_cpu_patches
+    from megatron_muon.megatron.cpu_patches import apply_cpu_patches
 
     CPU_PATCHES = apply_cpu_patches()
 else:
@@ -109,7 +109,6 @@ from megatron.training.utils import (  # noqa: E402
     get_blend_and_blend_per_split,
     is_first_or_last_pipeline_stage,
 )
-
 
 
 def _use_prebuilt_dataset_helpers() -> None:
@@ -281,7 +280,7 @@ def main() -> None:
     set_startup_timestamps(program_start=_PROGRAM_START_TIME, main_entry=time.time())
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     if CPU_PATCHES:
-        print_rank_0(f"> no CUDA: megatron_muon.cpu_patches applied {len(CPU_PATCHES)} patches")
+        print_rank_0(f"> no CUDA: megatron_muon.megatron.cpu_patches applied {len(CPU_PATCHES)} patches")
     cfg = pretrain_cfg_container_from_args(args)  # no ModelConfig: the model comes from model_provider
     pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
              model_provider=model_provider)

@@ -6,11 +6,11 @@
 #                                        #   byte-level data from the stdlib, then Megatron's own training
 #                                        #   loop with --optimizer muon --muon-tp-mode owner on 2 processes
 #   bash scripts/run.sh test [ARGS...]   # the test suite (pytest), ARGS passed through
-#   bash scripts/run.sh bench [ARGS...]  # the TP-mode benchmark (scripts/bench_tp_modes.py)
+#   bash scripts/run.sh bench [ARGS...]  # the TP-mode benchmark (python -m scripts.bench.bench_tp_modes)
 #   bash scripts/run.sh perf             # docs/performance.md's tables, into bench-results/: hardware
 #                                        #   calibration, optimizer-step benchmark, cost-model validation,
 #                                        #   planner quality, GPU projection (about 3 minutes on 2 cores)
-#   bash scripts/run.sh compare [ARGS...] # the convergence comparison (scripts/compare_optimizers.py,
+#   bash scripts/run.sh compare [ARGS...] # the convergence comparison (python -m scripts.bench.compare_optimizers,
 #                                        #   about 30 minutes on 2 cores), into bench-results/compare/
 #
 # The venv lives in .venv/ and is reused while the requirements pinned in pyproject.toml and
@@ -62,6 +62,21 @@ PY
     echo "$stamp" > "$venv/.requirements-stamp"
 }
 
+ensure_slurm() {
+    # tests/test_slurm.py runs the sbatch scripts under a real one-node Slurm. Install it once
+    # (root with apt-get: this project's machines and CI); elsewhere that test skips, saying why.
+    if command -v sbatch >/dev/null && command -v slurmctld >/dev/null && command -v munged >/dev/null; then
+        return 0
+    fi
+    if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null; then
+        echo "[run.sh] Slurm is not installed and cannot be (needs root and apt-get): tests/test_slurm.py will skip" >&2
+        return 0
+    fi
+    echo "[run.sh] installing slurm-wlm and munge for tests/test_slurm.py" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
+}
+
 cmd="${1:-}"
 shift || true
 case "$cmd" in
@@ -74,7 +89,7 @@ case "$cmd" in
         port="$("$venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
         # Megatron's validate_args wants this whenever TP > 1 (kernel ordering on pre-Blackwell GPUs).
         export CUDA_DEVICE_MAX_CONNECTIONS=1
-        config_text="$("$venv/bin/python" -m megatron_muon.yaml_config --lines configs/tiny-cpu.yaml "$@")"
+        config_text="$("$venv/bin/python" -m megatron_muon.megatron.yaml_config --lines configs/tiny-cpu.yaml "$@")"
         mapfile -t config_args <<< "$config_text"
         "$venv/bin/torchrun" --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$port" \
             scripts/pretrain_gpt.py "${config_args[@]}"
@@ -84,7 +99,8 @@ case "$cmd" in
         ;;
     bench)
         ensure_venv
-        exec "$venv/bin/python" "$repo/scripts/bench_tp_modes.py" "$@"
+        cd "$repo"
+        exec "$venv/bin/python" -m scripts.bench.bench_tp_modes "$@"
         ;;
     perf)
         ensure_venv
@@ -92,14 +108,14 @@ case "$cmd" in
         out=bench-results
         mkdir -p "$out"
         py="$venv/bin/python"
-        "$py" scripts/calibrate_hardware.py --nproc 2 --out "$out/hardware-2proc.json" | tee "$out/hardware-2proc.md"
-        "$py" scripts/calibrate_hardware.py --nproc 4 --out "$out/hardware-4proc.json" | tee "$out/hardware-4proc.md"
-        "$py" scripts/bench_optimizer_step.py --out-dir "$out"
-        "$py" scripts/validate_cost_model.py --bench "$out/optimizer_step.json" \
+        "$py" -m scripts.bench.calibrate_hardware --nproc 2 --out "$out/hardware-2proc.json" | tee "$out/hardware-2proc.md"
+        "$py" -m scripts.bench.calibrate_hardware --nproc 4 --out "$out/hardware-4proc.json" | tee "$out/hardware-4proc.md"
+        "$py" -m scripts.bench.bench_optimizer_step --out-dir "$out"
+        "$py" -m scripts.bench.validate_cost_model --bench "$out/optimizer_step.json" \
             --hardware 2="$out/hardware-2proc.json" --hardware 4="$out/hardware-4proc.json" \
             --json "$out/cost_model_validation.json" | tee "$out/cost_model_validation.md"
-        "$py" scripts/planner_quality.py --json "$out/planner_quality.json" | tee "$out/planner_quality.md"
-        "$py" scripts/project_performance.py --json "$out/projection.json" | tee "$out/projection.md"
+        "$py" -m scripts.bench.planner_quality --json "$out/planner_quality.json" | tee "$out/planner_quality.md"
+        "$py" -m scripts.bench.project_performance --json "$out/projection.json" | tee "$out/projection.md"
         ;;
     compare)
         ensure_venv
@@ -107,10 +123,11 @@ case "$cmd" in
         if [[ ! -f data/train_text_document.bin ]]; then
             "$venv/bin/python" scripts/prepare_data.py --out data
         fi
-        exec "$venv/bin/python" scripts/compare_optimizers.py "$@"
+        exec "$venv/bin/python" -m scripts.bench.compare_optimizers "$@"
         ;;
     test)
         ensure_venv
+        ensure_slurm
         cd "$repo"
         exec "$venv/bin/python" -m pytest "$@"
         ;;

@@ -37,7 +37,7 @@ def init_megatron(tp: int, pp: int = 1, seed: int = 1234):
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_muon.cpu_patches import apply_cpu_patches
+    from megatron_muon.megatron.cpu_patches import apply_cpu_patches
 
     apply_cpu_patches()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)

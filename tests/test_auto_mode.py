@@ -14,22 +14,23 @@ import json
 import pytest
 import torch
 import torch.distributed as dist
-
 from dist_harness import run_world
-from megatron_muon import MODES, comm_stats, newton_schulz, orthogonalize_sharded
-from megatron_muon.auto_mode import (
+
+from megatron_muon import comm_stats, newton_schulz, orthogonalize_sharded
+from megatron_muon.config import MuonConfig
+from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
+from megatron_muon.core.models import LLAMA3
+from megatron_muon.megatron.cli import add_muon_args, muon_config_from_args
+from megatron_muon.optimizer import MuonMatrix, MuonWithAdamW
+from megatron_muon.parallel.auto_mode import (
     AUTO_CANDIDATES,
     CPU_GLOO,
     choose_tp_modes,
     hardware_profile,
     predicted_time,
 )
-from megatron_muon.cli import add_muon_args, muon_config_from_args
-from megatron_muon.config import MuonConfig
-from megatron_muon.cost_model import GPU_PROFILES, Matrix, tp_mode_cost
-from megatron_muon.llama_shapes import LLAMA3_CONFIGS, llama3_matrices
-from megatron_muon.matrix_layout import MatrixLayout, RowSplit
-from megatron_muon.optimizer import MuonMatrix, MuonWithAdamW
+from megatron_muon.parallel.cost_model import GPU_PROFILES, Matrix, tp_mode_cost
+from megatron_muon.parallel.tp_modes import MODES
 
 H100 = GPU_PROFILES["h100-sxm"]
 # A machine with no per-call latency (collectives and kernels cost only their bytes and FLOPs).
@@ -47,13 +48,13 @@ FP32_ATOL = 1e-5
 
 def _llama_submatrices(model: str) -> list[Matrix]:
     """Every matrix NS runs on with split QKV (q, k, v summed over query groups) and split fc1."""
-    _, _, heads, kv_heads, head_dim, ffn = LLAMA3_CONFIGS[model]
+    shape = LLAMA3[model]
     out = []
-    for name, rows, cols, pdim in llama3_matrices(model):
+    for name, rows, cols, pdim in shape.matrices():
         if name.endswith("linear_qkv"):
-            subs = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+            subs = shape.qkv_sub_rows
         elif name.endswith("linear_fc1"):
-            subs = (ffn, ffn)
+            subs = (shape.ffn_hidden, shape.ffn_hidden)
         else:
             subs = (rows,)
         out += [Matrix(r, cols, pdim) for r in subs]
@@ -159,12 +160,13 @@ def test_profiles_by_name():
 
 
 def test_detect(monkeypatch):
-    from megatron_muon import auto_mode
+    from megatron_muon.parallel import auto_mode
 
     if not torch.cuda.is_available():
         assert hardware_profile("detect") is CPU_GLOO
     detect = auto_mode._detected.__wrapped__  # uncached
-    for name, want in [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100-sxm"), ("NVIDIA A100-SXM4-80GB", "h100-sxm")]:
+    for name, want in [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100-sxm"),
+                       ("NVIDIA A100-SXM4-80GB", "h100-sxm")]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, name=name: name)
         assert detect() is GPU_PROFILES[want], name

@@ -1,4 +1,4 @@
-"""scripts/bench_optimizer_step.py end to end at a tiny size (TP 2, gloo, 2 processes).
+"""scripts/bench/bench_optimizer_step.py end to end at a tiny size (TP 2, gloo, 2 processes).
 
 One run of the script (Llama-3-8B / 64: hidden 64, ffn 224, 8 heads / 2 groups, 1 layer, vocab
 128, no warm-up) in a
@@ -9,13 +9,14 @@ derived from the model shapes in the JSON, times only have to exist and be posit
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from megatron_muon.newton_schulz import ns_flops
+from megatron_muon.core.newton_schulz import ns_flops
 
 ROOT = Path(__file__).resolve().parents[1]
 REPEATS = 2
@@ -32,9 +33,11 @@ EXPECTED_LABELS = {
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, str(ROOT / "scripts" / "bench_optimizer_step.py"), "--layouts", "tp2", "--scale", "64",
-           "--layers", "1", "--vocab", str(VOCAB), "--warmup", "0", "--repeats", str(REPEATS), "--out-dir", str(out), "--timeout", "240"]
-    done = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "scripts.bench.bench_optimizer_step", "--layouts", "tp2", "--scale", "64",
+           "--layers", "1", "--vocab", str(VOCAB), "--warmup", "0", "--repeats", str(REPEATS), "--out-dir", str(out),
+           "--timeout", "240"]
+    env = dict(os.environ, PYTHONPATH=str(ROOT))  # -m scripts.bench from the temp dir
+    done = subprocess.run(cmd, cwd=out, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert "| ours owner |" in done.stdout  # the table goes to stdout too
     assert (out / "optimizer_step.md").read_text().startswith("Optimizer step")
@@ -103,7 +106,8 @@ def test_owner_bytes_are_the_exchange_and_nothing_else(report):
     # are the same for every ours row, so the difference to blockwise is exactly our traffic.
     for mode in ("owner", "duplicated", "distributed"):
         r, block = rows[f"ours {mode}"], rows["ours blockwise"]
-        assert [a - b for a, b in zip(r["bytes_sent_per_rank"], block["bytes_sent_per_rank"])] == r["package_bytes_per_rank"]
+        assert ([a - b for a, b in zip(r["bytes_sent_per_rank"], block["bytes_sent_per_rank"])]
+                == r["package_bytes_per_rank"])
     assert rows["ours owner"]["bytes_by_primitive"]["all_to_all_single"] > 0
     assert rows["megatron duplicated"]["bytes_by_primitive"]["all_gather"] > 0
 

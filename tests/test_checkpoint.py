@@ -24,7 +24,6 @@ import os
 
 import pytest
 import torch
-
 from dist_harness import ChildError, run_world
 from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
 
@@ -65,7 +64,7 @@ def _build(dist_opt: bool, seed: int, bf16: bool = False):
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron_optimizer import get_megatron_muon_optimizer
+    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
 
     model = build_tiny_gpt(TP, 1, bf16=bf16, use_distributed_optimizer=dist_opt, bucket_size=SMALL_BUCKET,
                            seed=seed)
@@ -143,11 +142,10 @@ def _snapshot(model, optimizer) -> dict:
     state as full TP-local tensors (distributed optimizer: every DP rank's range summed over DP),
     the per-param steps and ``muon_steps``."""
     import torch.distributed as dist
-
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import DistributedOptimizer
 
-    from megatron_muon.megatron_optimizer import is_muon_matrix
+    from megatron_muon.megatron.optimizer import is_muon_matrix
 
     opt = optimizer.chained_optimizers[0]
     inner = opt.optimizer

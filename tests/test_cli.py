@@ -2,7 +2,7 @@
 
 ``add_muon_args`` on Megatron's parser (``add_megatron_arguments``): owner accepted, upstream
 choices kept, defaults and every flag translated by ``muon_config_from_args``; the plain-argparse
-fallback defines the same flags as Megatron. ``integration.install()``: Megatron's own
+fallback defines the same flags as Megatron. ``hooks.install()``: Megatron's own
 ``parse_args`` / ``validate_args`` keep ``--use-distributed-optimizer`` for ``--optimizer muon``,
 reject unsupported combinations naming the flag, and ``get_megatron_optimizer`` dispatches —
 last on a real one-rank GPT, with the config Megatron builds from the parsed args.
@@ -14,10 +14,10 @@ import argparse
 import sys
 
 import pytest
-
 from dist_harness import run_world
-from megatron_muon.cli import add_muon_args, muon_config_from_args
+
 from megatron_muon.config import MuonConfig
+from megatron_muon.megatron.cli import add_muon_args, muon_config_from_args
 
 # The smallest command line that passes validate_args on one CPU process.
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
@@ -151,13 +151,13 @@ def test_add_muon_args_is_idempotent(parser):
     assert _parse(parser, "--muon-tp-mode owner").muon_tp_mode == "owner"
 
 
-# --- integration.install() with Megatron's parse_args / validate_args --------------------------
+# --- hooks.install() with Megatron's parse_args / validate_args --------------------------
 
 
 @pytest.fixture
 def installed(megatron, monkeypatch):
     """install() for one test; monkeypatch puts Megatron's functions back afterwards."""
-    from megatron_muon import integration
+    from megatron_muon.megatron import hooks
 
     arguments, training = megatron
     for module, name in [(arguments, "add_megatron_arguments"), (arguments, "validate_args"),
@@ -166,7 +166,7 @@ def installed(megatron, monkeypatch):
         monkeypatch.setattr(module, name, getattr(module, name))
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
-    integration.install()
+    hooks.install()
     return arguments, training
 
 
@@ -212,11 +212,11 @@ def test_every_megatron_parser_knows_our_flags_after_install(installed, monkeypa
 
 
 def test_install_is_idempotent(installed):
-    from megatron_muon import integration
+    from megatron_muon.megatron import hooks
 
     arguments, training = installed
     before = (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer)
-    integration.install()
+    hooks.install()
     assert (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer) == before
 
 
@@ -247,7 +247,8 @@ def test_dispatcher(megatron, monkeypatch):
 
     from megatron.training import global_vars
 
-    from megatron_muon import integration, megatron_optimizer
+    from megatron_muon.megatron import hooks
+    from megatron_muon.megatron import optimizer as megatron_optimizer
 
     arguments, training = megatron
     calls = []
@@ -256,7 +257,7 @@ def test_dispatcher(megatron, monkeypatch):
     monkeypatch.setattr(training, "get_megatron_optimizer", lambda *a, **k: calls.append(("upstream", a, k)))
     monkeypatch.setattr(megatron_optimizer, "get_megatron_muon_optimizer",
                         lambda *a, **k: calls.append(("muon", a, k)))
-    integration.install()
+    hooks.install()
     model, overrides = object(), {"o": 1}
 
     def call(optimizer: str, **args):
@@ -285,12 +286,12 @@ def _real_optimizer(rank: int, world: int) -> dict:
 
     os.environ.update(WORLD_SIZE="1", RANK="0")
     from megatron.training import arguments, global_vars, training
-
     from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
-    from megatron_muon import integration
-    from megatron_muon.megatron_optimizer import MuonDistributedOptimizer
 
-    integration.install()
+    from megatron_muon.megatron import hooks
+    from megatron_muon.megatron.optimizer import MuonDistributedOptimizer
+
+    hooks.install()
     sys.argv = ["pretrain_gpt.py", *BASE, *"--optimizer muon --use-distributed-optimizer --muon-tp-mode owner "
                 "--muon-nesterov --clip-grad 0 --muonbp-period 2 --muon-log-stats --log-interval 1".split()]
     args = arguments.parse_args()
@@ -313,8 +314,8 @@ def _real_optimizer(rank: int, world: int) -> dict:
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         training.training_log({"lm loss": torch.tensor(4.0)}, {}, 1e-3, 1, 1.0, False, 0, 1.0, None, None, None)
-    out = dict(log=printed.getvalue(), kind=type(inner).__name__, is_muon=isinstance(inner, MuonDistributedOptimizer), ok=ok,
-               tp_mode=inner.optimizer.config.tp_mode, nesterov=inner.optimizer.config.nesterov,
+    out = dict(log=printed.getvalue(), kind=type(inner).__name__, is_muon=isinstance(inner, MuonDistributedOptimizer),
+               ok=ok, tp_mode=inner.optimizer.config.tp_mode, nesterov=inner.optimizer.config.nesterov,
                moved=moved, total=len(before))
     destroy_megatron()
     return out
@@ -326,6 +327,6 @@ def test_get_megatron_optimizer_builds_muon_from_megatron_args():
     assert out["ok"] and (out["tp_mode"], out["nesterov"]) == ("owner", True)
     assert out["moved"] == out["total"]
     # MuonBP P=2: the first applied step (t = 0) is a full step, and the log line says so.
-    line = next(l for l in out["log"].splitlines() if " iteration " in l)
+    line = next(ln for ln in out["log"].splitlines() if " iteration " in ln)
     assert "muon mode: owner | muon step: full |" in line, line
     assert "muon bytes sent:" in line and "muon orthogonalize:" in line, line

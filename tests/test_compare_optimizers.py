@@ -1,4 +1,4 @@
-"""scripts/compare_optimizers.py end to end, at a size that runs in about a minute on 2 cores.
+"""scripts/bench/compare_optimizers.py end to end, at a size that runs in about a minute on 2 cores.
 
 A byte-level dataset of this package's own sources (scripts/prepare_data.py, into tmp), then the
 script as a subprocess: AdamW and MuonBP (P=5) at one lr each, a 2-layer hidden-64 seq-64 GPT,
@@ -8,7 +8,6 @@ The log parsing and the failed-run rows are checked on synthetic text, without M
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -16,28 +15,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+from scripts.bench import compare_optimizers as compare
+
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "scripts" / "compare_optimizers.py"
-
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("compare_optimizers", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-compare = _load_script()
 
 
 def test_comparison_runs_and_writes_results(tmp_path):
     data = tmp_path / "data"
-    env = dict(os.environ, PYTHONWARNINGS="ignore")
+    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))  # -m scripts.bench from tmp
     subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--out", str(data),
                     "--input", str(REPO / "megatron_muon"), "--valid-fraction", "0.2"],
                    check=True, capture_output=True, env=env, timeout=120)
     out = tmp_path / "compare"
-    cmd = [sys.executable, str(SCRIPT), "--optimizers", "adamw,muonbp",
+    cmd = [sys.executable, "-m", "scripts.bench.compare_optimizers", "--optimizers", "adamw,muonbp",
            "--lr-grid", "adamw=3e-3", "--lr-grid", "muonbp=5e-3",
            "--model", "tiny", "--train-iters", "6", "--micro-batch-size", "2", "--global-batch-size", "4",
            "--evals", "2", "--eval-iters", "2", "--log-interval", "2",
@@ -71,14 +61,20 @@ def test_comparison_runs_and_writes_results(tmp_path):
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
-LOG = """\
- [2026-01-01 00:00:00] iteration        1/       4 | consumed samples:  4 | elapsed time per iteration (ms): 900.0 | learning rate: 1.0E-03 | global batch size:     4 | lm loss: 5.600000E+00 | loss scale: 1.0 |
- [2026-01-01 00:00:01] iteration        2/       4 | consumed samples:  8 | elapsed time per iteration (ms): 100.0 | learning rate: 1.0E-03 | global batch size:     4 | lm loss: 5.000000E+00 | loss scale: 1.0 |
- validation loss at iteration 2 | lm loss value: 4.900000E+00 | lm loss PPL: 1.3E+02 |
- [2026-01-01 00:00:02] iteration        4/       4 | consumed samples: 16 | elapsed time per iteration (ms): 120.0 | learning rate: 1.0E-04 | global batch size:     4 | lm loss: 4.000000E+00 | loss scale: 1.0 |
- validation loss at iteration 4 | lm loss value: 4.200000E+00 | lm loss PPL: 66.7 |
- validation loss at iteration 4 on validation set | lm loss value: 4.000000E+00 | lm loss PPL: 54.6 |
-"""
+LOG = (
+    " [2026-01-01 00:00:00] iteration        1/       4 | consumed samples:  4 "
+    "| elapsed time per iteration (ms): 900.0 | learning rate: 1.0E-03 | global batch size:     4 "
+    "| lm loss: 5.600000E+00 | loss scale: 1.0 |\n"
+    " [2026-01-01 00:00:01] iteration        2/       4 | consumed samples:  8 "
+    "| elapsed time per iteration (ms): 100.0 | learning rate: 1.0E-03 | global batch size:     4 "
+    "| lm loss: 5.000000E+00 | loss scale: 1.0 |\n"
+    " validation loss at iteration 2 | lm loss value: 4.900000E+00 | lm loss PPL: 1.3E+02 |\n"
+    " [2026-01-01 00:00:02] iteration        4/       4 | consumed samples: 16 "
+    "| elapsed time per iteration (ms): 120.0 | learning rate: 1.0E-04 | global batch size:     4 "
+    "| lm loss: 4.000000E+00 | loss scale: 1.0 |\n"
+    " validation loss at iteration 4 | lm loss value: 4.200000E+00 | lm loss PPL: 66.7 |\n"
+    " validation loss at iteration 4 on validation set | lm loss value: 4.000000E+00 | lm loss PPL: 54.6 |\n"
+)
 
 
 def test_parse_log_and_failed_rows():

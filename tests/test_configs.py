@@ -1,7 +1,7 @@
 """The shipped YAML configs, the YAML → argv loader, and docs/flags.md.
 
 Each ``configs/*.yaml`` goes through ``load_yaml_args`` and then Megatron's own ``parse_args``
-(with ``integration.install()``) and ``validate_args`` on this one CPU process. validate_args
+(with ``hooks.install()``) and ``validate_args`` on this one CPU process. validate_args
 never initializes torch.distributed; it only reads WORLD_SIZE / RANK, so WORLD_SIZE is set to
 TP x PP x CP (data-parallel size 1) and the divisibility checks run for real. Two checks need
 the machine a config is meant for, and are given its answers (see ``_as_on_a_gpu_node``).
@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from megatron_muon.cli import muon_config_from_args
-from megatron_muon.yaml_config import build_parser, load_yaml_args, main, read_yaml
+from megatron_muon.megatron.cli import muon_config_from_args
+from megatron_muon.megatron.yaml_config import build_parser, load_yaml_args, main, read_yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
@@ -112,15 +112,6 @@ def test_cli_prints_shell_quoted_args_then_extras(tmp_path, capsys):
     assert "bogus_flag" in capsys.readouterr().err
 
 
-def test_builtin_reader_matches_pyyaml():
-    """Without PyYAML a built-in reader handles the configs' flat subset; with it, both agree."""
-    yaml = pytest.importorskip("yaml")
-    from megatron_muon.yaml_config import _read_flat_yaml
-
-    for path in CONFIGS:
-        assert _read_flat_yaml(path.read_text(), path) == yaml.safe_load(path.read_text()), path
-
-
 # --- the shipped configs ---------------------------------------------------------------------
 
 
@@ -139,12 +130,12 @@ def megatron():
 def installed(megatron, monkeypatch):
     from megatron.training import training
 
-    from megatron_muon import integration
+    from megatron_muon.megatron import hooks
 
     for module, name in [(megatron, "add_megatron_arguments"), (megatron, "validate_args"),
                          (training, "training_log"), (training, "get_megatron_optimizer")]:
         monkeypatch.setattr(module, name, getattr(module, name))
-    integration.install()
+    hooks.install()
     return megatron
 
 

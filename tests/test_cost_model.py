@@ -11,15 +11,16 @@ import dataclasses
 
 import pytest
 import torch
-
 from dist_harness import run_world
+
 from megatron_muon import comm_stats, ns_flops, orthogonalize_sharded
-from megatron_muon.cost_model import (
+from megatron_muon.core.models import LLAMA3
+from megatron_muon.parallel.cost_model import (
     GPU_PROFILES,
     Hardware,
     Matrix,
-    llama3_model,
     model_params,
+    model_weights,
     optimizer_step_cost,
     tp_mode_cost,
 )
@@ -105,13 +106,13 @@ def test_group_beyond_a_node_uses_inter_node_bandwidth():
 
 def test_llama_parameter_counts():
     # Meta's published sizes: 8.03B, 70.55B, 405.85B (untied embeddings, vocab 128256)
-    assert model_params(llama3_model("8B")) == pytest.approx(8.03e9, rel=1e-3)
-    assert model_params(llama3_model("70B")) == pytest.approx(70.55e9, rel=1e-3)
-    assert model_params(llama3_model("405B")) == pytest.approx(405.85e9, rel=1e-3)
+    assert model_params(model_weights(LLAMA3["8B"])) == pytest.approx(8.03e9, rel=1e-3)
+    assert model_params(model_weights(LLAMA3["70B"])) == pytest.approx(70.55e9, rel=1e-3)
+    assert model_params(model_weights(LLAMA3["405B"])) == pytest.approx(405.85e9, rel=1e-3)
 
 
 def test_optimizer_step_orderings():
-    model = llama3_model("8B")
+    model = model_weights(LLAMA3["8B"])
     cost = lambda o, m="owner", dp=8: optimizer_step_cost(model, optimizer=o, tp=8, dp=dp, hw=H100, tp_mode=m).total_s  # noqa: E731
     assert cost("adam") < cost("ours", "blockwise") < cost("ours", "owner") < cost("ours", "duplicated")
     # plain DDP: every DP rank orthogonalizes everything, so DP does not divide the NS work
@@ -122,10 +123,10 @@ def test_optimizer_step_orderings():
 
 def test_bad_arguments_name_what_was_expected():
     with pytest.raises(ValueError, match="optimizer 'sgd'"):
-        optimizer_step_cost(llama3_model("8B"), optimizer="sgd", tp=8, dp=1, hw=H100)
+        optimizer_step_cost(model_weights(LLAMA3["8B"]), optimizer="sgd", tp=8, dp=1, hw=H100)
     with pytest.raises(ValueError, match="unknown mode 'fast'"):
         tp_mode_cost([Matrix(8, 8, 0)], "fast", 2, H100)
     with pytest.raises(ValueError, match="mode_chooser"):
-        optimizer_step_cost(llama3_model("8B"), optimizer="ours", tp=8, dp=1, hw=H100, tp_mode="auto")
+        optimizer_step_cost(model_weights(LLAMA3["8B"]), optimizer="ours", tp=8, dp=1, hw=H100, tp_mode="auto")
     with pytest.raises(TypeError):
         Hardware(name="x")  # every constant must be given: nothing defaults silently

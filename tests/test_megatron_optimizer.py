@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_harness import run_world
 from megatron_harness import (
     FFN,
@@ -59,12 +58,11 @@ def _scheduler(optimizer):
 def _train(rank: int, world: int, runs: list[dict]) -> list[dict]:
     """Train each run in this world (re-initializing Megatron's parallel state per run)."""
     import torch.distributed as dist
-
     from megatron.core import parallel_state as ps
 
     from megatron_muon import comm_stats
     from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron_optimizer import get_megatron_muon_optimizer
+    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
 
     out = []
     for run in runs:
@@ -103,8 +101,8 @@ def _reference(rank: int, world: int) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_muon import Muon
-    from megatron_muon.matrix_layout import RowSplit
-    from megatron_muon.megatron_optimizer import is_muon_matrix
+    from megatron_muon.core.matrix_layout import RowSplit
+    from megatron_muon.megatron.optimizer import is_muon_matrix
 
     init_megatron(1, 1)
     model = build_tiny_gpt(1, 1)
@@ -140,11 +138,14 @@ def _reference(rank: int, world: int) -> dict:
 
 # bf16 params with fp32 main params, NS in bf16 (upstream's "medium"): Megatron's usual path.
 BF16 = dict(bf16=True, muon=dict(fp32_matmul_prec="medium"))
-RUNS_1 = [dict(tp=1, dist_opt=d, tp_mode="owner") for d in (False, True)] + [dict(tp=1, dist_opt=True, tp_mode="owner", **BF16)]
-RUNS_2 = [dict(tp=t, dist_opt=d, tp_mode=m) for t in (1, 2) for d in (False, True) for m in ("duplicated", "distributed", "owner")]
+RUNS_1 = [dict(tp=1, dist_opt=d, tp_mode="owner") for d in (False, True)]
+RUNS_1 += [dict(tp=1, dist_opt=True, tp_mode="owner", **BF16)]
+RUNS_2 = [dict(tp=t, dist_opt=d, tp_mode=m)
+          for t in (1, 2) for d in (False, True) for m in ("duplicated", "distributed", "owner")]
 RUNS_2 += [dict(tp=1, dist_opt=False, tp_mode="owner", muon=dict(dp_mode="redundant"))]  # plain DDP, no DP owner
 RUNS_2 += [dict(tp=1, pp=2, dist_opt=d, tp_mode="owner") for d in (False, True)]  # TP1 x PP2 x DP1
-RUNS_4 = [dict(tp=2, dist_opt=d, tp_mode=m) for d in (False, True) for m in ("duplicated", "distributed", "owner", "blockwise")]
+RUNS_4 = [dict(tp=2, dist_opt=d, tp_mode=m)
+          for d in (False, True) for m in ("duplicated", "distributed", "owner", "blockwise")]
 # Fragments: Megatron's DDP ignores bucket_size without overlap_grad_reduce (one bucket per
 # buffer), so cuts come from where the 1/dp boundaries fall: at DP4, and per stage at PP2 x DP2,
 # they fall inside fc1 matrices (checked below).
@@ -152,7 +153,16 @@ RUNS_4 += [dict(tp=1, dist_opt=True, tp_mode="owner", expect_cut=True)]
 RUNS_4 += [dict(tp=1, pp=2, dist_opt=d, tp_mode="owner", expect_cut=d) for d in (False, True)]  # x DP2
 RUNS_4 += [dict(tp=2, dist_opt=True, tp_mode="owner", **BF16)]
 RUNS = {1: RUNS_1, 2: RUNS_2, 4: RUNS_4}
-RELATIVE_BF16 = 0.25  # observed 0.09-0.13 at TP1 and TP2 x DP2
+# The bf16 runs against the fp32 reference, per Muon matrix, the update delta = params after K
+# steps - initial params. Measured over 4 batch seeds (7, 1, 2, 3) x 8 matrices x both bf16 runs
+# (TP1 and TP2 x DP2), 64 values: relative distance |d_bf16 - d_ref| / |d_ref| 0.063-0.132,
+# norm ratio |d_bf16| / |d_ref| 0.9985-1.0071, cosine 0.9913-0.9980. bf16 noise moves the
+# update's small directions (NS maps every singular value to ~1) but neither its size nor its
+# overall direction, so the norm ratio and the cosine are the sharp checks: a 2% scale error or a
+# different update breaks them, while the distance alone would pass a 20% scale error.
+BF16_NORM_RATIO = 0.02  # |ratio - 1|; measured max 0.0071 (2.8x margin)
+BF16_MIN_COSINE = 0.98  # measured min 0.9913 (1 - cos: 0.0087 vs 0.02, 2.3x margin)
+BF16_DISTANCE = 0.2  # measured max 0.132 (1.5x margin)
 
 
 @pytest.fixture(scope="module")
@@ -194,15 +204,19 @@ def test_matches_single_process_reference(trained, reference, reference_and_init
         # bf16 activations change the gradient in its 3rd significant digit, and NS maps every
         # singular value to ~1, so the small (noisy) directions of the gradient change the
         # update visibly; an entry-wise bound would be meaningless. The bf16 update must still
-        # be the same update: its distance to the fp32 reference's update is a small fraction
-        # of that update's size (observed <= RELATIVE_BF16, see below).
+        # be the same update: the same size, the same direction (bounds measured, see above).
         initial = reference_and_initial[1]
         for n in reference:
             if reference[n].dim() != 2 or "embedding" in n or "output_layer" in n:
                 continue  # AdamW moves entries by ~±lr whatever the gradient's size
-            step = (reference[n] - initial[n]).norm()
-            off = (result["full"][n].float() - reference[n]).norm()
-            assert off <= RELATIVE_BF16 * step, f"{run}: {n} update off by {off / step:.2f} of its size"
+            want = (reference[n] - initial[n]).flatten()
+            got = (result["full"][n].float() - initial[n]).flatten()
+            ratio = (got.norm() / want.norm()).item()
+            cosine = (torch.dot(got, want) / (got.norm() * want.norm())).item()
+            distance = ((got - want).norm() / want.norm()).item()
+            assert abs(ratio - 1) <= BF16_NORM_RATIO, f"{run}: {n} update's size is {ratio:.4f}x the reference's"
+            assert cosine >= BF16_MIN_COSINE, f"{run}: {n} update's cosine to the reference is {cosine:.4f}"
+            assert distance <= BF16_DISTANCE, f"{run}: {n} update off by {distance:.3f} of its size"
     elif run["tp_mode"] == "blockwise":
         # BlockMuon is a different algorithm: the matrices must NOT match the reference.
         assert worst[0] > 1e-3, f"blockwise unexpectedly matched the reference (max diff {worst[0]:.2e})"
@@ -225,7 +239,7 @@ def test_dp_replicas_bitwise_identical(trained, world):
 def test_only_cut_or_moved_matrices_travel_across_dp(trained):
     """TP=1 runs with the distributed optimizer: the DP owner exchange moves exactly the pieces
     not already on their owner (there and back), and nothing else."""
-    from megatron_muon.orthogonalize import plan_dp_owners
+    from megatron_muon.parallel.orthogonalize import plan_dp_owners
 
     checked = 0
     for world, runs in RUNS.items():

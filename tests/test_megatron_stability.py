@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_harness import run_world
 from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
 
@@ -25,7 +24,7 @@ def _snapshot(optimizer) -> dict:
 
 def _nan_worker(rank: int, world: int, dist_opt: bool, bf16: bool) -> dict:
     from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron_optimizer import get_megatron_muon_optimizer
+    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
 
     init_megatron(2, 1)
     model = build_tiny_gpt(2, 1, use_distributed_optimizer=dist_opt, bf16=bf16)
@@ -66,7 +65,7 @@ def test_nan_step_is_skipped_and_changes_nothing(dist_opt, bf16):
 
 def _errors_worker(rank: int, world: int) -> dict:
     from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron_optimizer import get_megatron_muon_optimizer
+    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
 
     init_megatron(1, 1)
     model = build_tiny_gpt(1, 1)

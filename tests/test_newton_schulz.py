@@ -7,8 +7,8 @@ import torch
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz as eo_newton_schulz
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 
-from megatron_muon import COEFFICIENT_SETS, newton_schulz, ns_flops
-from megatron_muon.newton_schulz import coefficient_schedule
+from megatron_muon import newton_schulz, ns_flops
+from megatron_muon.core.newton_schulz import COEFFICIENT_SETS, coefficient_schedule
 
 SHAPES = [(96, 40), (40, 96), (64, 64), (48, 24), (1, 7), (7, 1)]
 
@@ -22,7 +22,7 @@ def test_bitwise_equal_to_torch_optim_muon_in_bf16(shape):
     """Same op sequence as torch.optim.Muon's private NS (bf16, jordan, 5 steps): atol = 0."""
     g = randn(*shape)
     want = torch_zeropower(g, COEFFICIENT_SETS["jordan"][0], 5, 1e-7)
-    got = newton_schulz(g.bfloat16())
+    got = newton_schulz(g.bfloat16(), 5, "jordan")
     assert got.dtype == torch.bfloat16 and got.shape == g.shape
     assert torch.equal(got, want)
 

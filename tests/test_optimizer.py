@@ -7,7 +7,7 @@ import torch
 
 from megatron_muon import Muon
 from megatron_muon.config import MuonConfig
-from megatron_muon.matrix_layout import MatrixLayout, RowSplit
+from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
 from megatron_muon.optimizer import MuonMatrix, MuonWithAdamW
 
 

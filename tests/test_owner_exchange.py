@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_harness import run_world
-from megatron_muon import OwnedMatrix, OwnerExchange, Piece, comm_stats
+
+from megatron_muon import comm_stats
+from megatron_muon.parallel.owner_exchange import OwnedMatrix, OwnerExchange, Piece
 
 WORLD = 3
 

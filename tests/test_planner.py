@@ -14,9 +14,9 @@ import torch
 from megatron.core.distributed import DistributedDataParallelConfig
 from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
 
-from megatron_muon.llama_shapes import llama3_matrices
-from megatron_muon.newton_schulz import ns_flops
-from megatron_muon.planner import plan_owners, rank_loads
+from megatron_muon.core.models import llama3_matrices
+from megatron_muon.core.newton_schulz import ns_flops
+from megatron_muon.parallel.planner import plan_owners, rank_loads
 
 MODELS = ("8B", "70B", "405B")
 NUM_RANKS = 8  # TP=8: owner mode draws owners from the tensor-parallel group

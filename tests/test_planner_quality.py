@@ -1,4 +1,4 @@
-"""scripts/planner_quality.py: NS FLOPs per rank and owner-exchange bytes, checked.
+"""scripts/bench/planner_quality.py: NS FLOPs per rank and owner-exchange bytes, checked.
 
 Pure planning arithmetic on meta tensors (no process group): a hand-checkable toy model at
 TP2 × DP2, then invariants on Llama-3 8B / 70B / 405B at TP8 × DP8 and TP8 × DP64.
@@ -6,20 +6,11 @@ TP2 × DP2, then invariants on Llama-3 8B / 70B / 405B at TP8 × DP8 and TP8 × 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
-from megatron_muon.llama_shapes import LLAMA3_CONFIGS
-from megatron_muon.newton_schulz import ns_flops
-
-_PATH = Path(__file__).resolve().parents[1] / "scripts" / "planner_quality.py"
-_spec = importlib.util.spec_from_file_location("planner_quality", _PATH)
-pq = importlib.util.module_from_spec(_spec)
-sys.modules["planner_quality"] = pq  # dataclasses look their module up while the file executes
-_spec.loader.exec_module(pq)
+from megatron_muon.core.models import LLAMA3
+from megatron_muon.core.newton_schulz import ns_flops
+from scripts.bench import planner_quality as pq
 
 # Loads are sums of Python ints stored in floats: ~1e16 FLOPs per rank, so compare relatively.
 REL = 1e-12
@@ -58,8 +49,8 @@ def test_toy_ours_tp2_dp2():
     [0,128) = layer 1 and DP rank 1 holds [128,256) = layer 0: nothing is cut, each matrix is
     pinned to its holder. Each DP owner's TP group: LPT puts fc2 on TP rank 0, proj on 1."""
     layouts = pq.ours_layouts(_toy(), 2, 2, None, with_non_matrix=False)
-    assert [l.name for l in layouts] == [f"layers.{i}.{m}.weight" for i in (1, 0) for m in ("fc2", "proj")]
-    assert [l.dp_ranges for l in layouts] == [((0, 64), (0, 0)), ((0, 32), (0, 0)),
+    assert [lay.name for lay in layouts] == [f"layers.{i}.{m}.weight" for i in (1, 0) for m in ("fc2", "proj")]
+    assert [lay.dp_ranges for lay in layouts] == [((0, 64), (0, 0)), ((0, 32), (0, 0)),
                                               ((0, 0), (0, 64)), ((0, 0), (0, 32))]
     plan = pq.plan_ours(layouts, 2, 2)
     # rank index = dp·TP + tp
@@ -106,7 +97,9 @@ def test_toy_megatron_duplicated_tp2_dp2():
 def _model_total(model: str, *, split_fc1: bool) -> int:
     """NS FLOPs of one Muon step of the model, from the configs (not from the layouts):
     Q, K, V per query group (fused QKV split), proj, fc1 (as gate + up or whole), fc2."""
-    layers, hidden, heads, kv, hd, ffn = LLAMA3_CONFIGS[model]
+    m = LLAMA3[model]
+    layers, hidden, heads, kv, hd, ffn = (m.num_layers, m.hidden, m.num_heads, m.num_query_groups, m.head_dim,
+                                          m.ffn_hidden)
     per_layer = (ns_flops(heads * hd, hidden) + 2 * ns_flops(kv * hd, hidden) + ns_flops(hidden, heads * hd)
                  + (2 * ns_flops(ffn, hidden) if split_fc1 else ns_flops(2 * ffn, hidden)) + ns_flops(hidden, ffn))
     return layers * per_layer

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from dist_harness import run_world
+
 from megatron_muon import orthogonalize_sharded
 
 WORLD = 2
@@ -60,7 +60,8 @@ EXPECTED = {
     "not_2d": [r"matrix 1 must be a 2-D tensor, got shape \(4, 3, 2\)", r"mode='duplicated', group size 2"],
     "bad_partition_dim": [r"matrix 0 \(local shape \(8, 6\)\) has partition_dim 2", r"group size 2"],
     "full_not_divisible": [
-        r"matrix 0 \(local shape \(8, 6\), partition_dim 1\): full dim 1 of \(8, 13\) is not divisible by the group size 2",
+        r"matrix 0 \(local shape \(8, 6\), partition_dim 1\): full dim 1 of \(8, 13\) "
+        r"is not divisible by the group size 2",
         r"mode='owner'",
     ],
     "full_mismatch": [r"full shape \(8, 6\) does not match 2 shards of \(8, 6\)"],

@@ -1,0 +1,246 @@
+"""Checkpointing ``MuonWithAdamW`` through Megatron's own optimizer wrappers and dist_checkpointing.
+
+Megatron's checkpoint code was written for Adam. Four things make Muon fit it unchanged:
+
+**Canonical state keys (distributed optimizer).** ``DistributedOptimizer`` saves, for every param
+of a grad buffer, ``{"param": main shard, **every tensor of optimizer.state[main shard]}``; in the
+``dp_reshardable`` format each key becomes ONE ``ShardedTensor`` over the whole bucket, in the
+``fully_reshardable`` format one world buffer per key (later cut per model param), and both
+formats, like the loaders and the dummy state Megatron allocates at load time, use the key list
+``optimizer_state_keys`` = ``("exp_avg", "exp_avg_sq")``. Every param of a bucket must therefore
+expose the same keys. So the distributed optimizer presents Muon's state under Adam's names:
+
+    =================  ====================================  ===================================
+    checkpoint key     AdamW param                           Muon param
+    =================  ====================================  ===================================
+    ``param``          fp32 main shard                       fp32 main shard
+    ``exp_avg``        first moment ``exp_avg``              **momentum buffer** ``momentum_buffer``
+    ``exp_avg_sq``     second moment ``exp_avg_sq``          **zeros** (placeholder, ignored on load)
+    ``step``           per-param step (not persisted: it is saved once, in the param groups)
+    =================  ====================================  ===================================
+
+The placeholder costs checkpoint space (one fp32 value per Muon element) and, while a save is
+being written, one transient zero tensor per Muon shard; it costs no optimizer memory. Because
+the momentum sits under ``exp_avg`` exactly where Adam's first moment sits, Megatron moves it
+between DP layouts (``fully_reshardable``: any DP size; ``dp_reshardable``: any DP size with the
+same unpadded bucket layout, which Megatron asserts) and between TP/PP layouts
+(``fully_reshardable`` keys it by the model param's sharding) the way it moves Adam state.
+Without the distributed optimizer Megatron keys optimizer state per model param
+(``optim_state_to_sharding_state``), so ``momentum_buffer`` is saved under its own name there;
+it is shaped like the param, which is all that format needs.
+
+**Distinct param groups.** Megatron pairs saved and current param groups by the identifier keys
+``param_group_identifier_keys`` (lr/wd overrides, ``optimizer``, ...), not by ``algorithm``. The
+Muon matrices' group and the AdamW group of the embedding / output layer have the same lr/wd
+settings, so they collide: the non-distributed wrappers then fail to load ("loaded state dict
+contains a parameter group that doesn't match the size of optimizer's group"), the distributed
+one gives both current groups the saved group written last, ``algorithm`` included (the AdamW
+params would be treated as Muon ones). ``tag_param_groups`` writes the per-group ``optimizer``
+key Megatron itself uses for per-param optimizers (``"muon"`` / ``"adam"``), which is one of the
+identifier keys and makes the groups distinct.
+
+**Step counters.** ``MuonWithAdamW.muon_steps`` (optimizer steps applied) is saved next to the
+param groups (``"muon_steps"`` in the inner state dict, by ``MuonWithAdamW``'s own state-dict
+hooks) and restored on load. The per-param ``step`` tensors are saved once (Megatron keeps one common step)
+and restored as one tensor per param: Megatron's own load gives every param the SAME tensor,
+which the in-place ``step += 1`` of AdamW/Muon would then advance once per param per step.
+
+**Post-load param sync** (upstream NVIDIA/Megatron-LM#6920). After a distributed-optimizer load
+each DP rank holds only its own main shards; ``MuonCheckpointMixin.load_state_dict`` copies them
+into the model param buffers and runs the param all-gather, so every DP replica holds the same,
+loaded, model params — whether or not the model state dict was loaded too.
+
+Use: ``MuonDistributedOptimizer`` inherits ``MuonCheckpointMixin`` and calls
+``prepare_for_checkpointing`` on its inner optimizer; the factory calls
+``prepare_for_checkpointing(inner)`` for the non-distributed wrappers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "CANONICAL_STATE_KEYS",
+    "MuonCheckpointMixin",
+    "load_canonical_state",
+    "prepare_for_checkpointing",
+    "tag_param_groups",
+    "to_canonical_state",
+]
+
+CANONICAL_STATE_KEYS = ("exp_avg", "exp_avg_sq")
+"""The distributed optimizer's per-param state keys in a checkpoint (Adam's, for every param)."""
+
+_OPTIMIZER_TAG = {"muon": "muon", "adamw": "adam"}
+
+
+# --------------------------------------------------------------------------- inner optimizer
+
+
+def tag_param_groups(optimizer: torch.optim.Optimizer) -> None:
+    """Set Megatron's per-group ``optimizer`` key from ``algorithm`` (``"muon"`` / ``"adam"``).
+
+    ``optimizer`` is one of Megatron's ``param_group_identifier_keys``, so a Muon group and an
+    AdamW group with the same lr/wd settings stay distinct when a checkpoint's param groups are
+    matched to the current ones. Idempotent.
+    """
+    for group in optimizer.param_groups:
+        group["optimizer"] = _OPTIMIZER_TAG[group.get("algorithm", "adamw")]
+
+
+def prepare_for_checkpointing(optimizer: torch.optim.Optimizer) -> None:
+    """Make a ``MuonWithAdamW`` checkpointable through Megatron's wrappers. Idempotent.
+
+    Tags the param groups (``tag_param_groups``). The step counter ``muon_steps`` needs nothing
+    here: ``MuonWithAdamW`` saves and restores it in its own ``state_dict`` (``"muon_steps"``).
+    """
+    tag_param_groups(optimizer)
+
+
+# --------------------------------------------------------------------------- canonical state
+
+
+def to_canonical_state(param: torch.Tensor, state: dict, algorithm: str) -> dict:
+    """``{"param", "step", "exp_avg", "exp_avg_sq"}`` for one param (see the module docstring)."""
+    tensors = {"param": param}
+    if "step" in state:
+        tensors["step"] = state["step"]
+    if algorithm == "muon":
+        buf = state["momentum_buffer"]
+        tensors["exp_avg"] = buf
+        tensors["exp_avg_sq"] = torch.zeros_like(buf)  # placeholder: Adam's key, never read back
+    else:
+        tensors["exp_avg"] = state["exp_avg"]
+        tensors["exp_avg_sq"] = state["exp_avg_sq"]
+    return tensors
+
+
+@torch.no_grad()
+def load_canonical_state(
+    param: torch.Tensor, state: dict, algorithm: str, tensors: dict, *, name: str = "param"
+) -> None:
+    """Copy a canonical state (``to_canonical_state``'s keys) into ``param`` and its ``state``.
+
+    Muon: ``exp_avg`` → ``momentum_buffer``; ``exp_avg_sq`` is ignored. ``step`` is not read
+    (it is restored from the param groups). Non-tensor values are skipped, as Megatron does.
+    """
+    if algorithm == "muon":
+        dst = {"param": param, "exp_avg": state["momentum_buffer"]}
+    else:
+        dst = {"param": param, "exp_avg": state["exp_avg"], "exp_avg_sq": state["exp_avg_sq"]}
+    for key, target in dst.items():
+        if key not in tensors:
+            raise KeyError(f"{name}: the checkpoint has no {key!r} (has {sorted(tensors)})")
+        src = tensors[key]
+        if not isinstance(src, torch.Tensor):
+            continue
+        if src.numel() != target.numel():
+            raise ValueError(
+                f"{name}: checkpoint {key!r} has {src.numel()} elements, expected {target.numel()}"
+            )
+        target.copy_(src.view_as(target))
+
+
+# --------------------------------------------------------------------------- distributed optimizer
+
+
+class MuonCheckpointMixin:
+    """Checkpointing for a Megatron ``DistributedOptimizer`` around a ``MuonWithAdamW``.
+
+    Put it before ``DistributedOptimizer`` in the bases. It overrides the two methods every
+    Megatron save/load format goes through for per-param state
+    (``_get_main_param_and_optimizer_states`` / ``_set_main_param_and_optimizer_states``), the
+    state key list, and ``state_dict`` / ``load_state_dict`` (steps, ``muon_steps``, real state
+    instead of Adam dummies, the post-load param sync).
+    """
+
+    @property
+    def optimizer_state_keys(self):
+        # Megatron picks the keys from config.optimizer (e.g. ('exp_avg',) for lion); every
+        # param here exposes both canonical keys whatever the config says.
+        return CANONICAL_STATE_KEYS
+
+    # ---- per-param state -------------------------------------------------------------------
+    def _main_param_state_algorithm(self, model_param):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            raise NotImplementedError("Muon: --use-precision-aware-optimizer is not supported")
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        group = self.optimizer.param_groups[group_index]
+        main_param = group["params"][group_order]
+        if main_param not in self.optimizer.state or not self.optimizer.state[main_param]:
+            self.optimizer.init_state()
+        return main_param, self.optimizer.state[main_param], group["algorithm"]
+
+    def _get_main_param_and_optimizer_states(self, model_param):
+        """``{"param", "step", "exp_avg", "exp_avg_sq"}`` for every param (Muon: momentum in
+        ``exp_avg``, zeros in ``exp_avg_sq``), the keys every Megatron format expects."""
+        main_param, state, algorithm = self._main_param_state_algorithm(model_param)
+        return to_canonical_state(main_param, state, algorithm)
+
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        """Inverse of ``_get_main_param_and_optimizer_states``."""
+        main_param, state, algorithm = self._main_param_state_algorithm(model_param)
+        load_canonical_state(main_param, state, algorithm, tensors, name=self._param_name(model_param))
+
+    # ---- non-tensor state --------------------------------------------------------------------
+    def state_dict(self):
+        """Megatron's layout (``optimizer.param_groups`` without params, each with ``step``;
+        ``grad_scaler``), plus ``optimizer.muon_steps``; independent of TE/Apex being installed."""
+        inner = self.optimizer
+        steps = {float(s["step"]) for s in inner.state.values() if "step" in s}
+        if len(steps) > 1:
+            raise RuntimeError(
+                f"Muon checkpoint: per-param optimizer steps differ ({sorted(steps)}); Megatron "
+                "checkpoints keep one common step"
+            )
+        step = steps.pop() if steps else float(inner.muon_steps)
+        inner_sd = inner.state_dict()
+        param_groups = []
+        for group in inner_sd["param_groups"]:
+            group = {k: v for k, v in group.items() if k != "params"}
+            group["step"] = step
+            param_groups.append(group)
+        optimizer_sd = {k: v for k, v in inner_sd.items() if k not in ("state", "param_groups")}
+        optimizer_sd["param_groups"] = param_groups
+        optimizer_sd["muon_steps"] = int(inner.muon_steps)
+        state_dict = {"optimizer": optimizer_sd}
+        if self.grad_scaler:
+            state_dict["grad_scaler"] = self.grad_scaler.state_dict()
+        return state_dict
+
+    def load_state_dict(self, state_dict):
+        """Megatron's ``load_state_dict`` around real Muon/AdamW state, then steps, ``muon_steps``
+        and, when parameter state was loaded, the copy of main params to the model params and the
+        param all-gather (upstream #6920)."""
+        inner = self.optimizer
+        # Megatron would allocate Adam-named dummies (on the CUDA device) for an empty state;
+        # create the real state instead, which Megatron then keeps and loads into.
+        inner.init_state()
+        saved = state_dict["optimizer"]
+        steps = {g["step"] for g in saved["param_groups"] if g.get("step") is not None}
+        if len(steps) > 1:
+            raise RuntimeError(f"Muon checkpoint: param groups carry different steps {sorted(steps)}")
+        step = steps.pop() if steps else None
+        muon_steps = saved.get("muon_steps")
+        super().load_state_dict(state_dict)
+        for group in inner.param_groups:
+            group.pop("step", None)  # Megatron's transport for the common step, not a group setting
+        if step is not None:
+            for s in inner.state.values():  # one tensor per param, not one shared by all
+                s["step"] = torch.tensor(float(step))
+        if muon_steps is not None:
+            inner.muon_steps = int(muon_steps)
+        elif step is not None:
+            inner.muon_steps = int(step)
+        if state_dict.get("param_state") is not None:
+            self.sync_model_params_from_main_params()
+
+    @torch.no_grad()
+    def sync_model_params_from_main_params(self) -> None:
+        """Copy this rank's main shards into the model param buffers and all-gather them over DP,
+        as the step does: afterwards every DP replica holds the same model params."""
+        if self.is_stub_optimizer:
+            return
+        self._copy_main_params_to_model_params()
+        for model_chunk in self.model_chunks:
+            model_chunk.start_param_sync(force_sync=True)

@@ -1,0 +1,238 @@
+"""The Megatron adapter: Muon on megatron-core's own optimizer wrappers and buffers.
+
+``get_megatron_muon_optimizer(config, model_chunks, muon_config)`` builds what
+``megatron.core.optimizer.get_megatron_optimizer`` would build for Adam — param groups from
+Megatron's ``_get_param_groups`` (so the LR scheduler, weight-decay multipliers, grad clipping
+and found-inf skipping work unchanged), wrapped in Megatron's ``DistributedOptimizer``
+(ZeRO-1: reduce-scatter, shard main params, param all-gather, all Megatron's) or in its
+``Float16OptimizerWithFloat16Params`` / ``FP32Optimizer`` — with one inner
+``MuonWithAdamW`` instead of Adam, and one addition: every Muon matrix is described to the inner
+optimizer by a ``MatrixLayout`` naming where its DP pieces and TP shards live, so its step can
+orthogonalize whole matrices (``orthogonalize.py``).
+
+Routing reads the parameters' own attributes: a 2-D weight that is not
+``is_embedding_or_output_parameter`` is a Muon matrix, everything else AdamW. ``is_qkv`` (set
+here on attention ``linear_qkv`` weights, as upstream does) splits QKV per query group;
+``partition_stride == 2`` (set by Megatron on a gated fc1) splits it into gate and up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from megatron.core.optimizer import (
+    ChainedOptimizer,
+    DistributedOptimizer,
+    Float16OptimizerWithFloat16Params,
+    FP32Optimizer,
+    OptimizerConfig,
+    _get_param_groups_and_buffers,
+    get_standard_config_overrides,
+)
+from megatron.core.optimizer.distrib_optimizer import Range
+from megatron.core.optimizer.grad_scaler import ConstantGradScaler
+from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_pg_rank, get_pg_size
+
+from ..config import MuonConfig
+from ..core.matrix_layout import MatrixLayout, RowSplit
+from ..optimizer import MuonMatrix, MuonWithAdamW
+from .checkpoint import MuonCheckpointMixin, prepare_for_checkpointing
+
+__all__ = ["MuonDistributedOptimizer", "get_megatron_muon_optimizer", "is_muon_matrix"]
+
+
+def is_muon_matrix(param: torch.nn.Parameter) -> bool:
+    """Hidden 2-D weights get Muon; embeddings, the output layer, norms and biases get AdamW."""
+    return param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+
+
+def _tag_qkv(model_chunks, muon_config: MuonConfig) -> None:
+    """Mark fused QKV weights the way upstream's emerging-optimizer path does (by module, since
+    Megatron's layers set no QKV attribute themselves)."""
+    for chunk in model_chunks:
+        cfg = chunk.config
+        q = cfg.num_attention_heads // cfg.num_query_groups * cfg.kv_channels
+        for module in chunk.modules():
+            linear_qkv = getattr(module, "linear_qkv", None)
+            weight = getattr(linear_qkv, "weight", None)
+            if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2:
+                weight.is_qkv = True
+                weight.qkv_split_shapes = [q, cfg.kv_channels, cfg.kv_channels]
+
+
+def _layout(name: str, param: torch.nn.Parameter, tp_size: int, muon_config: MuonConfig,
+            dp_ranges=None) -> MatrixLayout:
+    rows, cols = param.shape
+    tensor_parallel = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+    partition_dim = getattr(param, "partition_dim", -1) if tensor_parallel else None
+    split = None
+    if muon_config.split_qkv and getattr(param, "is_qkv", False):
+        sizes = tuple(param.qkv_split_shapes)
+        if rows % sum(sizes):
+            raise ValueError(f"{name}: QKV rows {rows} are not a multiple of the query-group size {sum(sizes)}")
+        split = RowSplit(rows // sum(sizes), sizes)
+    elif muon_config.split_fc1 and getattr(param, "partition_stride", 1) == 2 and partition_dim in (0, None):
+        split = RowSplit(1, (rows // 2, rows // 2))  # a gated fc1 holds [gate; up] on every TP rank
+    return MatrixLayout(name, (rows, cols), partition_dim if partition_dim in (0, 1) else None, tp_size, split,
+                        dp_ranges)
+
+
+def _param_names(model_chunks) -> dict[int, str]:
+    return {id(p): f"chunk{c}.{n}" for c, chunk in enumerate(model_chunks) for n, p in chunk.named_parameters()}
+
+
+class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
+    """Megatron's ZeRO-1 ``DistributedOptimizer`` with a ``MuonWithAdamW`` inside.
+
+    Megatron's buffers, reduce-scatter and param all-gather are untouched; each DP rank keeps
+    momentum only for its own range (as it keeps Adam state). The only addition is the layout
+    of every Muon matrix — every DP rank's range of it, computed with Megatron's own range
+    function for each rank — so the inner step can send cut matrices to one DP owner.
+
+    Checkpointing (``MuonCheckpointMixin``, ``checkpoint.py``): Megatron's formats, with Muon's
+    momentum stored as ``exp_avg`` (and a zero ``exp_avg_sq``) so it reshards like Adam state;
+    after a load the model params are re-gathered from the main shards on every DP replica.
+    """
+
+    def __init__(self, *args, tp_group=None, muon_config: MuonConfig, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        if self.is_stub_optimizer:
+            return
+        prepare_for_checkpointing(self.optimizer)
+        dp_size = get_pg_size(self.data_parallel_group)
+        tp_size = get_pg_size(tp_group) if tp_group is not None else 1
+        main_of = {}
+        for model_groups, main_groups in (
+            (self.model_float16_groups, self.shard_fp32_from_float16_groups),
+            (self.model_fp32_groups, self.shard_fp32_groups),
+        ):
+            for models, mains in zip(model_groups, main_groups):
+                main_of.update({id(m): s for m, s in zip(models, mains)})
+        names = _param_names(self.model_chunks)
+        matrices = []
+        for buffer in self.buffers:  # same buffers, same order, on every DP (and TP) rank
+            for bucket in buffer.buckets:
+                per_rank = self._ranges_on_every_rank(buffer, bucket, dp_size)
+                for param in bucket.params_list:
+                    if not is_muon_matrix(param):
+                        continue
+                    ranges = tuple(per_rank[r].get(param, (0, 0)) for r in range(dp_size))
+                    layout = _layout(names.get(id(param), "param"), param, tp_size, muon_config, ranges)
+                    matrices.append(MuonMatrix(layout, main_of.get(id(param))))
+        self.optimizer.attach(matrices, dp_group=self.data_parallel_group, tp_group=tp_group)
+
+    def _ranges_on_every_rank(self, buffer, bucket, dp_size: int) -> list[dict]:
+        """For each DP rank, param → [start, end) of the param it holds in this bucket."""
+        size = bucket.grad_data.numel() // dp_size
+        out = []
+        for r in range(dp_size):
+            start = bucket.offset + r * size
+            rng = Range(start, min(bucket.offset + bucket.grad_data.numel(), start + size))
+            params = {p: buffer.param_index_map[p] for p in bucket.params_list}
+            mapping = self._build_model_gbuf_param_range_map(params, rng, bucket.offset)
+            out.append({p: (m["param"].start, m["param"].end) for p, m in mapping.items()})
+        return out
+
+
+def _check_supported(config: OptimizerConfig, model_chunks) -> None:
+    if config.fp16:
+        raise ValueError("--fp16: Muon does not support fp16 (loss-scaled momentum is not handled); use --bf16")
+    ddp = model_chunks[0].ddp_config
+    if getattr(ddp, "use_megatron_fsdp", False):
+        raise ValueError("--use-megatron-fsdp: not supported with Muon; use --use-distributed-optimizer")
+    if getattr(ddp, "num_distributed_optimizer_instances", 1) > 1:
+        raise ValueError("--num-distributed-optimizer-instances > 1: not supported with Muon yet")
+    for chunk in model_chunks:
+        for name, p in chunk.named_parameters():
+            if not getattr(p, "allreduce", True):
+                raise ValueError(f"expert-parallel parameters ({name}): MoE experts are not supported with Muon yet")
+
+
+def get_megatron_muon_optimizer(
+    config: OptimizerConfig,
+    model_chunks: list,
+    muon_config: MuonConfig | None = None,
+    config_overrides: dict | None = None,
+    pg_collection: ProcessGroupCollection | None = None,
+    use_gloo_process_groups: bool = True,
+) -> ChainedOptimizer:
+    """Muon for a Megatron model, in the style of ``get_megatron_optimizer``.
+
+    ``config.use_distributed_optimizer`` selects ``MuonDistributedOptimizer`` (ZeRO-1);
+    otherwise Megatron's ``Float16OptimizerWithFloat16Params`` (bf16) or ``FP32Optimizer``.
+    Returns a ``ChainedOptimizer`` of one, as Megatron's factory does.
+    """
+    muon_config = muon_config or MuonConfig()
+    _check_supported(config, model_chunks)
+    _tag_qkv(model_chunks, muon_config)
+    overrides = dict(get_standard_config_overrides(config) if config_overrides is None else config_overrides)
+    overrides[ParamKey(predicate=ParamPredicate(name="muon_matrix", fn=is_muon_matrix))] = {"algorithm": "muon"}
+    groups_dict = ProcessGroupCollection.setup_process_groups_for_optimizer(
+        pg_collection, model_chunks, use_gloo_process_groups
+    )
+    tp_group = pg_collection.tp if pg_collection is not None else _tp_group()
+    param_groups, buffers = _get_param_groups_and_buffers(
+        model_chunks, 0, config, overrides, lambda g: not g["is_expert_parallel"], "buffers"
+    )
+    inner = MuonWithAdamW(
+        param_groups,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+        config=muon_config,
+    )
+    prepare_for_checkpointing(inner)
+    init_state_fn = _init_state
+    grad_scaler = ConstantGradScaler(config.loss_scale) if config.loss_scale else None
+    if config.use_distributed_optimizer:
+        mp_group = groups_dict["mp_group"]
+        optimizer = MuonDistributedOptimizer(
+            inner, config, grad_scaler, init_state_fn,
+            model_chunks=model_chunks,
+            per_model_buffers=buffers,
+            data_parallel_group=groups_dict["intra_dp_cp_group"],
+            data_parallel_group_gloo=groups_dict["intra_dp_cp_group_gloo"],
+            data_parallel_group_idx=get_pg_rank(mp_group),
+            distributed_optimizer_instance_id=0,
+            tp_group=tp_group,
+            muon_config=muon_config,
+        )
+        optimizer.grad_stats_parallel_group = groups_dict["intra_dist_opt_group"]
+    else:
+        if config.bf16:
+            optimizer = Float16OptimizerWithFloat16Params(inner, config, grad_scaler, init_state_fn)
+        else:
+            optimizer = FP32Optimizer(inner, config, init_state_fn)
+        optimizer.grad_stats_parallel_group = groups_dict["mp_group"]
+        _attach_whole(inner, model_chunks, groups_dict["intra_dp_cp_group"], tp_group, muon_config)
+    optimizer.tp_group = tp_group
+    return ChainedOptimizer([optimizer])
+
+
+def _attach_whole(inner: MuonWithAdamW, model_chunks, dp_group, tp_group, muon_config: MuonConfig) -> None:
+    """Without the distributed optimizer every DP rank holds every matrix whole."""
+    tp_size = get_pg_size(tp_group) if tp_group is not None else 1
+    names = _param_names(model_chunks)
+    matrices = []
+    for chunk in model_chunks:
+        for _, p in chunk.named_parameters():
+            if p.requires_grad and is_muon_matrix(p):
+                main = getattr(p, "main_param", None)
+                matrices.append(MuonMatrix(_layout(names[id(p)], p, tp_size, muon_config),
+                                           main if main is not None else p))
+    inner.attach(matrices, dp_group=dp_group, tp_group=tp_group)
+
+
+def _tp_group():
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def _init_state(opt: MuonWithAdamW, config: Any = None) -> None:
+    """Create every param's state before a checkpoint is written or read."""
+    opt.init_state()

@@ -1,0 +1,131 @@
+"""The collectives this package issues, and the accounting of what they move.
+
+Every collective in megatron_muon goes through the wrappers below, so that
+``with comm_stats() as stats:`` sees all of them (and nothing Megatron issues itself).
+
+Byte convention (per calling rank, what leaves this rank over the network):
+    all_to_all      the chunks addressed to *other* ranks (the chunk to self is a local copy);
+    all_gather      its own input × (t − 1), the copies every other rank receives;
+    all_reduce      2(t − 1)/t × the tensor's bytes, the ring algorithm's send volume.
+Calls are counted per primitive; NS FLOPs run by the package on this rank are counted too, so a
+benchmark can report compute balance next to traffic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommStats",
+    "all_gather",
+    "all_reduce",
+    "all_to_all_single",
+    "comm_stats",
+    "group_rank",
+    "group_size",
+    "record_ns_flops",
+]
+
+
+@dataclass
+class CommStats:
+    """What this rank's package-issued collectives moved while the context was open."""
+
+    calls: Counter = field(default_factory=Counter)
+    """primitive name → number of calls."""
+    bytes_sent: int = 0
+    """bytes sent by this rank, by the convention in the module docstring."""
+    bytes_by_primitive: Counter = field(default_factory=Counter)
+    """primitive name → bytes sent; sums to ``bytes_sent``."""
+    ns_flops: int = 0
+    """Newton–Schulz FLOPs this rank computed (``ns_flops`` of what it actually ran)."""
+
+    def _record(self, primitive: str, nbytes: int) -> None:
+        self.calls[primitive] += 1
+        self.bytes_sent += nbytes
+        self.bytes_by_primitive[primitive] += nbytes
+
+
+_active: list[CommStats] = []
+
+
+@contextlib.contextmanager
+def comm_stats() -> Iterator[CommStats]:
+    """Record the package's collectives on this rank; contexts may nest (each sees all)."""
+    stats = CommStats()
+    _active.append(stats)
+    try:
+        yield stats
+    finally:
+        _active.remove(stats)
+
+
+def _record(primitive: str, nbytes: int) -> None:
+    for stats in _active:
+        stats._record(primitive, nbytes)
+
+
+def record_ns_flops(flops: int) -> None:
+    """Count Newton–Schulz work done on this rank (called by the modes, not by users)."""
+    for stats in _active:
+        stats.ns_flops += flops
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Size of ``group`` (the default group when None); 1 when torch.distributed is not up."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 1
+    return dist.get_world_size(group)
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    """This process's rank within ``group``; 0 when torch.distributed is not up."""
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    return dist.get_rank(group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group=None, *, tag: str = "all_gather") -> None:
+    """``dist.all_gather`` with accounting; ``tag`` separates metadata from payload."""
+    t = group_size(group)
+    _record(tag, _nbytes(tensor) * (t - 1))
+    if t == 1:
+        outputs[0].copy_(tensor)
+        return
+    dist.all_gather(outputs, tensor, group=group)
+
+
+def all_reduce(tensor: torch.Tensor, group=None) -> None:
+    """In-place sum ``dist.all_reduce`` with ring accounting."""
+    t = group_size(group)
+    _record("all_reduce", (2 * (t - 1) * _nbytes(tensor)) // t)
+    if t > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_to_all_single(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int],
+    input_split_sizes: list[int],
+    group=None,
+) -> None:
+    """``dist.all_to_all_single`` on flat tensors with per-rank split sizes (in elements)."""
+    t = group_size(group)
+    me = group_rank(group)
+    to_others = sum(n for r, n in enumerate(input_split_sizes) if r != me)
+    _record("all_to_all", to_others * input.element_size())
+    if t == 1:
+        output.copy_(input)
+        return
+    dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)

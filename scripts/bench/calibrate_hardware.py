@@ -1,0 +1,183 @@
+"""Measure the cost model's hardware constants on this machine, with micro-benchmarks only.
+
+    python -m scripts.bench.calibrate_hardware --nproc 2 --out bench-results/hardware-2proc.json
+    python -m scripts.bench.calibrate_hardware --nproc 4 --out bench-results/hardware-4proc.json
+
+Starts ``--nproc`` processes with the benchmarks' own launcher (``scripts/bench/launch.py``: gloo on
+the CPU with cores // nproc threads per process, at least one; or NCCL with one GPU per rank),
+so every constant is measured under the same contention as the steps it will predict. All
+ranks run every probe at once; a probe's time is the slowest rank's, and each constant is the
+median over ``--repeats``. Nothing here runs an optimizer or Newton–Schulz: the constants are
+calibrated on separate kernels and then used, unchanged, to predict the benchmark's rows
+(``scripts/bench/validate_cost_model.py``).
+
+Every compute probe runs for tens of milliseconds per call, so that the ranks really overlap
+(on a shared host they contend for the cores as they do during a step; a probe of a few
+milliseconds would let them take turns and overstate the per-rank rate).
+
+Probes (fp32 on the CPU, the NS dtype the benchmark uses there; bf16 on GPUs):
+    matmul_flops          batched square GEMMs of sizes 128, 256 and 512 (what NS multiplies at
+                          the benchmark's scale), batches of 4 repeated to ~4 GFLOP per call;
+                          the geometric mean of the three rates
+    kernel_overhead_s     an in-place add on a 16-element tensor (dispatch cost, no data)
+    memory_bandwidth      ``c = a + b`` on 32 MiB tensors, 8 times per call: 3 × 32 MiB touched
+                          per add, the result freshly allocated each time, as optimizer code
+                          allocates its temporaries (on a CPU the page faults of fresh memory
+                          cost more than the copy: an in-place add reaches ~5× this rate)
+    collective_latency_s  a 4-byte all-reduce (the mean of 20 in a row)
+    bandwidths            all-gather, all-reduce and all-to-all of 1 MiB and 8 MiB per rank:
+                          the extra bytes sent (``megatron_muon/parallel/comm.py``'s convention) over the
+                          extra time; the all-gather rate is the bandwidth, the others are its
+                          efficiencies
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_muon.parallel.cost_model import Hardware
+
+from .launch import backend_for, launch
+
+GEMM_SIZES = (128, 256, 512)
+GEMM_TARGET_FLOPS = 4e9  # per timed call: tens of ms, so that concurrent ranks overlap
+GEMM_BATCH = 4  # matrices per bmm
+MEMORY_ELEMENTS = 8 * 2**20  # 32 MiB in fp32
+MEMORY_PASSES = 8  # adds per timed call
+COLLECTIVE_ELEMENTS = (2**18, 2**21)  # 1 MiB and 8 MiB in fp32
+LATENCY_CALLS = 20  # scalar all-reduces per timed call
+
+
+def _timed(fn, device, repeats: int) -> float:
+    """Median over repeats of the slowest rank's seconds for one ``fn()``."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()  # warm-up: first-touch pages, cuBLAS heuristics, gloo connections
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        samples.append(float(elapsed))
+    return statistics.median(samples)
+
+
+def measure(rank: int, nproc: int, device: torch.device, dtype: torch.dtype, repeats: int) -> dict:
+    """Every probe on every rank at once; returns the constants (identical on all ranks)."""
+    rates = []
+    for n in GEMM_SIZES:
+        # a small batch (as NS batches a few same-shape matrices) repeated up to the FLOP target,
+        # so the operands stay cache-sized as in a step, yet the call lasts long enough to overlap
+        a = torch.randn(GEMM_BATCH, n, n, device=device, dtype=dtype)
+        b = torch.randn(GEMM_BATCH, n, n, device=device, dtype=dtype)
+        calls = max(1, round(GEMM_TARGET_FLOPS / (2 * GEMM_BATCH * n**3)))
+        seconds = _timed(lambda: [torch.bmm(a, b) for _ in range(calls)], device, repeats)
+        rates.append(2 * GEMM_BATCH * n**3 * calls / seconds)
+    matmul_flops = math.exp(sum(math.log(r) for r in rates) / len(rates))
+
+    tiny = torch.zeros(16, device=device, dtype=torch.float32)
+    calls = 200
+    overhead = _timed(lambda: [tiny.add_(1.0) for _ in range(calls)], device, repeats) / calls
+
+    x = torch.ones(MEMORY_ELEMENTS, device=device)
+    y = torch.ones(MEMORY_ELEMENTS, device=device)
+    memory_bandwidth = MEMORY_PASSES * 3 * x.numel() * 4 / _timed(
+        lambda: [x + y for _ in range(MEMORY_PASSES)], device, repeats)
+
+    scalar = torch.zeros(1, device=device)
+    latency = _timed(lambda: [dist.all_reduce(scalar) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
+
+    # Bandwidth from the slope between two payload sizes, so the latency (jittery when ranks
+    # share cores) cancels instead of being subtracted.
+    seconds, sent = {}, {}
+    for size in COLLECTIVE_ELEMENTS:
+        payload = torch.ones(size, device=device)
+        nbytes = payload.numel() * 4
+        gathered = [torch.empty_like(payload) for _ in range(nproc)]
+        exchanged = torch.empty_like(payload)
+        sent[size] = {  # bytes this rank sends, comm.py's convention
+            "all_gather": nbytes * (nproc - 1),
+            "all_reduce": 2 * (nproc - 1) * nbytes / nproc,
+            "all_to_all": nbytes * (nproc - 1) / nproc,
+        }
+        seconds[size] = {
+            "all_gather": _timed(lambda: dist.all_gather(gathered, payload), device, repeats),
+            "all_reduce": _timed(lambda: dist.all_reduce(payload), device, repeats),
+            "all_to_all": _timed(lambda: dist.all_to_all_single(exchanged, payload), device, repeats),
+        }
+    small, large = COLLECTIVE_ELEMENTS
+    rate = {k: (sent[large][k] - sent[small][k]) / max(seconds[large][k] - seconds[small][k], 1e-9)
+            for k in sent[large]}
+    seconds = seconds[large]
+    return dict(
+        matmul_flops=matmul_flops, gemm_rates={str(n): r for n, r in zip(GEMM_SIZES, rates)},
+        kernel_overhead_s=overhead, memory_bandwidth=memory_bandwidth, collective_latency_s=latency,
+        collective_seconds=seconds, collective_rates=rate,
+    )
+
+
+def rank_main(rank: int, nproc: int, device: torch.device, repeats: int) -> dict:
+    """One rank (started by ``_launch.launch``, the benchmarks' launcher and thread policy)."""
+    return measure(rank, nproc, device, torch.bfloat16 if device.type == "cuda" else torch.float32, repeats)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nproc", type=int, default=2, help="processes, as in the benchmark layout")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", type=Path, required=True, help="JSON file with the Hardware fields")
+    args = parser.parse_args()
+    if args.nproc < 2:
+        raise SystemExit("--nproc: expected >= 2 (the collectives need peers)")
+    backend = backend_for(args.nproc)
+    try:
+        raw = launch(args.nproc, rank_main, args.repeats, tag="calibrate")[0]  # identical on every rank
+    except RuntimeError as err:  # a rank's traceback is the useful part, not the parent's
+        raise SystemExit(f"calibration failed: {err}") from None
+    gather_rate = raw["collective_rates"]["all_gather"]
+    device = torch.cuda.get_device_name(0) if backend == "nccl" else f"cpu ({os.cpu_count()} cores)"
+    hw = Hardware(
+        name=f"{'gpu' if backend == 'nccl' else 'cpu'}-{backend}-{args.nproc}proc",
+        source=f"scripts/bench/calibrate_hardware.py --nproc {args.nproc} on {device}, "
+        f"{datetime.date.today().isoformat()}",
+        matmul_flops=raw["matmul_flops"],
+        memory_bandwidth=raw["memory_bandwidth"],
+        intra_node_bandwidth=gather_rate,
+        inter_node_bandwidth=gather_rate,  # one host: there is no second level
+        collective_latency_s=raw["collective_latency_s"],
+        kernel_overhead_s=raw["kernel_overhead_s"],
+        ranks_per_node=args.nproc,
+        all_gather_efficiency=1.0,
+        all_reduce_efficiency=raw["collective_rates"]["all_reduce"] / gather_rate,
+        all_to_all_efficiency=raw["collective_rates"]["all_to_all"] / gather_rate,
+    )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(dataclasses.asdict(hw), indent=2) + "\n")
+    print("| constant | value |\n|---|---:|")
+    print(f"| matmul FLOP/s (GEMM {', '.join(map(str, GEMM_SIZES))}) | "
+          f"{hw.matmul_flops / 1e9:.1f} G ({', '.join(f'{r / 1e9:.1f}' for r in raw['gemm_rates'].values())}) |")
+    print(f"| memory bandwidth | {hw.memory_bandwidth / 1e9:.2f} GB/s |")
+    print(f"| kernel overhead | {hw.kernel_overhead_s * 1e6:.1f} µs |")
+    print(f"| collective latency | {hw.collective_latency_s * 1e6:.1f} µs |")
+    for k, r in raw["collective_rates"].items():
+        print(f"| {k} bandwidth (1 → 8 MiB) | {r / 1e9:.2f} GB/s "
+              f"({raw['collective_seconds'][k] * 1e3:.2f} ms at 8 MiB) |")
+    print(f"\nwrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

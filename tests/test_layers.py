@@ -1,0 +1,81 @@
+"""The package's layers, enforced: import-linter's contracts and ruff, run as tests.
+
+The contracts live in pyproject.toml ([tool.importlinter]): ``core`` imports nothing of ours above
+it, ``parallel`` only ``core``, then ``config``, ``optimizer`` and the Megatron adapter; and nothing
+outside ``megatron_muon.megatron`` imports Megatron. Each contract is also shown to fail on a copy
+of the package with one planted import, so a misconfigured contract cannot pass silently.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def _lint_imports(root: Path, *, pythonpath: Path) -> subprocess.CompletedProcess:
+    # The package is installed editable; PYTHONPATH's copy is found first (path finders run before
+    # the editable finder), so a planted copy is what gets analysed.
+    env = dict(os.environ, PYTHONPATH=str(pythonpath))
+    return subprocess.run([str(BIN / "lint-imports"), "--no-cache", "--config", str(root / "pyproject.toml")],
+                          cwd=root, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_import_contracts_hold():
+    proc = _lint_imports(REPO, pythonpath=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "2 kept, 0 broken" in proc.stdout
+
+
+@pytest.mark.parametrize("module, planted, contract", [
+    ("core/shapes.py", "from ..parallel import comm", "megatron adapter > optimizer > config > parallel > core"),
+    ("parallel/planner.py", "from .. import config", "megatron adapter > optimizer > config > parallel > core"),
+    ("config.py", "from .megatron import hooks", "megatron adapter > optimizer > config > parallel > core"),
+    ("parallel/comm.py", "import megatron.core", "only megatron_muon.megatron imports Megatron"),
+])
+def test_a_planted_import_breaks_its_contract(tmp_path, module, planted, contract):
+    shutil.copytree(REPO / "megatron_muon", tmp_path / "megatron_muon",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(REPO / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / "megatron_muon" / module
+    target.write_text(target.read_text() + f"\n{planted}  # planted by test_layers\n")
+    proc = _lint_imports(tmp_path, pythonpath=tmp_path)
+    assert proc.returncode != 0, proc.stdout[-4000:]
+    assert f"{contract} BROKEN" in proc.stdout, proc.stdout[-4000:]
+
+
+def test_the_top_level_imports_no_megatron():
+    """``import megatron_muon`` (and its CLI flags) must work where megatron-core is not imported."""
+    code = ("import sys, megatron_muon, megatron_muon.megatron; "
+            "megatron_muon.add_muon_args; "
+            "print(sorted(m for m in sys.modules if m == 'megatron' or m.startswith('megatron.')))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]"
+
+
+def test_public_surface():
+    import megatron_muon
+    import megatron_muon.megatron as adapter
+
+    assert set(megatron_muon.__all__) == {
+        "Muon", "MuonConfig", "MuonWithAdamW", "orthogonalize_sharded", "newton_schulz", "ns_flops",
+        "comm_stats", "plan_owners", "add_muon_args", "muon_config_from_args",
+    }
+    for internal in ("Piece", "OwnedMatrix", "OwnerExchange", "rank_loads"):
+        assert not hasattr(megatron_muon, internal), internal
+    assert set(adapter.__all__) == {"get_megatron_muon_optimizer", "MuonDistributedOptimizer", "install"}
+    assert callable(adapter.get_megatron_muon_optimizer) and callable(adapter.install)
+
+
+def test_ruff_passes():
+    proc = subprocess.run([str(BIN / "ruff"), "check", "--no-cache", "."], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]

@@ -11,6 +11,7 @@ Run each from the repository root as a module, e.g. ``python -m scripts.bench.be
     project_performance    the cost model on H100/H200 at Llama-3 layouts
     planner_quality        NS load balance and exchange bytes on Llama-3 layouts
     compare_optimizers     convergence: Muon / MuonBP / BlockMuon / AdamW through Megatron's loop
+    tiny_gpt_step          the tiny GPT's optimizer step: MuonBP timings, per-primitive bytes (docs tables)
     launch                 the one rank launcher (file:// rendezvous, gloo or NCCL)
     collectives            the one byte meter over every torch.distributed collective
 """

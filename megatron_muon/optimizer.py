@@ -38,6 +38,7 @@ from torch.optim.adam import adam as functional_adam
 from .config import MuonConfig
 from .core.matrix_layout import MatrixLayout
 from .parallel.comm import comm_stats
+from .parallel.devices import resolve_device
 from .parallel.orthogonalize import orthogonalize_updates
 
 __all__ = ["ALGORITHMS", "MuonMatrix", "MuonWithAdamW"]
@@ -90,8 +91,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
         """optimizer steps applied (skipped steps never reach ``step``); MuonBP's phase."""
         self.last_step_kind: str | None = None
         """``"muon"``, ``"full"`` or ``"block"``: what the last applied step did (for logs)."""
-        self.last_step_stats: dict = {}
-        """the last step's kind, package bytes sent by this rank, NS FLOPs, orthogonalize ms."""
+        self._last_stats: dict = {}
+        self._timer: StepTimer | None = None
+        self._device: torch.device | None = None
         # muon_steps is MuonBP's phase: it travels in state_dict() so a resume keeps the schedule.
         self.register_state_dict_post_hook(_save_muon_steps)
         self.register_load_state_dict_pre_hook(_pop_muon_steps)
@@ -109,6 +111,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             )
         self._matrices = list(matrices)
         self._dp_group, self._tp_group = dp_group, tp_group
+        self._device = None  # re-resolved from the params on the next step
         self._validated = False
         # The DP owner plan depends only on the layouts: computed once here, not every step.
         from .parallel import comm
@@ -116,6 +119,27 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
         self._owners = plan_dp_owners([m.layout for m in self._matrices], comm.group_size(dp_group),
                                       self.config.num_ns_steps)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the Muon step allocates: the device of the params Megatron gave this optimizer
+        (its main-param shards), or the DP group's when this rank holds none
+        (``devices.resolve_device``). Never "the first matrix": on a DP rank that holds no piece
+        of it, that matrix has no param here."""
+        if self._device is None:
+            params = [p for g in self.param_groups for p in g["params"]]
+            self._device = resolve_device(params, self._dp_group, what="MuonWithAdamW: params")
+        return self._device
+
+    @property
+    def last_step_stats(self) -> dict:
+        """The last applied step: ``kind`` (muon / full / block), ``bytes_sent`` by this rank (the
+        package's collectives), ``ns_flops``, ``orthogonalize_ms`` and ``timing`` (``cuda
+        events`` or ``host clock``). Reading ``orthogonalize_ms`` on CUDA waits for the step's end
+        event: do it when logging, not on the step's path. Empty before the first step."""
+        if not self._last_stats:
+            return {}
+        return dict(self._last_stats, orthogonalize_ms=self._timer.elapsed_ms(), timing=self._timer.clock)
 
     def matrices(self) -> list[MuonMatrix]:
         if self._matrices is None:  # single process: each muon param is one whole matrix
@@ -136,7 +160,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 state = self.state[p]
                 if state:
                     continue
-                state["step"] = torch.tensor(0.0)
+                state["step"] = torch.tensor(0.0)  # device-rule: host scalar, as torch's AdamW keeps it
                 if group["algorithm"] == "muon":
                     state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 else:
@@ -169,24 +193,27 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.last_step_kind = kind
         group_of = self._group_of()
         updates = []
+        device = self.device
         for m in matrices:
             p = m.param
             if p is None or p.grad is None:
                 # Every rank joins every collective: a missing grad contributes zeros (as
-                # KellerJordan/Muon does), so the exchange sizes stay the plan's.
+                # KellerJordan/Muon does), so the exchange sizes stay the plan's. A rank holding
+                # no piece of this matrix (p None) still allocates on the optimizer's device.
                 n = 0 if p is None else p.numel()
-                updates.append(torch.zeros(n, device=p.device if p is not None else "cpu"))
+                updates.append(torch.zeros(n, device=device))
                 continue
             state = self.state[p]
             if "momentum_buffer" not in state:
-                state["step"] = torch.tensor(0.0)
+                state["step"] = torch.tensor(0.0)  # device-rule: host scalar, as torch's AdamW keeps it
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["step"] += 1
             buf, grad = state["momentum_buffer"], p.grad
             buf.lerp_(grad, 1 - cfg.momentum)
             update = grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf
             updates.append(update.reshape(-1))
-        started = time.perf_counter()
+        self._timer = StepTimer(device)
+        self._timer.start()
         with comm_stats() as stats:
             orth = orthogonalize_updates(
                 updates,
@@ -204,12 +231,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 bucket_bytes=cfg.owner_bucket_bytes,
                 validate=not self._validated,
                 hardware=self._hardware,
+                device=device,
             )
+        self._timer.stop()
         self._validated = True
-        self.last_step_stats = dict(
-            kind=kind, bytes_sent=stats.bytes_sent, ns_flops=stats.ns_flops,
-            orthogonalize_ms=1e3 * (time.perf_counter() - started),
-        )
+        self._last_stats = dict(kind=kind, bytes_sent=stats.bytes_sent, ns_flops=stats.ns_flops)
         for m, o in zip(matrices, orth):
             p = m.param
             if p is None or p.grad is None:
@@ -225,7 +251,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 continue
             state = self.state[p]
             if not state:
-                state["step"] = torch.tensor(0.0)
+                state["step"] = torch.tensor(0.0)  # device-rule: host scalar, as torch's AdamW keeps it
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             params.append(p)
@@ -244,6 +270,43 @@ class MuonWithAdamW(torch.optim.Optimizer):
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
         )
+
+
+# ---- timing -----------------------------------------------------------------------------------
+
+
+class StepTimer:
+    """Wall time of one region of the step, without a host sync on the step's path.
+
+    On CUDA two events are recorded on the current stream and the elapsed time is read only when
+    asked (the log line, once per log interval, long after the kernels ran); a host clock there
+    would measure kernel launches, not kernels. Elsewhere the host clock: CPU kernels are
+    synchronous, so it measures the work.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.clock = "cuda events" if device.type == "cuda" else "host clock"
+        if self.clock == "cuda events":
+            self._start, self._end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+        self._t0 = self._t1 = 0.0
+
+    def start(self) -> None:
+        if self.clock == "cuda events":
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
+
+    def stop(self) -> None:
+        if self.clock == "cuda events":
+            self._end.record()
+        else:
+            self._t1 = time.perf_counter()
+
+    def elapsed_ms(self) -> float:
+        if self.clock == "cuda events":
+            self._end.synchronize()  # off the step's path: the reader (a log line) waits
+            return self._start.elapsed_time(self._end)
+        return 1e3 * (self._t1 - self._t0)
 
 
 # ---- state dict: the step counter ---------------------------------------------------------------

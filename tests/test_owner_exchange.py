@@ -13,6 +13,7 @@ import torch
 from dist_harness import run_world
 
 from megatron_muon import comm_stats
+from megatron_muon.parallel.devices import group_device
 from megatron_muon.parallel.owner_exchange import OwnedMatrix, OwnerExchange, Piece
 
 WORLD = 3
@@ -39,7 +40,7 @@ def _flat(i: int, numel: int) -> torch.Tensor:
 
 
 def _exchange_worker(rank: int, t: int) -> dict:
-    exchange = OwnerExchange(_matrices(), dtype=torch.float64)
+    exchange = OwnerExchange(_matrices(), dtype=torch.float64, device=group_device())
     local = [
         [_flat(i, n)[s : s + k] for r, s, k in cut if r == rank] for i, (n, cut) in enumerate(CUTS)
     ]
@@ -47,6 +48,7 @@ def _exchange_worker(rank: int, t: int) -> dict:
     replicated = OwnerExchange(
         [OwnedMatrix(owner=2, numel=6, gather=(Piece(2, 0, 6),), scatter=(Piece(0, 0, 6), Piece(1, 0, 6)))],
         dtype=torch.float64,
+        device=group_device(),
     )
     with comm_stats() as stats:
         buffers = exchange.to_owners(local)
@@ -111,10 +113,10 @@ def test_replicated_result_reaches_every_rank(ranks):
 )
 def test_bad_plans_are_rejected(matrix, match):
     with pytest.raises(ValueError, match=match):
-        OwnerExchange([matrix])
+        OwnerExchange([matrix], device=group_device())
 
 
 def test_piece_size_mismatch_is_named():
-    exchange = OwnerExchange([OwnedMatrix(0, 4, (Piece(0, 0, 4),))])
+    exchange = OwnerExchange([OwnedMatrix(0, 4, (Piece(0, 0, 4),))], device=group_device())
     with pytest.raises(ValueError, match=r"matrix 0 piece 0 on rank 0 has 3 elements, the plan says 4"):
         exchange.to_owners([[torch.ones(3)]])

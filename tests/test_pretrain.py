@@ -40,7 +40,7 @@ TINY = [
 ITERATION = re.compile(
     r"iteration\s+(\d+)/\s*(\d+) \|.*?learning rate: ([0-9.E+-]+) \|.*?"
     r"lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|.*?"
-    r" muon step: (\w+) \| muon bytes sent: ([0-9.]+) MB \| muon orthogonalize: ([0-9.]+) ms \|"
+    r" muon step: (\w+) \| muon bytes sent: ([0-9.]+) MB \| muon orthogonalize: ([0-9.]+) ms \(host clock\) \|"
 )
 
 

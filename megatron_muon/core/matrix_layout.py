@@ -83,10 +83,11 @@ class MatrixLayout:
             return torch.cat(subs, dim=0)
         return torch.cat([s.view(groups, n, cols) for s, n in zip(subs, sizes)], dim=1).view(self.local_shape)
 
-    def row_values(self, per_sub: list[float]) -> torch.Tensor:
-        """A length-``rows`` fp32 vector giving each TP-local row its sub-matrix's value."""
+    def row_values(self, per_sub: list[float], device: torch.device) -> torch.Tensor:
+        """A length-``rows`` fp32 vector on ``device`` giving each TP-local row its sub-matrix's value."""
         groups, sizes = self._sizes()
-        pattern = torch.cat([torch.full((n,), v, dtype=torch.float32) for n, v in zip(sizes, per_sub)])
+        pattern = torch.cat([torch.full((n,), v, dtype=torch.float32, device=device)
+                             for n, v in zip(sizes, per_sub)])
         return pattern.repeat(groups)
 
     def ns_cost(self, steps: int) -> int:

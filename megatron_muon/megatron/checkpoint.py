@@ -227,7 +227,7 @@ class MuonCheckpointMixin:
             group.pop("step", None)  # Megatron's transport for the common step, not a group setting
         if step is not None:
             for s in inner.state.values():  # one tensor per param, not one shared by all
-                s["step"] = torch.tensor(float(step))
+                s["step"] = torch.tensor(float(step))  # device-rule: host scalar, as torch's AdamW keeps it
         if muon_steps is not None:
             inner.muon_steps = int(muon_steps)
         elif step is not None:

@@ -58,12 +58,30 @@ class _NullStream:
         pass
 
 
+_VIEW_DEVICE = [torch.device("cpu")]  # what current_device() answers; the dry run sets meta
+
+
+@contextlib.contextmanager
+def view_device(device: torch.device):
+    """Within the block, patched code allocates on ``device`` instead of the CPU.
+
+    ``scripts/dry_run.py`` builds Megatron's DDP buffers and optimizer at production sizes on
+    the ``meta`` device (no memory) under torch's fake process group.
+    """
+    before = _VIEW_DEVICE[0]
+    _VIEW_DEVICE[0] = device
+    try:
+        yield
+    finally:
+        _VIEW_DEVICE[0] = before
+
+
 class _CpuCuda:
     """``torch.cuda`` as seen by a patched function: device, stream, seed calls go to the CPU."""
 
     @staticmethod
     def current_device():
-        return torch.device("cpu")
+        return _VIEW_DEVICE[0]
 
     @staticmethod
     def current_stream(device=None):
@@ -96,11 +114,28 @@ class _CpuTorch(types.ModuleType):
 
 _CPU_TORCH = _CpuTorch("torch")
 
+class _HostTypeName(str):
+    """A ``Tensor.type()`` name that also matches the meta device's (``torch.meta.FloatTensor``).
+
+    Megatron sorts params by ``param.type() == 'torch.cuda.FloatTensor'`` and ``in [...]``; the
+    rewritten constant must accept the CPU's name and, in the dry run, the meta device's. A str
+    subclass's ``__eq__`` is tried first on both sides of ``==`` and inside ``in``.
+    """
+
+    def __eq__(self, other):
+        return str.__eq__(self, other) or (isinstance(other, str) and other == self.replace("torch.", "torch.meta.", 1))
+
+    def __ne__(self, other):
+        return not self.__eq__(other)
+
+    __hash__ = str.__hash__
+
+
 _CONSTANTS = {
     "cuda": "cpu",
-    "torch.cuda.FloatTensor": "torch.FloatTensor",
-    "torch.cuda.HalfTensor": "torch.HalfTensor",
-    "torch.cuda.BFloat16Tensor": "torch.BFloat16Tensor",
+    "torch.cuda.FloatTensor": _HostTypeName("torch.FloatTensor"),
+    "torch.cuda.HalfTensor": _HostTypeName("torch.HalfTensor"),
+    "torch.cuda.BFloat16Tensor": _HostTypeName("torch.BFloat16Tensor"),
 }
 
 

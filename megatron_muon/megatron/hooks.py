@@ -140,7 +140,7 @@ def stats_text(optimizers) -> str:
             parts.append(
                 f" muon mode: {inner.config.tp_mode} | muon step: {stats['kind']} |"
                 f" muon bytes sent: {stats['bytes_sent'] / 1e6:.3f} MB |"
-                f" muon orthogonalize: {stats['orthogonalize_ms']:.1f} ms |"
+                f" muon orthogonalize: {stats['orthogonalize_ms']:.1f} ms ({stats['timing']}) |"
             )
     return "".join(parts)
 

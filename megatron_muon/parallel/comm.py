@@ -23,12 +23,14 @@ import torch.distributed as dist
 
 __all__ = [
     "CommStats",
+    "Collective",
     "all_gather",
     "all_reduce",
     "all_to_all_single",
     "comm_stats",
     "group_rank",
     "group_size",
+    "observe_collectives",
     "record_ns_flops",
 ]
 
@@ -91,6 +93,44 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
+@dataclass(frozen=True)
+class Collective:
+    """One collective as the package issues it, for an observer (``observe_collectives``)."""
+
+    primitive: str
+    """``all_gather`` (or its tag), ``all_reduce`` or ``all_to_all``."""
+    group: dist.ProcessGroup | None
+    inputs: tuple[torch.Tensor, ...]
+    outputs: tuple[torch.Tensor, ...]
+    input_split_sizes: tuple[int, ...] | None = None
+    output_split_sizes: tuple[int, ...] | None = None
+
+
+_OBSERVERS: list = []
+
+
+@contextlib.contextmanager
+def observe_collectives(callback) -> Iterator[None]:
+    """Call ``callback(Collective)`` before each collective the package issues, in order.
+
+    The dry run (``scripts/dry_run.py``) checks with it that every buffer is on the step's device
+    and that split sizes agree across ranks: under torch's fake process group nothing moves, so
+    nothing else would notice.
+    """
+    _OBSERVERS.append(callback)
+    try:
+        yield
+    finally:
+        _OBSERVERS.remove(callback)
+
+
+def _observe(*args, **kwargs) -> None:
+    if _OBSERVERS:
+        event = Collective(*args, **kwargs)
+        for callback in _OBSERVERS:
+            callback(event)
+
+
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -99,6 +139,7 @@ def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group=None, *,
     """``dist.all_gather`` with accounting; ``tag`` separates metadata from payload."""
     t = group_size(group)
     _record(tag, _nbytes(tensor) * (t - 1))
+    _observe(tag, group, (tensor,), tuple(outputs))
     if t == 1:
         outputs[0].copy_(tensor)
         return
@@ -109,6 +150,7 @@ def all_reduce(tensor: torch.Tensor, group=None) -> None:
     """In-place sum ``dist.all_reduce`` with ring accounting."""
     t = group_size(group)
     _record("all_reduce", (2 * (t - 1) * _nbytes(tensor)) // t)
+    _observe("all_reduce", group, (tensor,), (tensor,))
     if t > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
 
@@ -125,6 +167,7 @@ def all_to_all_single(
     me = group_rank(group)
     to_others = sum(n for r, n in enumerate(input_split_sizes) if r != me)
     _record("all_to_all", to_others * input.element_size())
+    _observe("all_to_all", group, (input,), (output,), tuple(input_split_sizes), tuple(output_split_sizes))
     if t == 1:
         output.copy_(input)
         return

@@ -29,6 +29,7 @@ from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import DEFAULT_COEFFICIENTS
 from ..core.scaling import muon_scale
 from . import comm
+from .devices import resolve_device
 from .owner_exchange import OwnedMatrix, OwnerExchange, Piece, split_rounds
 from .planner import plan_owners
 from .tp_modes import DEFAULT_BUCKET_BYTES, orthogonalize_sharded
@@ -95,6 +96,7 @@ def orthogonalize_updates(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     validate: bool = True,
     hardware=None,
+    device: torch.device | None = None,
 ) -> list[torch.Tensor]:
     """Scaled orthogonalized updates for this rank's pieces of every matrix.
 
@@ -112,6 +114,10 @@ def orthogonalize_updates(
         scale_mode, extra_scale_factor: ``scaling.muon_scale`` on each sub-matrix's global shape
             (its local shape in blockwise mode, as Megatron does).
         hardware: ``cost_model.Hardware`` for ``tp_mode="auto"`` (see ``orthogonalize_sharded``).
+        device: where every buffer of the step lives; None = the pieces' device (they must agree),
+            or the DP group's when there are none (``devices.resolve_device``). The optimizer
+            passes its parameters' device, so a rank holding no piece of some matrix (empty
+            pieces) still allocates on the GPU.
 
     Returns:
         per matrix, an fp32 flat tensor shaped like ``pieces[i]``.
@@ -126,9 +132,10 @@ def orthogonalize_updates(
                 f"orthogonalize_updates: {layout.name}: piece has {piece.numel()} elements, its range "
                 f"on DP rank {dp_rank} is [{start}, {end})"
             )
-    device = pieces[0].device if pieces else torch.device("cpu")
+    if device is None:
+        device = resolve_device(pieces, dp_group, what="orthogonalize_updates: pieces")
     tp_kwargs = dict(mode=tp_mode, group=tp_group, steps=steps, coefficients=coefficients, eps=eps,
-                     bucket_bytes=bucket_bytes, validate=validate, hardware=hardware)
+                     bucket_bytes=bucket_bytes, validate=validate, hardware=hardware, device=device)
 
     results: dict[int, torch.Tensor] = {}
     if dp_mode == "redundant" or dp_size == 1:
@@ -144,7 +151,7 @@ def orthogonalize_updates(
                 for i in range(len(layouts))]
 
     owners = list(owners) if owners is not None else plan_dp_owners(layouts, dp_size, steps)
-    element = torch.empty(0, dtype=ns_dtype).element_size()
+    element = ns_dtype.itemsize
     # Pieces travel to their DP owners in rounds of at most bucket_bytes, but the TP mode runs
     # once over everything this rank owns: owner mode balances its TP plan over the whole list,
     # and per-round calls would restart that plan from zero load each time (TP rank 0 would take
@@ -211,7 +218,7 @@ def _row_scales(layout: MatrixLayout, blockwise: bool, scale_mode: str, extra: f
     scales = [muon_scale(r, c, scale_mode, extra) for r, c in shapes]
     if len(set(scales)) == 1:
         return scales[0]
-    return layout.row_values(scales).to(device)
+    return layout.row_values(scales, device)
 
 
 def _scaled(flat: torch.Tensor, layout: MatrixLayout, start: int, tp_mode: str, scale_mode: str, extra: float):

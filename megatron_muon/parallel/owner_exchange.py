@@ -72,14 +72,14 @@ class OwnerExchange:
         group=None,
         *,
         dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        device: torch.device,
     ):
         # dtype and device are fixed up front: a rank that holds and owns nothing still has to
         # post correctly typed (empty) buffers, and NCCL wants them on the GPU.
         self.matrices = list(matrices)
         self.group = group
         self.dtype = dtype
-        self.device = torch.device(device)
+        self.device = device
         self.size = comm.group_size(group)
         self.rank = comm.group_rank(group)
         for i, m in enumerate(self.matrices):

@@ -45,11 +45,11 @@ def tp_owned_matrix(spec: ShardSpec, owner: int) -> OwnedMatrix:
     )
 
 
-def owner_orthogonalize(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes):
-    """``orthogonalize_sharded(mode="owner")``; arguments already validated there."""
+def owner_orthogonalize(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes, device):
+    """``orthogonalize_sharded(mode="owner")``; arguments already validated there, ``device``
+    resolved there (``devices.resolve_device``): every exchange buffer is allocated on it."""
     owners = plan_owners([ns_flops(*s.full_shape, steps) for s in specs], size)
     out: list[torch.Tensor | None] = [None] * len(shards)
-    device = shards[0].device
     for dtype, members in group_by(specs, lambda s: shards[s.index].dtype).items():
         full_bytes = [s.full_shape[0] * s.full_shape[1] * shards[s.index].element_size() for s in members]
         for chunk in split_rounds(full_bytes, bucket_bytes):

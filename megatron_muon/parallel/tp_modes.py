@@ -42,6 +42,7 @@ from ..core.newton_schulz import (
     ns_flops,
 )
 from . import comm
+from .devices import resolve_device
 from .owner_exchange import split_rounds
 from .sharding import ShardSpec, group_by, join_shards, split_full
 
@@ -68,6 +69,7 @@ def orthogonalize_sharded(
     full_shapes: Sequence[tuple[int, int]] | None = None,
     validate: bool = True,
     hardware: Hardware | None = None,
+    device: torch.device | None = None,
 ) -> list[torch.Tensor]:
     """Orthogonalize matrices that ``group`` holds in TP shards; return this rank's pieces.
 
@@ -87,6 +89,8 @@ def orthogonalize_sharded(
         hardware: the cost model's constants for ``auto`` (ignored by the other modes);
             None = ``auto_mode.hardware_profile("detect")``. Every rank of ``group`` must pass
             the same constants: the choice is made locally, without communicating.
+        device: where this call's buffers live; None = the shards' device, or the group's when
+            this rank has no shard (``devices.resolve_device``). The optimizer passes its own.
 
     Returns:
         A list with ``shards[i].shape`` and dtype per entry. For the exact modes, the pieces
@@ -94,21 +98,22 @@ def orthogonalize_sharded(
         reassociation (the Gram sums and batched GEMMs change the summation order).
     """
     size, rank = comm.group_size(group), comm.group_rank(group)
+    device = resolve_device(shards, group, what="orthogonalize_sharded: shards") if device is None else device
     specs = _validate_local(shards, partition_dims, mode, size, steps, coefficients, full_shapes)
     if mode == "auto" and hardware is None:
         from .auto_mode import hardware_profile
 
         hardware = hardware_profile("detect")
     if validate and size > 1 and mode != "blockwise":
-        _validate_across_ranks(specs, mode, steps, size, group, shards, hardware if mode == "auto" else None)
+        _validate_across_ranks(specs, mode, steps, size, group, device, hardware if mode == "auto" else None)
     if not specs:
         return []
     if mode == "owner":
         from .owner_mode import owner_orthogonalize
 
-        return owner_orthogonalize(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes)
+        return owner_orthogonalize(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes, device)
     if mode == "auto":
-        return _auto(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes, hardware)
+        return _auto(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes, hardware, device)
     run = {"duplicated": _duplicated, "distributed": _distributed, "blockwise": _blockwise}[mode]
     return run(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes)
 
@@ -116,7 +121,7 @@ def orthogonalize_sharded(
 # ---- modes -------------------------------------------------------------------------------
 
 
-def _auto(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes, hardware):
+def _auto(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes, hardware, device):
     """Each matrix in the mode ``choose_tp_modes`` picks; one sub-call per mode, in a fixed order.
 
     Every rank computes the same choice from the same (validated) shapes, so the sub-calls and
@@ -140,7 +145,7 @@ def _auto(shards, specs, group, size, rank, steps, coefficients, eps, bucket_byt
             from .owner_mode import owner_orthogonalize
 
             results = owner_orthogonalize(sub_shards, sub_specs, group, size, rank, steps, coefficients, eps,
-                                          bucket_bytes)
+                                          bucket_bytes, device)
         else:
             run = {"duplicated": _duplicated, "distributed": _distributed}[mode]
             results = run(sub_shards, sub_specs, group, size, rank, steps, coefficients, eps, bucket_bytes)
@@ -288,7 +293,7 @@ def _hardware_tag(hardware) -> int:
     return zlib.crc32(repr(dataclasses.astuple(hardware)).encode())
 
 
-def _validate_across_ranks(specs, mode, steps, size, group, shards, hardware=None) -> None:
+def _validate_across_ranks(specs, mode, steps, size, group, device, hardware=None) -> None:
     """Check with two small all-gathers that every rank describes the same matrices.
 
     Must run before any payload collective: mismatched sizes would otherwise hang or corrupt
@@ -296,13 +301,19 @@ def _validate_across_ranks(specs, mode, steps, size, group, shards, hardware=Non
     matrix, both dims and the partition_dim (a sharded dim may legitimately be equal only
     because the split is even, which is the claim being checked).
     """
-    device = shards[0].device if shards else torch.device("cpu")
     # auto: ranks with different hardware constants (``detect`` on mixed GPUs) would choose
     # different modes and their collectives would not line up: compare a checksum of them too
     header = torch.tensor([len(specs), MODES.index(mode), steps, _hardware_tag(hardware)], dtype=torch.int64,
                           device=device)
     headers = [torch.empty_like(header) for _ in range(size)]
     comm.all_gather(headers, header, group, tag="shape_check")
+    if device.type == "meta":
+        # The dry run (torch's fake group, meta tensors): the gathers are issued, so their devices
+        # and sizes are checked, but no value moves; scripts/dry_run.py checks sizes instead.
+        if specs:
+            mine = torch.empty(len(specs), 3, dtype=torch.int64, device=device)
+            comm.all_gather([torch.empty_like(mine) for _ in range(size)], mine, group, tag="shape_check")
+        return
     lengths = [int(h[0]) for h in headers]
     if len(set(lengths)) > 1 or any(not torch.equal(h[1:], header[1:]) for h in headers):
         raise ValueError(

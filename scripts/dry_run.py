@@ -21,8 +21,9 @@ Rank kinds (``--ranks``, comma-separated): ``first``, ``last``, ``no-first-piece
 holding no piece of the first Muon matrix), ``idle-dp-owner`` (a DP rank that owns no matrix, so
 its TP group has nothing to orthogonalize), ``pp-stages`` (the first rank of every pipeline
 stage), or a number. Prints per rank: matrices owned, NS FLOPs, bytes per collective, the step's
-peak extra bytes (live meta tensors created during the step), next to the cost model's figures
-for the busiest rank of the layout.
+peak extra bytes (live meta tensors created during the step), next to what the plans predict for
+that rank (``parallel.step_plan``, on the real layouts), the planner table's figures
+(``scripts.bench.planner_quality``, PP = 1) and the cost model's for the busiest rank.
 """
 
 from __future__ import annotations
@@ -188,6 +189,7 @@ def cross_rank_errors(traces: dict[int, list]) -> list[str]:
 
 def run_rank(shape, tp, pp, dp, rank, tp_mode) -> dict:
     from megatron_muon.parallel.comm import comm_stats, observe_collectives
+    from megatron_muon.parallel.step_plan import plan_step
 
     inner, slot = build_rank(shape, tp, pp, dp, rank, tp_mode)
     try:
@@ -203,10 +205,15 @@ def run_rank(shape, tp, pp, dp, rank, tp_mode) -> dict:
                 recorder.errors.append(f"the step failed: {type(e).__name__}: {str(e).splitlines()[0]}")
         layouts = [m.layout for m in inner.matrices()]
         owned = sum(1 for o in inner._owners if o == slot["dp"])
+        cfg = inner.config
+        plan = plan_step(layouts, inner._owners, tp, dp, tp_mode=tp_mode, steps=cfg.num_ns_steps,
+                         ns_bytes=cfg.ns_dtype.itemsize)
+        here = slot["dp"] * tp + slot["tp"]
         cut = sum(1 for lay in layouts if lay.dp_ranges and len(lay.holders(dp)) > 1)
         return dict(rank=rank, **slot, matrices=len(layouts), dp_owned=owned, cut_across_dp=cut,
                     ns_flops=stats.ns_flops, bytes_by_collective=dict(stats.bytes_by_primitive),
                     bytes_sent=stats.bytes_sent, peak_extra_bytes=meter.peak, device=str(inner.device),
+                    plan_ns_flops=plan.ns_flops[here], plan_bytes_sent=plan.bytes_sent[here],
                     errors=recorder.errors, trace=recorder.trace,
                     first_matrix_holders=sorted(layouts[0].holders(dp)) if layouts else [],
                     idle_dp_ranks=sorted(set(range(dp)) - set(inner._owners)))
@@ -299,14 +306,18 @@ def main(argv: list[str] | None = None) -> int:
 
     print(f"Dry run: {args.model}, TP{args.tp} x PP{args.pp} x DP{args.dp} ({args.tp * args.pp * args.dp} ranks), "
           f"tp_mode {args.tp_mode}, bf16 NS, meta device, fake process group\n")
-    print("| rank | kinds | TP/DP/PP rank | Muon matrices | cut across DP | DP-owned | NS TFLOP (planner) | MiB sent "
-          "(all_to_all / all_gather / all_reduce / shape check) | planner MiB | peak extra GiB |")
+    print("| rank | kinds | TP/DP/PP rank | Muon matrices | cut across DP | DP-owned | NS TFLOP (plan) [planner table] "
+          "| MiB sent (all_to_all / all_gather / all_reduce / shape check) | plan MiB [planner table] | "
+          "peak extra GiB |")
     print("|---:|---|---|---:|---:|---:|---:|---|---:|---:|")
     for rank, res in sorted(results.items()):
         b = Counter(res["bytes_by_collective"])
         sent = " / ".join(f"{b[k] / 2**20:.1f}" for k in ("all_to_all", "all_gather", "all_reduce", "shape_check"))
-        plan_flops = f" ({res['planner_ns_flops'] / 1e12:.2f})" if "planner_ns_flops" in res else ""
-        plan_mib = f"{res['planner_bytes_sent'] / 2**20:.1f}" if "planner_bytes_sent" in res else "—"
+        plan_flops = f" ({res['plan_ns_flops'] / 1e12:.2f})"
+        plan_mib = f"{res['plan_bytes_sent'] / 2**20:.1f}"
+        if "planner_ns_flops" in res:
+            plan_flops += f" [{res['planner_ns_flops'] / 1e12:.2f}]"
+            plan_mib += f" [{res['planner_bytes_sent'] / 2**20:.1f}]"
         print(f"| {rank} | {', '.join(chosen.get(rank, ['probe']))} | {res['tp']}/{res['dp']}/{res['pp']} | "
               f"{res['matrices']} | {res['cut_across_dp']} | {res['dp_owned']} | {res['ns_flops'] / 1e12:.2f}"
               f"{plan_flops} | {sent} | {plan_mib} | {res['peak_extra_bytes'] / 2**30:.2f} |")

@@ -77,6 +77,11 @@ def test_pretrain_saves_and_resumes(tmp_path):
     out = _torchrun(["--train-iters", "6", "--log-interval", "3", "--save", str(ckpt),
                      "--save-interval", "6"], tmp_path)
     assert "cpu_patches applied" in out
+    # The startup report, once (global rank 0): routing by name pattern, the mode, the plan.
+    assert out.count("megatron-muon: Muon on 8 matrices, AdamW on") == 1, out[-6000:]
+    assert re.search(r"muon +decoder\.layers\.\*\.self_attention\.linear_qkv\.weight +x2 .*tp mode owner", out)
+    assert re.search(r"adamw +embedding\.word_embeddings\.weight +x1", out)
+    assert "NS per full step on this stage's 2 ranks: max" in out and "MuonBP: off" in out
     rows = _iterations(out)
     # Megatron logs the first iteration, then every --log-interval.
     assert [(it, total) for it, total, *_ in rows] == [(1, 6), (3, 6), (6, 6)], out[-4000:]

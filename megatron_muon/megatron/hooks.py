@@ -27,7 +27,8 @@ package; each exists because Megatron itself would do something else:
    calls). A dispatcher: ``get_megatron_muon_optimizer`` when the plugin runs, else the original.
 4. ``megatron.training.training.training_log``: with ``--muon-log-stats`` the iteration log line
    ends with what the last optimizer step did (``stats_text``: kind — muon, or MuonBP's full /
-   block — bytes sent, orthogonalize time).
+   block — bytes sent, orthogonalize time); and, every ``--tensorboard-log-interval``, Megatron's
+   TensorBoard and W&B writers (when configured) get the same figures as ``muon/*`` scalars.
 
 ``--optimizer dist_muon`` (deprecated upstream) and the other emerging optimizers keep upstream's
 implementations. ``--yaml-cfg`` bypasses ``validate_args``; with it ``--optimizer muon`` is
@@ -145,6 +146,38 @@ def stats_text(optimizers) -> str:
     return "".join(parts)
 
 
+def muon_scalars(optimizers) -> dict[str, float]:
+    """The last step's figures as scalars: ``muon/bytes_sent_mb``, ``muon/orthogonalize_ms``,
+    ``muon/ns_tflop`` and ``muon/full_step`` (1 for an exact step, 0 for a MuonBP block step)."""
+    out: dict[str, float] = {}
+    for k, inner in enumerate(optimizers):
+        stats = getattr(inner, "last_step_stats", None)
+        if not stats:
+            continue
+        tag = "muon" if len(optimizers) == 1 else f"muon{k}"
+        out.update({f"{tag}/bytes_sent_mb": stats["bytes_sent"] / 1e6,
+                    f"{tag}/orthogonalize_ms": stats["orthogonalize_ms"],
+                    f"{tag}/ns_tflop": stats["ns_flops"] / 1e12,
+                    f"{tag}/full_step": 0.0 if stats["kind"] == "block" else 1.0})
+    return out
+
+
+def write_scalars(optimizers, iteration: int) -> None:
+    """Hand ``muon_scalars`` to Megatron's TensorBoard and W&B writers, where configured (Megatron
+    creates them on the last rank only; elsewhere this does nothing and reads no CUDA event)."""
+    from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
+
+    tensorboard, wandb = get_tensorboard_writer(), get_wandb_writer()
+    if tensorboard is None and wandb is None:
+        return
+    scalars = muon_scalars(optimizers)
+    if tensorboard is not None:
+        for name, value in scalars.items():
+            tensorboard.add_scalar(name, value, iteration)
+    if wandb is not None and scalars:
+        wandb.log(scalars, iteration)
+
+
 def _wrap_training_log(training_log):
     """With --muon-log-stats, Megatron's iteration line gets ``stats_text`` appended: the line
     is built inside ``training_log`` and printed by ``print_rank_last``, so that name is
@@ -156,6 +189,10 @@ def _wrap_training_log(training_log):
         from megatron.training import get_args
 
         margs = get_args()
+        if getattr(margs, ACTIVE, False) and _BUILT:
+            iteration = kwargs["iteration"] if "iteration" in kwargs else args[3]
+            if iteration % max(1, getattr(margs, "tensorboard_log_interval", 1)) == 0:
+                write_scalars(_BUILT, iteration)
         if not (getattr(margs, ACTIVE, False) and getattr(margs, "muon_log_stats", False) and _BUILT):
             return training_log(*args, **kwargs)
         printer = training.print_rank_last

@@ -40,6 +40,7 @@ from ..config import MuonConfig
 from ..core.matrix_layout import MatrixLayout, RowSplit
 from ..optimizer import MuonMatrix, MuonWithAdamW
 from .checkpoint import MuonCheckpointMixin, prepare_for_checkpointing
+from .report import print_startup_report
 
 __all__ = ["MuonDistributedOptimizer", "get_megatron_muon_optimizer", "is_muon_matrix"]
 
@@ -210,6 +211,13 @@ def get_megatron_muon_optimizer(
         optimizer.grad_stats_parallel_group = groups_dict["mp_group"]
         _attach_whole(inner, model_chunks, groups_dict["intra_dp_cp_group"], tp_group, muon_config)
     optimizer.tp_group = tp_group
+    if not getattr(optimizer, "is_stub_optimizer", False):
+        from megatron.core import parallel_state
+
+        print_startup_report(inner, model_chunks, muon_config, tp_group=tp_group,
+                             dp_group=groups_dict["intra_dp_cp_group"],
+                             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                             pp=parallel_state.get_pipeline_model_parallel_world_size())
     return ChainedOptimizer([optimizer])
 
 

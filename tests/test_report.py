@@ -1,0 +1,65 @@
+"""The startup report's name patterns and the per-step scalars handed to TensorBoard / W&B.
+
+The report itself is checked where it is printed: by Megatron's training loop (test_pretrain.py)
+and by the dry run at Llama-3 sizes (test_dry_run.py).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from megatron_muon.megatron.hooks import muon_scalars, write_scalars
+from megatron_muon.megatron.report import name_pattern
+
+
+@pytest.mark.parametrize("name, pattern", [
+    ("chunk0.module.module.decoder.layers.11.mlp.linear_fc1.weight", "decoder.layers.*.mlp.linear_fc1.weight"),
+    ("chunk1.module.decoder.layers.3.self_attention.linear_qkv.weight",
+     "decoder.layers.*.self_attention.linear_qkv.weight"),
+    ("module.embedding.word_embeddings.weight", "embedding.word_embeddings.weight"),
+    ("decoder.layers.0.mlp.experts.local_experts.7.linear_fc2.weight",
+     "decoder.layers.*.mlp.experts.local_experts.*.linear_fc2.weight"),
+])
+def test_name_patterns_fold_layer_numbers(name, pattern):
+    assert name_pattern(name) == pattern
+
+
+class _Writer:
+    """Megatron's writer interfaces (``add_scalar``; W&B's ``log``), recording what they get."""
+
+    def __init__(self):
+        self.scalars, self.logged = [], []
+
+    def add_scalar(self, name, value, step):
+        self.scalars.append((name, value, step))
+
+    def log(self, values, step):
+        self.logged.append((values, step))
+
+
+def _inner(kind: str):
+    stats = dict(kind=kind, bytes_sent=2_500_000, ns_flops=3e12, orthogonalize_ms=4.5, timing="host clock")
+    return SimpleNamespace(last_step_stats=stats)
+
+
+def test_scalars_of_the_last_step():
+    assert muon_scalars([_inner("full")]) == {"muon/bytes_sent_mb": 2.5, "muon/orthogonalize_ms": 4.5,
+                                             "muon/ns_tflop": 3.0, "muon/full_step": 1.0}
+    assert muon_scalars([_inner("block")])["muon/full_step"] == 0.0
+    assert muon_scalars([SimpleNamespace(last_step_stats={})]) == {}  # before the first step
+
+
+def test_writers_get_the_scalars(monkeypatch):
+    from megatron.training import global_vars
+
+    tensorboard, wandb = _Writer(), _Writer()
+    monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", tensorboard)
+    monkeypatch.setattr(global_vars, "_GLOBAL_WANDB_WRITER", wandb)
+    write_scalars([_inner("muon")], 40)
+    assert ("muon/orthogonalize_ms", 4.5, 40) in tensorboard.scalars and len(tensorboard.scalars) == 4
+    assert wandb.logged == [(muon_scalars([_inner("muon")]), 40)]
+    monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", None)
+    monkeypatch.setattr(global_vars, "_GLOBAL_WANDB_WRITER", None)
+    write_scalars([_inner("muon")], 41)  # no writer configured: nothing to do, nothing raised

@@ -3,7 +3,8 @@
     optimizer     get_megatron_muon_optimizer, MuonDistributedOptimizer (ZeRO-1 with Muon inside)
     checkpoint    Muon state in Megatron's dist_checkpointing formats
     cli           the --muon-* flags → one MuonConfig (argparse only)
-    hooks         install(): the hooks behind patches/pretrain_gpt.patch
+    hooks         install(): the hooks behind patches/pretrain_gpt.patch; Muon scalars to TensorBoard / W&B
+    report        the startup report (rank 0, once): routing, modes, DP cuts, the step's plan
     yaml_config   YAML experiment configs → Megatron flags, checked by Megatron's own parser
     cpu_patches   the CUDA-isms megatron-core needs shimmed on a machine without CUDA
 

@@ -1,0 +1,295 @@
+"""The GPU check: the parts of megatron-muon that only a CUDA machine can show, in one run.
+
+    python -m scripts.gpu_check --out gpu-check                  # on a CUDA machine: every part
+    python -m scripts.gpu_check --device cpu --parts equivalence,ns --scale 16 --out /tmp/x  # CPU rehearsal
+
+(``bash scripts/gpu_check.sh`` wraps it for the lent GPU machine.) Writes ``gpu_check.json`` and
+``gpu_check.md`` into ``--out``. Parts (``--parts``):
+
+* ``train``: Megatron's own training loop (``scripts/pretrain_gpt.py``) on one GPU: TP1, NCCL,
+  bf16, ``--muon-tp-mode owner``, 50 iterations of the tiny GPT on mock data; the Transformer
+  Engine layer spec when ``transformer_engine`` imports (the ``gpu`` extra), the local spec
+  otherwise. Reports the first/last loss and Muon's logged step figures.
+* ``equivalence``: 4 processes over gloo, every tensor on ``--device`` (NCCL refuses two ranks on
+  one GPU): the optimizer's orthogonalize step (``orthogonalize_updates``: the DP owner exchange
+  around each exact TP mode) at TP2 x DP2 on transformer-shaped matrices cut into Megatron-style
+  DP ranges, against Newton–Schulz of each whole matrix on one device. On CUDA this is the device
+  rule on real CUDA tensors (the exchange buffers, the empty pieces).
+* ``ns``: Newton–Schulz in bf16 on Llama-3-8B's matrix shapes, batched as the optimizer batches
+  them: TFLOP/s and the fraction of the GPU's dense bf16 peak; and one layer's matrices at TP8 as
+  the owner mode runs them (each rank: its owned matrices) against duplicated (each rank: all of
+  them): the NS time of the busiest rank, compute only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PARTS = ("train", "equivalence", "ns")
+# Dense bf16 peak by device name (NVIDIA datasheets), for the fraction-of-peak column.
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+ITERATION = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?lm loss: ([0-9.E+-]+) \|.*?muon step: (\w+) \| "
+                       r"muon bytes sent: ([0-9.]+) MB \| muon orthogonalize: ([0-9.]+) ms \(([\w ]+)\) \|")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for gpu_check.json and gpu_check.md")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated subset of {PARTS}")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"),
+                        help="cuda (the check) or cpu (a rehearsal of the equivalence and ns parts)")
+    parser.add_argument("--train-iters", type=int, default=50)
+    parser.add_argument("--scale", type=int, default=1, help="divide the Llama-3-8B shapes of the ns part by this")
+    parser.add_argument("--repeats", type=int, default=10, help="timed calls per ns row (after 3 warm-ups)")
+    args = parser.parse_args(argv)
+    args.parts = [p for p in args.parts.split(",") if p]
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown or not args.parts:
+        parser.error(f"--parts: expected a comma-separated subset of {PARTS}, got {unknown or 'nothing'}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible here (use --device cpu for a rehearsal)")
+    if "train" in args.parts and args.device != "cuda":
+        parser.error("--parts train needs --device cuda (the CPU training path is tests/test_pretrain.py)")
+    for flag in ("train_iters", "scale", "repeats"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    return args
+
+
+# ---- train -------------------------------------------------------------------------------------
+
+
+def train_command(iters: int, port: int, te: bool) -> list[str]:
+    """torchrun of scripts/pretrain_gpt.py: one GPU, NCCL, bf16, owner mode, the tiny GPT."""
+    spec = ["--transformer-impl", "transformer_engine"] if te else ["--transformer-impl", "local"]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr", "127.0.0.1",
+            "--master-port", str(port), str(REPO / "scripts" / "pretrain_gpt.py"),
+            "--tensor-model-parallel-size", "1", "--num-layers", "2", "--hidden-size", "256",
+            "--num-attention-heads", "4", "--seq-length", "256", "--max-position-embeddings", "256",
+            "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", str(iters),
+            "--lr", "0.01", "--min-lr", "0.001", "--lr-decay-style", "cosine", "--lr-warmup-iters", "5",
+            "--bf16", "--optimizer", "muon", "--muon-tp-mode", "owner", "--use-distributed-optimizer",
+            "--muon-log-stats", "--log-interval", "10", "--position-embedding-type", "rope",
+            "--normalization", "RMSNorm", "--swiglu", "--untie-embeddings-and-output-weights",
+            "--disable-bias-linear", "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "257",
+            "--eval-iters", "0", "--eval-interval", "1000", *spec]
+
+
+def run_train(args) -> dict:
+    try:
+        import transformer_engine  # noqa: F401
+        te = True
+    except ImportError:
+        te = False
+    env = dict(os.environ, CUDA_DEVICE_MAX_CONNECTIONS="1", PYTHONWARNINGS="ignore")
+    cmd = train_command(args.train_iters, 29511, te)
+    started = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    rows = [dict(iteration=int(m[1]), loss=float(m[3]), kind=m[4], mb_sent=float(m[5]), orth_ms=float(m[6]),
+                 timing=m[7]) for m in ITERATION.finditer(proc.stdout + proc.stderr)]
+    return dict(ok=proc.returncode == 0 and bool(rows), returncode=proc.returncode, spec="te" if te else "local",
+                rows=rows, wall_s=time.perf_counter() - started, log_tail=(proc.stdout + proc.stderr)[-3000:])
+
+
+# ---- equivalence -------------------------------------------------------------------------------
+
+
+def _equivalence_rank(rank: int, world: int, device_type: str) -> dict:
+    import torch.distributed as dist
+
+    from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
+    from megatron_muon.parallel.orthogonalize import orthogonalize_updates
+
+    device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    tp, dp = 2, 2
+    tp_rank, dp_rank = rank % tp, rank // tp
+    tp_groups = [dist.new_group([d * tp + j for j in range(tp)]) for d in range(dp)]
+    dp_groups = [dist.new_group([d * tp + j for d in range(dp)]) for j in range(tp)]
+    # (name, TP-local shape, partition_dim, row split): QKV of 2 local groups, gate/up, row-parallel, replicated
+    params = [("qkv", (24, 16), 0, RowSplit(2, (8, 2, 2))), ("proj", (16, 8), 1, None),
+              ("fc1", (20, 16), 0, RowSplit(1, (10, 10))), ("fc2", (16, 10), 1, None), ("router", (6, 16), None, None)]
+    total = sum(r * c for _, (r, c), _, _ in params)
+    shard, offset, layouts, fulls = -(-total // dp), 0, [], []
+    for i, (name, (r, c), pdim, split) in enumerate(params):
+        spans = [(max(offset, d * shard), min(offset + r * c, (d + 1) * shard)) for d in range(dp)]
+        ranges = tuple((lo - offset, hi - offset) if hi > lo else (0, 0) for lo, hi in spans)
+        layouts.append(MatrixLayout(name, (r, c), pdim, tp, split, ranges))
+        shape = (r * tp, c) if pdim == 0 else (r, c * tp) if pdim == 1 else (r, c)
+        fulls.append(torch.randn(shape, generator=torch.Generator().manual_seed(7 + i)).to(device))
+        offset += r * c
+    errors = {}
+    for mode in ("owner", "duplicated", "distributed"):
+        pieces = []
+        for lay, full in zip(layouts, fulls):
+            local = full if lay.partition_dim is None else full.chunk(tp, dim=lay.partition_dim)[tp_rank]
+            s, e = lay.local_range(dp_rank)
+            pieces.append(local.reshape(-1)[s:e].clone())
+        out = orthogonalize_updates(pieces, layouts, tp_mode=mode, dp_group=dp_groups[tp_rank],
+                                    tp_group=tp_groups[dp_rank], ns_dtype=torch.float32, coefficients="quintic")
+        worst = 0.0
+        for lay, full, got in zip(layouts, fulls, out):
+            if got.device != device:
+                raise RuntimeError(f"{mode}: {lay.name} came back on {got.device}, not {device}")
+            s, e = lay.local_range(dp_rank)
+            want = expected_local(lay, full, tp, tp_rank).reshape(-1)[s:e]
+            worst = max(worst, (got - want).abs().max().item() if e > s else 0.0)
+        errors[mode] = worst
+    return dict(rank=rank, device=str(device), max_abs_error=errors)
+
+
+def expected_local(lay, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's shard of the step's result, computed on one device: NS of every global
+    sub-matrix (fp32, quintic), scaled by its global shape (spectral), cut back to the rank."""
+    from megatron_muon.core.newton_schulz import newton_schulz
+    from megatron_muon.core.scaling import muon_scale
+
+    pdim = lay.partition_dim
+    shards = [full] if pdim is None else list(full.chunk(tp, dim=pdim))
+    per_rank = [lay.split_rows(shard) for shard in shards]
+    out = []
+    for k in range(len(per_rank[0])):
+        whole = torch.cat([subs[k] for subs in per_rank], dim=pdim) if pdim is not None else per_rank[0][k]
+        result = newton_schulz(whole) * muon_scale(*whole.shape, "spectral")
+        out.append(result if pdim is None else result.chunk(tp, dim=pdim)[tp_rank])
+    return lay.join_rows(out)
+
+
+def run_equivalence(args) -> dict:
+    sys.path.insert(0, str(REPO))
+    from scripts.bench.launch import launch
+
+    started = time.perf_counter()
+    ranks = launch(4, _equivalence_body, args.device, tag="gpu-check")  # 4 ranks, 1 GPU: gloo
+    worst = {mode: max(r["max_abs_error"][mode] for r in ranks) for mode in ranks[0]["max_abs_error"]}
+    # fp32 NS; only the summation order differs from the one-device reference (see
+    # tests/test_tp_modes.FP32_ATOL for the derivation of this bound).
+    return dict(ok=all(v <= 1e-5 for v in worst.values()), tolerance=1e-5, max_abs_error=worst,
+                devices=sorted({r["device"] for r in ranks}), wall_s=time.perf_counter() - started)
+
+
+def _equivalence_body(rank: int, world: int, device, device_type: str) -> dict:
+    return _equivalence_rank(rank, world, device_type)
+
+
+# ---- ns ------------------------------------------------------------------------------------------
+
+
+def _timed(fn, device: torch.device, repeats: int) -> float:
+    """Median seconds of ``fn()``: CUDA events on a GPU (no host clock around async kernels)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def run_ns(args) -> dict:
+    from megatron_muon.core.models import LLAMA3
+    from megatron_muon.core.newton_schulz import newton_schulz, ns_flops
+    from megatron_muon.parallel.planner import plan_owners
+
+    device = torch.device(args.device) if args.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    peak = next((v for k, v in PEAK_BF16.items() if k in name.upper()), None)
+    shape = LLAMA3["8B"].scaled(args.scale) if args.scale > 1 else LLAMA3["8B"]
+    q, k, v = shape.qkv_sub_rows
+    subs = {"q": (q, shape.hidden), "k/v": (k, shape.hidden), "proj": (shape.hidden, q),
+            "gate/up": (shape.ffn_hidden, shape.hidden), "fc2": (shape.hidden, shape.ffn_hidden)}
+    batch = 8  # same-shape matrices NS'd together, as owner mode batches them on one rank
+    rows = []
+    for label, (r, c) in subs.items():
+        x = torch.randn(batch, r, c, device=device, dtype=torch.bfloat16)
+        seconds = _timed(lambda x=x: newton_schulz(x), device, args.repeats)
+        flops = batch * ns_flops(r, c)
+        rows.append(dict(matrix=label, shape=[r, c], batch=batch, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
+                         fraction_of_peak=flops / seconds / peak if peak else None))
+    # One layer at TP8: the owner mode's busiest rank runs its owned sub-matrices, duplicated
+    # runs all of them on every rank (compute only; the exchange is not timed here).
+    layer = [subs["q"], subs["k/v"], subs["k/v"], subs["proj"], subs["gate/up"], subs["gate/up"], subs["fc2"]]
+    owners = plan_owners([ns_flops(r, c) for r, c in layer], 8)
+    busiest = max(range(8), key=lambda o: sum(ns_flops(*m) for m, w in zip(layer, owners) if w == o))
+    mats = [torch.randn(r, c, device=device, dtype=torch.bfloat16) for r, c in layer]
+    owner_s = _timed(lambda: [newton_schulz(m[None]) for m, w in zip(mats, owners) if w == busiest], device,
+                     args.repeats)
+    duplicated_s = _timed(lambda: [newton_schulz(m[None]) for m in mats], device, args.repeats)
+    return dict(ok=True, device=name, peak_bf16=peak, rows=rows,
+                layer=dict(owner_busiest_ms=owner_s * 1e3, duplicated_ms=duplicated_s * 1e3,
+                           ratio=owner_s / duplicated_s, owners=owners))
+
+
+# ---- report --------------------------------------------------------------------------------------
+
+
+def markdown(results: dict) -> str:
+    """The report as Markdown: one section per part that ran."""
+    lines = [f"# GPU check ({results['device']}, torch {results['torch']}, {results['date']})", "",
+             f"Command: `{results['command']}`", ""]
+    if "train" in results:
+        t = results["train"]
+        lines += ["## train: Megatron's loop, TP1, NCCL, bf16, owner mode", "",
+                  f"{'ok' if t['ok'] else 'FAILED (rc ' + str(t['returncode']) + ')'}; layer spec {t['spec']}; "
+                  f"{t['wall_s']:.0f} s", "", "| iteration | lm loss | step | MB sent | orthogonalize ms |",
+                  "|---:|---:|---|---:|---:|"]
+        lines += [f"| {r['iteration']} | {r['loss']:.4f} | {r['kind']} | {r['mb_sent']:.3f} | {r['orth_ms']:.2f} "
+                  f"({r['timing']}) |" for r in t["rows"]]
+        lines.append("")
+    if "equivalence" in results:
+        e = results["equivalence"]
+        lines += ["## equivalence: orthogonalize_updates at TP2 x DP2, 4 gloo ranks, tensors on "
+                  + ", ".join(e["devices"]), "", "| TP mode | max abs error vs one device |", "|---|---:|"]
+        lines += [f"| {mode} | {err:.2e} |" for mode, err in e["max_abs_error"].items()]
+        lines += ["", f"{'ok' if e['ok'] else 'FAILED'}: bound {e['tolerance']:g} (fp32 NS, summation order only)", ""]
+    if "ns" in results:
+        n = results["ns"]
+        lines += ["## ns: bf16 Newton–Schulz, Llama-3-8B shapes, batches of 8 (5 quintic steps)", "",
+                  "| matrix | shape | median ms | TFLOP/s | of bf16 peak |", "|---|---|---:|---:|---:|"]
+        for r in n["rows"]:
+            frac = f"{r['fraction_of_peak']:.0%}" if r["fraction_of_peak"] is not None else "—"
+            lines.append(f"| {r['matrix']} | {r['shape'][0]}x{r['shape'][1]} | {r['ms']:.2f} | {r['tflops']:.1f} "
+                         f"| {frac} |")
+        lay = n["layer"]
+        lines += ["", f"One layer at TP8, NS compute of the busiest rank: owner {lay['owner_busiest_ms']:.2f} ms, "
+                  f"duplicated {lay['duplicated_ms']:.2f} ms ({lay['ratio']:.2f}x).", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, str(REPO))
+    results = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
+                   date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                   command="python -m scripts.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:]))
+    for part, run in (("train", run_train), ("equivalence", run_equivalence), ("ns", run_ns)):
+        if part in args.parts:
+            results[part] = run(args)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1))
+    text = markdown(results)
+    (args.out / "gpu_check.md").write_text(text)
+    print(text)
+    return 0 if all(results[p]["ok"] for p in args.parts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""scripts/gpu_check.py, in every part a CPU can run: argument handling, the report writer, and the
+TP2 x DP2 equivalence over gloo with CPU tensors (the same code the GPU run uses with CUDA ones).
+The GPU run itself goes into docs/performance.md when a task is lent a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from scripts import gpu_check
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--parts", "bogus"], "--parts: expected a comma-separated subset"),
+    (["--parts", "train", "--device", "cpu"], "--parts train needs --device cuda"),
+    (["--device", "cpu", "--parts", "ns", "--scale", "0"], "--scale must be >= 1, got 0"),
+    (["--device", "cuda"], "--device cuda: no CUDA device is visible here"),
+])
+def test_bad_arguments_are_named(argv, message, tmp_path, capsys):
+    if "cuda" in argv and gpu_check.torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible: --device cuda is valid here")
+    with pytest.raises(SystemExit) as exit_info:
+        gpu_check.parse_args(["--out", str(tmp_path), *argv])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_train_command_is_megatrons_loop_on_one_gpu():
+    cmd = gpu_check.train_command(50, 29500, te=False)
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node"] and cmd[4] == "1"
+    flags = " ".join(cmd)
+    for flag in ("--bf16", "--muon-tp-mode owner", "--optimizer muon", "--train-iters 50",
+                 "--tensor-model-parallel-size 1", "--transformer-impl local", "--muon-log-stats"):
+        assert flag in flags, flag
+    assert "--distributed-backend" not in flags  # Megatron's default: NCCL
+    assert "--transformer-impl transformer_engine" in " ".join(gpu_check.train_command(50, 29500, te=True))
+
+
+def test_the_report_has_every_part():
+    results = dict(device="NVIDIA H200", torch="2.11.0", date="d", command="c",
+                   train=dict(ok=True, returncode=0, spec="local", wall_s=30.0,
+                              rows=[dict(iteration=10, loss=4.1, kind="muon", mb_sent=0.0, orth_ms=1.5,
+                                         timing="cuda events")]),
+                   equivalence=dict(ok=True, tolerance=1e-5, max_abs_error={"owner": 2e-6}, devices=["cuda:0"]),
+                   ns=dict(rows=[dict(matrix="q", shape=[4096, 4096], ms=1.0, tflops=500.0, fraction_of_peak=0.5)],
+                           layer=dict(owner_busiest_ms=1.0, duplicated_ms=4.0, ratio=0.25)))
+    text = gpu_check.markdown(results)
+    assert text.startswith("# GPU check (NVIDIA H200, torch 2.11.0, d)")
+    assert "| 10 | 4.1000 | muon | 0.000 | 1.50 (cuda events) |" in text
+    assert "| owner | 2.00e-06 |" in text and "tensors on cuda:0" in text
+    assert "| q | 4096x4096 | 1.00 | 500.0 | 50% |" in text and "(0.25x)" in text
+
+
+def test_cpu_rehearsal_runs_the_gloo_equivalence(tmp_path):
+    out = tmp_path / "check"
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--device", "cpu", "--parts", "equivalence,ns",
+                           "--scale", "64", "--repeats", "1", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    eq = report["equivalence"]
+    assert eq["ok"] and eq["devices"] == ["cpu"] and set(eq["max_abs_error"]) == {"owner", "duplicated", "distributed"}
+    assert all(0 <= err <= eq["tolerance"] for err in eq["max_abs_error"].values())
+    assert len(report["ns"]["rows"]) == 5 and report["ns"]["rows"][0]["fraction_of_peak"] is None  # no CPU peak
+    assert (out / "gpu_check.md").read_text().rstrip("\n") == proc.stdout.rstrip("\n")

@@ -12,9 +12,11 @@
   otherwise. Reports the first/last loss and Muon's logged step figures.
 * ``equivalence``: 4 processes over gloo, every tensor on ``--device`` (NCCL refuses two ranks on
   one GPU): the optimizer's orthogonalize step (``orthogonalize_updates``: the DP owner exchange
-  around each exact TP mode) at TP2 x DP2 on transformer-shaped matrices cut into Megatron-style
-  DP ranges, against Newton–Schulz of each whole matrix on one device. On CUDA this is the device
-  rule on real CUDA tensors (the exchange buffers, the empty pieces).
+  around each exact TP mode) and one ``MuonWithAdamW`` step (owner mode, ranks without a piece of
+  a matrix passing None) at TP2 x DP2 on transformer-shaped matrices cut into Megatron-style DP
+  ranges, against Newton–Schulz of each whole matrix on one device. On CUDA this is the device
+  rule on real CUDA tensors (the exchange buffers, the empty pieces). Megatron's own wrappers
+  around the optimizer are not in it (tests/test_megatron_optimizer.py covers them on CPU).
 * ``ns``: Newton–Schulz in bf16 on Llama-3-8B's matrix shapes, batched as the optimizer batches
   them: TFLOP/s and the fraction of the GPU's dense bf16 peak; and one layer's matrices at TP8 as
   the owner mode runs them (each rank: its owned matrices) against duplicated (each rank: all of
@@ -144,7 +146,39 @@ def _equivalence_rank(rank: int, world: int, device_type: str) -> dict:
             want = expected_local(lay, full, tp, tp_rank).reshape(-1)[s:e]
             worst = max(worst, (got - want).abs().max().item() if e > s else 0.0)
         errors[mode] = worst
+    errors["optimizer (owner)"] = _optimizer_error(layouts, fulls, tp, tp_rank, dp_rank, device,
+                                                   dp_groups[tp_rank], tp_groups[dp_rank])
     return dict(rank=rank, device=str(device), max_abs_error=errors)
+
+
+def _optimizer_error(layouts, fulls, tp, tp_rank, dp_rank, device, dp_group, tp_group) -> float:
+    """One ``MuonWithAdamW`` step (owner mode) on this rank's pieces as parameters: a rank that
+    holds no piece of a matrix passes None for it, as Megatron's distributed optimizer does, and
+    allocates its (empty) buffers on the optimizer's device. From zero parameters and momentum,
+    with lr 1 and no weight decay, the step leaves -update: compared with the one-device result."""
+    from megatron_muon.config import MuonConfig
+    from megatron_muon.optimizer import MuonMatrix, MuonWithAdamW
+
+    matrices, params = [], []
+    for lay, full in zip(layouts, fulls):
+        s, e = lay.local_range(dp_rank)
+        local = full if lay.partition_dim is None else full.chunk(tp, dim=lay.partition_dim)[tp_rank]
+        param = torch.nn.Parameter(torch.zeros(e - s, device=device)) if e > s else None
+        if param is not None:
+            param.grad = local.reshape(-1)[s:e].clone()
+            params.append(param)
+        matrices.append(MuonMatrix(lay, param))
+    config = MuonConfig(tp_mode="owner", fp32_matmul_prec="highest", coefficient_type="quintic", momentum=0.5)
+    optimizer = MuonWithAdamW([dict(params=params, algorithm="muon")], lr=1.0, weight_decay=0.0, config=config)
+    optimizer.attach(matrices, dp_group=dp_group, tp_group=tp_group)
+    optimizer.step()  # momentum from zero: (1 - 0.5) * grad, and NS is invariant to that scale
+    worst = 0.0
+    for lay, full, m in zip(layouts, fulls, matrices):
+        if m.param is not None:
+            s, e = lay.local_range(dp_rank)
+            want = expected_local(lay, full, tp, tp_rank).reshape(-1)[s:e]
+            worst = max(worst, (m.param.detach() + want).abs().max().item())
+    return worst
 
 
 def expected_local(lay, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:

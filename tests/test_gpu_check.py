@@ -64,7 +64,8 @@ def test_cpu_rehearsal_runs_the_gloo_equivalence(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
     eq = report["equivalence"]
-    assert eq["ok"] and eq["devices"] == ["cpu"] and set(eq["max_abs_error"]) == {"owner", "duplicated", "distributed"}
+    assert eq["ok"] and eq["devices"] == ["cpu"] and set(eq["max_abs_error"]) == {"owner", "duplicated", "distributed",
+                                                                        "optimizer (owner)"}
     assert all(0 <= err <= eq["tolerance"] for err in eq["max_abs_error"].values())
     assert len(report["ns"]["rows"]) == 5 and report["ns"]["rows"][0]["fraction_of_peak"] is None  # no CPU peak
     assert (out / "gpu_check.md").read_text().rstrip("\n") == proc.stdout.rstrip("\n")

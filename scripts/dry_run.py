@@ -111,9 +111,11 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, **_layer_split(shape, pp),
     )
+    # Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by (128) x TP.
+    vocab = -(-shape.vocab // (128 * tp)) * 128 * tp
     with torch.device("meta"):  # the layers allocate on the default device under use_cpu_initialization
         model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                         vocab_size=shape.vocab, max_sequence_length=8192, share_embeddings_and_output_weights=False,
+                         vocab_size=vocab, max_sequence_length=8192, share_embeddings_and_output_weights=False,
                          position_embedding_type="rope", pre_process=ps.is_pipeline_first_stage(),
                          post_process=ps.is_pipeline_last_stage())
     # Megatron's defaults for a large run: fp32 grad reduction, overlapped reduce-scatter buckets.

@@ -113,8 +113,9 @@ class MatrixSpec:
 
 @dataclass
 class ModelSpec:
-    """A GPT in model-definition order: embedding, layers (norm, qkv, proj, norm, fc1, fc2),
-    final norm, output layer. ``vocab`` 0 and ``hidden`` 0 leave out the non-matrix params."""
+    """A GPT in Megatron's registration order (``named_parameters``): embedding, layers (norm,
+    proj, qkv, norm, fc1, fc2), final norm, output layer. ``vocab`` 0 and ``hidden`` 0 leave out
+    the non-matrix params."""
 
     name: str
     matrices: list[MatrixSpec]
@@ -131,7 +132,12 @@ def llama3_spec(model: str) -> ModelSpec:
     # per query group: its query heads, one k head, one v head (as megatron.optimizer._tag_qkv)
     qkv = (shape.num_heads // shape.num_query_groups * shape.head_dim, shape.head_dim, shape.head_dim)
     mats = []
-    for name, rows, cols, pdim in shape.matrices():
+    # Megatron registers a layer's linear_proj before its linear_qkv (SelfAttention builds
+    # linear_qkv after Attention's __init__), and its buffers follow named_parameters(): emit them
+    # in that order, or the emulated DP ranges cut other matrices than the real ones do.
+    registration = {"linear_proj": 0, "linear_qkv": 1, "linear_fc1": 2, "linear_fc2": 3}
+    ordered = sorted(shape.matrices(), key=lambda m: (int(m[0].split(".")[1]), registration[m[0].rsplit(".", 1)[1]]))
+    for name, rows, cols, pdim in ordered:
         kind = name.rsplit(".", 1)[1]
         mats.append(MatrixSpec(name, rows, cols, pdim, qkv if kind == "linear_qkv" else None,
                                kind == "linear_fc1"))

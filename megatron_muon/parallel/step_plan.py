@@ -26,8 +26,15 @@ class StepPlan:
 
     ns_flops: tuple[int, ...]
     """Newton–Schulz FLOPs the rank runs."""
-    bytes_sent: tuple[int, ...]
-    """bytes the rank sends: the DP owner exchange there and back, then the TP mode's traffic."""
+    dp_bytes: tuple[int, ...]
+    """bytes the rank sends in the DP owner exchange, there and back."""
+    tp_bytes: tuple[int, ...]
+    """bytes the rank sends in its TP group's mode (owner exchange, all-gather or all-reduces)."""
+
+    @property
+    def bytes_sent(self) -> tuple[int, ...]:
+        """Everything the rank sends in the step."""
+        return tuple(d + t for d, t in zip(self.dp_bytes, self.tp_bytes))
 
 
 def _dp_bytes(layout: MatrixLayout, owner: int, dp: int, elem: int) -> dict[int, int]:
@@ -58,7 +65,7 @@ def plan_step(
     """Replay one step's plans. ``dp_owners`` None (or DP = 1): every DP rank computes every
     matrix, as ``--muon-dp-mode redundant`` does. ``hardware``: the cost model's constants, for
     ``tp_mode="auto"``. Blockwise ignores TP; the exact modes follow ``tp_modes.py``."""
-    flops, sent = [0.0] * (tp * dp), [0.0] * (tp * dp)
+    flops, dp_sent, tp_sent = [0.0] * (tp * dp), [0.0] * (tp * dp), [0.0] * (tp * dp)
     by_owner: dict[int, list[MatrixLayout]] = {}
     for i, layout in enumerate(layouts):
         if dp_owners is None or dp == 1:
@@ -68,7 +75,7 @@ def plan_step(
         by_owner.setdefault(dp_owners[i], []).append(layout)
         for d, b in _dp_bytes(layout, dp_owners[i], dp, ns_bytes).items():
             for j in range(tp):  # every TP peer moves its own TP-local shard alike
-                sent[d * tp + j] += b
+                dp_sent[d * tp + j] += b
     for d, owned in by_owner.items():  # one orthogonalize_sharded call per DP owner's TP group
         subs = [(local, full, lay.partition_dim if tp > 1 else None)
                 for lay in owned for local, full in zip(lay.sub_local_shapes(), lay.sub_global_shapes())]
@@ -79,8 +86,8 @@ def plan_step(
             for j in range(tp):
                 f, b = _sub_cost(local, full, pdim, mode, owners.get(k), j, tp, steps, ns_bytes)
                 flops[d * tp + j] += f
-                sent[d * tp + j] += b
-    return StepPlan(tuple(int(f) for f in flops), tuple(round(b) for b in sent))
+                tp_sent[d * tp + j] += b
+    return StepPlan(tuple(int(f) for f in flops), tuple(round(b) for b in dp_sent), tuple(round(b) for b in tp_sent))
 
 
 def _sub_cost(local, full, pdim, mode, owner, j, tp, steps, ns_bytes) -> tuple[float, float]:

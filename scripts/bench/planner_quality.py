@@ -20,8 +20,8 @@ Rows of the FLOPs table (per (dp, tp) rank: the Newton–Schulz FLOPs it runs in
   owner; the pieces travel in owner-exchange rounds, and then each DP owner's TP group plans
   all the sub-matrices it owns in one call with ``plan_owners`` on ``ns_flops`` of the full
   sub-matrix shape: the list ``orthogonalize._tp_orthogonalize`` passes to
-  ``orthogonalize_sharded`` (built here by that code's own ``split_rows`` and
-  ``tp_modes._validate_local`` on meta tensors). (Until 2026-11-29 the TP plan was made per
+  ``orthogonalize_sharded``. The replay is the optimizer's own (``parallel.step_plan``), which
+  ``scripts/dry_run.py`` checks against the real step to the byte. (Until 2026-11-29 the TP plan was made per
   256 MiB round, from zero load each time, which put the largest sub-matrix of every round on
   TP rank 0: max/mean 3.7–8.5. This table found it.)
 * **ours (DDP, dp-mode owner)** and **ours (DDP, dp-mode redundant = TP owner only)**: context,
@@ -75,11 +75,8 @@ with warnings.catch_warnings():
     from megatron_muon.core.models import LLAMA3
     from megatron_muon.core.newton_schulz import ns_flops
     from megatron_muon.megatron.optimizer import MuonDistributedOptimizer, _layout, is_muon_matrix
-    from megatron_muon.parallel.orthogonalize import dp_owned_matrix, plan_dp_owners
-    from megatron_muon.parallel.owner_exchange import OwnedMatrix
-    from megatron_muon.parallel.owner_mode import tp_owned_matrix
-    from megatron_muon.parallel.planner import plan_owners
-    from megatron_muon.parallel.tp_modes import _validate_local
+    from megatron_muon.parallel.orthogonalize import plan_dp_owners
+    from megatron_muon.parallel.step_plan import plan_step
 
 MODELS = ("8B", "70B", "405B")
 CONFIGS = ((8, 8), (8, 64))  # (TP, DP); PP = 1
@@ -235,21 +232,6 @@ def ours_layouts(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, *,
     return layouts
 
 
-def tp_sub_specs(layouts: list[MatrixLayout], tp: int):
-    """The specs ``orthogonalize_sharded`` builds for one ``_tp_orthogonalize`` call's list.
-
-    ``_tp_orthogonalize`` splits each owned matrix's TP-local buffer with ``split_rows``; the
-    sub-matrices go to ``orthogonalize_sharded``, whose ``_validate_local`` makes the specs.
-    Meta tensors: shapes only.
-    """
-    subs, pdims = [], []
-    for layout in layouts:
-        parts = layout.split_rows(torch.empty(layout.local_shape, device="meta"))
-        subs += parts
-        pdims += [layout.partition_dim] * len(parts)
-    return _validate_local(subs, pdims, "owner", tp, STEPS, "quintic", None)
-
-
 @dataclass
 class Plan:
     """Per rank (index dp·TP + tp) NS FLOPs and bytes sent, plus the units planned."""
@@ -263,62 +245,29 @@ class Plan:
     tp_min_total: int = 0
 
 
-def _sent(plan: OwnedMatrix, elem_bytes: int) -> dict[int, int]:
-    """Bytes each rank sends for one matrix: pieces go to the owner, results come back."""
-    out: dict[int, int] = {}
-    for p in plan.gather:
-        if p.rank != plan.owner:
-            out[p.rank] = out.get(p.rank, 0) + p.numel * elem_bytes
-    for p in plan.returns:
-        if p.rank != plan.owner:
-            out[plan.owner] = out.get(plan.owner, 0) + p.numel * elem_bytes
-    return out
-
-
 def plan_ours(layouts: list[MatrixLayout], tp: int, dp: int, *, dp_mode: str = "owner") -> Plan:
-    """NS FLOPs and bytes per rank of ``orthogonalize_updates(..., tp_mode="owner")``."""
-    ranks = tp * dp
-    flops, dp_bytes, tp_bytes = [0.0] * ranks, [0] * ranks, [0] * ranks
+    """NS FLOPs and bytes per rank of ``orthogonalize_updates(..., tp_mode="owner")``: the
+    optimizer's own plan replay (``parallel.step_plan``, which the dry run checks against the real
+    step), plus the units of work and the analytic byte minimums for the table."""
+    owners = None if dp_mode == "redundant" or dp == 1 else plan_dp_owners(layouts, dp, STEPS)
+    step = plan_step(layouts, owners, tp, dp, tp_mode="owner", steps=STEPS, ns_bytes=NS_BYTES)
+    replicas = dp if owners is None else 1  # redundant: every DP replica runs the same TP call
     units: list[int] = []
-    tp_min = 0
-
-    def tp_call(d: int, owned: list[MatrixLayout], replicas: range) -> None:
-        # one orthogonalize_sharded(mode="owner") call by DP rank d's TP group (owner_orthogonalize)
-        nonlocal tp_min
-        specs = tp_sub_specs(owned, tp)
-        costs = [ns_flops(*s.full_shape, STEPS) for s in specs]
-        owners = plan_owners(costs, tp)
-        for rep in replicas:  # dp_mode redundant: every DP replica runs the same call
-            for s, c, o in zip(specs, costs, owners):
-                flops[rep * tp + o] += c
-                for r, b in _sent(tp_owned_matrix(s, o), NS_BYTES).items():
-                    tp_bytes[rep * tp + r] += b
-        units.extend(costs)
-        for s in specs:
-            if s.is_sharded:
-                tp_min += len(replicas) * 2 * (tp - 1) * s.local_shape[0] * s.local_shape[1] * NS_BYTES
-
-    dp_min = 0
-    if dp_mode == "redundant" or dp == 1:  # orthogonalize_updates: one call over everything
-        tp_call(0, list(layouts), range(dp))
-    else:
-        owners = plan_dp_owners(layouts, dp, STEPS)
-        for i, layout in enumerate(layouts):
-            for d, b in _sent(dp_owned_matrix(layout, owners[i], dp), NS_BYTES).items():
-                for j in range(tp):  # every TP peer moves its own TP-local shard alike
-                    dp_bytes[d * tp + j] += b
-            holders = layout.holders(dp)
-            if layout.dp_ranges is not None and len(holders) > 1:
-                dp_min += tp * 2 * (layout.numel - max(holders.values())) * NS_BYTES
-            elif layout.dp_ranges is None:  # DDP: the result must reach the dp−1 other replicas
-                dp_min += tp * (dp - 1) * layout.numel * NS_BYTES
-        # the exchange runs in rounds, the TP call once per DP owner over all it owns
-        for d in range(dp):
-            owned = [layouts[i] for i in range(len(layouts)) if owners[i] == d]  # sorted(owned) order
-            if owned:
-                tp_call(d, owned, range(d, d + 1))
-    total = sum(units) * (dp if dp_mode == "redundant" else 1)
-    return Plan(flops, dp_bytes, tp_bytes, units, total, dp_min, tp_min)
+    dp_min = tp_min = 0
+    for layout in layouts:
+        for local, full in zip(layout.sub_local_shapes(), layout.sub_global_shapes()):
+            units.append(ns_flops(*full, STEPS))
+            if layout.partition_dim is not None and tp > 1:
+                tp_min += replicas * 2 * (tp - 1) * local[0] * local[1] * NS_BYTES
+        if owners is None:
+            continue
+        holders = layout.holders(dp)
+        if layout.dp_ranges is not None and len(holders) > 1:
+            dp_min += tp * 2 * (layout.numel - max(holders.values())) * NS_BYTES
+        elif layout.dp_ranges is None:  # DDP: the result must reach the dp−1 other replicas
+            dp_min += tp * (dp - 1) * layout.numel * NS_BYTES
+    total = sum(units) * replicas
+    return Plan(list(step.ns_flops), list(step.dp_bytes), list(step.tp_bytes), units, total, dp_min, tp_min)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,8 @@
 #                                        #   loop with --optimizer muon --muon-tp-mode owner on 2 processes
 #   bash scripts/run.sh test [ARGS...]   # the test suite (pytest), ARGS passed through
 #   bash scripts/run.sh bench [ARGS...]  # the TP-mode benchmark (python -m scripts.bench.bench_tp_modes)
+#   bash scripts/run.sh dry-run ARGS...  # the real step at production scale on the meta device
+#                                        #   (scripts/dry_run.py --model llama3-405b --tp 8 --pp 16 --dp 64)
 #   bash scripts/run.sh perf             # docs/performance.md's tables, into bench-results/: hardware
 #                                        #   calibration, optimizer-step benchmark, cost-model validation,
 #                                        #   planner quality, GPU projection (about 3 minutes on 2 cores)
@@ -102,6 +104,10 @@ case "$cmd" in
         cd "$repo"
         exec "$venv/bin/python" -m scripts.bench.bench_tp_modes "$@"
         ;;
+    dry-run)
+        ensure_venv
+        exec "$venv/bin/python" "$repo/scripts/dry_run.py" "$@"
+        ;;
     perf)
         ensure_venv
         cd "$repo"
@@ -132,7 +138,7 @@ case "$cmd" in
         exec "$venv/bin/python" -m pytest "$@"
         ;;
     *)
-        echo "usage: bash scripts/run.sh {main|test|bench|perf|compare} [ARGS...]" >&2
+        echo "usage: bash scripts/run.sh {main|test|bench|dry-run|perf|compare} [ARGS...]" >&2
         exit 2
         ;;
 esac

@@ -28,9 +28,14 @@ that rank (``parallel.step_plan``, on the real layouts), the planner table's fig
 
 from __future__ import annotations
 
+import os
+
+# No device is used: hide any GPU before torch looks, so Megatron's CUDA-isms take the patched path
+# (cpu_patches, viewing the meta device) on a GPU machine too, instead of allocating real buffers.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 import argparse
 import json
-import os
 import sys
 import time
 import warnings

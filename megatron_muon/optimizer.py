@@ -212,7 +212,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
             buf.lerp_(grad, 1 - cfg.momentum)
             update = grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf
             updates.append(update.reshape(-1))
-        self._timer = StepTimer(device)
+        if self._timer is None:  # built once: its CUDA events are recorded again every step
+            self._timer = StepTimer(device)
         self._timer.start()
         with comm_stats() as stats:
             orth = orthogonalize_updates(

@@ -58,11 +58,13 @@ class ModelShape:
         return self.num_heads * self.head_dim, kv, kv
 
     def matrices(self) -> list[tuple[str, int, int, int]]:
-        """Every hidden 2-D weight, in forward (model-definition) order.
+        """Every hidden 2-D weight, in forward order.
 
         Returns ``(name, rows, cols, partition_dim)`` per matrix, full (unsharded) shape, names
         like ``"layers.0.linear_qkv"``; per layer: linear_qkv, linear_proj, linear_fc1,
         linear_fc2. ``partition_dim`` is 0 for ColumnParallel weights and 1 for RowParallel ones.
+        Megatron *registers* (and lays out its buffers in) another order, linear_proj before
+        linear_qkv; code that emulates Megatron's buffers must reorder (``planner_quality``).
         """
         q, k, v = self.qkv_sub_rows
         per_layer = (

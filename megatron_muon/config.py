@@ -13,13 +13,16 @@ import torch
 
 from .core.newton_schulz import COEFFICIENT_SETS, DEFAULT_COEFFICIENTS
 from .core.scaling import SCALE_MODES
+from .parallel.balanced_layout import DEFAULT_ALPHA
 from .parallel.orthogonalize import DP_MODES
 from .parallel.tp_modes import MODES
 
 if TYPE_CHECKING:
     from .parallel.cost_model import Hardware
 
-__all__ = ["MuonConfig", "NS_PRECISIONS"]
+__all__ = ["DP_LAYOUTS", "MuonConfig", "NS_PRECISIONS"]
+
+DP_LAYOUTS = ("balanced", "megatron")
 
 # Upstream --muon-fp32-matmul-prec: "medium" runs NS in bf16 (emerging-optimizers casts to bf16
 # explicitly), "high"/"highest" keep fp32 (TF32 / full fp32 matmuls on GPUs).
@@ -66,6 +69,15 @@ class MuonConfig:
     dp_mode: str = "owner"
     """without the distributed optimizer: owner (NS once per DP group, results exchanged) or
     redundant (every DP rank computes everything; for comparison)."""
+    dp_layout: str = "balanced"
+    """with the distributed optimizer, the DDP buffer layout (--muon-dp-layout): ``balanced``
+    (every Muon matrix whole inside one DP rank's shard, placed by ``parallel.balanced_layout``:
+    no DP exchange) or ``megatron`` (megatron-core's own layout, which cuts matrices at shard
+    boundaries; the owner exchange reassembles them). Ignored without the distributed
+    optimizer (every DP rank then holds every matrix whole)."""
+    layout_alpha: float = DEFAULT_ALPHA
+    """α of the balanced layout (--muon-layout-alpha): the weight of Newton–Schulz balance
+    against padding when whole matrices are placed in DP shards (``balanced_layout``)."""
     owner_bucket_bytes: int = 256 * 2**20
     """cap on full-matrix bytes per owner-exchange round (--muon-owner-bucket-size-mb)."""
     muonbp_period: int | None = None
@@ -90,6 +102,9 @@ class MuonConfig:
             (isinstance(self.num_ns_steps, int) and self.num_ns_steps >= 1, "--muon-num-ns-steps",
              "an integer >= 1", self.num_ns_steps),
             (0.0 <= self.momentum < 1.0, "--muon-momentum", "a value in [0, 1)", self.momentum),
+            (self.dp_layout in DP_LAYOUTS, "--muon-dp-layout", f"one of {DP_LAYOUTS}", self.dp_layout),
+            (isinstance(self.layout_alpha, (int, float)) and 0.0 <= self.layout_alpha <= 1.0,
+             "--muon-layout-alpha", "a value in [0, 1]", self.layout_alpha),
             (self.owner_bucket_bytes > 0, "--muon-owner-bucket-size-mb", "a positive size", self.owner_bucket_bytes),
         ]
         if self.muonbp_period is not None:

@@ -125,11 +125,16 @@ def build_tiny_gpt(
     seed: int = 1234,
     init: str = "by_name",
     num_layers: int = LAYERS,
+    dp_layout: str = "megatron",
+    muon_config=None,
 ) -> list:
     """The tiny GPT on this rank's TP x PP slot, wrapped like ``megatron.training.get_model``.
 
     ``bf16``: bf16 params inside ``Float16Module`` (as ``--bf16`` does); grads reduce in fp32.
     Returns ``[DistributedDataParallel(...)]`` (one chunk: no virtual pipeline stages).
+    ``dp_layout``: with the distributed optimizer, ``megatron`` (DDP computes megatron-core's
+    layout) or ``balanced`` (ours, ``megatron_muon.megatron.layout``, for ``muon_config``'s
+    splits and α), as ``--muon-dp-layout`` selects in training.
     Call after ``init_megatron(tp, pp)``.
     """
     from megatron.core import parallel_state as ps
@@ -188,7 +193,19 @@ def build_tiny_gpt(
         use_distributed_optimizer=use_distributed_optimizer,
         bucket_size=bucket_size,
     )
-    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)]
+    layout = None
+    if use_distributed_optimizer and dp_layout == "balanced":
+        from megatron_muon.config import MuonConfig
+        from megatron_muon.megatron.layout import balanced_full_param_layout
+
+        # DDP's rule: no buckets without overlap_grad_reduce (it sets bucket_size None itself)
+        layout = balanced_full_param_layout(
+            model, bucket_size if ddp_config.overlap_grad_reduce else None, ps.get_data_parallel_world_size(),
+            ddp_config,
+            muon_config=muon_config or MuonConfig(), tp_size=tp)
+    else:
+        assert dp_layout == "megatron", dp_layout
+    return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, full_param_layout=layout)]
 
 
 def make_batch(seed: int, micro_batch_size: int = 2, seq_len: int = SEQ, vocab: int = VOCAB,

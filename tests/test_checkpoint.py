@@ -43,11 +43,15 @@ SEED, OTHER_SEED = 1234, 999
 # params (Megatron's own load) 5.6e-3 after the step.
 ATOL = 2e-6
 KINDS = {"distopt": (True, False), "ddp": (False, False),
-         "distopt-bf16": (True, True), "ddp-bf16": (False, True)}
-"""run name: (use_distributed_optimizer, bf16)."""
+         "distopt-bf16": (True, True), "ddp-bf16": (False, True), "distopt-balanced": (True, False)}
+"""run name: (use_distributed_optimizer, bf16); ``-balanced``: --muon-dp-layout balanced."""
 SHARDINGS = {"distopt": ("dp_reshardable", "fully_reshardable"), "ddp": (None,),
-             "distopt-bf16": ("dp_reshardable",), "ddp-bf16": (None,)}
+             "distopt-bf16": ("dp_reshardable",), "ddp-bf16": (None,),
+             "distopt-balanced": ("dp_reshardable", "fully_reshardable")}
 """the checkpoints each run saves; the first is the one it resumes from."""
+CROSS_LAYOUT = [("distopt-fully_reshardable", "balanced"), ("distopt-balanced-fully_reshardable", "megatron"),
+                ("distopt-balanced-dp_reshardable", "megatron")]
+"""(checkpoint saved in one --muon-dp-layout, the layout it is loaded into)."""
 CHECKPOINTS = [f"{kind}-{sharding}" for kind, shardings in SHARDINGS.items() for sharding in shardings]
 
 
@@ -59,16 +63,21 @@ def _optimizer_config(dist_opt: bool, bf16: bool):
                            use_distributed_optimizer=dist_opt)
 
 
-def _build(dist_opt: bool, seed: int, bf16: bool = False):
+def _layout(kind: str) -> str:
+    return "balanced" if kind.endswith("-balanced") else "megatron"
+
+
+def _build(dist_opt: bool, seed: int, bf16: bool = False, layout: str = "megatron"):
     """A fresh model, optimizer and scheduler (after ``init_megatron``)."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from megatron_muon.config import MuonConfig
     from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
 
+    muon_config = MuonConfig(**MUON, dp_layout=layout)
     model = build_tiny_gpt(TP, 1, bf16=bf16, use_distributed_optimizer=dist_opt, bucket_size=SMALL_BUCKET,
-                           seed=seed)
-    optimizer = get_megatron_muon_optimizer(_optimizer_config(dist_opt, bf16), model, MuonConfig(**MUON))
+                           seed=seed, dp_layout=layout, muon_config=muon_config)
+    optimizer = get_megatron_muon_optimizer(_optimizer_config(dist_opt, bf16), model, muon_config)
     scheduler = OptimizerParamScheduler(optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0,
                                         lr_decay_steps=100, lr_decay_style="constant", start_wd=WD, end_wd=WD,
                                         wd_incr_steps=100, wd_incr_style="constant")
@@ -181,10 +190,11 @@ def _snapshot(model, optimizer) -> dict:
 def _resume_run(kind: str, root: str) -> dict:
     """One kind's runs on this rank: uninterrupted, saved, resumed (and optimizer-only)."""
     dist_opt, bf16 = KINDS[kind]
+    layout = _layout(kind)
     out = {}
     # The uninterrupted run.
     init_megatron(TP, 1)
-    model, optimizer, scheduler = _build(dist_opt, SEED, bf16)
+    model, optimizer, scheduler = _build(dist_opt, SEED, bf16, layout)
     ref = {}
     for step in range(4):
         _train(model, optimizer, scheduler, step, step + 1)
@@ -193,7 +203,7 @@ def _resume_run(kind: str, root: str) -> dict:
 
     # 2 steps, save, rebuild from scratch (other init), load, 2 more steps.
     init_megatron(TP, 1)
-    model, optimizer, scheduler = _build(dist_opt, SEED, bf16)
+    model, optimizer, scheduler = _build(dist_opt, SEED, bf16, layout)
     _train(model, optimizer, scheduler, 0, 2)
     paths = {}
     for sharding in SHARDINGS[kind]:
@@ -202,7 +212,7 @@ def _resume_run(kind: str, root: str) -> dict:
     destroy_megatron()
 
     init_megatron(TP, 1)
-    model, optimizer, scheduler = _build(dist_opt, OTHER_SEED, bf16)
+    model, optimizer, scheduler = _build(dist_opt, OTHER_SEED, bf16, layout)
     fresh = {n: p.detach().clone() for n, p in model[0].named_parameters()}
     _load(paths[SHARDINGS[kind][0]], model, optimizer, scheduler)
     loaded = _snapshot(model, optimizer)
@@ -237,6 +247,26 @@ def _world4(rank: int, world: int, root: str) -> dict:
                 out["optimizer_only"] = out[kind]
             if ps.model_parallel_is_initialized():
                 destroy_megatron()
+    for source, layout in CROSS_LAYOUT:
+        try:  # a checkpoint of one --muon-dp-layout loaded into the other, one more step
+            init_megatron(TP, 1)
+            model, optimizer, scheduler = _build(True, OTHER_SEED, layout=layout)
+            _load(os.path.join(root, source), model, optimizer, scheduler)
+            loaded = _snapshot(model, optimizer)
+            _train(model, optimizer, scheduler, 2, 3)
+            out[f"{source}->{layout}"] = dict(loaded=loaded, continued=_snapshot(model, optimizer))
+        except Exception:  # noqa: BLE001 - reported by the test of this pair
+            out[f"{source}->{layout}"] = traceback.format_exc()
+        if ps.model_parallel_is_initialized():
+            destroy_megatron()
+    init_megatron(TP, 1)  # Megatron's dp_reshardable format cannot hold a balanced layout
+    model, optimizer, scheduler = _build(True, OTHER_SEED, layout="balanced")
+    try:
+        _load(os.path.join(root, "distopt-dp_reshardable"), model, optimizer, scheduler)
+        out["refused"] = None
+    except RuntimeError as e:
+        out["refused"] = str(e)
+    destroy_megatron()
     return out
 
 
@@ -357,3 +387,31 @@ def test_dp_resharding_load(runs, sharding):
             worst = max(((flat_c[k] - flat_w[k]).abs().max().item(), k) for k in flat_w)
             assert worst[0] <= ATOL, f"DP1 continuation: {part} {worst[1]} off by {worst[0]:.2e}"
         assert cont["steps"] == {3.0} and cont["muon_steps"] == 3
+
+
+@pytest.mark.parametrize("source, layout", CROSS_LAYOUT)
+def test_load_across_dp_layouts(runs, source, layout):
+    """A ``fully_reshardable`` checkpoint saved with one --muon-dp-layout loads into the other:
+    params and every optimizer state arrive bitwise (they are keyed per model param, not by
+    buffer offset), and one more step matches the saving layout's third step within ``ATOL``
+    (the two layouts compute the same update; only where the bytes sit differs)."""
+    kind = source.rsplit("-", 1)[0]
+    for r in runs[0]:
+        ref = _ok(r[kind], kind)["ref"]
+        res = _ok(r[f"{source}->{layout}"], f"{source} loaded with --muon-dp-layout {layout}")
+        _assert_same_state(res["loaded"], ref[2], f"{source} -> {layout}: loaded")
+        cont, want = res["continued"], ref[3]
+        for part in ("params", "states"):
+            flat_c, flat_w = _flat(cont[part]), _flat(want[part])
+            worst = max(((flat_c[k] - flat_w[k]).abs().max().item(), k) for k in flat_w)
+            assert worst[0] <= ATOL, f"{source} -> {layout}: {part} {worst[1]} off by {worst[0]:.2e}"
+
+
+def test_dp_reshardable_checkpoint_refused_by_balanced_layout(runs):
+    """megatron-core's dp_reshardable format stores buckets as flat ranges of its own layout: a
+    balanced-layout optimizer refuses to load one, in one line naming the flag to use. (Saving
+    with the balanced layout writes fully_sharded_model_space instead, loaded above.)"""
+    for r in runs[0]:
+        message = r["refused"]
+        assert message is not None, "a dp_reshardable checkpoint loaded into a balanced layout"
+        assert "--muon-dp-layout megatron" in message and "\n" not in message

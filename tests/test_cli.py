@@ -49,6 +49,8 @@ FLAG_TO_FIELD = [
     ("--muon-tp-mode auto", "tp_mode", "auto"),
     ("--muon-auto-hardware h100-sxm", "auto_hardware", "h100-sxm"),
     ("--muon-dp-mode redundant", "dp_mode", "redundant"),
+    ("--muon-dp-layout megatron", "dp_layout", "megatron"),
+    ("--muon-layout-alpha 0.75", "layout_alpha", 0.75),
     ("--muon-owner-bucket-size-mb 0.5", "owner_bucket_bytes", 2**19),
     ("--muonbp-period 0", "muonbp_period", 0),  # 0 (BlockMuon) is valid with the default blockwise
     ("--muonbp-block-lr-mult 0.5", "muonbp_block_lr_mult", 0.5),
@@ -63,6 +65,8 @@ BAD_VALUES = [
     ("--muon-num-ns-steps 0", "--muon-num-ns-steps"),
     ("--muon-momentum 1.0", "--muon-momentum"),
     ("--muon-owner-bucket-size-mb 0", "--muon-owner-bucket-size-mb"),
+    ("--muon-layout-alpha 1.5", "--muon-layout-alpha"),
+    ("--muon-layout-alpha -0.1", "--muon-layout-alpha"),
     ("--muonbp-period -1 --muon-tp-mode owner", "--muonbp-period"),
     ("--muonbp-period 5", "--muonbp-period"),  # full steps need an exact mode; default is blockwise
     ("--muonbp-period 5 --muon-tp-mode owner --muonbp-block-lr-mult 0", "--muonbp-block-lr-mult"),
@@ -215,9 +219,11 @@ def test_install_is_idempotent(installed):
     from megatron_muon.megatron import hooks
 
     arguments, training = installed
-    before = (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer)
+    before = (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer,
+              training.training_log, training.wrap_model_chunks_with_ddp)
     hooks.install()
-    assert (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer) == before
+    assert (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer,
+            training.training_log, training.wrap_model_chunks_with_ddp) == before
 
 
 REJECTED = [

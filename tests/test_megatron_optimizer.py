@@ -68,11 +68,11 @@ def _train(rank: int, world: int, runs: list[dict]) -> list[dict]:
     for run in runs:
         tp, pp = run["tp"], run.get("pp", 1)
         init_megatron(tp, pp)
-        model = build_tiny_gpt(tp, pp, use_distributed_optimizer=run["dist_opt"], bf16=run.get("bf16", False))
-        muon = dict(MUON, **run.get("muon", {}))
+        muon_config = MuonConfig(tp_mode=run["tp_mode"], **dict(MUON, **run.get("muon", {})))
+        model = build_tiny_gpt(tp, pp, use_distributed_optimizer=run["dist_opt"], bf16=run.get("bf16", False),
+                               dp_layout=run.get("layout", "megatron"), muon_config=muon_config)
         optimizer = get_megatron_muon_optimizer(
-            _optimizer_config(run["dist_opt"], bf16=run.get("bf16", False)), model,
-            MuonConfig(tp_mode=run["tp_mode"], **muon),
+            _optimizer_config(run["dist_opt"], bf16=run.get("bf16", False)), model, muon_config,
         )
         scheduler = _scheduler(optimizer)
         inner = optimizer.chained_optimizers[0].optimizer
@@ -152,6 +152,14 @@ RUNS_4 = [dict(tp=2, dist_opt=d, tp_mode=m)
 RUNS_4 += [dict(tp=1, dist_opt=True, tp_mode="owner", expect_cut=True)]
 RUNS_4 += [dict(tp=1, pp=2, dist_opt=d, tp_mode="owner", expect_cut=d) for d in (False, True)]  # x DP2
 RUNS_4 += [dict(tp=2, dist_opt=True, tp_mode="owner", **BF16)]
+# --muon-dp-layout balanced: every matrix whole on one DP rank (no DP exchange), all exact modes
+# at TP1 × DP2 and TP2 × DP2, the owner mode at TP1 × DP4 and PP2 × DP{1, 2}, and bf16.
+BALANCED = dict(dist_opt=True, layout="balanced")
+RUNS_2 += [dict(tp=1, tp_mode=m, **BALANCED) for m in ("duplicated", "distributed", "owner")]
+RUNS_2 += [dict(tp=1, pp=2, tp_mode="owner", **BALANCED)]
+RUNS_4 += [dict(tp=2, tp_mode=m, **BALANCED) for m in ("duplicated", "distributed", "owner")]
+RUNS_4 += [dict(tp=1, tp_mode="owner", **BALANCED), dict(tp=1, pp=2, tp_mode="owner", **BALANCED)]
+RUNS_4 += [dict(tp=2, tp_mode="owner", **BALANCED, **BF16)]
 RUNS = {1: RUNS_1, 2: RUNS_2, 4: RUNS_4}
 # The bf16 runs against the fp32 reference, per Muon matrix, the update delta = params after K
 # steps - initial params. Measured over 4 batch seeds (7, 1, 2, 3) x 8 matrices x both bf16 runs
@@ -184,6 +192,7 @@ def _run_id(world: int, run: dict) -> str:
     tags = [f"w{world}", f"tp{run['tp']}", f"pp{run.get('pp', 1)}", "distopt" if run["dist_opt"] else "ddp",
             run["tp_mode"]]
     tags += ["bf16"] * bool(run.get("bf16"))
+    tags += [run["layout"]] if run.get("layout") else []
     tags += [run.get("muon", {}).get("dp_mode", "")] if run.get("muon", {}).get("dp_mode") else []
     return "-".join(tags)
 
@@ -270,3 +279,22 @@ def test_redundant_dp_mode_moves_nothing_across_dp(trained):
     index = next(i for i, r in enumerate(RUNS_2) if r.get("muon", {}).get("dp_mode") == "redundant")
     for r in trained[2]:
         assert all(step.get("all_to_all", 0) == 0 for step in r[index]["stats"])
+
+
+def test_balanced_layout_cuts_no_matrix_and_moves_nothing_across_dp(trained):
+    """--muon-dp-layout balanced: every Muon matrix lies in one DP rank's range, so the DP plan
+    pins it there; at TP1 (where every all-to-all is the DP exchange) no byte moves."""
+    checked = 0
+    for world, runs in RUNS.items():
+        for index, run in enumerate(runs):
+            if run.get("layout") != "balanced":
+                continue
+            for r in trained[world]:
+                result = r[index]
+                dp = result["dp_size"]
+                assert all(len(lay.holders(dp)) == 1 for lay in result["layouts"]), \
+                    f"{_run_id(world, run)}: a matrix is cut across DP ranks"
+                if run["tp"] == 1:
+                    assert all(step.get("all_to_all", 0) == 0 for step in result["stats"]), _run_id(world, run)
+            checked += 1
+    assert checked >= 9

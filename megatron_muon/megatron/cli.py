@@ -24,6 +24,7 @@ import argparse
 
 from ..config import MuonConfig
 from ..core.newton_schulz import DEFAULT_COEFFICIENTS
+from ..parallel.balanced_layout import DEFAULT_ALPHA
 
 __all__ = ["add_muon_args", "muon_config_from_args"]
 
@@ -136,6 +137,20 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "for comparison; not with --use-distributed-optimizer).",
     )
     group.add_argument(
+        "--muon-dp-layout", type=str, default="balanced", choices=["balanced", "megatron"],
+        help="With --use-distributed-optimizer, how Megatron's DDP buffer is laid out. balanced "
+             "(default): every Muon matrix lies whole inside one DP rank's shard of its bucket "
+             "(Canzona's alpha-balanced partition; AdamW params fill in around them), so no matrix "
+             "travels between DP ranks. megatron: megatron-core's own layout, which cuts matrices "
+             "at shard boundaries; the cut ones are reassembled on one DP owner every step.",
+    )
+    group.add_argument(
+        "--muon-layout-alpha", type=float, default=DEFAULT_ALPHA, metavar="ALPHA",
+        help="Balanced layout: weight in [0, 1] of Newton-Schulz balance across DP ranks against "
+             "padding of the buffer (1: NS balance only, 0: no padding beyond alignment). Default "
+             f"{DEFAULT_ALPHA}, from the Llama-3 layout table in docs/performance.md.",
+    )
+    group.add_argument(
         "--muon-owner-bucket-size-mb", type=float, default=256,
         help="Cap, in MiB of full matrices, on what one owner-exchange round gathers (bounds the "
              "extra memory of owner modes). Default 256.",
@@ -196,6 +211,8 @@ def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
         tp_mode=get("muon_tp_mode", "blockwise"),
         auto_hardware=get("muon_auto_hardware", "detect"),
         dp_mode=get("muon_dp_mode", "owner"),
+        dp_layout=get("muon_dp_layout", "balanced"),
+        layout_alpha=get("muon_layout_alpha", DEFAULT_ALPHA),
         owner_bucket_bytes=int(round(get("muon_owner_bucket_size_mb", 256) * MB)),
         muonbp_period=get("muonbp_period", None),
         muonbp_block_lr_mult=get("muonbp_block_lr_mult", 1.0),

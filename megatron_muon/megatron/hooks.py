@@ -6,7 +6,7 @@ Usage: call ``install()`` before Megatron first parses the command line
     import megatron_muon.megatron.hooks
     megatron_muon.megatron.hooks.install()
 
-``install()`` (idempotent) replaces four module attributes of megatron-core 0.19.2's training
+``install()`` (idempotent) replaces five module attributes of megatron-core 0.19.2's training
 package; each exists because Megatron itself would do something else:
 
 1. ``megatron.training.arguments.add_megatron_arguments``: now also runs ``add_muon_args``.
@@ -29,6 +29,13 @@ package; each exists because Megatron itself would do something else:
    ends with what the last optimizer step did (``stats_text``: kind — muon, or MuonBP's full /
    block — bytes sent, orthogonalize time); and, every ``--tensorboard-log-interval``, Megatron's
    TensorBoard and W&B writers (when configured) get the same figures as ``muon/*`` scalars.
+
+5. ``megatron.training.training.wrap_model_chunks_with_ddp`` (``get_model`` wraps the model
+   chunks in DDP with it): with ``--use-distributed-optimizer`` and ``--muon-dp-layout balanced``
+   (the default) it is handed ``layout.ddp_with_balanced_layout`` as its DDP class, so each
+   chunk's buffer gets our layout (every Muon matrix whole in one DP shard) instead of
+   ``DistributedOptimizer.compute_full_param_layout``'s. Megatron's own seam: DDP accepts a
+   ``full_param_layout``, which is how its layer-wise optimizer lays out its buffers.
 
 ``--optimizer dist_muon`` (deprecated upstream) and the other emerging optimizers keep upstream's
 implementations. ``--yaml-cfg`` bypasses ``validate_args``; with it ``--optimizer muon`` is
@@ -221,8 +228,28 @@ def _wrap_add_megatron_arguments(add_megatron_arguments):
     return wrapper
 
 
+def _wrap_wrap_model_chunks_with_ddp(wrap_model_chunks_with_ddp):
+    @functools.wraps(wrap_model_chunks_with_ddp)
+    def wrapper(model_chunks, config, ddp_config, *args, **kwargs):
+        from megatron.training import get_args, training
+
+        margs = get_args()
+        dp_class = kwargs.get("DP", training.DDP)
+        if (getattr(margs, ACTIVE, False) and dp_class is training.DDP and ddp_config.use_distributed_optimizer
+                and not kwargs.get("use_layer_wise_distributed_optimizer", False)):
+            muon_config = muon_config_from_args(margs)
+            if muon_config.dp_layout == "balanced":
+                from .layout import ddp_with_balanced_layout
+
+                kwargs["DP"] = ddp_with_balanced_layout(muon_config)
+        return wrap_model_chunks_with_ddp(model_chunks, config, ddp_config, *args, **kwargs)
+
+    setattr(wrapper, _ORIGINAL, wrap_model_chunks_with_ddp)
+    return wrapper
+
+
 def install() -> None:
-    """Install the four hooks into ``megatron.training``; calling it again changes nothing."""
+    """Install the five hooks into ``megatron.training``; calling it again changes nothing."""
     from megatron.training import arguments, training
 
     hooks = [
@@ -230,6 +257,7 @@ def install() -> None:
         (arguments, "validate_args", _wrap_validate_args),
         (training, "get_megatron_optimizer", _wrap_get_megatron_optimizer),
         (training, "training_log", _wrap_training_log),
+        (training, "wrap_model_chunks_with_ddp", _wrap_wrap_model_chunks_with_ddp),
     ]
     for module, name, wrap in hooks:
         if not hasattr(getattr(module, name), _ORIGINAL):

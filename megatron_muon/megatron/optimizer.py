@@ -124,6 +124,34 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
                     layout = _layout(names.get(id(param), "param"), param, tp_size, muon_config, ranges)
                     matrices.append(MuonMatrix(layout, main_of.get(id(param))))
         self.optimizer.attach(matrices, dp_group=self.data_parallel_group, tp_group=tp_group)
+        self.cut_matrices = sum(1 for m in matrices if len(m.layout.holders(dp_size)) > 1)
+        """Muon matrices cut across DP ranks (0 under ``--muon-dp-layout balanced``)."""
+        self.packed_like_megatron = all(_packed_in_backprop_order(buffer) for buffer in self.buffers)
+        """True when every bucket holds its params back to back in backprop order, padding only at
+        its end (megatron-core's own layout): what the ``dp_reshardable`` checkpoint format assumes."""
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, sharding_type=None,
+                           metadata=None):
+        """Megatron's, except that a buffer not laid out as megatron-core lays it out (the
+        balanced layout) cannot use ``dp_reshardable`` — that format stores each bucket as one
+        flat range, assuming params back to back and padding only at the end. Such a save is
+        written as ``fully_reshardable`` instead (per model param: any layout, any DP size
+        loads it; megatron-core 0.19.2's other model-space format, ``fully_sharded_model_space``,
+        fails its own ``flattened_range`` check); the checkpoint's metadata records the format,
+        so ``load_checkpoint`` reads it back the same way. Loading a ``dp_reshardable``
+        checkpoint into such a layout is refused in one line."""
+        kind = (metadata or {}).get("distrib_optim_sharding_type", sharding_type)
+        if kind == "dp_reshardable" and not self.packed_like_megatron and not self.is_stub_optimizer:
+            if is_loading:
+                raise RuntimeError(
+                    "--muon-dp-layout balanced: this checkpoint's optimizer state is in the dp_reshardable "
+                    "format, written with --muon-dp-layout megatron; resume with --muon-dp-layout megatron "
+                    "(and save once with --dist-ckpt-optim-fully-reshardable to change layouts)")
+            metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+            # Megatron's default gather for this format (mem_efficient False) only runs on CUDA;
+            # the gloo variant is the same state, gathered through the gloo DP group.
+            metadata.setdefault("distrib_optim_fully_reshardable_mem_efficient", self.optimizer.device.type != "cuda")
+        return super().sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
 
     def _ranges_on_every_rank(self, buffer, bucket, dp_size: int) -> list[dict]:
         """For each DP rank, param → [start, end) of the param it holds in this bucket."""
@@ -136,6 +164,17 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
             mapping = self._build_model_gbuf_param_range_map(params, rng, bucket.offset)
             out.append({p: (m["param"].start, m["param"].end) for p, m in mapping.items()})
         return out
+
+
+def _packed_in_backprop_order(buffer) -> bool:
+    for bucket in buffer.buckets:
+        cursor = bucket.offset
+        for param in bucket.params_list:  # the buffer lists a bucket's params in backprop order
+            start, end, _ = buffer.param_index_map[param]
+            if not 0 <= start - cursor < 64:  # megatron-core aligns starts to 64 elements
+                return False
+            cursor = end
+    return True
 
 
 def _check_supported(config: OptimizerConfig, model_chunks) -> None:

@@ -13,7 +13,8 @@ first step, by name pattern (layer numbers folded into ``*``). Llama-3 8B at TP8
       adamw  embedding.word_embeddings.weight                   x1
       adamw  decoder.layers.*.input_layernorm.weight            x32
       ...
-      DP 8: 65 of 128 matrices cut across DP ranks; each goes whole to one DP owner (owner exchange)
+      DP 8: megatron buffer layout (padding 0.0%): 65 of 128 matrices cut across DP ranks; each goes
+        whole to one DP owner (owner exchange)
       NS per full step on this stage's 64 ranks: max 11.68 TFLOP, mean 10.40 (max/mean 1.12)
       bytes sent per rank per full step (plan): max 796.8 MiB, mean 618.7 MiB
       MuonBP: off
@@ -46,6 +47,19 @@ def name_pattern(name: str) -> str:
     return re.sub(r"\.\d+\.", ".*.", name)
 
 
+def buffer_layout(model_chunks) -> str:
+    """``balanced buffer layout (padding 0.4%)``: how the DDP buffers are laid out (megatron-core's
+    packing or not) and their padding (alignment included) as a share of their elements."""
+    from .optimizer import _packed_in_backprop_order
+
+    buffers = [b for chunk in model_chunks for b in getattr(chunk, "buffers", [])]
+    if not buffers or not buffers[0].ddp_config.use_distributed_optimizer:
+        return "no distributed optimizer (whole matrices on every DP rank)"
+    name = "megatron" if all(_packed_in_backprop_order(b) for b in buffers) else "balanced"
+    padded, total = sum(b.numel - b.numel_unpadded for b in buffers), sum(b.numel for b in buffers)
+    return f"{name} buffer layout (padding {100 * padded / total:.1f}%)"
+
+
 def startup_report(inner: MuonWithAdamW, model_chunks, config: MuonConfig, *, tp: int, dp: int,
                    pp_rank: int = 0, pp: int = 1) -> str:
     """The report's text (see the module docstring) for this rank's pipeline stage."""
@@ -75,7 +89,8 @@ def startup_report(inner: MuonWithAdamW, model_chunks, config: MuonConfig, *, tp
     if dp > 1:
         how = ("each goes whole to one DP owner (owner exchange)" if config.dp_mode == "owner"
                else "every DP rank computes every matrix (--muon-dp-mode redundant)")
-        lines.append(f"  DP {dp}: {cut} of {len(layouts)} matrices cut across DP ranks; {how}")
+        lines.append(f"  DP {dp}: {buffer_layout(model_chunks)}: {cut} of {len(layouts)} matrices cut across DP "
+                     f"ranks; {how}")
     owners = inner._owners if config.dp_mode == "owner" else None
     plans = {"full step": plan_step(layouts, owners, tp, dp, tp_mode=config.tp_mode, steps=config.num_ns_steps,
                                     ns_bytes=ns_bytes, hardware=inner._hardware)}

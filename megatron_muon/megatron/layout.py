@@ -1,0 +1,136 @@
+"""``--muon-dp-layout balanced``: our buffer layout for megatron-core's DDP.
+
+megatron-core 0.19.2's ``DistributedDataParallel`` takes a ``full_param_layout`` (a
+``FullParamLayout``: per buffer, every param's ``(start, end, bucket_id)`` and the bucket
+bounds); ``megatron.training.training.wrap_model_chunks_with_ddp`` computes one per model chunk
+(``DistributedOptimizer.compute_full_param_layout``, or the layer-wise optimizer's) and passes
+it in. ``balanced_full_param_layout`` computes ours instead, with the same buffer grouping
+(``group_params_for_buffers``), the same bucket size and the same alignment rules, from
+``parallel.balanced_layout``: every Muon matrix whole inside one DP shard.
+
+The hook (``hooks.py``) hands ``wrap_model_chunks_with_ddp`` a DDP factory
+(``ddp_with_balanced_layout``) that builds this layout for its chunk; Megatron's distributed
+optimizer then shards the buffer as always and ``MuonDistributedOptimizer`` finds every matrix
+on one DP rank, so ``plan_dp_owners`` pins each to the rank that holds it and the DP exchange
+sends nothing. Python API users wrapping DDP themselves pass
+``full_param_layout=balanced_full_param_layout(...)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from megatron.core.distributed import DistributedDataParallel
+from megatron.core.distributed.param_and_grad_buffer import group_params_for_buffers
+from megatron.core.optimizer.param_layout import FullParamLayout, PerBufferParamLayout, bucket_end_divisor
+from megatron.core.utils import get_pg_size
+
+from ..config import MuonConfig
+from ..parallel.balanced_layout import PARAM_ALIGN, LayoutItem, balanced_layout
+from .optimizer import _layout, _tag_qkv, is_muon_matrix
+
+__all__ = ["balanced_buffer_layouts", "balanced_full_param_layout", "ddp_with_balanced_layout"]
+
+
+def shard_divisor(dp_size: int, ddp_config) -> int:
+    """Every shard size is a multiple of this: 64-aligned shard starts, and DP × shard meets
+    megatron-core's bucket-end padding rule (lcm(DP, 128), or its NCCL-busbw variant)."""
+    return math.lcm(PARAM_ALIGN, bucket_end_divisor(dp_size, ddp_config.pad_buckets_for_high_nccl_busbw) // dp_size)
+
+
+def balanced_full_param_layout(
+    model_chunk: torch.nn.Module,
+    bucket_size: int | None,
+    dp_size: int,
+    ddp_config,
+    *,
+    muon_config: MuonConfig,
+    tp_size: int,
+    expert_dp_size: int | None = None,
+) -> FullParamLayout:
+    """The balanced ``FullParamLayout`` of one (un-wrapped) model chunk.
+
+    Args:
+        model_chunk: the chunk DDP will wrap (its ``config`` names the attention shape, for the
+            QKV split that sets each matrix's NS FLOPs).
+        bucket_size: DDP's bucket size in elements for this chunk (None: one bucket).
+        dp_size: the intra-instance DP group size the distributed optimizer shards over.
+        ddp_config: the ``DistributedDataParallelConfig`` (grad dtype grouping, bucket padding).
+        muon_config: the split rules (QKV, fc1) and ``layout_alpha``.
+        tp_size: tensor-parallel size (NS FLOPs are of the full matrices).
+        expert_dp_size: DP size of expert-parallel buffers (default ``dp_size``).
+    """
+    _tag_qkv([model_chunk], muon_config)
+    named = [(n, p) for n, p in model_chunk.named_parameters() if p.requires_grad]
+    layouts = balanced_buffer_layouts(named, bucket_size, dp_size, ddp_config, muon_config=muon_config,
+                                      tp_size=tp_size, expert_dp_size=expert_dp_size)
+    return FullParamLayout(layouts={key: full for key, (_, full) in layouts.items()})
+
+
+def balanced_buffer_layouts(
+    named_params, bucket_size: int | None, dp_size: int, ddp_config, *, muon_config: MuonConfig, tp_size: int,
+    expert_dp_size: int | None = None,
+) -> dict:
+    """Per buffer (megatron-core's ``BufferKey``): ``(BufferLayout, PerBufferParamLayout)``.
+
+    ``named_params``: ``(name, param)`` in model order, QKV already tagged (``_tag_qkv``); the
+    arguments are ``balanced_full_param_layout``'s. Planning tools call this on meta params.
+    """
+    names = {p: n for n, p in named_params}
+    params = [p for _, p in named_params]
+    out = {}
+    for key, (group, indices) in group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32).items():
+        dp = (expert_dp_size or dp_size) if key.is_expert_parallel else dp_size
+        items = [
+            LayoutItem(p.numel(), _layout(names[p], p, tp_size, muon_config).ns_cost(muon_config.num_ns_steps),
+                       whole=True, own_bucket=getattr(p, "shared_embedding", False))
+            if is_muon_matrix(p) else
+            LayoutItem(p.numel(), own_bucket=getattr(p, "shared_embedding", False))
+            for p in group
+        ]
+        laid = balanced_layout(items, dp, bucket_size, alpha=muon_config.layout_alpha,
+                               shard_divisor=shard_divisor(dp, ddp_config))
+        out[key] = (laid, PerBufferParamLayout(
+            param_index_map={p: laid.ranges[k] for k, p in enumerate(group)},
+            bucket_indices=list(laid.buckets),
+            per_bucket_numel_unpadded=list(laid.numel_unpadded),
+            param_indices=list(indices),
+            num_optimizer_shards=dp,
+        ))
+    return out
+
+
+def ddp_with_balanced_layout(muon_config: MuonConfig):
+    """A drop-in for the ``DP`` class ``wrap_model_chunks_with_ddp`` constructs: megatron-core's
+    ``DistributedDataParallel`` given ``balanced_full_param_layout`` for its chunk.
+
+    The bucket size and DP size follow ``DistributedDataParallel.__init__``'s own rules (its
+    default bucket size, none without ``overlap_grad_reduce``, none on a pipeline stage after
+    the first or with ``disable_bucketing``), so the layout's buckets are the ones DDP would form.
+    """
+
+    def build(*, config, ddp_config, module, disable_bucketing=False, pg_collection=None, full_param_layout=None):
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        if full_param_layout is None and ddp_config.use_distributed_optimizer:
+            groups = ProcessGroupCollection.setup_process_groups_for_ddp(pg_collection, config, ddp_config)
+            dp_size = get_pg_size(groups["intra_dp_cp_group"])
+            bucket_size = ddp_config.bucket_size
+            if bucket_size is None:
+                bucket_size = max(40_000_000, 1_000_000 * get_pg_size(groups["dp_group"]))
+            pp_group = groups["pp_group"]
+            pp_rank = (pp_group[0] if isinstance(pp_group, list) else pp_group).rank()
+            if not ddp_config.overlap_grad_reduce or disable_bucketing or pp_rank > 0:
+                bucket_size = None
+            full_param_layout = balanced_full_param_layout(
+                module, bucket_size, dp_size, ddp_config, muon_config=muon_config,
+                tp_size=get_pg_size(groups["tp_group"]),
+                expert_dp_size=get_pg_size(groups["intra_expt_dp_group"]),
+            )
+        kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
+        return DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                       disable_bucketing=disable_bucketing,
+                                       full_param_layout=full_param_layout, **kwargs)
+
+    return build

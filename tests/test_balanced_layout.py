@@ -1,0 +1,162 @@
+"""The balanced buffer layout (``parallel.balanced_layout``) and its Megatron adapter.
+
+Pure layout arithmetic on sizes, then the adapter on a real (meta-device) Llama-shaped parameter
+list through megatron-core's own buffer grouping. The end-to-end checks (exactness against the
+single-process reference with the layout in Megatron's DDP, no DP traffic, checkpoints across
+layouts) are in ``test_megatron_optimizer.py`` and ``test_checkpoint.py``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from megatron_muon.parallel.balanced_layout import PARAM_ALIGN, LayoutItem, balanced_layout
+
+
+def _check_invariants(items, layout, dp):
+    """What megatron-core's buffer and distributed optimizer rely on, and what we promise."""
+    # buckets tile the buffer, each DP equal shards of a multiple of 64 elements
+    cursor = 0
+    for start, end in layout.buckets:
+        assert start == cursor and (end - start) % (dp * PARAM_ALIGN) == 0
+        cursor = end
+    # params: inside their bucket, 64-aligned starts, no overlaps
+    spans = sorted((s, e) for s, e, _ in layout.ranges)
+    for (_, e0), (s1, _) in zip(spans, spans[1:]):
+        assert e0 <= s1
+    for i, (s, e, b) in enumerate(layout.ranges):
+        assert e - s == items[i].numel and s % PARAM_ALIGN == 0
+        assert layout.buckets[b][0] <= s and e <= layout.buckets[b][1]
+    # bucket ids never decrease in backprop order (the buffer asserts it)
+    ids = [layout.ranges[i][2] for i in reversed(range(len(items)))]
+    assert ids == sorted(ids)
+    # the promise: every whole item inside one shard
+    for i, item in enumerate(items):
+        if item.whole:
+            assert layout.holder(i) is not None, f"item {i} is cut"
+    # per-bucket unpadded counts
+    per_bucket = [0] * len(layout.buckets)
+    for i, (_, _, b) in enumerate(layout.ranges):
+        per_bucket[b] += items[i].numel
+    assert list(layout.numel_unpadded) == per_bucket
+
+
+def _layer(hidden: int, ffn: int, ns=lambda n: n) -> list[LayoutItem]:
+    """norm, proj, qkv, norm, fc1, fc2 — the order Megatron registers a layer's params."""
+    sizes = [hidden * hidden, hidden * hidden * 3 // 2, 2 * ffn * hidden, ffn * hidden]
+    mats = [LayoutItem(n, float(ns(n)), whole=True) for n in sizes]
+    return [LayoutItem(hidden), mats[0], mats[1], LayoutItem(hidden), mats[2], mats[3]]
+
+
+@pytest.mark.parametrize("dp", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("bucket", [None, 5_000, 40_000])
+@pytest.mark.parametrize("alpha", [0.0, 0.1, 1.0])
+def test_invariants_on_a_small_gpt(dp, bucket, alpha):
+    items = [LayoutItem(1000 * 64)]  # embedding
+    for _ in range(6):
+        items += _layer(64, 172)
+    items += [LayoutItem(64), LayoutItem(1000 * 64)]  # final norm, output layer
+    layout = balanced_layout(items, dp, bucket, alpha=alpha)
+    _check_invariants(items, layout, dp)
+
+
+def test_invariants_on_random_buffers():
+    """Odd sizes, a shared embedding bucket, fillers larger than a shard."""
+    rng = random.Random(0)
+    for _ in range(60):
+        dp = rng.choice([2, 3, 4, 5, 8, 16])
+        items = []
+        for _ in range(rng.randint(1, 40)):
+            whole = rng.random() < 0.6
+            n = rng.randint(1, 5000) if whole else rng.randint(1, 20000)
+            items.append(LayoutItem(n, float(n * rng.uniform(0.5, 2.0)) if whole else 0.0, whole))
+        if rng.random() < 0.3:
+            items.insert(0, LayoutItem(rng.randint(100, 30000), own_bucket=True))
+        bucket = rng.choice([None, 2000, 10000, 50000])
+        layout = balanced_layout(items, dp, bucket, alpha=rng.choice([0.0, 0.1, 0.5, 1.0]),
+                                 shard_divisor=rng.choice([64, 128, 256]))
+        _check_invariants(items, layout, dp)
+
+
+def test_shared_embedding_gets_its_own_bucket():
+    items = [LayoutItem(4096, own_bucket=True)] + _layer(32, 64) + _layer(32, 64)
+    layout = balanced_layout(items, 2, 10**9)
+    bucket = layout.ranges[0][2]
+    assert all(b != bucket for _, _, b in layout.ranges[1:])
+
+
+def test_uniform_layers_pack_without_padding():
+    """DP × k identical layers in one bucket: every shard gets k layers' worth, no padding
+    beyond the 64-element alignment (these sizes are multiples of 64), equal NS per rank."""
+    dp = 4
+    items = [m for _ in range(2 * dp) for m in _layer(64, 128) if m.whole]
+    layout = balanced_layout(items, dp, None, alpha=0.1)
+    _check_invariants(items, layout, dp)
+    assert layout.padding_fraction == 0.0
+    loads = [0.0] * dp
+    for i, item in enumerate(items):
+        loads[layout.holder(i)] += item.ns_flops
+    assert max(loads) == min(loads)
+
+
+def test_alpha_trades_padding_for_balance():
+    """One bucket whose fillers (an 'output layer') cover part of the shards: α = 0 packs
+    elements (no shard grows), α = 1 may grow the shards to even out the NS FLOPs."""
+    items = []
+    for _ in range(5):
+        items += [m for m in _layer(64, 128, ns=lambda n: n ** 1.5) if m.whole]
+    items.append(LayoutItem(40_000))  # output layer (last in forward order, first in backprop)
+
+    def imbalance(layout):
+        loads = [0.0] * 4
+        for i, item in enumerate(items):
+            if item.whole:
+                loads[layout.holder(i)] += item.ns_flops
+        return max(loads) / (sum(loads) / 4)
+
+    packed, balanced = (balanced_layout(items, 4, None, alpha=a) for a in (0.0, 1.0))
+    assert packed.padding_fraction <= balanced.padding_fraction
+    assert imbalance(balanced) < imbalance(packed)
+
+
+def test_bad_arguments_name_what_was_expected():
+    with pytest.raises(ValueError, match="--muon-layout-alpha: expected a value in \\[0, 1\\], got 1.5"):
+        balanced_layout([LayoutItem(10, 1.0, True)], 2, None, alpha=1.5)
+    with pytest.raises(ValueError, match="dp_size must be an integer >= 1"):
+        balanced_layout([LayoutItem(10, 1.0, True)], 0, None)
+    with pytest.raises(ValueError, match="shard_divisor must be a positive multiple of 64"):
+        balanced_layout([LayoutItem(10, 1.0, True)], 2, None, shard_divisor=100)
+
+
+def test_adapter_matches_megatron_grouping_on_llama_shapes():
+    """The adapter's ``FullParamLayout`` on a (meta) Llama-3-8B TP8 rank at DP8 through
+    megatron-core's own grouping: same buffers and params as megatron-core's layout, every
+    Muon matrix in one shard, padding within the 2 % goal."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.distributed import DistributedDataParallelConfig
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+        from megatron_muon.config import MuonConfig
+        from megatron_muon.megatron.layout import balanced_buffer_layouts
+        from megatron_muon.megatron.optimizer import is_muon_matrix
+        from scripts.bench.planner_quality import default_bucket_size, llama3_spec, model_params
+
+    named = model_params(llama3_spec("8B"), 8)
+    params = [p for _, p in named]
+    ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)
+    ours = balanced_buffer_layouts(named, default_bucket_size(8), 8, ddp, muon_config=MuonConfig(), tp_size=8)
+    theirs = DistributedOptimizer.compute_full_param_layout(params, default_bucket_size(8), 8, ddp)
+    assert ours.keys() == theirs.layouts.keys()
+    for key, (layout, full) in ours.items():
+        assert full.param_index_map.keys() == theirs.layouts[key].param_index_map.keys()
+        assert full.param_indices == theirs.layouts[key].param_indices and full.num_optimizer_shards == 8
+        group = list(full.param_index_map)
+        for k, p in enumerate(group):
+            if is_muon_matrix(p):
+                assert layout.holder(k) is not None
+        assert layout.padding_fraction <= 0.02

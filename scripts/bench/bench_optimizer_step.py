@@ -15,7 +15,10 @@ wrapped in Megatron's DDP as ``megatron.training`` wraps it for that optimizer.
 Rows (``impl`` / ``optimizer`` / ``mode``):
   ours     muon-distopt  owner | duplicated | distributed | blockwise   ``get_megatron_muon_optimizer``
            with ``use_distributed_optimizer`` (MuonDistributedOptimizer, even at DP 1), i.e.
-           ``--optimizer muon --use-distributed-optimizer --muon-tp-mode MODE``;
+           ``--optimizer muon --use-distributed-optimizer --muon-tp-mode MODE --muon-dp-layout
+           megatron`` (megatron-core's buffer layout: cut matrices travel to a DP owner);
+  ours     muon-distopt  owner balanced: the same with ``--muon-dp-layout balanced`` (our layout:
+           every matrix whole in one DP shard, nothing travels between DP ranks);
   ours     muon-distopt  muonbp-5 (owner full steps): MuonBP period 5, reported as its full
            step, its block step and the average over one period (three rows of one optimizer);
   megatron muon-ddp      duplicated | distributed | blockwise   megatron-core's
@@ -78,11 +81,12 @@ from .launch import backend_for, launch
 LAYER_WISE = "megatron layer-wise (duplicated)"
 LAYOUTS = {"tp2": (2, 1), "tp2dp2": (2, 2)}  # (TP, DP); 2 query groups allow TP <= 2
 ROWS = [setup.Row("ours", "muon-distopt", m, f"ours {m}") for m in ("owner", "duplicated", "distributed", "blockwise")]
+ROWS += [setup.Row("ours", "muon-distopt", "owner", "ours owner balanced", dp_layout="balanced")]
 ROWS += [setup.Row("ours", "muon-distopt", "owner", "ours MuonBP P=5", muonbp_period=5)]
 ROWS += [setup.Row("megatron", "muon-ddp", m, f"megatron {m}") for m in ("duplicated", "distributed", "blockwise")]
 ROWS += [setup.Row("megatron", "layerwise", "duplicated", LAYER_WISE),
          setup.Row("megatron", "adam-distopt", "adam", "megatron adam distopt")]
-EXACT_ROWS = ("ours owner", "ours duplicated", "ours distributed")
+EXACT_ROWS = ("ours owner", "ours duplicated", "ours distributed", "ours owner balanced")
 REFERENCE = "megatron duplicated"
 FC1_DIFFERS = "different math: split vs fused gate/up, not checked"
 # Max |Δparam| after one step at lr 1e-3. fp32 NS of the same matrices, batched or reduced in
@@ -178,7 +182,8 @@ def bench_rank(tp: int, args, device) -> dict:
 
     shape = setup.scaled_llama3_8b(args.scale, args.layers, args.vocab)
     ns_precision, ours_precision = ("medium", "medium") if device.type == "cuda" else ("highest", "high")
-    built = {row.label: setup.build_row(row, shape, tp, device, ns_precision, ours_precision) for row in ROWS}
+    built = {row.label: setup.build_row(row, shape, tp, device, ns_precision, ours_precision, args.bucket_size)
+             for row in ROWS}
     grads = setup.make_grads(built[REFERENCE][0].module, ps.get_tensor_model_parallel_rank(), tp, device)
     exact = exactness(built, grads, device)
     measured = {row.label: measure_steps(row, *built[row.label], grads, device) for row in ROWS}
@@ -299,6 +304,10 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=16, help="divide Llama-3-8B's hidden and ffn by this")
     parser.add_argument("--layers", type=int, default=4, help="transformer layers")
     parser.add_argument("--vocab", type=int, default=1024, help="vocabulary (embedding and output: Adam)")
+    parser.add_argument("--bucket-size", type=int, default=None,
+                        help="elements per DDP bucket for the distributed-optimizer rows (default: one bucket, "
+                             "as without --overlap-grad-reduce); small buckets cut many matrices under "
+                             "megatron-core's layout")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds (one step per row each)")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds to wait for one layout's ranks")
@@ -316,6 +325,7 @@ def main() -> None:
     shape = setup.scaled_llama3_8b(args.scale, args.layers, args.vocab)
     report = dict(command=" ".join([Path(sys.executable).name] + sys.argv), torch=torch.__version__,
                   megatron_core=megatron.core.__version__, scale=args.scale, layers=args.layers,
+                  bucket_size=args.bucket_size,
                   warmup=args.warmup, repeats=args.repeats,
                   model=dict(hidden=shape.hidden, ffn=shape.ffn_hidden, heads=shape.num_heads,
                              query_groups=shape.num_query_groups, head_dim=shape.head_dim, vocab=shape.vocab,

@@ -67,8 +67,14 @@ def build_gpt(shape: ModelShape, tp: int, device: torch.device):
     return model.to(device), config
 
 
-def wrap_ddp(model, config, *, distributed_optimizer: bool, layer_wise: bool = False):
+def wrap_ddp(model, config, *, distributed_optimizer: bool, layer_wise: bool = False, balanced=None,
+             bucket_size: int | None = None):
     """Megatron's DDP, as ``megatron.training.get_model`` wraps it for each optimizer.
+
+    ``balanced``: a ``MuonConfig``: our ``--muon-dp-layout balanced`` buffer layout
+    (``megatron_muon.megatron.layout``) instead of megatron-core's. ``bucket_size``: elements per
+    bucket for every distributed-optimizer layout (None: one bucket, as DDP without
+    ``--overlap-grad-reduce``); small buckets cut many matrices under megatron-core's layout.
 
     ``layer_wise``: what ``wrap_model_chunks_with_ddp`` does for ``--optimizer muon
     --use-distributed-optimizer`` in 0.19.2: tag Muon matrices so DDP puts them in their own
@@ -87,9 +93,14 @@ def wrap_ddp(model, config, *, distributed_optimizer: bool, layer_wise: bool = F
     dp = ps.get_data_parallel_world_size()
     if layer_wise:
         tag_params_for_buffer_routing([model])
-        layout = LayerWiseDistributedOptimizer.compute_full_param_layout(params, ddp_config.bucket_size, dp, ddp_config)
+        layout = LayerWiseDistributedOptimizer.compute_full_param_layout(params, bucket_size, dp, ddp_config)
+    elif distributed_optimizer and balanced is not None:
+        from megatron_muon.megatron.layout import balanced_full_param_layout
+
+        layout = balanced_full_param_layout(model, bucket_size, dp, ddp_config, muon_config=balanced,
+                                            tp_size=ps.get_tensor_model_parallel_world_size())
     elif distributed_optimizer:
-        layout = DistributedOptimizer.compute_full_param_layout(params, ddp_config.bucket_size, dp, ddp_config)
+        layout = DistributedOptimizer.compute_full_param_layout(params, bucket_size, dp, ddp_config)
     else:
         layout = None
     kwargs = {"full_param_layout": layout} if layout is not None else {}
@@ -106,6 +117,7 @@ class Row:
     mode: str
     label: str
     muonbp_period: int | None = None
+    dp_layout: str = "megatron"  # ours: --muon-dp-layout
 
 
 def optimizer_config(row: Row, ns_precision: str):
@@ -125,7 +137,8 @@ def optimizer_config(row: Row, ns_precision: str):
     return OptimizerConfig(optimizer="muon", use_distributed_optimizer=False, muon_tp_mode=row.mode, **common, **muon)
 
 
-def build_row(row: Row, shape: ModelShape, tp: int, device, ns_precision: str, ours_precision: str):
+def build_row(row: Row, shape: ModelShape, tp: int, device, ns_precision: str, ours_precision: str,
+              bucket_size: int | None = None):
     """(DDP-wrapped model, optimizer) of one row, each row its own copy with identical weights."""
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -134,13 +147,15 @@ def build_row(row: Row, shape: ModelShape, tp: int, device, ns_precision: str, o
     from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
 
     model, config = build_gpt(shape, tp, device)
+    muon_config = MuonConfig(tp_mode=row.mode if row.impl == "ours" else "owner", muonbp_period=row.muonbp_period,
+                             fp32_matmul_prec=ours_precision, momentum=0.95, nesterov=False,
+                             coefficient_type="quintic", num_ns_steps=5, scale_mode="spectral",
+                             dp_layout=row.dp_layout)
     ddp = wrap_ddp(model, config, distributed_optimizer=row.optimizer_kind in ("muon-distopt", "adam-distopt"),
-                   layer_wise=row.optimizer_kind == "layerwise")
+                   layer_wise=row.optimizer_kind == "layerwise",
+                   balanced=muon_config if row.dp_layout == "balanced" else None, bucket_size=bucket_size)
     opt_config = optimizer_config(row, ns_precision)
     if row.impl == "ours":
-        muon_config = MuonConfig(tp_mode=row.mode, muonbp_period=row.muonbp_period, fp32_matmul_prec=ours_precision,
-                                 momentum=0.95, nesterov=False, coefficient_type="quintic", num_ns_steps=5,
-                                 scale_mode="spectral")
         optimizer = get_megatron_muon_optimizer(opt_config, [ddp], muon_config)
     else:
         with fp32_layer_wise_workaround() if row.optimizer_kind == "layerwise" else contextlib.nullcontext():

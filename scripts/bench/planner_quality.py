@@ -68,12 +68,17 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
-    from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOptimizer
+    from megatron.core.optimizer.layer_wise_optimizer import (
+        LayerWiseDistributedOptimizer,
+        is_managed_by_layer_wise_optimizer,
+    )
+    from megatron.core.optimizer.param_layout import FullParamLayout
 
     from megatron_muon.config import MuonConfig
     from megatron_muon.core.matrix_layout import MatrixLayout
     from megatron_muon.core.models import LLAMA3
     from megatron_muon.core.newton_schulz import ns_flops
+    from megatron_muon.megatron.layout import balanced_buffer_layouts
     from megatron_muon.megatron.optimizer import MuonDistributedOptimizer, _layout, is_muon_matrix
     from megatron_muon.parallel.orthogonalize import plan_dp_owners
     from megatron_muon.parallel.step_plan import plan_step
@@ -196,14 +201,38 @@ def _ddp_config() -> DistributedDataParallelConfig:
 # Ours
 
 
+def full_layout(named, bucket_size: int | None, dp: int, tp: int, dp_layout: str,
+                  muon_config: MuonConfig | None = None) -> FullParamLayout:
+    """The DDP buffer layout: megatron-core's (``megatron``), ours (``balanced``,
+    ``megatron.layout.balanced_buffer_layouts``) or megatron-core's layer-wise one (``layer-wise``:
+    the matrices upstream's layer-wise optimizer manages in a shard-aligned buffer, the rest in a
+    DistributedOptimizer buffer beside it)."""
+    params = [p for _, p in named]
+    if dp_layout == "megatron":
+        return DistributedOptimizer.compute_full_param_layout(params, bucket_size, dp, _ddp_config())
+    if dp_layout == "balanced":
+        muon_config = muon_config or MuonConfig(tp_mode="owner")
+        laid = balanced_buffer_layouts(named, bucket_size, dp, _ddp_config(), muon_config=muon_config, tp_size=tp)
+        return FullParamLayout(layouts={key: full for key, (_, full) in laid.items()})
+    if dp_layout == "layer-wise":
+        for p in params:
+            p.is_managed_by_layer_wise_optimizer = is_managed_by_layer_wise_optimizer(p)
+        try:
+            return LayerWiseDistributedOptimizer.compute_full_param_layout(params, bucket_size, dp, _ddp_config())
+        finally:
+            for p in params:
+                del p.is_managed_by_layer_wise_optimizer
+    raise ValueError(dp_layout)
+
+
 def ours_layouts(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, *,
                  distributed_optimizer: bool = True, with_non_matrix: bool = True,
-                 muon_config: MuonConfig | None = None) -> list[MatrixLayout]:
+                 muon_config: MuonConfig | None = None, dp_layout: str = "megatron") -> list[MatrixLayout]:
     """The ``MatrixLayout`` list our optimizer attaches, in its order.
 
     ZeRO-1: ``MuonDistributedOptimizer.__init__``: buffers → buckets → ``bucket.params_list``
-    (reverse model order), ranges from ``_ranges_on_every_rank``. DDP: ``_attach_whole``: model
-    order, no ranges.
+    (reverse model order), ranges from ``_ranges_on_every_rank``, on the ``dp_layout`` buffer
+    layout. DDP: ``_attach_whole``: model order, no ranges.
     """
     muon_config = muon_config or MuonConfig(tp_mode="owner")
     named = model_params(spec, tp, with_non_matrix=with_non_matrix)
@@ -211,7 +240,7 @@ def ours_layouts(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, *,
         return [_layout(n, p, tp, muon_config) for n, p in named if is_muon_matrix(p)]
     names = {id(p): n for n, p in named}
     params = [p for _, p in named]
-    full = DistributedOptimizer.compute_full_param_layout(params, bucket_size, dp, _ddp_config())
+    full = full_layout(named, bucket_size, dp, tp, dp_layout, muon_config)
     layouts = []
     for buffer_layout in full.layouts.values():
         buffer = types.SimpleNamespace(param_index_map=buffer_layout.param_index_map)
@@ -370,9 +399,91 @@ def evaluate(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, *, with
         tp_rank0_share=sum(ours.flops[d * tp] for d in range(dp)) / sum(ours.flops),
     )
     out["cut_matrices"] = sum(1 for lay in zero1 if len(lay.holders(dp)) > 1)
+    out["layouts"] = layout_rows(spec, tp, dp, bucket_size) if with_non_matrix else {}
     out["matrices"] = len(zero1)
     out["plans"] = plans
     return out
+
+
+LAYOUTS = ("megatron", "balanced", "layer-wise")
+LAYOUT_NAMES = {"megatron": "megatron-core default (--muon-dp-layout megatron)",
+                "balanced": "ours balanced (--muon-dp-layout balanced)",
+                "layer-wise": "megatron-core layer-wise"}
+
+
+def layout_rows(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None) -> dict:
+    """Per buffer layout, on one TP rank's params: padding, reduce-scatter + all-gather bytes,
+    NS FLOPs max/mean over the DP ranks holding the matrices, matrices cut, DP exchange bytes.
+
+    NS FLOPs per matrix: ours (``MatrixLayout.ns_cost``: fc1 split into gate/up, QKV per query
+    group) for every layout, so the balance compares the assignments, not TP modes. DP rank of a
+    matrix: ours' DP owner (``plan_dp_owners``) on the ``megatron`` and ``balanced`` layouts; the
+    shard holding it on the layer-wise layout (upstream's optimizer updates it there).
+    """
+    named = model_params(spec, tp)
+    out = {}
+    for name in LAYOUTS:
+        full = full_layout(named, bucket_size, dp, tp, name)
+        numel = sum(lay.bucket_indices[-1][1] for lay in full.layouts.values())
+        unpadded = sum(sum(lay.per_bucket_numel_unpadded) for lay in full.layouts.values())
+        # Megatron's reduce-scatter of the grads and all-gather of the params, both in bf16:
+        # each rank sends (DP − 1)/DP of every bucket in each.
+        rs_ag = 2 * (dp - 1) / dp * numel * NS_BYTES
+        row = dict(padding=1 - unpadded / numel, buffer_numel=numel, rs_ag_bytes=rs_ag)
+        if name == "layer-wise":
+            dp_of = megatron_dp_assignment(spec, tp, dp, bucket_size)
+            costs = [_layout(m.name, _matrix_param(m, tp), tp, MuonConfig()).ns_cost(STEPS) for m in spec.matrices]
+            row.update(cut=0, dp_bytes_max=0, dp_bytes_mean=0.0)
+        else:
+            layouts = ours_layouts(spec, tp, dp, bucket_size, dp_layout=name)
+            dp_of = plan_dp_owners(layouts, dp, STEPS)
+            costs = [lay.ns_cost(STEPS) for lay in layouts]
+            plan = plan_ours(layouts, tp, dp)
+            row.update(cut=sum(1 for lay in layouts if len(lay.holders(dp)) > 1),
+                       dp_bytes_max=max(plan.dp_bytes), dp_bytes_mean=sum(plan.dp_bytes) / (tp * dp),
+                       ns_all_ranks=flops_summary(plan, tp * dp))
+        loads = [0.0] * dp
+        for c, d in zip(costs, dp_of):
+            loads[d] += c
+        row["dp_ns_max_over_mean"] = max(loads) / (sum(loads) / dp)
+        out[name] = row
+    base = out["megatron"]["rs_ag_bytes"]
+    for row in out.values():
+        row["rs_ag_vs_megatron"] = row["rs_ag_bytes"] / base
+    return out
+
+
+ALPHAS = (0.0, 0.1, 0.25, 0.5, 1.0)
+
+
+def alpha_sweep(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, alphas=ALPHAS) -> list[dict]:
+    """The balanced layout at each α: padding, NS max/mean over DP owners and over all ranks."""
+    rows = []
+    for alpha in alphas:
+        cfg = MuonConfig(tp_mode="owner", layout_alpha=alpha)
+        named = model_params(spec, tp)
+        full = full_layout(named, bucket_size, dp, tp, "balanced", cfg)
+        numel = sum(lay.bucket_indices[-1][1] for lay in full.layouts.values())
+        unpadded = sum(sum(lay.per_bucket_numel_unpadded) for lay in full.layouts.values())
+        layouts = ours_layouts(spec, tp, dp, bucket_size, dp_layout="balanced", muon_config=cfg)
+        owners = plan_dp_owners(layouts, dp, STEPS)
+        loads = [0.0] * dp
+        for lay, d in zip(layouts, owners):
+            loads[d] += lay.ns_cost(STEPS)
+        plan = plan_ours(layouts, tp, dp)
+        rows.append(dict(model=spec.name, tp=tp, dp=dp, alpha=alpha, padding=1 - unpadded / numel,
+                         dp_ns_max_over_mean=max(loads) / (sum(loads) / dp),
+                         ns_max_over_mean=flops_summary(plan, tp * dp)["max_over_mean"]))
+    return rows
+
+
+def alpha_markdown(rows: list[dict]) -> str:
+    out = ["| model | TP×DP | α | padding | NS max/mean over DP | NS max/mean over all ranks (owner) |",
+           "|---|---|---|---|---|---|"]
+    for r in rows:
+        out.append(f"| {r['model']} | {r['tp']}×{r['dp']} | {r['alpha']} | {100 * r['padding']:.2f}% | "
+                   f"{r['dp_ns_max_over_mean']:.3f} | {r['ns_max_over_mean']:.3f} |")
+    return "\n".join(out)
 
 
 def _tf(x: float) -> str:
@@ -450,6 +561,25 @@ def markdown(results: list[dict]) -> str:
                "less on average): TP, 2·(t−1)/t of every sharded sub-matrix; DP (ZeRO-1), twice all but "
                "the largest piece of every matrix cut across DP ranges; DP (DDP, dp-mode owner), the "
                "result to the DP−1 other replicas.\n")
+    out.append("### DP buffer layouts (one TP rank's buffer; DDP bucket as above)\n")
+    out.append("| model | TP×DP | layout | padding | RS+AG MiB per rank | vs megatron default | "
+               "NS max/mean over DP | NS max/mean over all ranks (owner) | cut / matrices | DP exchange MiB max |")
+    out.append("|---|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        for name, row in r["layouts"].items():
+            ns_all = f"{row['ns_all_ranks']['max_over_mean']:.3f}" if "ns_all_ranks" in row else "-"
+            out.append(f"| {r['model']} | {r['tp']}×{r['dp']} | {LAYOUT_NAMES[name]} | {100 * row['padding']:.2f}% | "
+                       f"{_mb(row['rs_ag_bytes'])} | {row['rs_ag_vs_megatron']:.4f} | "
+                       f"{row['dp_ns_max_over_mean']:.3f} | {ns_all} | {row['cut']} / {r['matrices']} | "
+                       f"{_mb(row['dp_bytes_max'])} |")
+    out.append("")
+    out.append("padding: buffer elements that hold no param (alignment included) over all elements; "
+               "RS+AG: the distributed optimizer's grad reduce-scatter and param all-gather per step, "
+               "bf16, (DP−1)/DP of the buffer each; NS max/mean over DP: Newton–Schulz FLOPs of the "
+               "matrices each DP rank owns (ours' per-matrix costs for every layout); over all ranks: "
+               "after our TP owner plan; DP exchange: bytes the busiest rank sends in the DP owner "
+               "exchange. Layer-wise: upstream's shard-aligned buffer for the matrices (LPT on "
+               "elements) plus a DistributedOptimizer buffer for the rest.\n")
     out.append("### Where ours is worse than Megatron\n")
     out.extend(verdicts(results))
     return "\n".join(out)
@@ -470,10 +600,20 @@ def main(argv=None) -> int:
     ap.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--bucket-size", type=int, default=-1,
                     help="DDP bucket size in elements (default: Megatron's max(40M, 1M·DP); 0: one bucket)")
+    ap.add_argument("--alpha-sweep", action="store_true",
+                    help=f"only the balanced layout at --muon-layout-alpha in {ALPHAS} (Markdown table)")
     ap.add_argument("--matrices-only", action="store_true",
                     help="leave embedding, norms and output layer out of our DDP buffer")
     args = ap.parse_args(argv)
     bucket = None if args.bucket_size == 0 else args.bucket_size
+    if args.alpha_sweep:
+        rows = [row for model in args.models for tp, dp in CONFIGS
+                for row in alpha_sweep(llama3_spec(model), tp, dp,
+                                       default_bucket_size(dp) if bucket == -1 else bucket)]
+        print(alpha_markdown(rows))
+        if args.json:
+            args.json.write_text(json.dumps(rows, indent=2))
+        return 0
     results = run(args.models, CONFIGS, bucket, not args.matrices_only)
     print(f"Llama-3 {', '.join(args.models)}; PP = 1; DDP bucket "
           + ("one bucket" if bucket is None else "max(40M, 1M·DP) elements" if bucket == -1 else f"{bucket:,} elements")

@@ -90,8 +90,9 @@ def _layer_split(shape: ModelShape, pp: int) -> dict:
     return dict(num_layers_in_first_pipeline_stage=edge, num_layers_in_last_pipeline_stage=edge)
 
 
-def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode: str):
-    """Megatron's state, model, DDP and our optimizer for ``rank``, all on meta."""
+def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, dp_layout: str = "balanced"):
+    """Megatron's state, model, DDP (on the ``dp_layout`` buffer layout, as ``--muon-dp-layout``
+    gives it) and our optimizer for ``rank``, all on meta."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -126,10 +127,18 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
     # Megatron's defaults for a large run: fp32 grad reduction, overlapped reduce-scatter buckets.
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
                                                use_distributed_optimizer=True)
-    model = DistributedDataParallel(config, ddp_config, Float16Module(config, model))
+    muon_config = MuonConfig(tp_mode=tp_mode, fp32_matmul_prec="medium", dp_layout=dp_layout)
+    module = Float16Module(config, model)
+    layout = None
+    if dp_layout == "balanced":  # what the hook's DDP factory builds (megatron/layout.py), same bucket rule
+        from megatron_muon.megatron.layout import balanced_full_param_layout
+
+        bucket = max(40_000_000, 1_000_000 * dp) if ps.get_pipeline_model_parallel_rank() == 0 else None
+        layout = balanced_full_param_layout(module, bucket, dp, ddp_config, muon_config=muon_config, tp_size=tp)
+    model = DistributedDataParallel(config, ddp_config, module, full_param_layout=layout)
     optimizer = get_megatron_muon_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=True, clip_grad=1.0),
-        [model], MuonConfig(tp_mode=tp_mode, fp32_matmul_prec="medium"), use_gloo_process_groups=False)
+        [model], muon_config, use_gloo_process_groups=False)
     slot = dict(tp=ps.get_tensor_model_parallel_rank(), dp=ps.get_data_parallel_rank(),
                 pp=ps.get_pipeline_model_parallel_rank())
     return optimizer.chained_optimizers[0].optimizer, slot
@@ -194,11 +203,11 @@ def cross_rank_errors(traces: dict[int, list]) -> list[str]:
     return errors
 
 
-def run_rank(shape, tp, pp, dp, rank, tp_mode) -> dict:
+def run_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout: str = "balanced") -> dict:
     from megatron_muon.parallel.comm import comm_stats, observe_collectives
     from megatron_muon.parallel.step_plan import plan_step
 
-    inner, slot = build_rank(shape, tp, pp, dp, rank, tp_mode)
+    inner, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout)
     try:
         for group in inner.param_groups:  # the reduce-scattered grads of this rank's ranges
             for p in group["params"]:
@@ -254,15 +263,17 @@ def choose_ranks(kinds: list[str], tp: int, pp: int, dp: int, probe: dict) -> di
     return chosen
 
 
-def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str) -> dict:
+def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str, dp_layout: str = "balanced") -> dict:
     from megatron_muon.parallel.cost_model import GPU_PROFILES, model_weights, optimizer_step_cost
 
     cost = optimizer_step_cost(model_weights(shape), optimizer="ours", tp=tp, dp=dp, pp=pp,
-                               hw=GPU_PROFILES["h100-sxm"], tp_mode=tp_mode, ns_bytes=2)
+                               hw=GPU_PROFILES["h100-sxm"], tp_mode=tp_mode, ns_bytes=2, dp_layout=dp_layout,
+                               bucket_numel=max(40_000_000, 1_000_000 * dp))
     return dict(ns_flops_max=cost.ns_flops_max, bytes_sent_max=cost.bytes_sent_max, step_ms_h100=cost.total_s * 1e3)
 
 
-def planner_rows(model: str, tp: int, pp: int, dp: int) -> dict[int, tuple[float, float]] | None:
+def planner_rows(model: str, tp: int, pp: int, dp: int, dp_layout: str = "balanced"
+                 ) -> dict[int, tuple[float, float]] | None:
     """Per global rank (PP = 1 only), the planner table's NS FLOPs and bytes sent for the same
     layout (``scripts.bench.planner_quality``: the same plans, computed without running a step)."""
     if pp != 1:
@@ -270,7 +281,7 @@ def planner_rows(model: str, tp: int, pp: int, dp: int) -> dict[int, tuple[float
     from scripts.bench import planner_quality as pq
 
     spec = pq.llama3_spec(model.removeprefix("llama3-").upper())
-    plan = pq.plan_ours(pq.ours_layouts(spec, tp, dp, pq.default_bucket_size(dp)), tp, dp)
+    plan = pq.plan_ours(pq.ours_layouts(spec, tp, dp, pq.default_bucket_size(dp), dp_layout=dp_layout), tp, dp)
     return {r: (plan.flops[r], plan.dp_bytes[r] + plan.tp_bytes[r]) for r in range(tp * dp)}
 
 
@@ -281,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=8)
     parser.add_argument("--tp-mode", default="owner", choices=("owner", "duplicated", "distributed", "blockwise"))
+    parser.add_argument("--dp-layout", default="balanced", choices=("balanced", "megatron"),
+                        help="the DDP buffer layout (--muon-dp-layout); default balanced, as in training")
     parser.add_argument("--ranks", default="first,last,no-first-piece,idle-dp-owner,pp-stages",
                         help=f"comma-separated rank numbers or kinds {RANK_KINDS}")
     parser.add_argument("--json", type=Path, help="also write every figure here")
@@ -296,23 +309,24 @@ def main(argv: list[str] | None = None) -> int:
     apply_cpu_patches()
     started = time.perf_counter()
     with view_device(torch.device("meta")):  # Megatron's buffers: allocated on meta, not the CPU
-        probe = run_rank(shape, args.tp, args.pp, args.dp, 0, args.tp_mode)
+        probe = run_rank(shape, args.tp, args.pp, args.dp, 0, args.tp_mode, args.dp_layout)
         chosen = choose_ranks(args.ranks.split(","), args.tp, args.pp, args.dp, probe)
         if not chosen:
             raise SystemExit(f"error: --ranks {args.ranks}: no such rank at this layout")
         results = {0: probe} if 0 in chosen else {}
         for rank in sorted(set(chosen) - set(results)):
-            results[rank] = run_rank(shape, args.tp, args.pp, args.dp, rank, args.tp_mode)
+            results[rank] = run_rank(shape, args.tp, args.pp, args.dp, rank, args.tp_mode, args.dp_layout)
     errors = [f"rank {r}: {e}" for r, res in results.items() for e in res["errors"]]
     errors += cross_rank_errors({r: res["trace"] for r, res in results.items()})
-    predicted = cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode)
-    planned = planner_rows(args.model, args.tp, args.pp, args.dp) if args.tp_mode == "owner" else None
+    predicted = cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout)
+    planned = (planner_rows(args.model, args.tp, args.pp, args.dp, args.dp_layout) if args.tp_mode == "owner"
+               else None)
     for rank, res in results.items():
         if planned is not None:
             res["planner_ns_flops"], res["planner_bytes_sent"] = planned[rank]
 
     print(f"Dry run: {args.model}, TP{args.tp} x PP{args.pp} x DP{args.dp} ({args.tp * args.pp * args.dp} ranks), "
-          f"tp_mode {args.tp_mode}, bf16 NS, meta device, fake process group\n")
+          f"tp_mode {args.tp_mode}, --muon-dp-layout {args.dp_layout}, bf16 NS, meta device, fake process group\n")
     print("| rank | kinds | TP/DP/PP rank | Muon matrices | cut across DP | DP-owned | NS TFLOP (plan) [planner table] "
           "| MiB sent (all_to_all / all_gather / all_reduce / shape check) | plan MiB [planner table] | "
           "peak extra GiB |")

@@ -204,3 +204,19 @@ def test_balanced_layout_cuts_nothing_and_pads_little(llama):
         assert ours["padding"] <= 0.02 and ours["rs_ag_vs_megatron"] <= 1.0 / (1 - 0.02), key
         assert ours["padding"] < layer_wise["padding"], key
         assert default["cut"] > 0 and default["dp_bytes_max"] > 0, key  # what the layout removes
+
+
+def test_cost_model_counts_the_cuts_of_the_real_layout(llama):
+    """The cost model's DP term (``cost_model.dp_cut_elements``, a replay on sizes) finds exactly
+    the matrices megatron-core's real layout cuts, and moves the analytic minimum (all but each
+    cut matrix's largest piece, there and back); under the balanced layout nothing."""
+    from megatron_muon.parallel.cost_model import _stage_weights, dp_cut_elements, model_weights
+
+    for (model, tp, dp), r in llama.items():
+        weights = model_weights(LLAMA3[model])
+        args = dict(bucket_numel=pq.default_bucket_size(dp), adam_numel=weights.adam_sharded_numel // tp)
+        cut, moved = dp_cut_elements(_stage_weights(weights, 1), tp, dp, **args)
+        assert cut == r["cut_matrices"], (model, dp)
+        minimum = r["bytes"]["ours (ZeRO-1)"]["dp_min_mean"]
+        assert 2 * moved * pq.NS_BYTES / dp == pytest.approx(minimum, rel=1e-3), (model, dp)
+        assert dp_cut_elements(_stage_weights(weights, 1), tp, dp, dp_layout="balanced", **args) == (0, 0)

@@ -21,6 +21,8 @@ micro-measurements (``scripts/bench/calibrate_hardware.py``) or from vendor figu
 
 from __future__ import annotations
 
+import math
+
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -396,6 +398,8 @@ def optimizer_step_cost(
     ns_bytes: int = 2,
     clip_grad: bool = True,
     mode_chooser=None,
+    dp_layout: str = "megatron",
+    bucket_numel: int | None = None,
 ) -> Cost:
     """Predicted ``optimizer.step()`` time on the busiest rank of a TP × DP × PP layout.
 
@@ -403,7 +407,9 @@ def optimizer_step_cost(
     (``auto_mode.choose_tp_modes``) to split the matrices by mode. Stage 0 is modelled (the
     busiest: its layers plus the embedding). DP assignment of whole matrices (our DP owner plan,
     Megatron's layer-wise one) is modelled by LPT on NS FLOPs; our plan additionally pins
-    matrices to the DP range holding them, which the model ignores.
+    matrices to the DP range holding them, which the model ignores. Ours' DP owner exchange
+    moves what ``dp_cut_elements`` finds off its owner in the ``dp_layout`` buffer layout
+    (``bucket_numel``: DDP's bucket size, None = one bucket).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer_step_cost: optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
@@ -426,8 +432,12 @@ def optimizer_step_cost(
         shard = dp if sharded_state else 1
         elementwise("muon elementwise", muon_local / shard * _MUON_BYTES(ns_bytes), len(weights) * _MUON_KERNELS)
         elementwise("adam", adam_local / shard * _ADAM_BYTES, adam_tensors * _ADAM_KERNELS)
+        moved = 0
+        if optimizer == "ours" and dp > 1:
+            moved = dp_cut_elements(weights, tp, dp, dp_layout=dp_layout, bucket_numel=bucket_numel,
+                                    adam_numel=model.adam_sharded_numel // tp)[1]
         cost += _muon_orthogonalize(weights, optimizer, tp_mode, tp, dp if sharded_state else 1, hw, steps,
-                                    ns_bytes, dp_spans_nodes, mode_chooser)
+                                    ns_bytes, dp_spans_nodes, mode_chooser, moved)
     if clip_grad:
         shard = 1 if optimizer == "megatron-muon" else dp
         elementwise("grad norm + clip", (muon_local + adam_local) / shard * _NORM_BYTES,
@@ -454,8 +464,53 @@ def _dp_homes(weights: Sequence[Weight], dp: int, steps: int) -> list[list[int]]
     return homes
 
 
+def dp_cut_elements(weights: Sequence[Weight], tp: int, dp: int, *, dp_layout: str = "megatron",
+                    bucket_numel: int | None = None, adam_numel: int = 0) -> tuple[int, int]:
+    """(matrices cut across DP ranks, their elements not on the rank holding the largest piece)
+    in one TP rank's grad buffer; ours' DP owner exchange moves those elements there and back.
+
+    ``balanced`` (``--muon-dp-layout balanced``): nothing is cut. ``megatron``: megatron-core's
+    default layout, replayed on sizes — params in backprop order (the output layer first, the
+    embedding last: ``adam_numel`` split between them; norms left out), 64-element aligned,
+    a bucket closed once it holds ``bucket_numel`` elements and padded to a multiple of
+    lcm(DP, 128), each bucket cut into DP equal shards.
+    """
+    if dp_layout == "balanced" or dp == 1:
+        return 0, 0
+    if dp_layout != "megatron":
+        raise ValueError(f"dp_cut_elements: dp_layout {dp_layout!r}; expected 'balanced' or 'megatron'")
+    sizes = [(adam_numel // 2, False)] + [(_local_numel(w, tp), True) for w in reversed(weights)]
+    sizes.append((adam_numel - adam_numel // 2, False))
+    divisor = math.lcm(dp, 128)
+    cut = moved = 0
+    bucket: list[tuple[int, int, bool]] = []  # (start, numel, is matrix) relative to the bucket
+    cursor = 0
+
+    def close() -> None:
+        nonlocal cut, moved, cursor
+        shard = -(-cursor // divisor) * divisor // dp
+        for start, numel, is_matrix in bucket:
+            first, last = start // shard, (start + numel - 1) // shard
+            if is_matrix and numel and first != last:
+                pieces = [min(start + numel, (r + 1) * shard) - max(start, r * shard) for r in range(first, last + 1)]
+                cut += 1
+                moved += numel - max(pieces)
+        bucket.clear()
+        cursor = 0
+
+    for numel, is_matrix in sizes:
+        start = -(-cursor // 64) * 64
+        bucket.append((start, numel, is_matrix))
+        cursor = start + numel
+        if bucket_numel is not None and cursor >= bucket_numel:
+            close()
+    if bucket:
+        close()
+    return cut, moved
+
+
 def _muon_orthogonalize(weights, optimizer, tp_mode, tp, dp, hw, steps, ns_bytes, dp_spans_nodes,
-                        mode_chooser) -> Cost:
+                        mode_chooser, moved: int = 0) -> Cost:
     """NS plus its collectives on the busiest DP home, plus our DP owner exchange."""
     batched = optimizer == "ours"
     busiest = Cost()
@@ -473,11 +528,9 @@ def _muon_orthogonalize(weights, optimizer, tp_mode, tp, dp, hw, steps, ns_bytes
             cost = tp_mode_cost(matrices, tp_mode, tp, hw, steps=steps, dtype_bytes=ns_bytes, batched=batched)
         if cost.total_s >= busiest.total_s:
             busiest = cost
-    if optimizer == "ours" and dp > 1:
-        # Contiguous DP ranges cut at most dp − 1 matrices; on average half of a cut matrix lies
-        # off its owner, and it travels there and back.
-        mean_local = sum(_local_numel(w, tp) for w in weights) / len(weights) * ns_bytes
-        moved = min(dp - 1, len(weights)) * mean_local / 2 * 2 / dp
-        busiest += _comm("all_to_all", moved, 2, dp, hw, dp_spans_nodes)
-        busiest += Cost(memory_s=memory_time(2 * moved, 4, hw))
+    if moved:
+        # the elements off their owner travel there and back; per rank, 1/DP of them each way
+        sent = 2 * moved * ns_bytes / dp
+        busiest += _comm("all_to_all", sent, 2, dp, hw, dp_spans_nodes)
+        busiest += Cost(memory_s=memory_time(2 * sent, 4, hw))
     return busiest

@@ -234,7 +234,7 @@ def _figures(row, step_kind, per_rank_steps, times_s) -> dict:
     package = per_rank("package_bytes", mean) if row.impl == "ours" else None
     times_ms = [1e3 * t for t in times_s]
     return dict(
-        impl=row.impl, optimizer=row.optimizer_kind, mode=row.mode,
+        impl=row.impl, optimizer=row.optimizer_kind, mode=row.mode, dp_layout=row.dp_layout,
         step_kind=step_kind or ("adam" if row.optimizer_kind == "adam-distopt" else "muon"),
         label=row.label + ({"full": " full step", "block": " block step",
                             "period_avg": " period avg"}.get(step_kind, "")),

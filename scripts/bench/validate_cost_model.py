@@ -42,13 +42,15 @@ def model_from_bench(bench: dict, split_fc1: bool = True) -> ModelWeights:
 
 
 def predict_row(row: dict, models: dict[str, ModelWeights], tp: int, dp: int, hw: Hardware, ns_bytes: int,
-                period: int, clip_grad: bool) -> float:
-    """Predicted seconds of one benchmark row (``models``: "ours" and "megatron" views)."""
+                period: int, clip_grad: bool, bucket_numel: int | None = None) -> float:
+    """Predicted seconds of one benchmark row (``models``: "ours" and "megatron" views) on the
+    benchmark's buffer layout (the row's ``dp_layout`` and its ``bucket_numel``)."""
     model = models[row["impl"]]
 
     def step(optimizer: str, mode: str) -> float:
         return optimizer_step_cost(model, optimizer=optimizer, tp=tp, dp=dp, hw=hw, tp_mode=mode,
-                                   ns_bytes=ns_bytes, clip_grad=clip_grad).total_s
+                                   ns_bytes=ns_bytes, clip_grad=clip_grad,
+                                   dp_layout=row.get("dp_layout", "megatron"), bucket_numel=bucket_numel).total_s
 
     kind, mode = row["step_kind"], row["mode"]
     if row["optimizer"] == "adam-distopt":
@@ -89,7 +91,8 @@ def main() -> None:
             raise SystemExit(f"--hardware: no constants for {layout['world']} processes (layout {layout['name']})")
         hw = hardware[layout["world"]]
         for row in layout["rows"]:
-            predicted = predict_row(row, models, layout["tp"], layout["dp"], hw, ns_bytes, args.period, clip_grad)
+            predicted = predict_row(row, models, layout["tp"], layout["dp"], hw, ns_bytes, args.period, clip_grad,
+                                    bench.get("bucket_size"))
             measured = row["median_ms"] / 1e3
             error = (predicted - measured) / measured
             errors.append(abs(error))

@@ -22,7 +22,6 @@ micro-measurements (``scripts/bench/calibrate_hardware.py``) or from vendor figu
 from __future__ import annotations
 
 import math
-
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace

@@ -26,11 +26,13 @@ from megatron_muon.parallel.cost_model import GPU_PROFILES, model_params, model_
 BF16_PEAK = 989e12  # dense bf16 FLOP/s of an H100 SXM / H200 (NVIDIA datasheets)
 # model -> (tp, pp, dp): TP inside a node, pipeline stages as Llama-3 405B used (TP8 × PP16)
 LAYOUTS = {"8B": (8, 1, 8), "70B": (8, 4, 8), "405B": (8, 16, 8)}
-# (label, optimizer, tp_mode); MuonBP is derived from its full (owner) and block (blockwise) steps
+# (label, optimizer, tp_mode[, --muon-dp-layout]); ours default to the balanced buffer layout
+# (no DP exchange); MuonBP is derived from its full (owner) and block (blockwise) steps
 ROWS = (
     ("ours duplicated", "ours", "duplicated"),
     ("ours distributed", "ours", "distributed"),
     ("ours owner", "ours", "owner"),
+    ("ours owner, --muon-dp-layout megatron", "ours", "owner", "megatron"),
     ("ours auto", "ours", "auto"),
     ("ours blockwise (BlockMuon)", "ours", "blockwise"),
     ("megatron layer-wise duplicated", "megatron-layerwise", "duplicated"),
@@ -46,13 +48,15 @@ def fwd_bwd_seconds(model: str, tokens: int, gpus: int, mfu: float) -> float:
     return 6 * model_params(model_weights(LLAMA3[model])) * tokens / (gpus * BF16_PEAK * mfu)
 
 
-def step_ms(model: str, hw_name: str, optimizer: str, mode: str, period: int) -> float:
+def step_ms(model: str, hw_name: str, optimizer: str, mode: str, period: int, dp_layout: str = "balanced") -> float:
     from megatron_muon.parallel.auto_mode import choose_tp_modes
 
     tp, pp, dp = LAYOUTS[model]
     hw, shape = GPU_PROFILES[hw_name], model_weights(LLAMA3[model])
+    # DDP's default bucket with --overlap-grad-reduce: max(40M, 1M·DP) elements
     cost = lambda o, m: optimizer_step_cost(shape, optimizer=o, tp=tp, dp=dp, pp=pp, hw=hw, tp_mode=m,  # noqa: E731
-                                            ns_bytes=2, mode_chooser=choose_tp_modes).total_s * 1e3
+                                            ns_bytes=2, mode_chooser=choose_tp_modes, dp_layout=dp_layout,
+                                            bucket_numel=max(40_000_000, 1_000_000 * dp)).total_s * 1e3
     if mode == "muonbp":
         return (cost(optimizer, "owner") + (period - 1) * cost(optimizer, "blockwise")) / period
     return cost(optimizer, mode)
@@ -80,10 +84,10 @@ def main() -> None:
               + ", ".join(f"{m} {t}×{p}×{d}" for m, (t, p, d) in LAYOUTS.items()) + "\n")
         print("| row | " + " | ".join(f"{m} ms (share)" for m in LAYOUTS) + " |")
         print("|---|" + "---:|" * len(LAYOUTS))
-        for label, optimizer, mode in rows:
+        for label, optimizer, mode, *layout in rows:
             cells = []
             for model, (tp, pp, dp) in LAYOUTS.items():
-                ms = step_ms(model, hw_name, optimizer, mode, args.period)
+                ms = step_ms(model, hw_name, optimizer, mode, args.period, *layout)
                 fb = fwd_bwd_seconds(model, tokens, tp * pp * dp, args.mfu) * 1e3
                 cells.append(f"{ms:.0f} ({ms / (fb + ms):.1%})")
                 out["rows"].append(dict(hardware=hw_name, model=model, row=label, optimizer_ms=ms, fwd_bwd_ms=fb))

@@ -12,10 +12,13 @@ matrix and the DP/TP groups). Without ``attach`` every Muon param is one whole l
 which makes this a plain single-process Muon + AdamW.
 
 Per step, for the Muon matrices (upstream emerging-optimizers semantics):
-    B ← B.lerp(G, 1 − μ);  U ← G.lerp(B, μ) if nesterov else B
-    O ← orthogonalize_updates(U)                    (scaled, exact per tp_mode; one call for all)
-    θ ← θ·(1 − lr·wd) − lr·O                         (decoupled weight decay)
-and ``torch.optim.AdamW``'s own functional step for the rest.
+    B ← B.lerp(G, 1 − μ);  U ← G.lerp(B, μ) if nesterov else B      (foreach, all params)
+    θ ← θ·(1 − lr·wd)                                                (decoupled weight decay)
+    O ← orthogonalize_updates(U)           (exact per tp_mode; one call for all, pipelined)
+    θ ← θ − lr·scale·O                     (as each micro-group's results arrive)
+and ``torch.optim.AdamW``'s own functional (foreach) step for the rest. The updates are applied
+micro-group by micro-group through ``orthogonalize_updates``' ``apply``, so no full set of O (nor
+of scaled copies) is ever held: the step's extra memory is a few micro-groups' worth.
 
 MuonBP (Khaled et al., arXiv 2510.16981, Algorithm 1; ``MuonConfig.muonbp_period``): the
 momentum is updated every step as above; on a *full* step (t % P == 0, t the 0-based count of
@@ -192,32 +195,29 @@ class MuonWithAdamW(torch.optim.Optimizer):
         lr_mult = cfg.muonbp_block_lr_mult if kind == "block" else 1.0
         self.last_step_kind = kind
         group_of = self._group_of()
-        updates = []
         device = self.device
-        for m in matrices:
-            p = m.param
+        live = [m.param for m in matrices if m.param is not None and m.param.grad is not None]
+        update_of = self._momentum_and_decay(live, group_of)
+        # Every rank joins every collective: a missing grad contributes zeros (as KellerJordan/Muon
+        # does), so the exchange sizes stay the plan's. A rank holding no piece of this matrix
+        # (param None) still allocates on the optimizer's device.
+        pieces = [update_of.pop(id(m.param)) if m.param is not None and id(m.param) in update_of
+                  else torch.zeros(0 if m.param is None else m.param.numel(), device=device) for m in matrices]
+        step_lr = [-group_of[id(m.param)]["lr"] * lr_mult if m.param is not None else 0.0 for m in matrices]
+
+        def apply(i: int, update: torch.Tensor, scale: float) -> None:
+            p = matrices[i].param
             if p is None or p.grad is None:
-                # Every rank joins every collective: a missing grad contributes zeros (as
-                # KellerJordan/Muon does), so the exchange sizes stay the plan's. A rank holding
-                # no piece of this matrix (p None) still allocates on the optimizer's device.
-                n = 0 if p is None else p.numel()
-                updates.append(torch.zeros(n, device=device))
-                continue
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["step"] = torch.tensor(0.0)  # device-rule: host scalar, as torch's AdamW keeps it
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
-            buf, grad = state["momentum_buffer"], p.grad
-            buf.lerp_(grad, 1 - cfg.momentum)
-            update = grad.lerp(buf, cfg.momentum) if cfg.nesterov else buf
-            updates.append(update.reshape(-1))
+                return
+            # θ ← θ − lr·(scale·O): the scalar scale rides in add_'s alpha instead of a scaled copy.
+            p.add_(update.reshape_as(p), alpha=step_lr[i] * scale)
+
         if self._timer is None:  # built once: its CUDA events are recorded again every step
             self._timer = StepTimer(device)
         self._timer.start()
         with comm_stats() as stats:
-            orth = orthogonalize_updates(
-                updates,
+            orthogonalize_updates(
+                pieces,
                 [m.layout for m in matrices],
                 tp_mode=tp_mode,
                 dp_group=self._dp_group,
@@ -233,17 +233,36 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 validate=not self._validated,
                 hardware=self._hardware,
                 device=device,
+                apply=apply,
             )
         self._timer.stop()
         self._validated = True
         self._last_stats = dict(kind=kind, bytes_sent=stats.bytes_sent, ns_flops=stats.ns_flops)
-        for m, o in zip(matrices, orth):
-            p = m.param
-            if p is None or p.grad is None:
-                continue
-            group = group_of[id(p)]
-            p.mul_(1 - group["lr"] * group["weight_decay"])
-            p.add_(o.view_as(p), alpha=-group["lr"] * lr_mult)
+
+    def _momentum_and_decay(self, live: list[torch.Tensor], group_of: dict[int, dict]) -> dict[int, torch.Tensor]:
+        """B ← B.lerp(G, 1 − μ); U ← G.lerp(B, μ) or B; θ ← θ·(1 − lr·wd); id(θ) → flat U.
+
+        One foreach op per stage over every Muon param with a grad: on CPU torch loops over the
+        same per-tensor kernels, so the arithmetic is that of the loop it replaces. Weight decay
+        runs here, before the update exists, because the update depends on the gradients only;
+        each θ then changes once more, when its micro-group's result arrives. Without Nesterov U
+        is the momentum itself (no copy); with it, one copy of every update, alive for the step.
+        """
+        cfg = self.config
+        for p in live:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["step"] = torch.tensor(0.0)  # device-rule: host scalar, as torch's AdamW keeps it
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        if not live:
+            return {}
+        grads = [p.grad for p in live]
+        bufs = [self.state[p]["momentum_buffer"] for p in live]
+        torch._foreach_add_([self.state[p]["step"] for p in live], 1.0)
+        torch._foreach_lerp_(bufs, grads, 1 - cfg.momentum)
+        updates = torch._foreach_lerp(grads, bufs, cfg.momentum) if cfg.nesterov else bufs
+        torch._foreach_mul_(live, [1 - group_of[id(p)]["lr"] * group_of[id(p)]["weight_decay"] for p in live])
+        return {id(p): u.reshape(-1) for p, u in zip(live, updates)}
 
     def _adamw_step(self, group) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
@@ -263,10 +282,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if not params:
             return
         beta1, beta2 = group["betas"]
-        # torch.optim.AdamW's own single-tensor path: the same arithmetic as the reference.
+        # torch.optim.AdamW's own foreach path. On CPU fp32 it is bitwise the single-tensor path
+        # the tests' torch.optim.AdamW reference takes (checked: tests/test_optimizer.py); on
+        # CUDA it is what torch.optim.AdamW itself defaults to.
         functional_adam(
             params, grads, exp_avgs, exp_avg_sqs, [], steps,
-            foreach=False, capturable=False, differentiable=False, fused=None,
+            foreach=True, capturable=False, differentiable=False, fused=None,
             grad_scale=None, found_inf=None, has_complex=False, decoupled_weight_decay=True,
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,

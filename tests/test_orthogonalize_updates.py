@@ -204,16 +204,18 @@ def _rounds_worker(rank: int, world: int, tp: int) -> dict:
 
 
 def test_exchange_rounds_do_not_change_the_tp_plan():
-    # The DP exchange runs in bucket-sized rounds, but the TP owner plan must balance over all a
+    # The step runs in bucket-sized micro-groups, but the TP owner plan must balance over all a
     # DP owner's matrices at once: planning per round (from zero load each time) put the largest
     # sub-matrix of every round on TP rank 0. The per-rank NS FLOPs and the results must not
-    # depend on the bucket size.
+    # depend on the bucket size. Bitwise: the owners are the same and each matrix goes through
+    # the same ops; only which matrices share a stacked NS batch changes, and the CPU's batched
+    # GEMM computes each batch entry alike (single-threaded ranks).
     ranks = run_world(4, _rounds_worker, 2)
     for r in ranks:
         (one_per_round, flops_small), (single, flops_big) = r[1], r[2**30]
         assert flops_small == flops_big
         for a, b in zip(one_per_round, single):
-            assert torch.equal(a, b)  # same plan, same batches: bitwise
+            assert torch.equal(a, b)  # same plan, same per-matrix ops: bitwise
     # The planner's own guarantee, per TP group: the DP owner d of a set of matrices spreads their
     # sub-matrices over its TP group by LPT, so (Graham's list-scheduling bound) no TP rank gets
     # more than the group's mean plus (1 - 1/t) of its largest sub-matrix; and the group does the

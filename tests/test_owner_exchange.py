@@ -55,12 +55,39 @@ def _exchange_worker(rank: int, t: int) -> dict:
         back = exchange.from_owners({i: 2 * b + 1 for i, b in buffers.items()})
         rep_buffers = replicated.to_owners([[torch.ones(6, dtype=torch.float64)] if rank == 2 else []])
         rep_back = replicated.from_owners({i: b * 5 for i, b in rep_buffers.items()})
+    # A matrix that lies wholly on its owner is read in place: the buffer is the caller's tensor.
+    in_place = {i: buffers[i].data_ptr() == local[i][0].data_ptr()
+                for i in exchange.owned if [r for r, *_ in CUTS[i][1]] == [rank]}
+
+    # Asynchronous: two gathers and two returns of the same exchange in flight at once, waited
+    # in the other order; each must give what the blocking calls gave.
+    tripled = [[3 * x for x in pieces] for pieces in local]
+    first, second = exchange.start_to_owners(local), exchange.start_to_owners(tripled)
+    got_second, got_first = second.wait(), first.wait()
+    async_buffers = {i: exchange.assemble(i, got_first[i]) for i in exchange.owned}
+    async_tripled = {i: exchange.assemble(i, got_second[i]) for i in exchange.owned}
+    back_first = exchange.start_from_owners({i: 2 * b + 1 for i, b in async_buffers.items()})
+    back_second = exchange.start_from_owners({i: b for i, b in async_tripled.items()})
+    async_back_second, async_back_first = back_second.wait(), back_first.wait()
+
+    # Every rank owns the one matrix it holds: nothing changes rank, so nobody issues anything.
+    still = OwnerExchange([OwnedMatrix(r, 5, (Piece(r, 0, 5),)) for r in range(t)], dtype=torch.float64,
+                          device=group_device())
+    with comm_stats() as quiet:
+        still_back = still.from_owners(still.to_owners([[torch.full((5,), float(rank), dtype=torch.float64)]
+                                                        if r == rank else [] for r in range(t)]))
     return {
         "buffers": buffers,
         "back": back,
         "bytes": stats.bytes_sent,
         "calls": dict(stats.calls),
         "rep_back": rep_back,
+        "in_place": in_place,
+        "async_buffers": async_buffers,
+        "async_tripled": async_tripled,
+        "async_back_first": async_back_first,
+        "async_back_second": async_back_second,
+        "still": (dict(quiet.calls), still_back),
     }
 
 
@@ -92,7 +119,38 @@ def test_traffic_is_exactly_the_pieces_that_change_rank(ranks):
     moved = sum(k for o, (_, cut) in zip(OWNERS, CUTS) for r, _, k in cut if r != o)
     replicated = 2 * 6 * 8  # owner rank 2 sends its 6 results to ranks 0 and 1
     assert sum(r["bytes"] for r in ranks) == 2 * moved * 8 + replicated
-    assert all(r["calls"] == {"all_to_all": 4} for r in ranks)  # 2 per exchange, on every rank
+    # 2 per exchange on every rank, but the replicated one's way there moves nothing (its owner
+    # gathers its own copy), so by the plan, which every rank shares, no rank issues it.
+    assert all(r["calls"] == {"all_to_all": 3} for r in ranks)
+
+
+def test_a_matrix_on_its_owner_is_not_copied(ranks):
+    # CUTS[1] lies wholly on rank 2, its owner
+    assert ranks[2]["in_place"] == {1: True}
+
+
+def test_async_exchanges_in_flight_together(ranks):
+    for rank, r in enumerate(ranks):
+        for i, buf in r["buffers"].items():
+            assert torch.equal(r["async_buffers"][i], buf)
+            assert torch.equal(r["async_tripled"][i], 3 * buf)
+        for i, (n, cut) in enumerate(CUTS):
+            mine = [(s, k) for q, s, k in cut if q == rank]
+            got_first = r["async_back_first"].get(i, [])
+            got_second = r["async_back_second"].get(i, [])
+            assert len(got_first) == len(got_second) == len(mine)
+            for (s, k), a, b in zip(mine, got_first, got_second):
+                assert torch.equal(a.reshape(-1), (2 * _flat(i, n) + 1)[s : s + k])
+                assert torch.equal(b.reshape(-1), 3 * _flat(i, n)[s : s + k])
+
+
+def test_an_exchange_that_moves_nothing_issues_nothing(ranks):
+    for rank, r in enumerate(ranks):
+        calls, back = r["still"]
+        assert calls == {}
+        # the owner's own piece comes back to it (a view of its result, no copy); nothing else
+        assert [len(pieces) for pieces in back] == [int(q == rank) for q in range(WORLD)]
+        assert torch.equal(back[rank][0], torch.full((5,), float(rank), dtype=torch.float64))
 
 
 def test_replicated_result_reaches_every_rank(ranks):

@@ -8,14 +8,21 @@ Byte convention (per calling rank, what leaves this rank over the network):
     all_gather      its own input × (t − 1), the copies every other rank receives;
     all_reduce      2(t − 1)/t × the tensor's bytes, the ring algorithm's send volume.
 Calls are counted per primitive; NS FLOPs run by the package on this rank are counted too, so a
-benchmark can report compute balance next to traffic.
+benchmark can report compute balance next to traffic. An asynchronous collective is counted (and
+shown to observers) when it is issued, exactly as its blocking twin.
+
+The step overlaps its collectives with Newton–Schulz as a software pipeline over micro-groups
+(``pipelined``): every micro-group is a generator that yields right after issuing a collective,
+and the scheduler advances all live micro-groups one stage per round, so that while NS runs on
+group k the gather of group k+1 and the return of group k−1 are in flight (the micro-group
+scheduling of Canzona, arXiv 2602.06079, and the interleaving of microsoft/dion's AsyncRuntime).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -24,13 +31,16 @@ import torch.distributed as dist
 __all__ = [
     "CommStats",
     "Collective",
+    "Pending",
     "all_gather",
     "all_reduce",
     "all_to_all_single",
+    "all_to_all_single_async",
     "comm_stats",
     "group_rank",
     "group_size",
     "observe_collectives",
+    "pipelined",
     "record_ns_flops",
 ]
 
@@ -163,6 +173,21 @@ def all_to_all_single(
     group=None,
 ) -> None:
     """``dist.all_to_all_single`` on flat tensors with per-rank split sizes (in elements)."""
+    all_to_all_single_async(output, input, output_split_sizes, input_split_sizes, group).wait()
+
+
+def all_to_all_single_async(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    output_split_sizes: list[int],
+    input_split_sizes: list[int],
+    group=None,
+) -> Pending:
+    """``all_to_all_single`` issued with ``async_op=True``: ``output`` is valid after ``wait()``.
+
+    Counted and observed now, when it is issued, as the blocking call is. On a group of one the
+    copy is made now and the handle is already complete.
+    """
     t = group_size(group)
     me = group_rank(group)
     to_others = sum(n for r, n in enumerate(input_split_sizes) if r != me)
@@ -170,5 +195,59 @@ def all_to_all_single(
     _observe("all_to_all", group, (input,), (output,), tuple(input_split_sizes), tuple(output_split_sizes))
     if t == 1:
         output.copy_(input)
-        return
-    dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group)
+        return Pending(None)
+    work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes, group=group, async_op=True)
+    return Pending(work, output, input)
+
+
+class Pending:
+    """A collective in flight. ``wait()`` before reading its output (idempotent).
+
+    It holds the collective's buffers until ``wait()``: on NCCL the transfer reads and writes
+    them on the communicator's stream after the call has returned, so a buffer freed (and
+    reused by the caching allocator) before the wait would be overwritten under it.
+    ``wait()`` on NCCL orders the current stream after the collective; it never blocks the host.
+    """
+
+    __slots__ = ("_buffers", "_work")
+
+    def __init__(self, work, *buffers: torch.Tensor) -> None:
+        self._work = work
+        self._buffers = buffers
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._buffers = ()
+
+
+_DONE = object()
+
+
+def pipelined(tasks: Iterable[Iterator]) -> None:
+    """Run micro-group tasks as a software pipeline; returns when every task has finished.
+
+    A task is a generator: it yields right after issuing its asynchronous collective(s), and
+    resumes by waiting on them and doing the next piece of work. Round r starts task r and then
+    advances every started task by one stage, youngest first, so the collectives the younger
+    tasks have just issued (the gathers of groups r and r−1) are in flight while an older task
+    computes (Newton–Schulz of group r−2), and so are the returns the older tasks issued in the
+    previous round. A task with S stages lives S rounds, so at most S micro-groups hold buffers
+    at once.
+
+    Invariant: every rank of a group runs the same tasks, each with the same stages (a stage
+    that has nothing to send still yields), so every rank issues the same collectives in the
+    same order. Whether a collective is issued is decided by the plan, which every rank shares
+    (an exchange that moves nothing is skipped by all), never by one rank's data.
+    """
+    live: list[Iterator] = []
+    for task in tasks:
+        live = _advance([task, *live])
+    while live:
+        live = _advance(live)
+
+
+def _advance(tasks: list[Iterator]) -> list[Iterator]:
+    """One stage of every task, in the given order; the tasks that are not finished."""
+    return [task for task in tasks if next(task, _DONE) is not _DONE]

@@ -9,8 +9,9 @@ The modes (``docs/tp_modes.md`` has the derivations and the cost table):
                  full Gram (k × k); one all-reduce per iteration plus one for the norm. Exact.
 ``blockwise``    NS on the local shard only (BlockMuon). No communication; not the same math.
 ``owner``        every matrix gets one owner rank (``planner.plan_owners``); shards travel
-                 there by one all-to-all and back by another (``owner_exchange``). Exact; NS
-                 runs once per matrix. Implemented in ``owner_mode.py``.
+                 there by one all-to-all and back by another (``owner_exchange``), asynchronous
+                 and pipelined over micro-groups. Exact; NS runs once per matrix. Implemented in
+                 ``owner_mode.py``.
 ``auto``         per matrix, the cheapest of owner / duplicated / distributed by the cost model
                  (``auto_mode.choose_tp_modes``, on the ``hardware`` constants); each subset runs
                  in its mode's implementation. Exact, since every candidate is.
@@ -49,9 +50,10 @@ from .sharding import ShardSpec, group_by, join_shards, split_full
 if TYPE_CHECKING:
     from .cost_model import Hardware
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "MODES", "distributed_ns_flops", "orthogonalize_sharded"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "MODES", "check_call", "distributed_ns_flops", "orthogonalize_sharded",
+           "validate_across_ranks"]
 
-# Append new modes last: _validate_across_ranks sends MODES.index(mode).
+# Append new modes last: validate_across_ranks sends MODES.index(mode).
 MODES = ("duplicated", "distributed", "blockwise", "owner", "auto")
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 
@@ -82,7 +84,10 @@ def orthogonalize_sharded(
             or a single process when torch.distributed is not initialised.
         steps, coefficients, eps: passed to ``newton_schulz``.
         bucket_bytes: cap on the full-matrix bytes gathered per collective round
-            (duplicated and owner), which bounds transient memory on large models.
+            (duplicated and owner), which bounds transient memory on large models. Owner mode
+            runs its rounds as the micro-groups of a pipeline, cut finer (to about
+            ``MIN_MICRO_GROUPS``) when the cap alone gives fewer (``split_micro_groups``): the
+            gather of the next group and the return of the previous one are in flight while NS runs.
         full_shapes: optional global shapes to check the shards against.
         validate: check, with one small all-gather of shapes, that every rank agrees on the
             matrix list before moving data. Callers with a fixed layout may check once.
@@ -105,7 +110,7 @@ def orthogonalize_sharded(
 
         hardware = hardware_profile("detect")
     if validate and size > 1 and mode != "blockwise":
-        _validate_across_ranks(specs, mode, steps, size, group, device, hardware if mode == "auto" else None)
+        validate_across_ranks(specs, mode, steps, size, group, device, hardware if mode == "auto" else None)
     if not specs:
         return []
     if mode == "owner":
@@ -282,6 +287,11 @@ def _validate_local(shards, partition_dims, mode, size, steps, coefficients, ful
     return specs
 
 
+def check_call(mode: str, size: int, steps: int, coefficients: Coefficients) -> None:
+    """The checks of ``orthogonalize_sharded`` that need no matrix: the mode, steps, coefficients."""
+    _validate_local([], [], mode, size, steps, coefficients, None)
+
+
 def _hardware_tag(hardware) -> int:
     """A checksum of ``auto``'s constants, equal on two ranks only if the constants are equal
     (crc32 of their repr: stable across processes, unlike ``hash``); 0 for the other modes."""
@@ -293,7 +303,7 @@ def _hardware_tag(hardware) -> int:
     return zlib.crc32(repr(dataclasses.astuple(hardware)).encode())
 
 
-def _validate_across_ranks(specs, mode, steps, size, group, device, hardware=None) -> None:
+def validate_across_ranks(specs, mode, steps, size, group, device, hardware=None) -> None:
     """Check with two small all-gathers that every rank describes the same matrices.
 
     Must run before any payload collective: mismatched sizes would otherwise hang or corrupt

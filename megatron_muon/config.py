@@ -79,7 +79,8 @@ class MuonConfig:
     """α of the balanced layout (--muon-layout-alpha): the weight of Newton–Schulz balance
     against padding when whole matrices are placed in DP shards (``balanced_layout``)."""
     owner_bucket_bytes: int = 256 * 2**20
-    """cap on full-matrix bytes per owner-exchange round (--muon-owner-bucket-size-mb)."""
+    """cap on full-matrix bytes per micro-group of the owner pipeline, DP and TP level alike
+    (--muon-owner-bucket-size-mb)."""
     muonbp_period: int | None = None
     """MuonBP (arXiv 2510.16981): None = off (plain Muon); P >= 1 = a full (exact, ``tp_mode``)
     step when the applied-step counter t (0-based) has t % P == 0, a block step otherwise;

@@ -84,7 +84,8 @@ def test_distributed_wins_when_the_unsharded_dim_is_small():
 
 
 def test_faster_links_and_gemms_mean_less_time():
-    ms = [Matrix(4096, 4096, 1)] * 8 + [Matrix(14336, 4096, 0)] * 8
+    # 32 layers' worth: enough bytes that the owner pipeline's 8 all-to-all latencies stay < 5%
+    ms = [Matrix(4096, 4096, 1)] * 32 + [Matrix(14336, 4096, 0)] * 32
     slow_links = dataclasses.replace(H100, intra_node_bandwidth=H100.intra_node_bandwidth / 10)
     slow_gemm = dataclasses.replace(H100, matmul_flops=H100.matmul_flops / 10)
     for mode in ("duplicated", "distributed", "owner"):
@@ -130,3 +131,25 @@ def test_bad_arguments_name_what_was_expected():
         optimizer_step_cost(model_weights(LLAMA3["8B"]), optimizer="ours", tp=8, dp=1, hw=H100, tp_mode="auto")
     with pytest.raises(TypeError):
         Hardware(name="x")  # every constant must be given: nothing defaults silently
+
+
+def test_pipeline_overlap_hides_owner_all_to_alls_only():
+    """``Hardware.comm_overlap``: the owner pipeline's all-to-alls hide under NS (never more than
+    the smaller of the two); the blocking modes and a zero overlap are unchanged."""
+    from dataclasses import replace
+
+    from megatron_muon.core.models import LLAMA3
+    from megatron_muon.parallel.cost_model import GPU_PROFILES, model_weights, optimizer_step_cost
+
+    model = model_weights(LLAMA3["8B"])
+    gpu = GPU_PROFILES["h100-sxm"]
+    none = replace(gpu, comm_overlap=0.0)
+
+    def step(hw, mode):
+        return optimizer_step_cost(model, optimizer="ours", tp=8, dp=8, hw=hw, tp_mode=mode,
+                                   dp_layout="megatron", bucket_numel=40_000_000)
+
+    with_overlap, without = step(gpu, "owner"), step(none, "owner")
+    hidden = without.total_s - with_overlap.total_s
+    assert 0 < hidden <= gpu.comm_overlap * min(without.compute_s, without.comm_s) * (1 + 1e-9)
+    assert step(gpu, "duplicated").total_s == step(none, "duplicated").total_s

@@ -152,8 +152,9 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     )
     group.add_argument(
         "--muon-owner-bucket-size-mb", type=float, default=256,
-        help="Cap, in MiB of full matrices, on what one owner-exchange round gathers (bounds the "
-             "extra memory of owner modes). Default 256.",
+        help="Cap, in MiB of full matrices, on one micro-group of the owner pipeline, at the DP and "
+             "the TP level (the pipeline keeps a few micro-groups alive, so this bounds the extra "
+             "memory of the owner exchanges). Default 256.",
     )
     group.add_argument(
         "--muonbp-period", type=int, default=None, metavar="P",

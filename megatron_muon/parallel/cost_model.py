@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, replace
 from ..core.models import ModelShape
 from ..core.newton_schulz import ns_flops
 from ..core.shapes import shard_shape
+from . import owner_exchange
 from .planner import plan_owners, rank_loads
 
 __all__ = [
@@ -82,6 +83,11 @@ class Hardware:
     """achieved fraction for all-reduce (by the ring convention of ``comm.py``)."""
     all_to_all_efficiency: float = 1.0
     """achieved fraction for all-to-all (the slowest rank's max of sent and received)."""
+    comm_overlap: float = 0.0
+    """fraction of the owner pipeline's all-to-all time hidden under Newton–Schulz (the
+    micro-group pipeline, ``comm.pipelined``). 0 on the CPU: measured on the 2-core benchmark,
+    where gloo's transport threads take the cores the GEMMs need, so the pipeline gains nothing;
+    the GPU profiles assume 0.8 (NCCL runs on its own SMs beside cuBLAS; not measured here)."""
 
     def bandwidth(self, group_size: int, spans_nodes: bool | None = None) -> float:
         """Per-rank bandwidth of a group: intra-node unless it cannot fit in one node."""
@@ -104,6 +110,7 @@ _H100_SXM = Hardware(
     collective_latency_s=20e-6,
     kernel_overhead_s=5e-6,
     ranks_per_node=8,
+    comm_overlap=0.8,
 )
 GPU_PROFILES: dict[str, Hardware] = {
     "h100-sxm": _H100_SXM,
@@ -275,7 +282,9 @@ def _comm(primitive: str, sent: float, calls: int, group: int, hw: Hardware, spa
 
 
 def _owner_cost(matrices, tp, hw, steps, dtype_bytes, spans_nodes) -> Cost:
-    """Owner mode: LPT owners (the real ``plan_owners``), two all-to-alls, NS on the owners.
+    """Owner mode: LPT owners (the real ``plan_owners``), two all-to-alls per micro-group
+    (``owner_exchange.MIN_MICRO_GROUPS`` of them: the count the pipeline uses below its byte cap),
+    NS on the owners.
 
     The all-to-all's time is the busiest rank's max of bytes sent and received: an owner
     receives (t−1) shards of each matrix it owns and sends (t−1) slices back.
@@ -306,9 +315,9 @@ def _owner_cost(matrices, tp, hw, steps, dtype_bytes, spans_nodes) -> Cost:
     busiest = max(range(tp), key=lambda r: ns_time(loads[r], len(batches[r]), hw, steps))
     cost = _compute(loads[busiest], len(batches[busiest]), hw, steps)
     if tp > 1:
-        # each direction moves half of a rank's total traffic; two calls
+        # each direction moves half of a rank's total traffic; two calls per micro-group
         traffic = max(max(s, r) for s, r in zip(sent, received))
-        cost += _comm("all_to_all", traffic, 2, tp, hw, spans_nodes)
+        cost += _comm("all_to_all", traffic, 2 * min(owner_exchange.MIN_MICRO_GROUPS, len(matrices)), tp, hw, spans_nodes)
         cost.bytes_sent_max = max(sent)
         # pack the send buffer and unpack the receive buffer, both ways
         cost += Cost(memory_s=memory_time(2 * 2 * traffic, 4, hw))
@@ -530,6 +539,11 @@ def _muon_orthogonalize(weights, optimizer, tp_mode, tp, dp, hw, steps, ns_bytes
     if moved:
         # the elements off their owner travel there and back; per rank, 1/DP of them each way
         sent = 2 * moved * ns_bytes / dp
-        busiest += _comm("all_to_all", sent, 2, dp, hw, dp_spans_nodes)
+        busiest += _comm("all_to_all", sent, 2 * owner_exchange.MIN_MICRO_GROUPS, dp, hw, dp_spans_nodes)
         busiest += Cost(memory_s=memory_time(2 * sent, 4, hw))
+    if optimizer == "ours" and tp_mode in ("owner", "auto") and hw.comm_overlap > 0:
+        # the micro-group pipeline runs the all-to-alls of some groups during the NS of others
+        hidden = hw.comm_overlap * min(busiest.compute_s, busiest.comm_s)
+        busiest.comm_s -= hidden
+        busiest.parts["all_to_all hidden under NS (pipeline)"] -= hidden
     return busiest

@@ -317,7 +317,8 @@ def _owner_cost(matrices, tp, hw, steps, dtype_bytes, spans_nodes) -> Cost:
     if tp > 1:
         # each direction moves half of a rank's total traffic; two calls per micro-group
         traffic = max(max(s, r) for s, r in zip(sent, received))
-        cost += _comm("all_to_all", traffic, 2 * min(owner_exchange.MIN_MICRO_GROUPS, len(matrices)), tp, hw, spans_nodes)
+        calls = 2 * min(owner_exchange.MIN_MICRO_GROUPS, len(matrices))
+        cost += _comm("all_to_all", traffic, calls, tp, hw, spans_nodes)
         cost.bytes_sent_max = max(sent)
         # pack the send buffer and unpack the receive buffer, both ways
         cost += Cost(memory_s=memory_time(2 * 2 * traffic, 4, hw))

@@ -19,7 +19,8 @@ Rows of the FLOPs table (per (dp, tp) rank: the Newton–Schulz FLOPs it runs in
   query group, fc1 split into gate / up). Then our ``plan_dp_owners`` gives each matrix its DP
   owner; each DP owner's TP group plans all the sub-matrices it owns at once with
   ``plan_owners`` on ``ns_flops`` of the full sub-matrix shape (the whole list
-  ``orthogonalize_updates`` plans before running it micro-group by micro-group). The replay is the optimizer's own (``parallel.step_plan``), which
+  ``orthogonalize_updates`` plans before running it micro-group by micro-group). The replay is
+  the optimizer's own (``parallel.step_plan``), which
   ``scripts/dry_run.py`` checks against the real step to the byte. (Until 2026-11-29 the TP plan was made per
   256 MiB round, from zero load each time, which put the largest sub-matrix of every round on
   TP rank 0: max/mean 3.7–8.5. This table found it.)

@@ -134,7 +134,10 @@ def build_tiny_gpt(
     Returns ``[DistributedDataParallel(...)]`` (one chunk: no virtual pipeline stages).
     ``dp_layout``: with the distributed optimizer, ``megatron`` (DDP computes megatron-core's
     layout) or ``balanced`` (ours, ``megatron_muon.megatron.layout``, for ``muon_config``'s
-    splits and α), as ``--muon-dp-layout`` selects in training.
+    splits and α), as ``--muon-dp-layout`` selects in training — with every bucket kept
+    whole-matrix (``max_padding=1.0``): this 2-layer model's buckets pad more than the 5 % above
+    which training would pack a bucket as megatron-core does, and the tests exist to exercise the
+    whole-matrix placement (the fallback is tested in ``test_balanced_layout.py``).
     Call after ``init_megatron(tp, pp)``.
     """
     from megatron.core import parallel_state as ps
@@ -202,7 +205,7 @@ def build_tiny_gpt(
         layout = balanced_full_param_layout(
             model, bucket_size if ddp_config.overlap_grad_reduce else None, ps.get_data_parallel_world_size(),
             ddp_config,
-            muon_config=muon_config or MuonConfig(), tp_size=tp)
+            muon_config=muon_config or MuonConfig(), tp_size=tp, max_padding=1.0)
     else:
         assert dp_layout == "megatron", dp_layout
     return [DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, full_param_layout=layout)]

@@ -58,8 +58,11 @@ def test_invariants_on_a_small_gpt(dp, bucket, alpha):
     for _ in range(6):
         items += _layer(64, 172)
     items += [LayoutItem(64), LayoutItem(1000 * 64)]  # final norm, output layer
-    layout = balanced_layout(items, dp, bucket, alpha=alpha)
+    layout = balanced_layout(items, dp, bucket, alpha=alpha, max_padding=1.0)  # never fall back
     _check_invariants(items, layout, dp)
+    fallback = balanced_layout(items, dp, bucket, alpha=alpha)  # the default: packed where it would pad
+    _check_invariants_packed(items, fallback, dp)
+    assert fallback.padding_fraction <= max(0.05, layout.padding_fraction) + 1e-12
 
 
 def test_invariants_on_random_buffers():
@@ -76,13 +79,13 @@ def test_invariants_on_random_buffers():
             items.insert(0, LayoutItem(rng.randint(100, 30000), own_bucket=True))
         bucket = rng.choice([None, 2000, 10000, 50000])
         layout = balanced_layout(items, dp, bucket, alpha=rng.choice([0.0, 0.1, 0.5, 1.0]),
-                                 shard_divisor=rng.choice([64, 128, 256]))
+                                 shard_divisor=rng.choice([64, 128, 256]), max_padding=1.0)
         _check_invariants(items, layout, dp)
 
 
 def test_shared_embedding_gets_its_own_bucket():
     items = [LayoutItem(4096, own_bucket=True)] + _layer(32, 64) + _layer(32, 64)
-    layout = balanced_layout(items, 2, 10**9)
+    layout = balanced_layout(items, 2, 10**9, max_padding=1.0)
     bucket = layout.ranges[0][2]
     assert all(b != bucket for _, _, b in layout.ranges[1:])
 
@@ -116,7 +119,7 @@ def test_alpha_trades_padding_for_balance():
                 loads[layout.holder(i)] += item.ns_flops
         return max(loads) / (sum(loads) / 4)
 
-    packed, balanced = (balanced_layout(items, 4, None, alpha=a) for a in (0.0, 1.0))
+    packed, balanced = (balanced_layout(items, 4, None, alpha=a, max_padding=1.0) for a in (0.0, 1.0))
     assert packed.padding_fraction <= balanced.padding_fraction
     assert imbalance(balanced) < imbalance(packed)
 
@@ -160,3 +163,23 @@ def test_adapter_matches_megatron_grouping_on_llama_shapes():
             if is_muon_matrix(p):
                 assert layout.holder(k) is not None
         assert layout.padding_fraction <= 0.02
+
+
+def test_a_bucket_that_cannot_share_its_matrices_is_packed_instead():
+    """Fewer matrices than DP shards (a pipeline stage of a large model at DP64): whole-matrix
+    shards would pad most of the bucket, so it is packed as megatron-core packs it (matrices may
+    be cut, the buffer does not grow)."""
+    items = [LayoutItem(1 << 20, 1.0, True) for _ in range(6)] + [LayoutItem(4096)]
+    layout = balanced_layout(items, 8, None, alpha=0.1)
+    _check_invariants_packed(items, layout, 8)
+    assert layout.padding_fraction < 0.01
+    assert any(layout.holder(i) is None for i in range(6))  # some matrix is cut: it will travel
+
+
+def _check_invariants_packed(items, layout, dp):
+    cursor = 0
+    for start, end in layout.buckets:
+        assert start == cursor and (end - start) % (dp * PARAM_ALIGN) == 0
+        cursor = end
+    for i, (s, e, _) in enumerate(layout.ranges):
+        assert e - s == items[i].numel and s % PARAM_ALIGN == 0

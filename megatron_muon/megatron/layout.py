@@ -27,7 +27,7 @@ from megatron.core.optimizer.param_layout import FullParamLayout, PerBufferParam
 from megatron.core.utils import get_pg_size
 
 from ..config import MuonConfig
-from ..parallel.balanced_layout import PARAM_ALIGN, LayoutItem, balanced_layout
+from ..parallel.balanced_layout import MAX_PADDING, PARAM_ALIGN, LayoutItem, balanced_layout
 from .optimizer import _layout, _tag_qkv, is_muon_matrix
 
 __all__ = ["balanced_buffer_layouts", "balanced_full_param_layout", "ddp_with_balanced_layout"]
@@ -48,6 +48,7 @@ def balanced_full_param_layout(
     muon_config: MuonConfig,
     tp_size: int,
     expert_dp_size: int | None = None,
+    max_padding: float = MAX_PADDING,
 ) -> FullParamLayout:
     """The balanced ``FullParamLayout`` of one (un-wrapped) model chunk.
 
@@ -60,17 +61,19 @@ def balanced_full_param_layout(
         muon_config: the split rules (QKV, fc1) and ``layout_alpha``.
         tp_size: tensor-parallel size (NS FLOPs are of the full matrices).
         expert_dp_size: DP size of expert-parallel buffers (default ``dp_size``).
+        max_padding: a bucket padding more than this with whole matrices is packed as
+            megatron-core packs it (``balanced_layout``); 1.0 keeps every bucket whole-matrix.
     """
     _tag_qkv([model_chunk], muon_config)
     named = [(n, p) for n, p in model_chunk.named_parameters() if p.requires_grad]
     layouts = balanced_buffer_layouts(named, bucket_size, dp_size, ddp_config, muon_config=muon_config,
-                                      tp_size=tp_size, expert_dp_size=expert_dp_size)
+                                      tp_size=tp_size, expert_dp_size=expert_dp_size, max_padding=max_padding)
     return FullParamLayout(layouts={key: full for key, (_, full) in layouts.items()})
 
 
 def balanced_buffer_layouts(
     named_params, bucket_size: int | None, dp_size: int, ddp_config, *, muon_config: MuonConfig, tp_size: int,
-    expert_dp_size: int | None = None,
+    expert_dp_size: int | None = None, max_padding: float = MAX_PADDING,
 ) -> dict:
     """Per buffer (megatron-core's ``BufferKey``): ``(BufferLayout, PerBufferParamLayout)``.
 
@@ -90,7 +93,7 @@ def balanced_buffer_layouts(
             for p in group
         ]
         laid = balanced_layout(items, dp, bucket_size, alpha=muon_config.layout_alpha,
-                               shard_divisor=shard_divisor(dp, ddp_config))
+                               shard_divisor=shard_divisor(dp, ddp_config), max_padding=max_padding)
         out[key] = (laid, PerBufferParamLayout(
             param_index_map={p: laid.ranges[k] for k, p in enumerate(group)},
             bucket_indices=list(laid.buckets),

@@ -55,6 +55,9 @@ BUCKET_SPAN = 2.0
 """a bucket holds at least this × DP × its largest Muon matrix (see the module docstring)."""
 WINDOW = 1.5
 """a bucket may grow to this × its threshold size to find an end with less padding."""
+MAX_PADDING = 0.05
+"""a bucket padding more than this under whole-matrix placement is packed as megatron-core packs
+it instead (see ``balanced_layout``); 2.5 × the 2 % padding goal that Llama-3 layouts meet."""
 GROWTH = 0.005
 MAX_SLACK = 0.1
 """the largest S tried is 1.1 × the smallest that fits (α > 0 only)."""
@@ -118,8 +121,15 @@ def balanced_layout(
     *,
     alpha: float = DEFAULT_ALPHA,
     shard_divisor: int = 128,
+    max_padding: float = MAX_PADDING,
 ) -> BufferLayout:
     """Lay out one buffer so that every ``whole`` item lies inside one DP shard.
+
+    A bucket that cannot keep its matrices whole without padding more than ``max_padding`` of
+    it (fewer or larger matrices than its DP shards can share: e.g. one pipeline stage of 28
+    Llama-3-405B matrices over 64 DP ranks would pad 78 %) is packed as megatron-core packs it
+    instead (backprop order, aligned, cut wherever the shards fall): its cut matrices go through
+    the DP owner exchange, and the buffer does not grow.
 
     Args:
         items: the buffer's params in model-definition (forward) order, as megatron-core's
@@ -152,7 +162,12 @@ def balanced_layout(
         if not chunk:
             return
         start = buckets[-1][1] if buckets else 0
-        placed, shard = _pack_bucket(items, chunk, dp_size, alpha, shard_divisor, loads, per_rank_flops)
+        trial = list(loads)
+        placed, shard = _pack_bucket(items, chunk, dp_size, alpha, shard_divisor, trial, per_rank_flops)
+        if 1 - sum(items[i].numel for i in chunk) / (dp_size * shard) > max_padding:
+            placed, shard = _packed(items, chunk, dp_size, shard_divisor)
+        else:
+            loads[:] = trial
         for i, (s, e) in placed.items():
             ranges[i] = (start + s, start + e, len(buckets))
         buckets.append((start, start + dp_size * shard))
@@ -174,6 +189,18 @@ def balanced_layout(
             emit(run[:cut])
             run = run[cut:]
     return BufferLayout(tuple(ranges), tuple(buckets), tuple(unpadded), dp_size)  # type: ignore[arg-type]
+
+
+def _packed(items, chunk, dp_size, divisor):
+    """megatron-core's packing of one bucket: params back to back in backprop order, 64-aligned,
+    the end padded so that DP equal shards are multiples of ``divisor``."""
+    placed, cursor = {}, 0
+    for i in chunk:
+        start = _aligned(cursor)
+        placed[i] = (start, start + items[i].numel)
+        cursor = start + items[i].numel
+    shard = -(-max(-(-cursor // dp_size), 1) // divisor) * divisor
+    return placed, shard
 
 
 def _bucket_end(items, run, dp_size, bucket_numel, alpha, divisor, loads, per_rank_flops) -> int:

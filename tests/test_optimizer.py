@@ -84,20 +84,11 @@ def test_adamw_foreach_is_single_tensor_bitwise(shapes):
 
 
 def _peak_bytes(step) -> int:
-    """Peak bytes allocated above the start during ``step()`` (CPU): the allocation and free
-    events of torch.profiler in time order, summed (as scripts/bench/optimizer_step_setup.py)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+    """Peak bytes allocated above the start during ``step()`` on the CPU: the benchmark's own
+    measure (torch.profiler's allocation and free events, summed in time order)."""
+    from scripts.bench.optimizer_step_setup import peak_step_bytes
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == DeviceType.CPU)
-    running = peak = 0
-    for _, nbytes in events:
-        running += nbytes
-        peak = max(peak, running)
-    return peak
+    return peak_step_bytes(step, torch.device("cpu"))
 
 
 @pytest.mark.filterwarnings("ignore:Warning. Profiler clears events")  # one cycle is all it records

@@ -45,7 +45,7 @@ def test_validation_predicts_every_recorded_row(tmp_path):
                  "--hardware", f"4={RECORDED / 'hardware-4proc.json'}", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     bench = json.loads((RECORDED / "optimizer_step.json").read_text())
-    assert len(rows) == sum(len(layout["rows"]) for layout in bench["layouts"]) == 24
+    assert len(rows) == sum(len(layout["rows"]) for layout in bench["layouts"]) == 26
     assert all(r["predicted_ms"] > 0 for r in rows)
     # Each row's error is (predicted - measured) / measured of the recorded row, and the summary
     # line counts what the rows say: the script's arithmetic, whatever the model predicts.

@@ -6,6 +6,7 @@ translates flags into a ``MuonConfig`` and the optimizer only reads this object.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
@@ -27,6 +28,18 @@ DP_LAYOUTS = ("balanced", "megatron")
 # Upstream --muon-fp32-matmul-prec: "medium" runs NS in bf16 (emerging-optimizers casts to bf16
 # explicitly), "high"/"highest" keep fp32 (TF32 / full fp32 matmuls on GPUs).
 NS_PRECISIONS = {"medium": torch.bfloat16, "high": torch.float32, "highest": torch.float32}
+
+
+def _finite(value) -> bool:
+    """A real number, not NaN or ±inf (a non-finite setting would train to NaN and save it)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+class _Shown(str):
+    """A value shown as is in an error message (``repr`` without quotes)."""
+
+    def __repr__(self) -> str:
+        return str(self)
 
 
 @dataclass
@@ -106,17 +119,20 @@ class MuonConfig:
             (self.dp_layout in DP_LAYOUTS, "--muon-dp-layout", f"one of {DP_LAYOUTS}", self.dp_layout),
             (isinstance(self.layout_alpha, (int, float)) and 0.0 <= self.layout_alpha <= 1.0,
              "--muon-layout-alpha", "a value in [0, 1]", self.layout_alpha),
-            (self.owner_bucket_bytes > 0, "--muon-owner-bucket-size-mb", "a positive size", self.owner_bucket_bytes),
+            (_finite(self.extra_scale_factor) and self.extra_scale_factor > 0, "--muon-extra-scale-factor",
+             "a finite value > 0", self.extra_scale_factor),
+            (self.owner_bucket_bytes > 0, "--muon-owner-bucket-size-mb", "a positive size in MiB",
+             _Shown(f"{self.owner_bucket_bytes / 2**20:g}")),
         ]
         if self.muonbp_period is not None:
             checks += [
                 (isinstance(self.muonbp_period, int) and self.muonbp_period >= 0, "--muonbp-period",
                  "an integer >= 0 (0: never a full step)", self.muonbp_period),
-                (self.muonbp_block_lr_mult > 0, "--muonbp-block-lr-mult", "a value > 0", self.muonbp_block_lr_mult),
-                (self.muonbp_period == 0 or self.tp_mode != "blockwise", "--muonbp-period",
-                 "an exact --muon-tp-mode (owner, duplicated, distributed or auto) for its full steps, not "
-                 "blockwise",
-                 self.muonbp_period),
+                (_finite(self.muonbp_block_lr_mult) and self.muonbp_block_lr_mult > 0, "--muonbp-block-lr-mult",
+                 "a finite value > 0", self.muonbp_block_lr_mult),
+                (self.muonbp_period == 0 or self.tp_mode != "blockwise", "--muon-tp-mode",
+                 f"an exact mode (owner, duplicated, distributed or auto) for the full steps of --muonbp-period "
+                 f"{self.muonbp_period}", self.tp_mode),
             ]
         for ok, flag, expected, got in checks:
             if not ok:

@@ -66,9 +66,15 @@ BAD_VALUES = [
     ("--muon-momentum 1.0", "--muon-momentum"),
     ("--muon-owner-bucket-size-mb 0", "--muon-owner-bucket-size-mb"),
     ("--muon-layout-alpha 1.5", "--muon-layout-alpha"),
+    ("--muon-layout-alpha nan", "--muon-layout-alpha"),
+    ("--muon-extra-scale-factor nan", "--muon-extra-scale-factor"),
+    ("--muon-extra-scale-factor 0", "--muon-extra-scale-factor"),
+    ("--muon-extra-scale-factor -1", "--muon-extra-scale-factor"),
+    ("--muon-momentum nan", "--muon-momentum"),
+    ("--muonbp-period 5 --muon-tp-mode owner --muonbp-block-lr-mult inf", "--muonbp-block-lr-mult"),
     ("--muon-layout-alpha -0.1", "--muon-layout-alpha"),
     ("--muonbp-period -1 --muon-tp-mode owner", "--muonbp-period"),
-    ("--muonbp-period 5", "--muonbp-period"),  # full steps need an exact mode; default is blockwise
+    ("--muonbp-period 5", "--muonbp-period 5"),  # full steps need an exact mode; default is blockwise
     ("--muonbp-period 5 --muon-tp-mode owner --muonbp-block-lr-mult 0", "--muonbp-block-lr-mult"),
     ("--muon-tp-mode auto --muon-auto-hardware tpu-v5", "--muon-auto-hardware"),
 ]
@@ -336,3 +342,13 @@ def test_get_megatron_optimizer_builds_muon_from_megatron_args():
     line = next(ln for ln in out["log"].splitlines() if " iteration " in ln)
     assert "muon mode: owner | muon step: full |" in line, line
     assert "muon bytes sent:" in line and "muon orthogonalize:" in line, line
+
+
+def test_messages_quote_the_value_the_user_gave(parser):
+    """The rejected value is the one on the command line: MiB for the bucket size, and the TP
+    mode (not the period) when MuonBP's full steps would be blockwise."""
+    with pytest.raises(ValueError, match=r"--muon-owner-bucket-size-mb: expected a positive size in MiB, got -5$"):
+        muon_config_from_args(_parse(parser, "--muon-owner-bucket-size-mb -5"))
+    blockwise = r"^--muon-tp-mode: expected an exact mode .* --muonbp-period 5, got 'blockwise'$"
+    with pytest.raises(ValueError, match=blockwise):
+        muon_config_from_args(_parse(parser, "--muonbp-period 5"))

@@ -142,8 +142,10 @@ def test_block_step_learning_rate_by_hand():
     "kwargs, match",
     [
         (dict(muonbp_period=-1), r"--muonbp-period: expected an integer >= 0"),
-        (dict(muonbp_period=5, muonbp_block_lr_mult=0.0), r"--muonbp-block-lr-mult: expected a value > 0"),
-        (dict(muonbp_period=5, tp_mode="blockwise"), r"--muonbp-period: expected an exact --muon-tp-mode"),
+        (dict(muonbp_period=5, muonbp_block_lr_mult=0.0), r"--muonbp-block-lr-mult: expected a finite value > 0"),
+        (dict(muonbp_period=5, muonbp_block_lr_mult=float("inf")), r"--muonbp-block-lr-mult: expected a finite"),
+        (dict(muonbp_period=5, tp_mode="blockwise"),
+         r"--muon-tp-mode: expected an exact mode .* --muonbp-period 5, got 'blockwise'"),
     ],
 )
 def test_errors_name_the_flag(kwargs, match):

@@ -218,5 +218,8 @@ def test_cost_model_counts_the_cuts_of_the_real_layout(llama):
         cut, moved = dp_cut_elements(_stage_weights(weights, 1), tp, dp, **args)
         assert cut == r["cut_matrices"], (model, dp)
         minimum = r["bytes"]["ours (ZeRO-1)"]["dp_min_mean"]
+        # The replay leaves the norm weights out, which moves each cut point by a few thousand
+        # elements: observed at most 0.082 % off (all six configurations); 0.1 % bounds it, while
+        # charging one more or one fewer cut matrix would be off by whole percents.
         assert 2 * moved * pq.NS_BYTES / dp == pytest.approx(minimum, rel=1e-3), (model, dp)
         assert dp_cut_elements(_stage_weights(weights, 1), tp, dp, dp_layout="balanced", **args) == (0, 0)

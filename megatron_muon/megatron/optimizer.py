@@ -140,7 +140,9 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
         fails its own ``flattened_range`` check); the checkpoint's metadata records the format,
         so ``load_checkpoint`` reads it back the same way. Loading a ``dp_reshardable``
         checkpoint into such a layout is refused in one line."""
-        kind = (metadata or {}).get("distrib_optim_sharding_type", sharding_type)
+        if metadata is None:  # Megatron's deprecated sharding_type argument becomes metadata, as upstream reads it
+            metadata = {} if sharding_type is None else {"distrib_optim_sharding_type": sharding_type}
+        kind = metadata.get("distrib_optim_sharding_type")
         if kind == "dp_reshardable" and not self.packed_like_megatron and not self.is_stub_optimizer:
             if is_loading:
                 raise RuntimeError(

@@ -12,11 +12,13 @@ matrix and the DP/TP groups). Without ``attach`` every Muon param is one whole l
 which makes this a plain single-process Muon + AdamW.
 
 Per step, for the Muon matrices (upstream emerging-optimizers semantics):
+    G ← G + wd·θ                           (only with decoupled_weight_decay False: L2)
     B ← B.lerp(G, 1 − μ);  U ← G.lerp(B, μ) if nesterov else B      (foreach, all params)
-    θ ← θ·(1 − lr·wd)                                                (decoupled weight decay)
+    θ ← θ·(1 − lr·wd)                      (decoupled weight decay, the default)
     O ← orthogonalize_updates(U)           (exact per tp_mode; one call for all, pipelined)
     θ ← θ − lr·scale·O                     (as each micro-group's results arrive)
-and ``torch.optim.AdamW``'s own functional (foreach) step for the rest. The updates are applied
+and ``torch.optim.AdamW``'s own functional (foreach) step for the rest (``torch.optim.Adam``'s,
+L2 in the gradient, with decoupled_weight_decay False). The updates are applied
 micro-group by micro-group through ``orthogonalize_updates``' ``apply``, so no full set of O (nor
 of scaled copies) is ever held: the step's extra memory is a few micro-groups' worth.
 
@@ -38,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adam import adam as functional_adam
 
-from .config import MuonConfig
+from .config import MuonConfig, _finite
 from .core.matrix_layout import MatrixLayout
 from .parallel.comm import comm_stats
 from .parallel.devices import resolve_device
@@ -67,6 +69,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
         lr, weight_decay: defaults for groups that do not set them.
         betas, eps: AdamW's (Megatron's ``--adam-beta1/2``, ``--adam-eps``).
         config: the Muon settings.
+        decoupled_weight_decay: Megatron's ``OptimizerConfig.decoupled_weight_decay`` (no CLI
+            flag in megatron-core 0.19.2). True (default): θ ← θ·(1 − lr·wd), AdamW-style, for
+            both algorithms. False: L2, wd·θ added to the gradient before the momentum (Muon,
+            as emerging-optimizers' ``weight_decay_method="l2"``) and before Adam's moments
+            (``torch.optim.Adam``).
+
+    Muon groups take 2-D matrices only (a zero dim is allowed: its update is empty); anything
+    else is refused here, naming the group, the parameter and its shape.
     """
 
     def __init__(
@@ -78,13 +88,39 @@ class MuonWithAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         config: MuonConfig | None = None,
+        decoupled_weight_decay: bool = True,
     ) -> None:
+        if config is not None and not isinstance(config, MuonConfig):
+            raise ValueError(f"MuonWithAdamW: config: expected a MuonConfig or None, got {type(config).__name__}")
+        if not isinstance(decoupled_weight_decay, bool):
+            raise ValueError(f"MuonWithAdamW: decoupled_weight_decay: expected True or False, "
+                             f"got {decoupled_weight_decay!r}")
+        checks = [
+            (_finite(lr) and lr >= 0, "lr", "a finite value >= 0", lr),
+            (_finite(weight_decay) and weight_decay >= 0, "weight_decay", "a finite value >= 0", weight_decay),
+            (_finite(eps) and eps >= 0, "eps", "a finite value >= 0", eps),
+            (isinstance(betas, (tuple, list)) and len(betas) == 2
+             and all(_finite(b) and 0 <= b < 1 for b in betas), "betas", "two values in [0, 1)", betas),
+        ]
+        for ok, name, expected, got in checks:
+            if not ok:
+                raise ValueError(f"MuonWithAdamW: {name}: expected {expected}, got {got!r}")
         self.config = config or MuonConfig()
+        self.decoupled_weight_decay = decoupled_weight_decay
+        """False: L2 weight decay in the gradient (Muon and AdamW alike) instead of θ·(1 − lr·wd)."""
         defaults = dict(lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, algorithm="adamw")
         super().__init__(params, defaults)
         for g, group in enumerate(self.param_groups):
             if group["algorithm"] not in ALGORITHMS:
                 raise ValueError(f"param group {g}: algorithm must be one of {ALGORITHMS}, got {group['algorithm']!r}")
+            if group["algorithm"] != "muon":
+                continue
+            for i, p in enumerate(group["params"]):
+                if p.dim() != 2:
+                    raise ValueError(
+                        f"MuonWithAdamW: param group {g} (algorithm 'muon') parameter {i} has shape "
+                        f"{tuple(p.shape)}; Muon takes 2-D matrices only (give biases, norms and "
+                        f"embeddings to an 'adamw' group)")
         self._matrices: list[MuonMatrix] | None = None
         self._owners: list[int] | None = None
         self._dp_group = self._tp_group = None
@@ -242,6 +278,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def _momentum_and_decay(self, live: list[torch.Tensor], group_of: dict[int, dict]) -> dict[int, torch.Tensor]:
         """B ← B.lerp(G, 1 − μ); U ← G.lerp(B, μ) or B; θ ← θ·(1 − lr·wd); id(θ) → flat U.
 
+        With ``decoupled_weight_decay`` False, G ← G + wd·θ first (a new tensor: Megatron's
+        grads are left as they are) and θ is not multiplied.
+
         One foreach op per stage over every Muon param with a grad: on CPU torch loops over the
         same per-tensor kernels, so the arithmetic is that of the loop it replaces. Weight decay
         runs here, before the update exists, because the update depends on the gradients only;
@@ -257,11 +296,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if not live:
             return {}
         grads = [p.grad for p in live]
+        if not self.decoupled_weight_decay:
+            grads = _with_l2(live, grads, [group_of[id(p)]["weight_decay"] for p in live])
         bufs = [self.state[p]["momentum_buffer"] for p in live]
         torch._foreach_add_([self.state[p]["step"] for p in live], 1.0)
         torch._foreach_lerp_(bufs, grads, 1 - cfg.momentum)
         updates = torch._foreach_lerp(grads, bufs, cfg.momentum) if cfg.nesterov else bufs
-        torch._foreach_mul_(live, [1 - group_of[id(p)]["lr"] * group_of[id(p)]["weight_decay"] for p in live])
+        if self.decoupled_weight_decay:
+            torch._foreach_mul_(live, [1 - group_of[id(p)]["lr"] * group_of[id(p)]["weight_decay"] for p in live])
         return {id(p): u.reshape(-1) for p, u in zip(live, updates)}
 
     def _adamw_step(self, group) -> None:
@@ -288,10 +330,25 @@ class MuonWithAdamW(torch.optim.Optimizer):
         functional_adam(
             params, grads, exp_avgs, exp_avg_sqs, [], steps,
             foreach=True, capturable=False, differentiable=False, fused=None,
-            grad_scale=None, found_inf=None, has_complex=False, decoupled_weight_decay=True,
+            grad_scale=None, found_inf=None, has_complex=False,
+            decoupled_weight_decay=self.decoupled_weight_decay,
             amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
             weight_decay=group["weight_decay"], eps=group["eps"], maximize=False,
         )
+
+
+def _with_l2(params: list[torch.Tensor], grads: list[torch.Tensor], decays: list[float]) -> list[torch.Tensor]:
+    """G + wd·θ per param (G itself where wd is 0), one foreach add per distinct wd: the op
+    ``torch.optim.Adam`` applies for its L2 decay (``_foreach_add(grads, params, alpha=wd)``)."""
+    out = list(grads)
+    by_decay: dict[float, list[int]] = {}
+    for k, wd in enumerate(decays):
+        if wd:
+            by_decay.setdefault(wd, []).append(k)
+    for wd, ks in by_decay.items():
+        for k, g in zip(ks, torch._foreach_add([grads[k] for k in ks], [params[k] for k in ks], alpha=wd)):
+            out[k] = g
+    return out
 
 
 # ---- timing -----------------------------------------------------------------------------------

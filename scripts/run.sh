@@ -91,7 +91,10 @@ case "$cmd" in
         port="$("$venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
         # Megatron's validate_args wants this whenever TP > 1 (kernel ordering on pre-Blackwell GPUs).
         export CUDA_DEVICE_MAX_CONNECTIONS=1
-        config_text="$("$venv/bin/python" -m megatron_muon.megatron.yaml_config --lines configs/tiny-cpu.yaml "$@")"
+        # The config and ARGS, checked as the job's rank 0 of 2 will check them before torchrun
+        # starts anything (megatron_muon.megatron.preflight): a mistake is one line and exit 2.
+        config_text="$("$venv/bin/python" -m megatron_muon.megatron.preflight --lines --nproc 2 \
+            configs/tiny-cpu.yaml "$@")" || exit $?
         mapfile -t config_args <<< "$config_text"
         "$venv/bin/torchrun" --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$port" \
             scripts/pretrain_gpt.py "${config_args[@]}"

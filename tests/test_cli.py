@@ -23,11 +23,11 @@ from megatron_muon.megatron.cli import add_muon_args, muon_config_from_args
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --micro-batch-size 2 --train-iters 1 --lr 1e-3").split()
 
-# The CLI's documented defaults: upstream 0.19.2's flags (nesterov off, blockwise), momentum 0.95.
+# The CLI's documented defaults: upstream 0.19.2's flags (nesterov off), momentum 0.95, tp mode owner.
 CLI_DEFAULTS = MuonConfig(
     momentum=0.95, nesterov=False, split_qkv=True, split_fc1=True, scale_mode="spectral",
     extra_scale_factor=1.0, fp32_matmul_prec="medium", coefficient_type="quintic", num_ns_steps=5,
-    tp_mode="blockwise", dp_mode="owner", owner_bucket_bytes=256 * 2**20,
+    tp_mode="owner", dp_mode="owner", owner_bucket_bytes=256 * 2**20,
 )
 
 # (flags, MuonConfig field, value): every field is reached by some flag.
@@ -52,7 +52,7 @@ FLAG_TO_FIELD = [
     ("--muon-dp-layout megatron", "dp_layout", "megatron"),
     ("--muon-layout-alpha 0.75", "layout_alpha", 0.75),
     ("--muon-owner-bucket-size-mb 0.5", "owner_bucket_bytes", 2**19),
-    ("--muonbp-period 0", "muonbp_period", 0),  # 0 (BlockMuon) is valid with the default blockwise
+    ("--muonbp-period 0", "muonbp_period", 0),  # 0 (BlockMuon) is valid with any mode
     ("--muonbp-block-lr-mult 0.5", "muonbp_block_lr_mult", 0.5),
     ("--muon-log-stats", "log_stats", True),
 ]
@@ -74,7 +74,7 @@ BAD_VALUES = [
     ("--muonbp-period 5 --muon-tp-mode owner --muonbp-block-lr-mult inf", "--muonbp-block-lr-mult"),
     ("--muon-layout-alpha -0.1", "--muon-layout-alpha"),
     ("--muonbp-period -1 --muon-tp-mode owner", "--muonbp-period"),
-    ("--muonbp-period 5", "--muonbp-period 5"),  # full steps need an exact mode; default is blockwise
+    ("--muonbp-period 5 --muon-tp-mode blockwise", "--muon-tp-mode"),  # full steps need an exact mode
     ("--muonbp-period 5 --muon-tp-mode owner --muonbp-block-lr-mult 0", "--muonbp-block-lr-mult"),
     ("--muon-tp-mode auto --muon-auto-hardware tpu-v5", "--muon-auto-hardware"),
 ]
@@ -351,4 +351,4 @@ def test_messages_quote_the_value_the_user_gave(parser):
         muon_config_from_args(_parse(parser, "--muon-owner-bucket-size-mb -5"))
     blockwise = r"^--muon-tp-mode: expected an exact mode .* --muonbp-period 5, got 'blockwise'$"
     with pytest.raises(ValueError, match=blockwise):
-        muon_config_from_args(_parse(parser, "--muonbp-period 5"))
+        muon_config_from_args(_parse(parser, "--muonbp-period 5 --muon-tp-mode blockwise"))

@@ -10,6 +10,7 @@ the machine a config is meant for, and are given its answers (see ``_as_on_a_gpu
 from __future__ import annotations
 
 import importlib.util
+import subprocess
 import sys
 from pathlib import Path
 
@@ -108,8 +109,85 @@ def test_cli_prints_shell_quoted_args_then_extras(tmp_path, capsys):
     path = _write(tmp_path, "num_layers: 2\nsave: dir with space\n")
     assert main([str(path), "--lr", "1e-3"]) == 0
     assert capsys.readouterr().out == "--num-layers 2 --save 'dir with space' --lr 1e-3\n"
-    assert main([str(_write(tmp_path, "bogus_flag: 1\n"))]) == 1
-    assert "bogus_flag" in capsys.readouterr().err
+    assert main(["--lines", str(path), "--lr", "1e-3"]) == 0  # the format scripts/run.sh and slurm/ read
+    assert capsys.readouterr().out == "--num-layers\n2\n--save\ndir with space\n--lr\n1e-3\n"
+
+
+# --- errors: one line naming the file (and the line, where there is one) ------------------------
+
+# Each bad file → the message after "PATH" (PyYAML's 0-based marks are printed 1-based).
+BAD_FILES = [
+    pytest.param(b"", ": empty config; expected a mapping of flag names to values", id="empty"),
+    pytest.param(b"# only a comment\n\n", ": empty config; expected a mapping of flag names to values",
+                 id="comments-only"),
+    pytest.param(b"{}\n", ": empty config; expected a mapping of flag names to values", id="empty-mapping"),
+    pytest.param(b"- --num-layers\n- 2\n", ": a config must be a mapping of flag names to values, got list",
+                 id="a-list"),
+    pytest.param(b"num_layers: 2\n  lr: 3.0e-3\n", ":2:5: mapping values are not allowed here", id="indent"),
+    pytest.param(b"lr:\t3.0e-3\n", ":1:4: found character '\\t' that cannot start any token "
+                 "(while scanning for the next token)", id="tab"),
+    pytest.param(b"num_layers: 2\nlr: [1, 2\n", ":3:1: expected ',' or ']', but got '<stream end>' "
+                 "(while parsing a flow sequence at line 2)", id="unclosed-list"),
+    pytest.param(b"num_layers: 2\nlr\nsave: x\n", ":3:1: could not find expected ':' "
+                 "(while scanning a simple key at line 2)", id="no-colon"),
+    pytest.param(b"save: 'dir\n", ":2:1: found unexpected end of stream (while scanning a quoted scalar at line 1)",
+                 id="unclosed-quote"),
+    pytest.param(b"num_layers: 2\n- 3\n", ":2:1: expected <block end>, but found '-' "
+                 "(while parsing a block mapping at line 1)", id="mapping-then-list"),
+    pytest.param(b"--- {lr: 1}\n--- {lr: 2}\n", ":2:1: but found another document "
+                 "(expected a single document in the stream at line 1)", id="two-documents"),
+    pytest.param(b"lr: !!python/name:os.system\n", ":1:5: could not determine a constructor for the tag "
+                 "'tag:yaml.org,2002:python/name:os.system'", id="unsafe-tag"),
+    pytest.param(b"num_layers: 2\nlr: \x07\n", ":2:5: unacceptable character #x0007: special characters are not "
+                 "allowed", id="control-character"),
+    pytest.param(b"num_layers: 2\nsave: \xff\n", ":2: not UTF-8 text (byte 0xff: invalid start byte)",
+                 id="not-utf8"),
+    pytest.param(b"num_layers: 2\nsave: x\n\n# again\nnum_layers: 3\n",
+                 ":5:1: key 'num_layers' appears twice (first at line 1)", id="repeated-key"),
+    # Errors about a key's meaning (checked against the parser) name its line: SOURCE:LINE.
+    pytest.param(b"num_layers: 2\n\n# typo below\nnum_layerz: 3\n",
+                 ":4: unknown key 'num_layerz': no Megatron or megatron-muon flag --num-layerz "
+                 "(nor an option whose dest is 'num_layerz')", id="unknown-key"),
+    pytest.param(b"lr: 3.0e-3\nnum_layers: two\n", ":2: key 'num_layers' (--num-layers) expects an int, got 'two'",
+                 id="wrong-type"),
+    pytest.param(b"lr: 3.0e-3\nswiglu: 1\n", ":2: key 'swiglu' is an on/off flag; expected true or false, got 1",
+                 id="not-a-bool"),
+    pytest.param(b"lr: 3.0e-3\nlr_decay_style: fancy\n",  # Megatron's choices: pinned with megatron-core
+                 ":2: key 'lr_decay_style' (--lr-decay-style) must be one of constant, linear, cosine, "
+                 "inverse-square-root, WSD; got 'fancy'", id="not-a-choice"),
+    pytest.param(b"muon_split_fc1: true\nlr: 3.0e-3\nmuon_no_split_fc1: true\n",
+                 ":3: keys 'muon_split_fc1' and 'muon_no_split_fc1' both set 'muon_split_fc1'", id="same-setting"),
+    pytest.param(b"lr: 3.0e-3\n1: 2\n", ":2: key 1 is not a flag name", id="number-key"),
+]
+
+
+@pytest.mark.parametrize("content,message", BAD_FILES)
+def test_bad_config_is_one_line_naming_file_and_line(tmp_path, capsys, content, message):
+    path = tmp_path / "cfg.yaml"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as info:
+        load_yaml_args(path)
+    assert str(info.value) == f"{path}{message}"
+    assert main(["--lines", str(path)]) == 2  # 2: a usage/config error, as argparse exits
+    assert capsys.readouterr() == ("", f"error: {path}{message}\n")
+
+
+def test_missing_or_unreadable_file_named(tmp_path, capsys):
+    missing = tmp_path / "nope.yaml"
+    assert main([str(missing)]) == 2
+    assert capsys.readouterr() == ("", f"error: {missing}: no such config file\n")
+    assert main([str(tmp_path)]) == 2
+    assert capsys.readouterr() == ("", f"error: {tmp_path}: is a directory; expected a YAML config file\n")
+
+
+def test_cli_error_is_exactly_one_stderr_line_in_a_fresh_process(tmp_path):
+    """In a fresh interpreter the parser's first import of megatron-core warns (Transformer Engine,
+    Apex, CUDA) on stderr; the CLI holds that back, so the error is the only line."""
+    path = _write(tmp_path, "lr: 3.0e-3\nnum_layers: two\n")
+    done = subprocess.run([sys.executable, "-m", "megatron_muon.megatron.yaml_config", "--lines", str(path)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert (done.returncode, done.stdout) == (2, "")
+    assert done.stderr == f"error: {path}:2: key 'num_layers' (--num-layers) expects an int, got 'two'\n"
 
 
 # --- the shipped configs ---------------------------------------------------------------------

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
+from emerging_optimizers.orthogonalized_optimizers import muon_utils as eo_muon_utils
 from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz as eo_newton_schulz
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 
 from megatron_muon import newton_schulz, ns_flops
-from megatron_muon.core.newton_schulz import COEFFICIENT_SETS, coefficient_schedule
+from megatron_muon.core.newton_schulz import COEFFICIENT_SETS, coefficient_schedule, power_of_two_floor
 
 SHAPES = [(96, 40), (40, 96), (64, 64), (48, 24), (1, 7), (7, 1)]
+# Every coefficient-set name the installed emerging-optimizers knows (read from its table, so a
+# new set there fails test_every_emerging_set_is_ours until it is added here), plus our alias.
+EMERGING_SETS = sorted(eo_muon_utils._COEFFICIENT_SETS)
 
 
 def randn(*shape, seed=0, dtype=torch.float32):
@@ -27,10 +31,18 @@ def test_bitwise_equal_to_torch_optim_muon_in_bf16(shape):
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("name", ["jordan", "simple", "quintic", "polar_express", "cans", "aol"])
-@pytest.mark.parametrize("steps", [1, 3, 5, 9])
+def test_every_emerging_set_is_ours():
+    """Same names, same numbers (both tables hold the published decimals; a float compare is exact)."""
+    assert {"simple", "quintic", "polar_express", "cans", "aol", "deepseekv4"} <= set(EMERGING_SETS)
+    for name in EMERGING_SETS:
+        assert COEFFICIENT_SETS[name] == tuple(tuple(t) for t in eo_muon_utils._COEFFICIENT_SETS[name]), name
+
+
+@pytest.mark.parametrize("name", ["jordan", *EMERGING_SETS])
+@pytest.mark.parametrize("steps", [1, 3, 5, 9, 12])
 def test_named_sets_match_emerging_optimizers(name, steps):
-    """Steps 9 > every set's length, so the cycle / repeat-last rules are exercised."""
+    """Steps 9 > every set's length but deepseekv4's 10, 12 > that one, so the cycle /
+    repeat-last rules are exercised for every set."""
     g = randn(96, 40, seed=steps)
     theirs = eo_newton_schulz(g, steps, "simple" if name == "jordan" else name)
     ours = newton_schulz(g, steps, name)
@@ -87,6 +99,59 @@ def test_zero_matrix_and_zero_rows():
     # NS preserves zero rows, so zero-padding then cropping equals NS of the unpadded matrix.
     keep = [i for i in range(10) if i != 3]
     assert (padded[keep] - newton_schulz(x[keep])).abs().max().item() <= 1e-6
+
+
+def test_deepseekv4_schedule_repeats_its_last_step():
+    ds = COEFFICIENT_SETS["deepseekv4"]
+    assert len(ds) == 10 and ds[:8] == (COEFFICIENT_SETS["jordan"][0],) * 8 and ds[8:] == ((2.0, -1.5, 0.5),) * 2
+    assert coefficient_schedule("deepseekv4", 12) == list(ds) + [ds[-1], ds[-1]]
+
+
+@pytest.mark.parametrize("dtype, power", [(torch.float32, 100), (torch.bfloat16, 125), (torch.float16, 10)])
+@pytest.mark.parametrize("shape", [(96, 40), (40, 96), (3, 48, 24)])
+def test_huge_entries_give_the_update_of_the_scaled_down_matrix(shape, dtype, power):
+    """NS is scale-invariant. Entries ~1e30 (fp32), next to bf16's max 3.4e38 (randn's largest
+    entries ~4.5 × 2^125 < 2^128) or to fp16's 65504 (× 2^10) used to overflow ‖X‖_F to inf and
+    return zeros. Scaling by 2^power is exact and so is the power-of-two prescale, so the
+    result is bitwise the unscaled one (atol = 0)."""
+    x = randn(*shape, seed=11).to(dtype)
+    want = newton_schulz(x)
+    assert want.abs().max() > 0.1
+    assert torch.equal(newton_schulz(x * 2.0**power), want)
+
+
+def test_huge_entries_not_a_power_of_two():
+    x = randn(64, 32, seed=12)
+    got = newton_schulz(x * 1e30)
+    # x·1e30 rounds each entry (relative 6e-8); the normalized iterate carries that through
+    # five fp32 iterations that amplify by at most ~10: 1e-5 is the fp32 bound used throughout.
+    assert (got - newton_schulz(x)).abs().max().item() <= 1e-5
+
+
+def test_non_finite_input_gives_non_finite_output():
+    """An inf or NaN gradient (which Megatron's found-inf check skips) must not come out as a
+    silent zero update."""
+    for bad in (float("inf"), float("nan")):
+        x = randn(8, 5, seed=13)
+        x[2, 3] = bad
+        assert not torch.isfinite(newton_schulz(x)).all()
+
+
+def test_power_of_two_floor():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        a = torch.tensor([0.0, 0.3, 1.0, 3.0, 1e4, float("inf"), float("nan")]).to(dtype)
+        got = power_of_two_floor(a)
+        assert got.dtype == dtype
+        assert got.tolist()[:5] == [1.0, 0.25, 1.0, 2.0, 8192.0] and got.tolist()[5:] == [float("inf")] * 2
+    assert power_of_two_floor(torch.tensor(3e38)).item() == 2.0**127  # fp32's largest power of two
+    assert power_of_two_floor(torch.tensor(1e-40)).item() == 1.0  # subnormal: no scaling
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (0, 0), (3, 0, 5), (3, 5, 0), (0, 4, 6)])
+def test_empty_matrices_give_an_empty_result(shape):
+    x = torch.ones(shape, dtype=torch.bfloat16)
+    got = newton_schulz(x)
+    assert got.shape == shape and got.dtype == torch.bfloat16
 
 
 def test_ns_flops():

@@ -61,10 +61,107 @@ def test_matches_muon_and_adamw(nesterov, scale_mode):
     assert opt.muon_steps == 3
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_l2_weight_decay_matches_emerging_muon_and_torch_adam(nesterov):
+    """decoupled_weight_decay False (Megatron's OptimizerConfig field): G + wd·θ into the Muon
+    momentum, as emerging-optimizers' Muon(weight_decay_method="l2"), and into Adam's moments,
+    as torch.optim.Adam(weight_decay=wd)."""
+    from emerging_optimizers.orthogonalized_optimizers.muon import Muon as EmergingMuon
+
+    def run(decoupled: bool) -> dict:
+        cfg = MuonConfig(momentum=0.9, nesterov=nesterov, extra_scale_factor=0.5, fp32_matmul_prec="highest",
+                         coefficient_type="quintic")
+        params = _model()
+        opt = MuonWithAdamW(
+            [dict(params=[params["qkv"], params["proj"]], algorithm="muon", weight_decay=0.1),
+             dict(params=[params["bias"], params["emb"]], algorithm="adamw", weight_decay=0.01)],
+            lr=0.02, betas=(0.9, 0.95), eps=1e-8, config=cfg, decoupled_weight_decay=decoupled,
+        )
+        for step in range(3):
+            _grads(params, step)
+            opt.step()
+        return params
+
+    ours = run(decoupled=False)
+    ref = _model()
+    ref_muon = EmergingMuon([ref["qkv"], ref["proj"]], lr=0.02, momentum=0.9, weight_decay=0.1, nesterov=nesterov,
+                            weight_decay_method="l2", fp32_matmul_prec="highest", coefficient_type="quintic",
+                            extra_scale_factor=0.5)
+    ref_adam = torch.optim.Adam([ref["bias"], ref["emb"]], lr=0.02, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.01)
+    for step in range(3):
+        _grads(ref, step)
+        ref_muon.step()
+        ref_adam.step()
+    # Adam: torch's own foreach code with decoupled_weight_decay False, bitwise the single-tensor
+    # code torch.optim.Adam takes on CPU (test_adamw_foreach_is_single_tensor_bitwise): atol = 0.
+    assert torch.equal(ours["bias"], ref["bias"]) and torch.equal(ours["emb"], ref["emb"])
+    # Muon: same math in fp32; emerging normalizes with F.normalize and multiplies the update by
+    # its scale where we fold it into add_'s alpha: fp32 rounding of entries of size ~1 (measured
+    # max 1.2e-7, one ulp, as in test_matches_muon_and_adamw), hence 1e-6.
+    for k in ("qkv", "proj"):
+        assert (ours[k] - ref[k]).abs().max().item() <= 1e-6
+    # The flag is real: decoupled decay moves every parameter by far more than that.
+    decoupled = run(decoupled=True)
+    for k in ours:
+        assert (ours[k] - decoupled[k]).abs().max().item() > 1e-4
+
+
+@pytest.mark.parametrize("power", [100, 125])
+def test_huge_gradients_give_the_update_of_scaled_down_ones(power):
+    """‖G‖_F of a gradient with entries ~1e30 (2^100) or next to bf16's max (2^125: randn's
+    largest entries here, ~4.5, stay below 2^128) overflows; unless NS scales before its norm,
+    the Muon update is silently zero. NS is scale-invariant and a power-of-two scale is exact at
+    every stage (momentum, bf16 cast, prescale), so the params are bitwise those of the
+    unscaled run (atol = 0)."""
+
+    def run(scale: float) -> dict:
+        params = _model()
+        before = {k: p.detach().clone() for k, p in params.items()}
+        opt = MuonWithAdamW([dict(params=[params["qkv"], params["proj"]], algorithm="muon", weight_decay=0.1)],
+                            lr=0.02, config=MuonConfig(tp_mode="owner"))  # bf16 NS: upstream's default
+        for step in range(2):
+            _grads(params, step)
+            for k in ("qkv", "proj"):
+                params[k].grad *= scale
+            opt.step()
+        return {k: params[k] - before[k] for k in ("qkv", "proj")}
+
+    plain, huge = run(1.0), run(2.0**power)
+    for k in plain:
+        assert plain[k].abs().max() > 1e-2  # a real update, not weight decay alone (~4e-3 · |θ|)
+        assert torch.equal(plain[k], huge[k])
+
+
+@pytest.mark.parametrize("scale_mode", ["spectral", "shape_scaling", "unit_rms_norm"])
+def test_empty_matrices_are_a_no_op(scale_mode):
+    """A (0, n), (n, 0) or (0, 0) parameter in a Muon group has an empty update; the other
+    matrices step exactly as without it (atol = 0: the same NS on the same batch)."""
+    cfg = MuonConfig(scale_mode=scale_mode, fp32_matmul_prec="highest")
+
+    def run(with_empty: bool):
+        params = _model()
+        empty = [torch.nn.Parameter(torch.zeros(s)) for s in ((0, 5), (5, 0), (0, 0))] if with_empty else []
+        opt = MuonWithAdamW([dict(params=[*empty, params["proj"]], algorithm="muon", weight_decay=0.1)], lr=0.02,
+                            config=cfg)
+        for step in range(2):
+            _grads(params, step)
+            for p in empty:
+                p.grad = torch.zeros_like(p)
+            opt.step()
+        return params["proj"], empty, opt
+
+    proj, empty, opt = run(True)
+    assert torch.equal(proj, run(False)[0])
+    for p in empty:
+        assert p.numel() == 0 and opt.state[p]["momentum_buffer"].shape == p.shape
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
 @pytest.mark.parametrize("shapes", [[(16,), (40, 16)], [(256,), (512, 256), (3, 7)], [(1000,), (128, 1024)]])
-def test_adamw_foreach_is_single_tensor_bitwise(shapes):
+def test_adamw_foreach_is_single_tensor_bitwise(shapes, decoupled):
     """The premise of MuonWithAdamW's foreach AdamW: on CPU fp32, torch's foreach path does the
-    single-tensor path's arithmetic, op for op (atol = 0), over several steps with weight decay."""
+    single-tensor path's arithmetic, op for op (atol = 0), over several steps with weight decay,
+    decoupled (AdamW) or L2 (Adam)."""
     from torch.optim.adam import adam
 
     def run(foreach: bool) -> list[torch.Tensor]:
@@ -76,7 +173,7 @@ def test_adamw_foreach_is_single_tensor_bitwise(shapes):
             grads = [torch.randn(p.shape, generator=g) for p in params]
             adam(params, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=foreach, capturable=False,
                  differentiable=False, fused=None, grad_scale=None, found_inf=None, has_complex=False,
-                 decoupled_weight_decay=True, amsgrad=False, beta1=0.9, beta2=0.95, lr=0.02, weight_decay=0.01,
+                 decoupled_weight_decay=decoupled, amsgrad=False, beta1=0.9, beta2=0.95, lr=0.02, weight_decay=0.01,
                  eps=1e-8, maximize=False)
         return params
 

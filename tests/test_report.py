@@ -63,3 +63,33 @@ def test_writers_get_the_scalars(monkeypatch):
     monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", None)
     monkeypatch.setattr(global_vars, "_GLOBAL_WANDB_WRITER", None)
     write_scalars([_inner("muon")], 41)  # no writer configured: nothing to do, nothing raised
+
+
+def _report(tp_mode: str, tp: int, **config) -> str:
+    """The startup report of one 64x32 TP-row-sharded matrix plus a norm (one process)."""
+    import torch
+
+    from megatron_muon.config import MuonConfig
+    from megatron_muon.core.matrix_layout import MatrixLayout
+    from megatron_muon.megatron.report import startup_report
+    from megatron_muon.optimizer import MuonMatrix, MuonWithAdamW
+
+    chunk = torch.nn.Module()
+    chunk.linear_fc2 = torch.nn.Linear(32, 64 // tp, bias=False)
+    chunk.norm = torch.nn.LayerNorm(32, bias=False)
+    muon_config = MuonConfig(tp_mode=tp_mode, **config)
+    inner = MuonWithAdamW([{"params": [chunk.linear_fc2.weight], "algorithm": "muon"},
+                           {"params": [chunk.norm.weight], "algorithm": "adamw"}], lr=0.01, config=muon_config)
+    layout = MatrixLayout("chunk0.decoder.layers.0.mlp.linear_fc2.weight", (64 // tp, 32), 0, tp)
+    inner.attach([MuonMatrix(layout, chunk.linear_fc2.weight)])
+    return startup_report(inner, [chunk], muon_config, tp=tp, dp=1)
+
+
+def test_blockwise_at_tp_above_one_is_announced_as_blockmuon():
+    """Item 7 of issue 13: a run that is BlockMuon says so at startup and names the exact flag."""
+    line = ("  BlockMuon: tp mode blockwise orthogonalizes each TP shard on its own, an update that changes "
+            "with the TP size (not Muon); --muon-tp-mode owner (muon_tp_mode='owner') is exact")
+    assert line in _report("blockwise", 2).splitlines()
+    assert "BlockMuon" not in _report("owner", 2)
+    assert "BlockMuon" not in _report("blockwise", 1)  # one TP rank: blockwise is Muon
+    assert "BlockMuon" not in _report("blockwise", 2, muonbp_period=0)  # MuonBP says what it does

@@ -23,6 +23,10 @@ from megatron_muon.parallel.tp_modes import DEFAULT_BUCKET_BYTES, distributed_ns
 
 WORLD_SIZES = (1, 2, 3, 4)
 EXACT_MODES = ("duplicated", "distributed", "owner")
+ALL_MODES = ("duplicated", "distributed", "blockwise", "owner", "auto")
+# (dtype, power of two) of the huge-gradient check: fp32 entries ~1e30 (2^100), and bf16 ones
+# next to bf16's max 3.4e38 (randn's largest entries here, ~4.5, times 2^125 < 2^128).
+HUGE = ((torch.float32, 100), (torch.bfloat16, 125))
 BASE_SHAPES = {"tall": (96, 40), "wide": (40, 96), "square": (64, 64), "odd": (48, 24)}
 PDIMS = (0, 1, None)
 COPIES = 2
@@ -92,7 +96,8 @@ def _tp_worker(rank: int, t: int) -> dict:
     fulls = [make_full(i, shape) for i, (_, _, _, shape) in enumerate(cases)]
     pdims = [pdim for _, pdim, _, _ in cases]
     shards = [shard_of(f, p, t, rank) for f, p in zip(fulls, pdims)]
-    out: dict = {"pieces": {}, "stats": {}, "single": {}, "emerging": {}, "ours_quintic": {}}
+    out: dict = {"pieces": {}, "stats": {}, "single": {}, "emerging": {}, "ours_quintic": {}, "huge": {},
+                 "empty": {}, "empty_updates": {}}
 
     for mode in ("duplicated", "distributed", "owner", "blockwise"):
         with comm_stats() as stats:
@@ -122,6 +127,22 @@ def _tp_worker(rank: int, t: int) -> dict:
                     [shards[i]], [pdim], mode=mode, coefficients="quintic"
                 )[0]
 
+    # Huge entries: orthogonalization is scale-invariant, so shards scaled by a power of two give
+    # the same pieces; ‖X‖_F of such a matrix overflows unless it is scaled down first.
+    for mode in ALL_MODES:
+        for dtype, power in HUGE:
+            base = [x.to(dtype) for x in shards]
+            out["huge"][(mode, dtype)] = (orthogonalize_sharded(base, pdims, mode=mode),
+                                          orthogonalize_sharded([x * 2.0**power for x in base], pdims, mode=mode))
+
+    # Empty matrices next to a real one: empty results, the real one as alone.
+    empty = [torch.zeros(0, 4), torch.zeros(0, 4), torch.zeros(4, 0), torch.zeros(4, 0)]
+    alone = [dist.new_group([r]) for r in range(t)][rank]  # a level of this rank alone (None = the world)
+    for mode in ALL_MODES:
+        with_empty = orthogonalize_sharded([*empty, shards[0]], [0, 1, 0, None, pdims[0]], mode=mode)
+        out["empty"][mode] = (with_empty, orthogonalize_sharded([shards[0]], [pdims[0]], mode=mode)[0])
+        out["empty_updates"][mode] = _updates_with_empty(shards[0], pdims[0], rank, t, mode, alone)
+
     # A small bucket forces several exchange rounds; the result must not depend on it.
     bucket = 8 * 1024
     with comm_stats() as stats:
@@ -130,6 +151,35 @@ def _tp_worker(rank: int, t: int) -> dict:
     out["pieces"]["duplicated_small_bucket"] = orthogonalize_sharded(
         shards, pdims, mode="duplicated", bucket_bytes=bucket
     )
+    return out
+
+
+def _updates_with_empty(shard, pdim, rank: int, t: int, mode: str, alone) -> dict:
+    """``orthogonalize_updates`` on empty layouts next to a real one, over TP (the group) and
+    over DP (the group, the real matrix cut in t flat ranges as the distributed optimizer cuts
+    it), each against the same call without the empty ones. ``alone``: a group of this rank
+    only, for the level that is not under test."""
+    from megatron_muon.core.matrix_layout import MatrixLayout
+    from megatron_muon.parallel.orthogonalize import orthogonalize_updates
+
+    n = shard.numel()
+    cuts = [(r * n // t, (r + 1) * n // t) for r in range(t)]
+    setups = {
+        "tp": ([MatrixLayout("e0", (0, 4), 0, t), MatrixLayout("e1", (4, 0), None, t),
+                MatrixLayout("w", tuple(shard.shape), pdim, t)], shard.reshape(-1),
+               dict(tp_group=dist.group.WORLD, dp_group=alone)),
+        "dp": ([MatrixLayout("e0", (0, 4), None, 1, dp_ranges=((0, 0),) * t),
+                MatrixLayout("e1", (4, 0), None, 1, dp_ranges=((0, 0),) * t),
+                MatrixLayout("w", tuple(shard.shape), None, 1, dp_ranges=tuple(cuts))],
+               shard.reshape(-1)[slice(*cuts[rank])], dict(dp_group=dist.group.WORLD, tp_group=alone)),
+    }
+    out = {}
+    for name, (lays, piece, groups) in setups.items():
+        if name == "dp" and mode != "owner":
+            continue  # DP has no TP mode of its own: one mode is enough
+        kwargs = dict(tp_mode=mode, ns_dtype=torch.float32, **groups)
+        with_empty = orthogonalize_updates([torch.zeros(0), torch.zeros(0), piece], lays, **kwargs)
+        out[name] = (with_empty, orthogonalize_updates([piece], lays[2:], **kwargs)[0])
     return out
 
 
@@ -230,6 +280,35 @@ def test_against_emerging_optimizers_newton_schulz_tp(world):
             assert err <= FP32_ATOL, f"{mode} t={t} {name} pdim={pdim}: {err:.2e} from emerging-optimizers"
 
 
+@pytest.mark.parametrize("dtype, power", HUGE, ids=["fp32_2^100", "bf16_2^125"])
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_huge_entries_give_the_update_of_the_scaled_down_matrix(world, mode, dtype, power):
+    """Every mode divides by a power of two near the largest entry (one agreed on by all ranks
+    in distributed) before the Frobenius norm. Scaling the input by 2^power is exact, so is that
+    division, so the pieces are bitwise those of the unscaled matrices (atol = 0). Without the
+    scaling the norm overflows to inf and every piece is zero."""
+    t, ranks = world
+    for rank, r in enumerate(ranks):
+        plain, huge = r["huge"][(mode, dtype)]
+        for i, (a, b) in enumerate(zip(plain, huge)):
+            assert a.dtype == dtype and a.abs().max() > 0.1  # a real update, not a silent zero
+            assert torch.equal(a, b), f"{mode} {dtype} t={t} rank {rank} matrix {i}: {(a - b).abs().max():.2e}"
+
+
+@pytest.mark.parametrize("mode", ALL_MODES)
+def test_empty_matrices_are_a_no_op(world, mode):
+    """(0, n) and (n, 0) shards, split or replicated: empty results, and the real matrix next to
+    them gets bitwise the result it gets alone (atol = 0: the empty ones never reach a mode)."""
+    t, ranks = world
+    for r in ranks:
+        with_empty, alone = r["empty"][mode]
+        assert [tuple(x.shape) for x in with_empty[:4]] == [(0, 4), (0, 4), (4, 0), (4, 0)]
+        assert torch.equal(with_empty[4], alone)
+        for name, (updates, alone) in r["empty_updates"][mode].items():
+            assert [x.numel() for x in updates[:2]] == [0, 0], name
+            assert torch.equal(updates[2], alone), name
+
+
 # ---- accounting ----------------------------------------------------------------------------
 
 
@@ -289,8 +368,9 @@ def test_duplicated_and_distributed_traffic_and_flops(world):
     meta = _shape_check_bytes(t, len(cases)) if t > 1 else 0
     gather = sum(r * c * 4 // t * (t - 1) for _, p, _, (r, c) in cases if p is not None and t > 1)
     full_flops = sum(ns_flops(*s) for *_, s in cases)
-    # distributed: per same-shape group (COPIES matrices), one norm all-reduce of COPIES
-    # floats and five Gram all-reduces of COPIES × k × k floats, ring-counted.
+    # distributed: per same-shape group (COPIES matrices), two norm all-reduces of COPIES
+    # floats (the overflow-safe scale, the squares) and five Gram all-reduces of COPIES × k × k
+    # floats, ring-counted.
     ring = lambda nbytes: 2 * (t - 1) * nbytes // t
     dist_bytes = 0
     dist_flops = 0
@@ -301,7 +381,7 @@ def test_duplicated_and_distributed_traffic_and_flops(world):
         k, local_cols = (cols, rows // t) if pdim == 0 else (rows, cols // t)
         dist_flops += distributed_ns_flops(k, local_cols)
         if copy == 0:
-            dist_bytes += ring(COPIES * 4) + 5 * ring(COPIES * k * k * 4)
+            dist_bytes += 2 * ring(COPIES * 4) + 5 * ring(COPIES * k * k * 4)
     for r in ranks:
         assert r["stats"]["duplicated"]["bytes_sent"] == gather + meta
         assert r["stats"]["duplicated"]["ns_flops"] == full_flops  # t-fold redundant

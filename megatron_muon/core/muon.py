@@ -42,12 +42,16 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> fl
 
     ``original`` (Keller Jordan): lr·sqrt(max(1, rows/cols));
     ``match_rms_adamw`` (Moonlight, arXiv 2502.16982): lr·0.2·sqrt(max(rows, cols)).
+    An empty matrix (rows or cols 0) has nothing to update: lr unchanged (torch's rows/cols
+    would divide by zero for cols 0).
     """
+    if adjust_lr_fn is not None and adjust_lr_fn not in ADJUST_LR_FNS:
+        raise ValueError(f"Muon: adjust_lr_fn must be one of {ADJUST_LR_FNS} or None, got {adjust_lr_fn!r}")
+    if rows == 0 or cols == 0:
+        return lr
     if adjust_lr_fn is None or adjust_lr_fn == "original":
         return lr * math.sqrt(max(1.0, rows / cols))
-    if adjust_lr_fn == "match_rms_adamw":
-        return lr * 0.2 * math.sqrt(max(rows, cols))
-    raise ValueError(f"Muon: adjust_lr_fn must be one of {ADJUST_LR_FNS} or None, got {adjust_lr_fn!r}")
+    return lr * 0.2 * math.sqrt(max(rows, cols))  # match_rms_adamw
 
 
 class Muon(torch.optim.Optimizer):

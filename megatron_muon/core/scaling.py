@@ -23,13 +23,19 @@ SCALE_MODES = ("spectral", "shape_scaling", "unit_rms_norm")
 
 
 def muon_scale(rows: int, cols: int, mode: str = "spectral", extra_scale_factor: float = 1.0) -> float:
-    """The factor an orthogonalized rows × cols update is multiplied by before the lr step."""
+    """The factor an orthogonalized rows × cols update is multiplied by before the lr step.
+
+    0 for an empty matrix (rows or cols 0): it has no entry to update, and the ratios below
+    would divide by zero.
+    """
+    if mode not in SCALE_MODES:
+        raise ValueError(f"--muon-scale-mode: expected one of {SCALE_MODES}, got {mode!r}")
+    if rows == 0 or cols == 0:
+        return 0.0
     if mode == "spectral":
         base = math.sqrt(max(rows, cols))
     elif mode == "shape_scaling":
         base = math.sqrt(max(1.0, rows / cols))
-    elif mode == "unit_rms_norm":
+    else:  # unit_rms_norm
         base = math.sqrt(rows / cols)
-    else:
-        raise ValueError(f"--muon-scale-mode: expected one of {SCALE_MODES}, got {mode!r}")
     return base * extra_scale_factor

@@ -6,6 +6,12 @@
     hooks         install(): the hooks behind patches/pretrain_gpt.patch; Muon scalars to TensorBoard / W&B
     report        the startup report (rank 0, once): routing, modes, DP cuts, the step's plan
     yaml_config   YAML experiment configs → Megatron flags, checked by Megatron's own parser
+    startup_checks  what --optimizer muon refuses at startup; --load that names no checkpoint
+    preflight     the whole command line checked before torchrun starts (run.sh, sbatch)
+    errors        UserInputError: one line from rank 0, exit code 2
+    integrity     checkpoint checksums (save / load), finite state after a load
+    resharding    Megatron's refusal of a TP/PP change, explained in one line
+    data_check    every dataset's .bin as long as its .idx says
     cpu_patches   the CUDA-isms megatron-core needs shimmed on a machine without CUDA
 
 The exports below load on first use (PEP 562), so ``import megatron_muon`` (which reaches

@@ -5,8 +5,12 @@
 we keep every one with its upstream meaning and only
 
 - accept ``owner`` and ``auto`` for ``--muon-tp-mode`` (the exact mode, and the cost model's
-  per-matrix choice among the exact modes; upstream's default stays the default, so an existing
-  command line computes what it computed before),
+  per-matrix choice among the exact modes), and default it to ``owner``: upstream 0.19.2
+  defaults to ``blockwise``, which at TP > 1 silently runs BlockMuon, a different algorithm
+  whose update depends on the TP size; megatron-core's main branch now defaults to the exact
+  ``duplicated``. ``owner`` computes the same update as ``duplicated`` with a fraction of its
+  Newton-Schulz work per rank (docs/tp_modes.md); ``auto`` is not the default because its
+  choice depends on a cost model's hardware constants, and a default should not,
 - accept ``highest`` for ``--muon-fp32-matmul-prec`` (fp32 Newton–Schulz, like ``high``),
 - default ``--muon-momentum`` to 0.95, the value of upstream's ``OptimizerConfig`` and of
   ``torch.optim.Muon`` (upstream's CLI alone says 0.9; we use 0.95 on every path),
@@ -39,8 +43,9 @@ _TP_MODE_HELP = (
     "(exact). auto (megatron-muon; exact): per matrix, the cheapest of owner, duplicated and "
     "distributed by the cost model on --muon-auto-hardware. "
     "blockwise: each shard orthogonalized on its own, so the update depends on the TP "
-    "size. The default stays Megatron's (blockwise in megatron-core 0.19.2) so that an existing "
-    "command line computes the same thing; pass --muon-tp-mode owner for the exact update."
+    "size (BlockMuon, not Muon). Default: owner, exact at every TP size (megatron-core 0.19.2 "
+    "defaults to blockwise and its main branch to duplicated; owner gives duplicated's update "
+    "with a fraction of its Newton-Schulz work)."
 )
 
 # Upstream megatron-core 0.19.2 flags (megatron/training/arguments.py), used only when the parser
@@ -59,8 +64,8 @@ _UPSTREAM_FLAGS: list[tuple[tuple[str, ...], dict]] = [
                                         help="Newton-Schulz coefficient set (quintic, simple, "
                                              "polar_express, aol, cans, jordan).")),
     (("--muon-num-ns-steps",), dict(type=int, default=5, help="Number of Newton-Schulz steps.")),
-    (("--muon-tp-mode",), dict(type=str, default="blockwise",
-                               choices=["blockwise", "duplicated", "distributed"])),
+    (("--muon-tp-mode",), dict(type=str, default="owner",
+                               choices=["blockwise", "duplicated", "distributed", "owner", "auto"])),
     (("--muon-extra-scale-factor",), dict(type=float, default=1.0,
                                           help="Additional scale factor for the Muon update.")),
     (("--muon-scalar-optimizer",), dict(type=str, default="adam", choices=["adam", "lion"],
@@ -95,6 +100,7 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_choice(tp_mode, "owner")
     _add_choice(tp_mode, "auto")
     tp_mode.help = _TP_MODE_HELP
+    parser.set_defaults(muon_tp_mode="owner")
 
     prec = _action(parser, "--muon-fp32-matmul-prec")
     _add_choice(prec, "highest")
@@ -183,7 +189,8 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
     """The ``MuonConfig`` the flags in ``args`` describe; ``ValueError`` names a bad flag.
 
-    A flag missing from ``args`` takes its CLI default (upstream 0.19.2's, momentum 0.95).
+    A flag missing from ``args`` takes its CLI default (upstream 0.19.2's, but momentum 0.95 and
+    ``--muon-tp-mode owner``).
     """
     def get(dest: str, default):
         return getattr(args, dest, default)
@@ -209,7 +216,7 @@ def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
         fp32_matmul_prec=prec,
         coefficient_type=get("muon_coefficient_type", DEFAULT_COEFFICIENTS),
         num_ns_steps=get("muon_num_ns_steps", 5),
-        tp_mode=get("muon_tp_mode", "blockwise"),
+        tp_mode=get("muon_tp_mode", "owner"),
         auto_hardware=get("muon_auto_hardware", "detect"),
         dp_mode=get("muon_dp_mode", "owner"),
         dp_layout=get("muon_dp_layout", "balanced"),

@@ -6,8 +6,9 @@ Usage: call ``install()`` before Megatron first parses the command line
     import megatron_muon.megatron.hooks
     megatron_muon.megatron.hooks.install()
 
-``install()`` (idempotent) replaces five module attributes of megatron-core 0.19.2's training
-package; each exists because Megatron itself would do something else:
+``install()`` (idempotent) replaces eight module attributes of megatron-core 0.19.2's training
+package, and ``sys.excepthook`` (``errors.py``: an uncaught ``UserInputError`` is one line and
+exit code 2); each exists because Megatron itself would do something else:
 
 1. ``megatron.training.arguments.add_megatron_arguments``: now also runs ``add_muon_args``.
    An ``extra_args_provider`` is not enough: Megatron parses ``sys.argv`` again without it
@@ -19,10 +20,12 @@ package; each exists because Megatron itself would do something else:
    layer-wise distributed optimizer (``use_distributed_optimizer=False``), which also changes how
    the model's DDP buffers are built. megatron-muon runs inside Megatron's real ZeRO-1
    ``DistributedOptimizer``, so with ``--optimizer muon`` the wrapper shows ``validate_args``
-   ``optimizer='adam'`` (every other check runs as for Adam) and restores ``'muon'`` after. It
-   re-imposes the checks Megatron makes for emerging optimizers that this skips, rejects what the
-   plugin does not support, and builds the ``MuonConfig`` once, so a bad flag fails at startup
-   with a one-line error naming it. It records ``args.megatron_muon`` (True: the plugin runs).
+   ``optimizer='adam'`` (every other check runs as for Adam) and restores ``'muon'`` after.
+   Before, ``startup_checks.check_supported_args`` refuses what the plugin does not support and
+   checks every ``--muon-*`` value (``MuonConfig``); after, ``check_resume`` refuses a ``--load``
+   that would silently start from scratch and ``data_check`` the data files. Megatron's own
+   failed checks (``assert``s) become one line too. It records ``args.megatron_muon`` (True: the
+   plugin runs). The parser's ``error`` prints one line instead of the 1,500-line usage.
 3. ``megatron.training.training.get_megatron_optimizer`` (the name ``setup_model_and_optimizer``
    calls). A dispatcher: ``get_megatron_muon_optimizer`` when the plugin runs, else the original.
 4. ``megatron.training.training.training_log``: with ``--muon-log-stats`` the iteration log line
@@ -37,16 +40,31 @@ package; each exists because Megatron itself would do something else:
    ``DistributedOptimizer.compute_full_param_layout``'s. Megatron's own seam: DDP accepts a
    ``full_param_layout``, which is how its layer-wise optimizer lays out its buffers.
 
+6. ``megatron.training.yaml_arguments.validate_yaml``: Megatron's experimental ``--yaml-cfg``
+   validates with it instead of ``validate_args``, so none of the above would run; with
+   ``--optimizer muon`` it is refused at startup, pointing at ``yaml_config``.
+7. ``megatron.training.training.save_checkpoint``: after a persistent synchronous save, the
+   checksum of every file (``integrity.write_checksums``).
+8. ``megatron.training.training.load_checkpoint``: before the load the checksums are verified,
+   a load Megatron refuses for a TP/PP change is explained in one line (``resharding.py``), and
+   after it the loaded main params and optimizer state are checked finite.
+
 ``--optimizer dist_muon`` (deprecated upstream) and the other emerging optimizers keep upstream's
-implementations. ``--yaml-cfg`` bypasses ``validate_args``; with it ``--optimizer muon`` is
-refused by the dispatcher (the hook did not run).
+implementations, and none of the checks above applies to them.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import time
+import traceback
 
 from .cli import add_muon_args, muon_config_from_args
+from .errors import UserInputError, install_excepthook, print_error
+from .startup_checks import check_data_files as check_data
+from .startup_checks import check_resume, check_supported_args
 
 __all__ = ["install"]
 
@@ -54,26 +72,13 @@ ACTIVE = "megatron_muon"  # attribute on Megatron's args: True when --optimizer 
 _ORIGINAL = "__megatron_muon_original__"  # marks (and keeps the original of) a wrapped function
 
 
-def check_supported_args(args) -> None:
-    """Reject, with ``ValueError`` naming the flag, what ``--optimizer muon`` cannot run with."""
-    rejected = [
-        (args.fp16, "--fp16: not supported with --optimizer muon (loss-scaled momentum is not handled); use --bf16"),
-        (args.use_megatron_fsdp,
-         "--use-megatron-fsdp: not supported with --optimizer muon; use --use-distributed-optimizer"),
-        (args.use_torch_fsdp2,
-         "--use-torch-fsdp2: not supported with --optimizer muon; use --use-distributed-optimizer"),
-        (args.ckpt_format not in ("torch", "torch_dist"),
-         f"--ckpt-format {args.ckpt_format}: --optimizer muon supports torch and torch_dist"),
-        (getattr(args, "dump_param_to_param_group_map", None) is not None,
-         "--dump-param-to-param-group-map: not supported with --optimizer muon"),
-        (getattr(args, "muon_dp_mode", "owner") == "redundant" and args.use_distributed_optimizer,
-         "--muon-dp-mode redundant: needs whole matrices on every DP rank; "
-         "drop --use-distributed-optimizer or use owner"),
-    ]
-    for bad, message in rejected:
-        if bad:
-            raise ValueError(message)
-    muon_config_from_args(args)  # every --muon-* value, checked by MuonConfig
+def _megatron_validation_error(err: Exception) -> UserInputError:
+    """Megatron's own check failed (mostly ``assert``s): its message, or the failing line, as one line."""
+    message = str(err).strip()
+    if not message:  # a bare assert: name the check that failed
+        frame = traceback.extract_tb(err.__traceback__)[-1]
+        message = f"{type(err).__name__} at {os.path.basename(frame.filename)}:{frame.lineno}: {frame.line}"
+    return UserInputError(f"Megatron's validate_args: {message}")
 
 
 def _wrap_validate_args(validate_args):
@@ -81,16 +86,22 @@ def _wrap_validate_args(validate_args):
     def wrapper(args, defaults={}):  # noqa: B006 (Megatron's signature)
         if args.optimizer != "muon":
             if getattr(args, "muon_tp_mode", None) in ("owner", "auto") and "muon" in args.optimizer:
-                raise ValueError(f"--muon-tp-mode {args.muon_tp_mode}: needs --optimizer muon (megatron-muon), "
-                                 f"not {args.optimizer}")
+                raise UserInputError(f"--muon-tp-mode {args.muon_tp_mode}: needs --optimizer muon "
+                                     f"(megatron-muon), not {args.optimizer}")
             setattr(args, ACTIVE, False)
             return validate_args(args, defaults)
         check_supported_args(args)
         args.optimizer = "adam"  # keep --use-distributed-optimizer as Megatron's distributed optimizer
         try:
             result = validate_args(args, defaults)
+        except (AssertionError, ValueError, TypeError) as err:
+            if isinstance(err, UserInputError):
+                raise
+            raise _megatron_validation_error(err) from err
         finally:
             args.optimizer = "muon"
+        check_resume(args)
+        check_data(args)
         setattr(args, ACTIVE, True)
         if getattr(args, "rank", 0) == 0:
             print("megatron-muon: --optimizer muon runs megatron_muon (validated as adam so that "
@@ -98,6 +109,22 @@ def _wrap_validate_args(validate_args):
         return result
 
     setattr(wrapper, _ORIGINAL, validate_args)
+    return wrapper
+
+
+def _wrap_validate_yaml(validate_yaml):
+    """Megatron's experimental ``--yaml-cfg`` replaces ``validate_args`` by ``validate_yaml``:
+    none of the plugin's checks would run, so ``--optimizer muon`` refuses it here, at startup."""
+    @functools.wraps(validate_yaml)
+    def wrapper(args, defaults={}):  # noqa: B006 (Megatron's signature)
+        if getattr(args, "optimizer", None) == "muon":
+            raise UserInputError(
+                "--yaml-cfg: Megatron's experimental YAML config skips validate_args and every "
+                "megatron-muon check; pass the config as flags: python -m megatron_muon.megatron.yaml_config "
+                "CONFIG.yaml (configs/README.md)")
+        return validate_yaml(args, defaults)
+
+    setattr(wrapper, _ORIGINAL, validate_yaml)
     return wrapper
 
 
@@ -219,12 +246,93 @@ def _wrap_training_log(training_log):
     return wrapper
 
 
+def _one_line_parser_error(parser):
+    """argparse's ``error`` prints the whole usage first (about 1,500 lines for Megatron's parser)
+    and does so on every rank; this prints the error alone, once, and exits 2 as argparse does."""
+    def error(message):
+        print_error(f"{parser.prog}: {message} (see --help)")
+        sys.exit(2)
+
+    return error
+
+
 def _wrap_add_megatron_arguments(add_megatron_arguments):
     @functools.wraps(add_megatron_arguments)
     def wrapper(parser):
-        return add_muon_args(add_megatron_arguments(parser))
+        parser = add_muon_args(add_megatron_arguments(parser))
+        parser.error = _one_line_parser_error(parser)
+        return parser
 
     setattr(wrapper, _ORIGINAL, add_megatron_arguments)
+    return wrapper
+
+
+def _wrap_save_checkpoint(save_checkpoint):
+    """After Megatron has written a persistent, synchronous checkpoint: its checksums (integrity.py)."""
+    @functools.wraps(save_checkpoint)
+    def wrapper(iteration, *args, **kwargs):
+        result = save_checkpoint(iteration, *args, **kwargs)
+        from megatron.training import get_args
+
+        margs = get_args()
+        if (getattr(margs, ACTIVE, False) and margs.save and not kwargs.get("non_persistent_ckpt", False)
+                and not getattr(margs, "async_save", False)):
+            from megatron.training.checkpointing import get_checkpoint_name, print_rank_0
+
+            from .integrity import write_checksums
+
+            directory = get_checkpoint_name(margs.save, iteration, release=False, return_base_dir=True)
+            if os.path.isdir(directory):
+                start = time.perf_counter()
+                table = write_checksums(directory)
+                megabytes = sum(entry["bytes"] for entry in table.values()) / 1e6
+                print_rank_0(f"megatron-muon: checksums of {len(table)} files ({megabytes:.1f} MB) written to "
+                             f"{directory} in {time.perf_counter() - start:.3f} s")
+        return result
+
+    setattr(wrapper, _ORIGINAL, save_checkpoint)
+    return wrapper
+
+
+def _wrap_load_checkpoint(load_checkpoint):
+    """Around Megatron's load: checksums verified before (integrity.py), a TP/PP change under a
+    format that cannot reshard explained in one line (resharding.py), and the loaded state
+    checked finite after."""
+    @functools.wraps(load_checkpoint)
+    def wrapper(ddp_model, optimizer, opt_param_scheduler, *args, **kwargs):
+        from megatron.training import get_args
+
+        margs = get_args()
+        if not getattr(margs, ACTIVE, False):
+            return load_checkpoint(ddp_model, optimizer, opt_param_scheduler, *args, **kwargs)
+        from megatron.training.checkpointing import get_load_checkpoint_path_by_args, print_rank_0
+
+        from .integrity import check_finite_state, verify_checksums
+        from .resharding import explain_load_error
+
+        load_arg = kwargs.get("load_arg", args[0] if args else "load")
+        directory = None
+        if getattr(margs, load_arg, None) and os.path.isfile(
+                os.path.join(getattr(margs, load_arg), "latest_checkpointed_iteration.txt")):
+            directory = get_load_checkpoint_path_by_args(margs, load_arg)  # collective (read_metadata)
+        if directory is not None and os.path.isdir(directory):
+            start = time.perf_counter()
+            verified = verify_checksums(directory)
+            if verified:
+                print_rank_0(f"megatron-muon: checksums of {verified} files in {directory} verified in "
+                             f"{time.perf_counter() - start:.3f} s")
+        try:
+            result = load_checkpoint(ddp_model, optimizer, opt_param_scheduler, *args, **kwargs)
+        except Exception as err:
+            message = explain_load_error(err)
+            if message is None:
+                raise
+            raise UserInputError(message) from err
+        if directory is not None and optimizer is not None and not getattr(margs, "no_load_optim", False):
+            check_finite_state(optimizer, ddp_model, directory)
+        return result
+
+    setattr(wrapper, _ORIGINAL, load_checkpoint)
     return wrapper
 
 
@@ -249,16 +357,20 @@ def _wrap_wrap_model_chunks_with_ddp(wrap_model_chunks_with_ddp):
 
 
 def install() -> None:
-    """Install the five hooks into ``megatron.training``; calling it again changes nothing."""
-    from megatron.training import arguments, training
+    """Install the hooks into ``megatron.training``; calling it again changes nothing."""
+    from megatron.training import arguments, training, yaml_arguments
 
     hooks = [
         (arguments, "add_megatron_arguments", _wrap_add_megatron_arguments),
         (arguments, "validate_args", _wrap_validate_args),
+        (yaml_arguments, "validate_yaml", _wrap_validate_yaml),
         (training, "get_megatron_optimizer", _wrap_get_megatron_optimizer),
         (training, "training_log", _wrap_training_log),
         (training, "wrap_model_chunks_with_ddp", _wrap_wrap_model_chunks_with_ddp),
+        (training, "save_checkpoint", _wrap_save_checkpoint),
+        (training, "load_checkpoint", _wrap_load_checkpoint),
     ]
     for module, name, wrap in hooks:
         if not hasattr(getattr(module, name), _ORIGINAL):
             setattr(module, name, wrap(getattr(module, name)))
+    install_excepthook()

@@ -40,6 +40,7 @@ from ..config import MuonConfig
 from ..core.matrix_layout import MatrixLayout, RowSplit
 from ..optimizer import MuonMatrix, MuonWithAdamW
 from .checkpoint import MuonCheckpointMixin, prepare_for_checkpointing
+from .cli import muon_config_from_args
 from .report import print_startup_report
 
 __all__ = ["MuonDistributedOptimizer", "get_megatron_muon_optimizer", "is_muon_matrix"]
@@ -139,7 +140,9 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
         loads it; megatron-core 0.19.2's other model-space format, ``fully_sharded_model_space``,
         fails its own ``flattened_range`` check); the checkpoint's metadata records the format,
         so ``load_checkpoint`` reads it back the same way. Loading a ``dp_reshardable``
-        checkpoint into such a layout is refused in one line."""
+        checkpoint into such a layout is refused in one line. Without CUDA a ``fully_reshardable``
+        save always gathers through gloo (as ``--distrib-optim-fully-reshardable-mem-efficient``
+        asks), since Megatron's default gather needs a CUDA device (``tests/test_resharding.py``)."""
         if metadata is None:  # Megatron's deprecated sharding_type argument becomes metadata, as upstream reads it
             metadata = {} if sharding_type is None else {"distrib_optim_sharding_type": sharding_type}
         kind = metadata.get("distrib_optim_sharding_type")
@@ -150,9 +153,17 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
                     "format, written with --muon-dp-layout megatron; resume with --muon-dp-layout megatron "
                     "(and save once with --dist-ckpt-optim-fully-reshardable to change layouts)")
             metadata["distrib_optim_sharding_type"] = "fully_reshardable"
-            # Megatron's default gather for this format (mem_efficient False) only runs on CUDA;
-            # the gloo variant is the same state, gathered through the gloo DP group.
-            metadata.setdefault("distrib_optim_fully_reshardable_mem_efficient", self.optimizer.device.type != "cuda")
+        if (metadata.get("distrib_optim_sharding_type") == "fully_reshardable" and not is_loading
+                and not self.is_stub_optimizer and self.optimizer.device.type != "cuda"):
+            # Megatron's default gather for this format (mem_efficient False:
+            # get_parameter_state_dp_zero(use_gloo_comm=False)) allocates on
+            # torch.cuda.current_device() and all-gathers `send_tensor.cuda()`, so a save without
+            # CUDA raises "Found no NVIDIA driver" unless --distrib-optim-fully-reshardable-mem-efficient
+            # is given. That variant gathers the same state through the gloo DP group (onto DP
+            # rank 0, which writes it); Megatron loads either ("interchangeable", its docstring),
+            # and the metadata written with the checkpoint records the variant used. Loading
+            # gathers nothing (empty_data), so it needs neither.
+            metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
         return super().sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
 
     def _ranges_on_every_rank(self, buffer, bucket, dp_size: int) -> list[dict]:
@@ -206,8 +217,18 @@ def get_megatron_muon_optimizer(
     ``config.use_distributed_optimizer`` selects ``MuonDistributedOptimizer`` (ZeRO-1);
     otherwise Megatron's ``Float16OptimizerWithFloat16Params`` (bf16) or ``FP32Optimizer``.
     Returns a ``ChainedOptimizer`` of one, as Megatron's factory does.
+
+    The Muon settings: ``muon_config`` when given — it is explicit, so it wins over any
+    ``config.muon_*`` field that differs from it (the training hooks pass the one built from
+    the command line, where both come from the same flags). Without it they come from
+    ``config``'s upstream fields (``muon_momentum``, ``muon_tp_mode``, ``muon_coefficient_type``,
+    ...) through the CLI's own translation (``cli.muon_config_from_args``: ``OptimizerConfig``
+    has the flags' attribute names), and the plugin's own settings that ``OptimizerConfig``
+    lacks (``dp_mode``, ``dp_layout``, ``split_fc1``, ...) take their defaults.
+    ``config.decoupled_weight_decay`` False gives L2 weight decay on both algorithms
+    (``MuonWithAdamW``).
     """
-    muon_config = muon_config or MuonConfig()
+    muon_config = _muon_config(config, muon_config)
     _check_supported(config, model_chunks)
     _tag_qkv(model_chunks, muon_config)
     overrides = dict(get_standard_config_overrides(config) if config_overrides is None else config_overrides)
@@ -226,6 +247,7 @@ def get_megatron_muon_optimizer(
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_eps,
         config=muon_config,
+        decoupled_weight_decay=config.decoupled_weight_decay,
     )
     prepare_for_checkpointing(inner)
     init_state_fn = _init_state
@@ -260,6 +282,20 @@ def get_megatron_muon_optimizer(
                              pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
                              pp=parallel_state.get_pipeline_model_parallel_world_size())
     return ChainedOptimizer([optimizer])
+
+
+def _muon_config(config: OptimizerConfig, muon_config: MuonConfig | None) -> MuonConfig:
+    """``muon_config`` itself, or the one ``config``'s ``muon_*`` fields describe."""
+    if muon_config is not None:
+        if not isinstance(muon_config, MuonConfig):
+            raise ValueError(f"get_megatron_muon_optimizer: muon_config: expected a MuonConfig or None, "
+                             f"got {type(muon_config).__name__}")
+        return muon_config
+    try:
+        return muon_config_from_args(config)
+    except ValueError as err:  # the message names the flag; say where its value came from
+        raise ValueError(f"get_megatron_muon_optimizer: no muon_config given, so the OptimizerConfig muon_* "
+                         f"fields are used: {err}") from err
 
 
 def _attach_whole(inner: MuonWithAdamW, model_chunks, dp_group, tp_group, muon_config: MuonConfig) -> None:

@@ -104,6 +104,9 @@ def startup_report(inner: MuonWithAdamW, model_chunks, config: MuonConfig, *, tp
                      f"{mean / 1e12:.2f} (max/mean {max(flops) / mean if mean else 1:.2f})")
         lines.append(f"  bytes sent per rank per {kind} (plan): max {max(sent) / 2**20:.1f} MiB, mean "
                      f"{sum(sent) / len(sent) / 2**20:.1f} MiB")
+    if config.tp_mode == "blockwise" and tp > 1 and config.muonbp_period is None:
+        lines.append("  BlockMuon: tp mode blockwise orthogonalizes each TP shard on its own, an update that "
+                     "changes with the TP size (not Muon); --muon-tp-mode owner (muon_tp_mode='owner') is exact")
     if config.muonbp_period is None:
         lines.append("  MuonBP: off")
     else:

@@ -145,7 +145,8 @@ def orthogonalize_updates(
 
     Returns:
         without ``apply``: per matrix, an fp32 flat tensor shaped like ``pieces[i]`` (the
-        scaled update); with ``apply``: None.
+        scaled update; empty for an empty matrix, which needs no work and no traffic); with
+        ``apply``: None.
     """
     if dp_mode not in DP_MODES:
         raise ValueError(f"--muon-dp-mode: expected one of {DP_MODES}, got {dp_mode!r}")
@@ -158,6 +159,12 @@ def orthogonalize_updates(
                 f"orthogonalize_updates: {layout.name}: piece has {piece.numel()} elements, its range "
                 f"on DP rank {dp_rank} is [{start}, {end})"
             )
+    if any(lay.numel == 0 for lay in layouts):
+        return _skip_empty(pieces, layouts, owners, apply, dict(
+            tp_mode=tp_mode, dp_group=dp_group, tp_group=tp_group, dp_mode=dp_mode, steps=steps,
+            coefficients=coefficients, eps=eps, ns_dtype=ns_dtype, scale_mode=scale_mode,
+            extra_scale_factor=extra_scale_factor, bucket_bytes=bucket_bytes, validate=validate,
+            hardware=hardware, device=device))
     if dp_mode == "redundant" and dp_size > 1:
         cut = [lay.name for lay in layouts if lay.dp_ranges is not None]
         if cut:
@@ -198,6 +205,27 @@ def orthogonalize_updates(
     ns_kwargs = dict(steps=steps, coefficients=coefficients, eps=eps)
     comm.pipelined(_task(plan, g, pieces, deliver, ns_kwargs) for g in plan.groups)
     return out if listed else None
+
+
+def _skip_empty(pieces, layouts, owners, apply, kwargs) -> list[torch.Tensor] | None:
+    """``orthogonalize_updates`` with the empty matrices (a zero dim) taken out: their update
+    is empty, delivered here with scale 0; the others run as one call. Every rank holds the same
+    layouts, so every rank takes out the same ones and the collectives of the call line up; no
+    plan, exchange, cost model or TP mode ever sees a zero-size matrix."""
+    keep = [i for i, lay in enumerate(layouts) if lay.numel]
+    inner_apply = None if apply is None else (lambda j, update, scale: apply(keep[j], update, scale))
+    done = orthogonalize_updates([pieces[i] for i in keep], [layouts[i] for i in keep],
+                                 owners=None if owners is None else [owners[i] for i in keep],
+                                 apply=inner_apply, **kwargs)
+    if apply is not None:
+        for i, lay in enumerate(layouts):
+            if not lay.numel:
+                apply(i, pieces[i].to(kwargs["ns_dtype"]), 0.0)
+        return None
+    out = [pieces[i].new_empty(0, dtype=torch.float32) for i in range(len(layouts))]
+    for j, i in enumerate(keep):
+        out[i] = done[j]
+    return out
 
 
 class _Group:

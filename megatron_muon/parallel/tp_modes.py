@@ -6,7 +6,8 @@ The modes (``docs/tp_modes.md`` has the derivations and the cost table):
                  Exact; NS runs t times per matrix; each rank receives (t−1)/t of it.
 ``distributed``  no rank ever holds the full matrix. NS runs on the orientation whose Gram
                  matrix spans the *unsharded* dimension k, so X·Xᵀ summed over ranks is the
-                 full Gram (k × k); one all-reduce per iteration plus one for the norm. Exact.
+                 full Gram (k × k); one all-reduce per iteration plus two for the norm (its
+                 overflow-safe scale, then the squares). Exact.
 ``blockwise``    NS on the local shard only (BlockMuon). No communication; not the same math.
 ``owner``        every matrix gets one owner rank (``planner.plan_owners``); shards travel
                  there by one all-to-all and back by another (``owner_exchange``), asynchronous
@@ -20,10 +21,10 @@ When is ``distributed`` cheaper than ``duplicated``? For a matrix with unsharded
 sharded dim S, t ranks and s NS steps, per rank:
 
     duplicated:  compute s·(4a²b + 2a³), a = min(k, S), b = max(k, S);  send (t−1)·k·S/t
-    distributed: compute s·(4k²·S/t + 2k³);                              send 2(t−1)/t·(s·k² + 1)
+    distributed: compute s·(4k²·S/t + 2k³);                              send 2(t−1)/t·(s·k² + 2)
 
 With k <= S distributed always saves 4s·k²·S·(1 − 1/t) FLOPs; it sends fewer bytes only when
-2·s·k < S (k < S/10 at s = 5), and it has s+1 dependent collectives on the critical path, so
+2·s·k < S (k < S/10 at s = 5), and it has s+2 dependent collectives on the critical path, so
 it pays off for tall-and-thin shards split along the long side (fc1, QKV at large TP).
 With k > S the Gram is the large one and distributed costs more compute than duplicated.
 """
@@ -39,8 +40,10 @@ from ..core.newton_schulz import (
     DEFAULT_COEFFICIENTS,
     Coefficients,
     coefficient_schedule,
+    max_abs,
     newton_schulz,
     ns_flops,
+    power_of_two_floor,
 )
 from . import comm
 from .devices import resolve_device
@@ -98,7 +101,8 @@ def orthogonalize_sharded(
             this rank has no shard (``devices.resolve_device``). The optimizer passes its own.
 
     Returns:
-        A list with ``shards[i].shape`` and dtype per entry. For the exact modes, the pieces
+        A list with ``shards[i].shape`` and dtype per entry (an empty matrix's is empty: a
+        no-op update, computed without communication). For the exact modes, the pieces
         concatenated over ranks equal ``newton_schulz`` of the full matrix up to floating-point
         reassociation (the Gram sums and batched GEMMs change the summation order).
     """
@@ -111,16 +115,25 @@ def orthogonalize_sharded(
         hardware = hardware_profile("detect")
     if validate and size > 1 and mode != "blockwise":
         validate_across_ranks(specs, mode, steps, size, group, device, hardware if mode == "auto" else None)
-    if not specs:
-        return []
-    if mode == "owner":
+    # An empty matrix (a zero dim) has an empty update: answered here, so that no mode, cost
+    # model or exchange ever sees a zero-size matrix. Every rank drops the same ones (the shapes
+    # were just checked to agree), so the collectives below still line up.
+    work = [s for s in specs if s.local_shape[0] and s.local_shape[1]]
+    if not work:
+        out = [None] * len(shards)
+    elif mode == "owner":
         from .owner_mode import owner_orthogonalize
 
-        return owner_orthogonalize(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes, device)
-    if mode == "auto":
-        return _auto(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes, hardware, device)
-    run = {"duplicated": _duplicated, "distributed": _distributed, "blockwise": _blockwise}[mode]
-    return run(shards, specs, group, size, rank, steps, coefficients, eps, bucket_bytes)
+        out = owner_orthogonalize(shards, work, group, size, rank, steps, coefficients, eps, bucket_bytes, device)
+    elif mode == "auto":
+        out = _auto(shards, work, group, size, rank, steps, coefficients, eps, bucket_bytes, hardware, device)
+    else:
+        run = {"duplicated": _duplicated, "distributed": _distributed, "blockwise": _blockwise}[mode]
+        out = run(shards, work, group, size, rank, steps, coefficients, eps, bucket_bytes)
+    for s in specs:
+        if out[s.index] is None:
+            out[s.index] = shards[s.index].clone()  # empty: nothing is copied
+    return out
 
 
 # ---- modes -------------------------------------------------------------------------------
@@ -203,9 +216,7 @@ def _distributed(shards, specs, group, size, rank, steps, coefficients, eps, buc
         if pdim == 0:
             X = X.mT
         k, local_cols = X.shape[-2], X.shape[-1]
-        sq_norms = (X * X).sum(dim=(-2, -1))
-        comm.all_reduce(sq_norms, group)
-        X = X / sq_norms.sqrt().clamp(min=eps)[:, None, None]
+        X = _normalize_distributed(X, group, size, eps)
         for a, b, c in schedule:
             A = X @ X.mT
             comm.all_reduce(A, group)
@@ -217,6 +228,26 @@ def _distributed(shards, specs, group, size, rank, steps, coefficients, eps, buc
         for s, piece in zip(members, X.unbind(0)):
             out[s.index] = piece.contiguous()
     return out
+
+
+def _normalize_distributed(X: torch.Tensor, group, size: int, eps: float) -> torch.Tensor:
+    """X / max(‖full matrix‖_F, eps) for a stack of column shards, summed over ``group``.
+
+    As in ``newton_schulz``, every rank first divides by one power of two near the largest
+    entry, so that the squares cannot overflow (entries past ~1e19 in fp32/bf16 would make the
+    norm inf and the update a silent zero). The power must be the same on every rank, so it
+    comes from the sum over ranks of max|shard| / size, which lies in [max/size, max] and
+    cannot overflow (comm's all-reduce sums; a MAX would need another primitive). All-reduce
+    results are identical on every rank, hence so is the power. (Empty matrices never get
+    here: ``orthogonalize_sharded`` answers them first.)
+    """
+    share = max_abs(X).reshape(X.shape[0]) / size
+    comm.all_reduce(share, group)
+    scale = power_of_two_floor(share)[:, None, None]
+    X = X / scale
+    sq_norms = (X * X).sum(dim=(-2, -1), keepdim=True)
+    comm.all_reduce(sq_norms, group)
+    return X.div_(sq_norms.sqrt().clamp(min=eps / scale))
 
 
 def _ns_into(out, shards, members: list[ShardSpec], steps, coefficients, eps) -> None:

@@ -1,0 +1,64 @@
+"""Changing TP or PP between save and load: Megatron's refusal, explained in one line.
+
+Megatron's distributed optimizer writes its state in ``dp_reshardable`` format unless
+``--dist-ckpt-optim-fully-reshardable`` is given (``_build_sharded_state_dict_metadata`` in
+megatron/training/checkpointing.py). That format stores each grad-buffer bucket as one flat range
+of the saving run's TP x PP layout, so it reshards DP only. Loading it at another TP or PP,
+megatron-core 0.19.2's ``load_checkpoint`` raises::
+
+    RuntimeError: (TP, PP) mismatch after resume ((1, 1) vs (2, 1) from checkpoint): not supported
+    for DistributedOptimizer with sharding type dp_reshardable. Please use `--ckpt-fully-parallel-save`
+    flag during checkpoint saving.
+
+Its advice is wrong for this Megatron: ``--ckpt-fully-parallel-save`` is deprecated and has no effect
+(fully parallel save is already the default, ``--no-ckpt-fully-parallel-save`` turns it off), and it
+never chose the optimizer format. ``explain_load_error`` turns that error into the fix: save in
+``fully_reshardable`` format (``--dist-ckpt-optim-fully-reshardable``), which keys every optimizer
+state tensor, Muon's momentum included (as ``exp_avg``, ``checkpoint.py``), by its model param's
+sharding, so any TP, PP or DP size loads it (``tests/test_resharding.py``). Without CUDA no second
+flag is needed: ``MuonDistributedOptimizer.sharded_state_dict`` gathers through gloo
+(``--distrib-optim-fully-reshardable-mem-efficient``) by itself. See docs/checkpoints.md.
+
+Imports nothing from Megatron: it reads the error's text.
+"""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["FULLY_RESHARDABLE_FLAG", "explain_load_error"]
+
+FULLY_RESHARDABLE_FLAG = "--dist-ckpt-optim-fully-reshardable"
+"""The save flag that makes the distributed optimizer's checkpoint loadable at any TP, PP, DP."""
+
+# megatron/training/checkpointing.py (megatron-core 0.19.2), load_checkpoint: mismatch_msg, then
+# the refusal for a sharding type outside DistributedOptimizer.checkpoint_fully_reshardable_formats.
+_TP_PP_REFUSAL = re.compile(
+    r"\(TP, PP\) mismatch after resume \(\((?P<run_tp>\d+), (?P<run_pp>\d+)\) vs "
+    r"\((?P<ckpt_tp>\d+), (?P<ckpt_pp>\d+)\) from checkpoint\): not supported for DistributedOptimizer "
+    r"with sharding type (?P<kind>\w+)\."
+)
+
+
+def explain_load_error(error: BaseException) -> str | None:
+    """One line saying how to load a checkpoint Megatron refused for a TP/PP change, or None.
+
+    ``error``: what ``megatron.training.checkpointing.load_checkpoint`` raised. Only Megatron's
+    ``RuntimeError`` for a (TP, PP) change under a format that reshards DP only is explained;
+    anything else gives None (the caller re-raises it unchanged).
+    """
+    if not isinstance(error, RuntimeError):
+        return None
+    match = _TP_PP_REFUSAL.search(str(error))
+    if match is None:
+        return None
+    saved = f"TP{match['ckpt_tp']} x PP{match['ckpt_pp']}"
+    wanted = f"TP{match['run_tp']} x PP{match['run_pp']}"
+    return (
+        f"this checkpoint was saved at {saved} with the distributed optimizer's state in the "
+        f"{match['kind']} format, which reshards DP only, so it cannot be loaded at {wanted} "
+        f"(Megatron's hint, --ckpt-fully-parallel-save, is a deprecated no-op). Resume at {saved} "
+        f"with {FULLY_RESHARDABLE_FLAG}, save once, and load that checkpoint at {wanted}; or load "
+        f"it without the optimizer state (--no-load-optim: momentum, Adam moments and the MuonBP "
+        f"phase start afresh). See docs/checkpoints.md"
+    )

@@ -1,0 +1,132 @@
+"""What ``--optimizer muon`` checks before anything is built, each failure one line naming the flag.
+
+Called by the ``validate_args`` hook (``hooks.py``) on every rank, and by ``preflight.py``
+before torchrun starts, so a mistake costs seconds, not a job slot:
+
+* ``check_supported_args``: combinations the plugin cannot run, refused by us rather than by
+  whatever breaks first deep inside Megatron (``--num-distributed-optimizer-instances 2`` used
+  to end in ``einops is not installed``, the precision-aware optimizer and CPU offload in
+  Megatron's "only supported with adam"), and every ``--muon-*`` value (``MuonConfig``).
+* ``check_resume``: a ``--load`` that points at no checkpoint. Megatron warns and trains from
+  scratch, and its first save then overwrites the real run's checkpoints and its
+  ``latest_checkpointed_iteration.txt`` when ``--save`` is the real directory; a typo in
+  ``--load`` destroyed a resume chain that way. The one exception is a run's own first start:
+  ``--load`` equal to ``--save`` and that directory holding no checkpoint yet (absent or
+  empty of checkpoints), which is how the sbatch scripts start a job and requeue it.
+* the data files (``data_check.check_data_args``): every ``.bin`` as long as its ``.idx`` says.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .cli import muon_config_from_args
+from .errors import UserInputError
+
+__all__ = ["TRACKER", "check_resume", "check_data_files", "check_supported_args", "checkpoints_in"]
+
+TRACKER = "latest_checkpointed_iteration.txt"
+"""Megatron's tracker file: a directory holds a checkpoint for ``--load`` when it has this."""
+
+_NON_PERSISTENT_SUBDIR = "non_persistent"  # megatron.training.checkpointing._NON_PERSISTENT_CKPT_SUBDIR
+
+
+def check_supported_args(args) -> None:
+    """Reject, with ``UserInputError`` naming the flag, what ``--optimizer muon`` cannot run with."""
+    instances = getattr(args, "num_distributed_optimizer_instances", 1)
+    rejected = [
+        (args.fp16, "--fp16: not supported with --optimizer muon (loss-scaled momentum is not handled); use --bf16"),
+        (args.use_megatron_fsdp,
+         "--use-megatron-fsdp: not supported with --optimizer muon; use --use-distributed-optimizer"),
+        (args.use_torch_fsdp2,
+         "--use-torch-fsdp2: not supported with --optimizer muon; use --use-distributed-optimizer"),
+        (args.ckpt_format not in ("torch", "torch_dist"),
+         f"--ckpt-format {args.ckpt_format}: --optimizer muon supports torch and torch_dist"),
+        (getattr(args, "dump_param_to_param_group_map", None) is not None,
+         "--dump-param-to-param-group-map: not supported with --optimizer muon"),
+        (getattr(args, "muon_dp_mode", "owner") == "redundant" and args.use_distributed_optimizer,
+         "--muon-dp-mode redundant: needs whole matrices on every DP rank; "
+         "drop --use-distributed-optimizer or use owner"),
+        (instances != 1,
+         f"--num-distributed-optimizer-instances {instances}: --optimizer muon supports 1 (one ZeRO-1 "
+         "instance over the whole DP group); drop the flag"),
+        (getattr(args, "use_precision_aware_optimizer", False),
+         "--use-precision-aware-optimizer: not supported with --optimizer muon (Muon keeps fp32 main "
+         "params and momentum); drop the flag"),
+        (getattr(args, "optimizer_cpu_offload", False),
+         "--optimizer-cpu-offload: not supported with --optimizer muon (Newton-Schulz runs on the GPU "
+         "where the momentum lives); drop the flag"),
+        ((getattr(args, "num_experts", None) or 0) > 0,
+         f"--num-experts {getattr(args, 'num_experts', None)}: MoE experts are not supported with "
+         "--optimizer muon yet"),
+    ]
+    for bad, message in rejected:
+        if bad:
+            raise UserInputError(message)
+    try:
+        muon_config_from_args(args)  # every --muon-* value, checked by MuonConfig
+    except UserInputError:
+        raise
+    except ValueError as err:
+        raise UserInputError(str(err)) from err
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def checkpoints_in(directory: str | Path) -> list[str]:
+    """The names in ``directory`` that belong to a Megatron checkpoint (the tracker file, the
+    ``iter_*`` / ``release`` directories, the non-persistent subdirectory); [] when absent."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(entry.name for entry in directory.iterdir()
+                  if entry.name in (TRACKER, "release", _NON_PERSISTENT_SUBDIR) or entry.name.startswith("iter_"))
+
+
+def _same_directory(a: str, b: str) -> bool:
+    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
+
+
+def check_resume(args) -> None:
+    """``UserInputError`` when ``--load`` would silently start from scratch (module docstring)."""
+    load = getattr(args, "load", None)
+    if load is None:
+        return
+    step = getattr(args, "ckpt_step", None)
+    if step:  # Megatron loads iter_<step> whatever the tracker says
+        if (Path(load) / f"iter_{step:07d}").is_dir():
+            return
+        raise UserInputError(f"--ckpt-step {step}: {load} has no iter_{step:07d}")
+    if (Path(load) / TRACKER).is_file():
+        return  # what Megatron reads; a broken checkpoint behind it is integrity.py's business
+    non_persistent = getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(load, _NON_PERSISTENT_SUBDIR)
+    if getattr(args, "non_persistent_ckpt_type", None) == "global" and (Path(non_persistent) / TRACKER).is_file():
+        return
+    save = getattr(args, "save", None)
+    found = checkpoints_in(load)
+    if save is not None and _same_directory(save, load) and not found:
+        return  # this run's own first start: nothing to resume yet, nothing to overwrite
+    if found:
+        raise UserInputError(
+            f"--load {load}: holds {', '.join(found[:3])} but no {TRACKER}, so Megatron would start "
+            f"from scratch and overwrite them; write the iteration to resume into {load}/{TRACKER} "
+            "(an interrupted first save leaves this state) or point --load elsewhere")
+    where = "does not exist" if not Path(load).exists() else "holds no checkpoint"
+    after = (f" and its saves would go to --save {save}" if save is not None else "")
+    raise UserInputError(
+        f"--load {load}: {where} (no {TRACKER}); Megatron would train from scratch{after}. Fix the "
+        "path, or drop --load to start a new run (a run may name its own empty --save as --load)")
+
+
+def check_data_files(args) -> None:
+    """``data_check.check_data_args`` (every ``.bin`` as long as its ``.idx`` says), one line."""
+    from .data_check import check_data_args
+
+    try:
+        check_data_args(args)
+    except UserInputError:
+        raise
+    except ValueError as err:
+        raise UserInputError(str(err)) from err

@@ -1,0 +1,198 @@
+"""docs/bad_inputs.md, row by row: each input gives exactly the line the table shows.
+
+Rows of kind ``flags`` are run as written: the input is appended to the tiny CPU demo's config
+(a copy of ``configs/tiny-cpu.yaml`` whose data and checkpoint paths point into a temporary
+directory) and checked by ``preflight.check_command_line`` in this process, as rank 0 of 2 —
+the same parser, hooks and checks the job runs on every rank. Rows of the other kinds set up
+their scenario here, except the checkpoints, whose loads need a real torchrun job:
+``tests/test_checkpoint_integrity.py`` and ``tests/test_resharding.py`` check those rows against
+this table (``expected_line``).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DOC = REPO / "docs" / "bad_inputs.md"
+ROW = re.compile(r"^\| `(?P<id>[a-z0-9-]+)` \| (?P<kind>\w+) \| (?P<input>.*?) \| `(?P<line>.*)` \|$")
+PLACEHOLDERS = {  # the table's placeholders (besides TMP and CONFIG), as regular expressions
+    "HALF": r"\d+", "FULL": r"\d+", "THIRD": r"\d+", "SIZE": r"\d+", "FILE": r"\S+\.distcp",
+    "TENSOR": r"\S+ \(\w+\)", "MORE": r"( \(and \d+ more\))?",
+}
+CHECKED_ELSEWHERE = {  # rows whose loads need a torchrun job: the test file that checks each
+    "ckpt-overwritten": "test_checkpoint_integrity.py", "ckpt-truncated": "test_checkpoint_integrity.py",
+    "ckpt-nan": "test_checkpoint_integrity.py", "ckpt-tp-change": "test_resharding.py"}
+
+
+def rows() -> dict[str, dict]:
+    found = {}
+    for text in DOC.read_text().splitlines():
+        if match := ROW.match(text):
+            assert match["id"] not in found, f"row {match['id']} twice"
+            found[match["id"]] = match.groupdict()
+    return found
+
+
+def expected_line(row_id: str, **paths: str) -> re.Pattern:
+    """The table's line for ``row_id`` as a regex: ``paths`` (TMP=..., CONFIG=...) substituted
+    literally, the other placeholders by their patterns."""
+    pattern = re.escape(rows()[row_id]["line"])
+    for name, value in paths.items():
+        pattern = pattern.replace(name, re.escape(value))
+    for name, value in PLACEHOLDERS.items():
+        pattern = pattern.replace(name, value)
+    return re.compile(pattern)
+
+
+def test_table_has_enough_rows_and_every_row_is_tested():
+    table = rows()
+    assert len(table) >= 30, len(table)
+    untested = {r for r, row in table.items() if row["kind"] != "flags"} - set(SCENARIOS) - CHECKED_ELSEWHERE
+    assert not untested, f"rows without a test: {sorted(untested)}"
+    for row_id, test_file in CHECKED_ELSEWHERE.items():
+        assert f'"{row_id}"' in (REPO / "tests" / test_file).read_text(), (row_id, test_file)
+
+
+# --------------------------------------------------------------------------- the setting
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> Path:
+    """TMP: a small dataset and the demo config pointing at it (save = load = TMP/ckpt, absent)."""
+    tmp = tmp_path_factory.mktemp("bad_inputs")
+    subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--out", str(tmp / "data"),
+                    "--max-bytes", "200000"], check=True, capture_output=True)
+    config = yaml.safe_load((REPO / "configs" / "tiny-cpu.yaml").read_text())
+    config.update(train_data_path=[str(tmp / "data" / "train_text_document")],
+                  valid_data_path=[str(tmp / "data" / "valid_text_document")],
+                  save=str(tmp / "ckpt"), load=str(tmp / "ckpt"))
+    (tmp / "tiny.yaml").write_text(yaml.safe_dump(config))
+    return tmp
+
+
+@pytest.fixture
+def hooks_restored(monkeypatch):
+    """check_command_line installs the hooks into megatron.training; put everything back after."""
+    from megatron.training import arguments, training, yaml_arguments
+
+    for module, names in ((arguments, ("add_megatron_arguments", "validate_args")),
+                          (yaml_arguments, ("validate_yaml",)),
+                          (training, ("get_megatron_optimizer", "training_log", "wrap_model_chunks_with_ddp",
+                                      "save_checkpoint", "load_checkpoint"))):
+        for name in names:
+            monkeypatch.setattr(module, name, getattr(module, name))
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as scripts/run.sh exports it
+
+
+def _rejection(config: Path, extra: list[str]) -> str:
+    from megatron_muon.megatron.preflight import check_command_line
+
+    with pytest.raises(ValueError) as info:
+        check_command_line(str(config), extra, 2)
+    return str(info.value)
+
+
+def test_the_demo_config_itself_passes(world, hooks_restored):
+    from megatron_muon.megatron.preflight import check_command_line
+
+    argv = check_command_line(str(world / "tiny.yaml"), ["--train-iters", "3"], 2)
+    assert argv[-2:] == ["--train-iters", "3"]
+    # Its own first run: --load is the (absent) --save directory, which is allowed.
+    assert not (world / "ckpt").exists()
+
+
+FLAG_ROWS = [r for r, row in rows().items() if row["kind"] == "flags"]
+
+
+def _flag_setup(row_id: str, tmp: Path) -> None:
+    if row_id == "load-no-tracker":
+        (tmp / "ckpt" / "iter_0000100").mkdir(parents=True)
+    if row_id == "ckpt-step":
+        (tmp / "ckpt" / "iter_0000003").mkdir(parents=True)
+        (tmp / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
+
+
+@pytest.mark.parametrize("row_id", FLAG_ROWS)
+def test_flag_row(row_id, world, hooks_restored, tmp_path):
+    row = rows()[row_id]
+    config = tmp_path / "tiny.yaml"  # the checkpoint directory is this test's own
+    text = (world / "tiny.yaml").read_text().replace(str(world / "ckpt"), str(tmp_path / "ckpt"))
+    config.write_text(text)
+    _flag_setup(row_id, tmp_path)
+    extra = shlex.split(row["input"].split("`")[1].replace("TMP", str(tmp_path)))
+    if row_id == "ckpt-step":
+        extra += ["--load", str(tmp_path / "ckpt")]
+    line = _rejection(config, extra)
+    assert expected_line(row_id, TMP=str(tmp_path)).fullmatch(line), f"\n{line}\n{rows()[row_id]['line']}"
+
+
+# --------------------------------------------------------------------------- yaml and data
+
+
+def _yaml_empty(tmp: Path, world: Path) -> tuple[Path, list[str]]:
+    (tmp / "c.yaml").write_text("")
+    return tmp / "c.yaml", []
+
+
+def _yaml_syntax(tmp: Path, world: Path):
+    (tmp / "c.yaml").write_text("num_layers: 2\n  hidden_size: 64\n")
+    return tmp / "c.yaml", []
+
+
+def _yaml_twice(tmp: Path, world: Path):
+    (tmp / "c.yaml").write_text("num_layers: 2\nnum_layers: 4\n")
+    return tmp / "c.yaml", []
+
+
+def _yaml_unknown_key(tmp: Path, world: Path):
+    (tmp / "c.yaml").write_text("num_layerz: 2\n")
+    return tmp / "c.yaml", []
+
+
+def _yaml_missing(tmp: Path, world: Path):
+    return tmp / "c.yaml", []
+
+
+def _damaged_data(tmp: Path, world: Path, damage) -> tuple[Path, list[str]]:
+    import shutil
+
+    shutil.copytree(world / "data", tmp / "data")
+    damage(tmp / "data")
+    text = (world / "tiny.yaml").read_text().replace(str(world), str(tmp))
+    (tmp / "tiny.yaml").write_text(text)
+    return tmp / "tiny.yaml", []
+
+
+def _data_truncated(tmp: Path, world: Path):
+    def damage(data: Path):
+        path = data / "train_text_document.bin"
+        with open(path, "r+b") as f:
+            f.truncate(path.stat().st_size // 2)
+
+    return _damaged_data(tmp, world, damage)
+
+
+def _data_no_idx(tmp: Path, world: Path):
+    return _damaged_data(tmp, world, lambda data: (data / "valid_text_document.idx").unlink())
+
+
+SCENARIOS = {"yaml-empty": _yaml_empty, "yaml-syntax": _yaml_syntax, "yaml-twice": _yaml_twice,
+             "yaml-unknown-key": _yaml_unknown_key, "yaml-missing": _yaml_missing,
+             "data-truncated": _data_truncated, "data-no-idx": _data_no_idx}
+
+
+@pytest.mark.parametrize("row_id", sorted(SCENARIOS))
+def test_scenario_row(row_id, world, hooks_restored, tmp_path):
+    config, extra = SCENARIOS[row_id](tmp_path, world)
+    line = _rejection(config, extra)
+    pattern = expected_line(row_id, TMP=str(tmp_path), CONFIG=str(config))
+    assert pattern.fullmatch(line), f"\n{line}\n{rows()[row_id]['line']}"

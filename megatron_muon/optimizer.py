@@ -116,11 +116,14 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if group["algorithm"] != "muon":
                 continue
             for i, p in enumerate(group["params"]):
-                if p.dim() != 2:
+                # 1-D is allowed: a flat DP range of a matrix (the distributed optimizer's main
+                # shards, scripts/gpu_check.py), whose matrix ``attach`` describes; a 1-D param
+                # that is no matrix's range is refused there.
+                if p.dim() not in (1, 2):
                     raise ValueError(
                         f"MuonWithAdamW: param group {g} (algorithm 'muon') parameter {i} has shape "
-                        f"{tuple(p.shape)}; Muon takes 2-D matrices only (give biases, norms and "
-                        f"embeddings to an 'adamw' group)")
+                        f"{tuple(p.shape)}; Muon takes 2-D matrices (or a flat range of one) only (give "
+                        f"biases, norms and embeddings to an 'adamw' group)")
         self._matrices: list[MuonMatrix] | None = None
         self._owners: list[int] | None = None
         self._dp_group = self._tp_group = None

@@ -132,9 +132,9 @@ def _param(*shape):
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: MuonWithAdamW([dict(params=[_param(4, 4), _param(7)], algorithm="muon")]),
-         r"^MuonWithAdamW: param group 0 \(algorithm 'muon'\) parameter 1 has shape \(7,\); Muon takes 2-D "
-         r"matrices only \(give biases, norms and embeddings to an 'adamw' group\)$"),
+        (lambda: MuonWithAdamW([dict(params=[_param(4, 4), _param()], algorithm="muon")]),
+         r"^MuonWithAdamW: param group 0 \(algorithm 'muon'\) parameter 1 has shape \(\); Muon takes 2-D "
+         r"matrices \(or a flat range of one\) only \(give biases, norms and embeddings to an 'adamw' group\)$"),
         (lambda: MuonWithAdamW([dict(params=[_param(7)]), dict(params=[_param(2, 3, 4)], algorithm="muon")]),
          r"^MuonWithAdamW: param group 1 \(algorithm 'muon'\) parameter 0 has shape \(2, 3, 4\)"),
         (lambda: MuonWithAdamW([_param(4, 4)], lr=-1.0),
@@ -150,7 +150,7 @@ def _param(*shape):
         (lambda: MuonWithAdamW([_param(4, 4)], decoupled_weight_decay="no"),
          r"^MuonWithAdamW: decoupled_weight_decay: expected True or False, got 'no'$"),
     ],
-    ids=["1d_in_muon", "3d_in_muon", "lr_negative", "lr_nan", "wd_negative", "beta_1", "eps_negative",
+    ids=["0d_in_muon", "3d_in_muon", "lr_negative", "lr_nan", "wd_negative", "beta_1", "eps_negative",
          "config_dict", "decoupled_str"],
 )
 def test_muon_with_adamw_bad_arguments(make, match):

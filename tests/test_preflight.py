@@ -59,7 +59,6 @@ def test_preflight_is_one_line_and_exit_2(tmp_path):
 
 
 def test_preflight_prints_the_job_arguments(tmp_path):
-    pytest.importorskip("yaml")
     data = REPO / "data" / "train_text_document.bin"
     if not data.is_file():  # the demo's data (scripts/run.sh main builds it the same way)
         subprocess.run([sys.executable, "scripts/prepare_data.py", "--out", "data"], cwd=REPO, check=True,

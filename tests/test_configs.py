@@ -204,9 +204,24 @@ def megatron():
     return arguments
 
 
+@pytest.fixture(scope="module")
+def job_dir(tmp_path_factory) -> Path:
+    """A job's working directory with the demo dataset at data/, as scripts/run.sh main builds it.
+
+    tiny-cpu.yaml names data/train_text_document relative to where the job starts, and the
+    validate_args hook checks that the files exist (data_check); a clean clone has no data/.
+    """
+    job = tmp_path_factory.mktemp("job")
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--out", str(job / "data"),
+                    "--max-bytes", "200000"], check=True, capture_output=True)
+    return job
+
+
 @pytest.fixture
-def installed(megatron, monkeypatch):
+def installed(megatron, monkeypatch, job_dir):
     from megatron.training import training
+
+    monkeypatch.chdir(job_dir)
 
     from megatron_muon.megatron import hooks
 

@@ -92,7 +92,7 @@ from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
 )
 from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer  # noqa: E402
-from megatron.core.utils import get_batch_on_this_tp_rank  # noqa: E402
+from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_tp_rank  # noqa: E402
 from megatron.training import (  # noqa: E402
     get_args,
     get_timers,
@@ -193,8 +193,11 @@ def get_batch(data_iterator, vp_stage=None):
         seq_length=args.seq_length,
         mtp_on_this_rank=False,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        is_pipeline_first_stage=mpu.is_pipeline_first_stage(),
-        is_pipeline_last_stage=mpu.is_pipeline_last_stage(),
+        # With virtual stages (--num-virtual-stages-per-pipeline-rank) a rank holds several
+        # chunks; only the first chunk of the first rank reads tokens, only the last chunk of
+        # the last rank reads labels.
+        is_pipeline_first_stage=mpu.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+        is_pipeline_last_stage=mpu.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
     )
     return {key: batch.get(key) for key in BATCH_KEYS}
 
@@ -220,7 +223,8 @@ def forward_step(data_iterator, model: GPTModel):
     """One micro-batch forward: the per-token losses and the loss function to reduce them."""
     timers = get_timers()
     timers("batch-generator", log_level=2).start()
-    vp_stage = getattr(model, "vp_stage", None)
+    # The chunk's virtual stage sits on the innermost module (DDP and Float16Module wrap it).
+    vp_stage = get_attr_wrapped_model(model, "vp_stage")
     batch = get_batch(data_iterator, vp_stage)
     timers("batch-generator").stop()
     output_tensor = model(batch["tokens"], batch["position_ids"], batch["attention_mask"],

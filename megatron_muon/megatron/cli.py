@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 
 from ..config import MuonConfig
-from ..core.newton_schulz import DEFAULT_COEFFICIENTS
+from ..core.newton_schulz import COEFFICIENT_SETS, DEFAULT_COEFFICIENTS
 from ..parallel.balanced_layout import DEFAULT_ALPHA
 
 __all__ = ["add_muon_args", "muon_config_from_args"]
@@ -61,8 +61,8 @@ _UPSTREAM_FLAGS: list[tuple[tuple[str, ...], dict]] = [
                                   help="Scale of the Muon update by matrix shape.")),
     (("--muon-fp32-matmul-prec",), dict(type=str, default="medium", choices=["low", "medium", "high"])),
     (("--muon-coefficient-type",), dict(type=str, default=DEFAULT_COEFFICIENTS,
-                                        help="Newton-Schulz coefficient set (quintic, simple, "
-                                             "polar_express, aol, cans, jordan).")),
+                                        help="Newton-Schulz coefficient set: one of "
+                                             f"{', '.join(sorted(COEFFICIENT_SETS))}.")),
     (("--muon-num-ns-steps",), dict(type=int, default=5, help="Number of Newton-Schulz steps.")),
     (("--muon-tp-mode",), dict(type=str, default="owner",
                                choices=["blockwise", "duplicated", "distributed", "owner", "auto"])),

@@ -297,6 +297,35 @@ def patch_dist_checkpointing() -> None:
         _retarget(owner, attr, view=True)
 
 
+def patch_async_save() -> None:
+    """megatron/core/dist_checkpointing/strategies/async_utils.py: ``--async-save``
+    (``--use-persistent-ckpt-worker --async-strategy mcore``; megatron-core 0.19.2's
+    ``validate_args`` turns ``--async-save`` off without the persistent worker).
+
+    * ``PersistentAsyncCaller.async_loop``, the persistent checkpoint worker's main, starts with
+      ``torch.cuda.set_device(rank % torch.cuda.device_count())`` (a ZeroDivisionError without
+      CUDA, after which every rank waits for the worker forever): device view (one device,
+      ``set_device`` a no-op). The worker is a ``forkserver`` child: the fork server imports the
+      entry script (``__main__``, ``scripts/pretrain_gpt.py``, which applies these patches at
+      import) before it forks, so the worker runs the patched code and preloads tensors through
+      the patched ``FileSystemWriterAsync.preload_tensors``;
+    * ``AsyncCaller.sync_all_async_calls`` (are all ranks' writes done) and
+      ``AsyncCallsQueue.maybe_finalize_async_calls`` (finalize, then check every rank finalized
+      the same call) all-reduce flags made on ``torch.cuda.current_device()``: CPU view;
+    * ``TemporalAsyncCaller.schedule_async_call`` (the non-persistent caller) calls
+      ``torch.cuda.synchronize()`` after preloading: CPU view (a no-op);
+    * state_dict_saver.py ``verify_global_md_reuse`` (``--ckpt-assume-constant-structure``)
+      all-reduces a ``device='cuda'`` flag.
+    """
+    from megatron.core.dist_checkpointing.strategies import async_utils, state_dict_saver
+
+    _retarget_device_view(async_utils.PersistentAsyncCaller, "async_loop", names=("set_device", "device_count"))
+    _retarget(async_utils.AsyncCaller, "sync_all_async_calls", view=True)
+    _retarget(async_utils.AsyncCallsQueue, "maybe_finalize_async_calls", view=True)
+    _retarget(async_utils.TemporalAsyncCaller, "schedule_async_call", view=True)
+    _retarget(state_dict_saver, "verify_global_md_reuse", consts=("cuda",))
+
+
 def patch_timers() -> None:
     """megatron/core/timers.py: ``Timer.start`` / ``Timer.stop`` call ``torch.cuda.synchronize()``
     (CPU view: a no-op, CPU kernels are synchronous) and
@@ -391,8 +420,9 @@ def patch_distrib_optimizer() -> None:
 def patch_pipeline() -> None:
     """megatron/core/pipeline_parallel: the 1F1B schedule and its p2p exchange.
 
-    * schedules.py ``forward_backward_no_pipelining`` and
-      ``forward_backward_pipelining_without_interleaving``:
+    * schedules.py ``forward_backward_no_pipelining``,
+      ``forward_backward_pipelining_without_interleaving`` and (virtual pipeline stages,
+      ``--virtual-pipeline-model-parallel-size``) ``forward_backward_pipelining_with_interleaving``:
       ``total_num_tokens = torch.zeros([], ..., device="cuda")``;
     * p2p_communication.py ``P2PCommunicator._communicate``: receive buffers allocated with
       ``device=torch.cuda.current_device()`` (in its inner ``create_tensor_recv_prev/next``) and
@@ -402,6 +432,7 @@ def patch_pipeline() -> None:
 
     _retarget(schedules, "forward_backward_no_pipelining", consts=("cuda",))
     _retarget(schedules, "forward_backward_pipelining_without_interleaving", consts=("cuda",))
+    _retarget(schedules, "forward_backward_pipelining_with_interleaving", consts=("cuda",))
     _retarget(p2p_communication.P2PCommunicator, "_communicate", view=True)
 
 
@@ -692,6 +723,7 @@ PATCHES = (
     patch_distrib_optimizer,
     patch_pipeline,
     patch_dist_checkpointing,
+    patch_async_save,
     patch_timers,
     patch_training_log,
     patch_validate_args,

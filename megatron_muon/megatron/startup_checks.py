@@ -18,6 +18,7 @@ before torchrun starts, so a mistake costs seconds, not a job slot:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -57,6 +58,14 @@ def check_supported_args(args) -> None:
         (getattr(args, "optimizer_cpu_offload", False),
          "--optimizer-cpu-offload: not supported with --optimizer muon (Newton-Schulz runs on the GPU "
          "where the momentum lives); drop the flag"),
+        # validate_args keeps --async-save only with --use-persistent-ckpt-worker, and its
+        # default writer (nvrx) is a separate package: without it the worker's start fails
+        # with an ImportError traceback on every rank.
+        (getattr(args, "async_save", False) and getattr(args, "use_persistent_ckpt_worker", False)
+         and getattr(args, "async_strategy", "mcore") == "nvrx"
+         and importlib.util.find_spec("nvidia_resiliency_ext") is None,
+         "--async-strategy nvrx (the default with --async-save): needs nvidia-resiliency-ext, which is not "
+         "installed; pass --async-strategy mcore (megatron-core's own writer) or install it"),
         ((getattr(args, "num_experts", None) or 0) > 0,
          f"--num-experts {getattr(args, 'num_experts', None)}: MoE experts are not supported with "
          "--optimizer muon yet"),

@@ -261,8 +261,9 @@ def tp_mode_cost(matrices: Sequence[Matrix], mode: str, tp: int, hw: Hardware, *
         elif mode == "distributed":
             k = cols if pdim == 0 else rows  # the unsharded dim spans the Gram matrix
             local = local_rows * local_cols
-            sent = 2 * (tp - 1) / tp * n * (steps * k * k + 1) * dtype_bytes
-            cost += _comm("all_reduce", sent, calls * (steps + 1), tp, hw, spans_nodes)
+            # per matrix: the power-of-two scale, the squared norm and `steps` k×k Grams
+            sent = 2 * (tp - 1) / tp * n * (steps * k * k + 2) * dtype_bytes
+            cost += _comm("all_reduce", sent, calls * (steps + 2), tp, hw, spans_nodes)
             flops = n * steps * (4 * k * k * (local // k) + 2 * k ** 3)
             cost += _compute(flops, calls, hw, steps)
         else:

@@ -99,9 +99,9 @@ def _sub_cost(local, full, pdim, mode, owner, j, tp, steps, ns_bytes) -> tuple[f
         return ns_flops(*local, steps), 0
     if mode == "duplicated":
         return ns_flops(*full, steps), (tp - 1) * local_n * ns_bytes
-    if mode == "distributed":  # k: the unsharded dim; the norm and `steps` k×k Grams all-reduced
+    if mode == "distributed":  # k: the unsharded dim; the scale, the norm and `steps` k×k Grams all-reduced
         k, cols = (local[1], local[0]) if pdim == 0 else local
-        return distributed_ns_flops(k, cols, steps), 2 * (tp - 1) * (steps * k * k + 1) * ns_bytes / tp
+        return distributed_ns_flops(k, cols, steps), 2 * (tp - 1) * (steps * k * k + 2) * ns_bytes / tp
     if j != owner:  # owner mode: the shard goes to the owner (a replicated matrix stays put)
         return 0, 0 if pdim is None else local_n * ns_bytes
     return ns_flops(*full, steps), (tp - 1) * (full_n if pdim is None else local_n) * ns_bytes

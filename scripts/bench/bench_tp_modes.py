@@ -220,7 +220,7 @@ def main() -> None:
     parser.add_argument("--scale", type=int, default=16, help="divide every Llama-3-8B dim by this")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), help="default: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--coefficients", default="quintic",
-                        choices=("simple", "quintic", "polar_express", "cans", "aol"),
+                        choices=("simple", "quintic", "polar_express", "cans", "aol", "deepseekv4"),
                         help="NS coefficient set both libraries know (Megatron's default: quintic)")
     parser.add_argument("--steps", type=int, default=5, help="Newton–Schulz iterations")
     parser.add_argument("--repeats", type=int, default=5, help="timed steps per row")

@@ -71,7 +71,10 @@ class MuonConfig:
     """Newton–Schulz iterations."""
     tp_mode: str = "blockwise"
     """how NS runs across TP shards: duplicated, distributed, blockwise, owner or auto. The default
-    is upstream's (blockwise: cheap but not exact Muon); owner is the exact, recommended mode;
+    is upstream ``OptimizerConfig``'s (blockwise: cheap but not exact Muon), so Python code that
+    builds a config by hand keeps upstream's meaning (the startup report then prints a BlockMuon
+    line); the command line's default is owner (``--muon-tp-mode``, ``cli.py``). owner is the
+    exact, recommended mode;
     auto picks, per matrix, the cheapest exact mode (owner, duplicated or distributed) by the
     cost model on ``auto_hardware`` (``auto_mode.py``)."""
     auto_hardware: str = "detect"

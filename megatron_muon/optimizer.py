@@ -112,7 +112,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         super().__init__(params, defaults)
         for g, group in enumerate(self.param_groups):
             if group["algorithm"] not in ALGORITHMS:
-                raise ValueError(f"param group {g}: algorithm must be one of {ALGORITHMS}, got {group['algorithm']!r}")
+                raise ValueError(f"MuonWithAdamW: param group {g}: algorithm: expected one of {ALGORITHMS}, "
+                                 f"got {group['algorithm']!r}")
             if group["algorithm"] != "muon":
                 continue
             for i, p in enumerate(group["params"]):

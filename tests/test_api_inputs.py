@@ -16,6 +16,7 @@ import pytest
 import torch
 from dist_harness import run_world
 from megatron_harness import build_tiny_gpt, destroy_megatron, init_megatron
+from test_bad_inputs import expected_line
 
 from megatron_muon.config import MuonConfig
 from megatron_muon.core.newton_schulz import COEFFICIENT_SETS
@@ -110,6 +111,28 @@ def test_factory_errors_are_one_line_naming_the_field(factory, name):
     assert isinstance(factory[name], str), f"{name}: no error"
     assert re.search(FACTORY_ERRORS[name], factory[name]), factory[name]
     assert "\n" not in factory[name]
+
+
+# The Python API rows of docs/bad_inputs.md, each produced here and compared with the table's line.
+API_ROWS = {
+    "api-muon-config-type": lambda factory: factory["muon_config_dict"],
+    "api-tp-mode": lambda factory: factory["bad_tp_mode"],
+    "api-3d-muon": lambda _: _error(lambda: MuonWithAdamW([dict(params=[_param(2, 3, 4)], algorithm="muon")])),
+    "api-algorithm": lambda _: _error(lambda: MuonWithAdamW([dict(params=[_param(4, 4)], algorithm="lion")])),
+    "api-negative-lr": lambda _: _error(lambda: MuonWithAdamW([_param(4, 4)], lr=-1.0)),
+}
+
+
+def _error(make) -> str:
+    with pytest.raises(ValueError) as info:
+        make()
+    return str(info.value)
+
+
+@pytest.mark.parametrize("row_id", sorted(API_ROWS))
+def test_api_rows_of_the_bad_input_table(factory, row_id):
+    line = API_ROWS[row_id](factory)
+    assert expected_line(row_id).fullmatch(line), f"\n{line}"
 
 
 # ---- MuonConfig: coefficient sets ---------------------------------------------------------------

@@ -27,9 +27,12 @@ PLACEHOLDERS = {  # the table's placeholders (besides TMP and CONFIG), as regula
     "HALF": r"\d+", "FULL": r"\d+", "THIRD": r"\d+", "SIZE": r"\d+", "FILE": r"\S+\.distcp",
     "TENSOR": r"\S+ \(\w+\)", "MORE": r"( \(and \d+ more\))?",
 }
-CHECKED_ELSEWHERE = {  # rows whose loads need a torchrun job: the test file that checks each
+CHECKED_ELSEWHERE = {  # rows checked by another test file (a torchrun job, a Megatron world), by row id
     "ckpt-overwritten": "test_checkpoint_integrity.py", "ckpt-truncated": "test_checkpoint_integrity.py",
-    "ckpt-nan": "test_checkpoint_integrity.py", "ckpt-tp-change": "test_resharding.py"}
+    "ckpt-nan": "test_checkpoint_integrity.py", "ckpt-tp-change": "test_resharding.py",
+    # Python API rows: raised by the factory (in a Megatron world) or by MuonWithAdamW itself
+    **{row: "test_api_inputs.py" for row in ("api-muon-config-type", "api-tp-mode", "api-3d-muon", "api-algorithm",
+                                              "api-negative-lr")}}
 
 
 def rows() -> dict[str, dict]:

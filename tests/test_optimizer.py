@@ -232,7 +232,8 @@ def test_attach_must_name_every_muon_param():
 
 
 def test_unknown_algorithm():
-    with pytest.raises(ValueError, match="param group 0: algorithm must be one of"):
+    expected = r"^MuonWithAdamW: param group 0: algorithm: expected one of \('muon', 'adamw'\), got 'lion'$"
+    with pytest.raises(ValueError, match=expected):
         MuonWithAdamW([dict(params=[_model()["proj"]], algorithm="lion")])
 
 

@@ -145,6 +145,7 @@ def build_tiny_gpt(
     dp_layout: str = "megatron",
     muon_config=None,
     vpp: int | None = None,
+    overlap: bool = False,
 ) -> list:
     """The tiny GPT on this rank's TP x PP slot, wrapped like ``megatron.training.get_model``.
 
@@ -160,6 +161,11 @@ def build_tiny_gpt(
     as ``get_model`` builds them (``vp_stage=i``; only the first stage of PP rank 0 embeds, only
     the last of the last PP rank has the output layer), each in its own DDP, so the list holds
     ``vpp`` chunks; ``num_layers`` must be a multiple of ``pp * vpp``.
+    ``overlap``: ``--overlap-grad-reduce`` (grads reduced bucket by bucket from backward hooks,
+    and ``bucket_size`` takes effect) and, with the distributed optimizer,
+    ``--overlap-param-gather`` (the step leaves the param all-gather to the next forward's
+    pre-hooks; call ``chunk.disable_forward_pre_hook()`` before reading the params, as Megatron
+    does before a checkpoint or an evaluation).
     Call after ``init_megatron(tp, pp)``.
     """
     from megatron.core import parallel_state as ps
@@ -219,7 +225,8 @@ def build_tiny_gpt(
             model = Float16Module(config, model)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            overlap_grad_reduce=False,
+            overlap_grad_reduce=overlap,
+            overlap_param_gather=overlap and use_distributed_optimizer,
             use_distributed_optimizer=use_distributed_optimizer,
             bucket_size=bucket_size,
         )

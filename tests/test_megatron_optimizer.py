@@ -77,7 +77,8 @@ def train_runs(rank: int, world: int, runs: list[dict]) -> list[dict]:
 
     A run: ``tp``, ``pp`` (1), ``vpp`` (None: no virtual stages), ``layers`` (``LAYERS``),
     ``microbatches`` (1), ``clip`` (0.0: Megatron's ``clip_grad``), ``dist_opt``, ``tp_mode``,
-    ``bf16``, ``layout``, ``muon`` (MuonConfig overrides). Returns, per run, the full weights
+    ``bf16``, ``layout``, ``muon`` (MuonConfig overrides), ``overlap`` (``--overlap-grad-reduce``
+    and ``--overlap-param-gather``) and ``bucket_size`` (DDP's, in elements). Returns, per run, the full weights
     (rank 0), this rank's params, the bytes sent and the grad norm ``step`` returned, per step.
     """
     import torch.distributed as dist
@@ -94,7 +95,8 @@ def train_runs(rank: int, world: int, runs: list[dict]) -> list[dict]:
         muon_config = MuonConfig(tp_mode=run["tp_mode"], **dict(MUON, **run.get("muon", {})))
         model = build_tiny_gpt(tp, pp, use_distributed_optimizer=run["dist_opt"], bf16=run.get("bf16", False),
                                dp_layout=run.get("layout", "megatron"), muon_config=muon_config,
-                               num_layers=run.get("layers", LAYERS), vpp=vpp)
+                               num_layers=run.get("layers", LAYERS), vpp=vpp, overlap=run.get("overlap", False),
+                               bucket_size=run.get("bucket_size"))
         optimizer = get_megatron_muon_optimizer(
             _optimizer_config(run["dist_opt"], bf16=run.get("bf16", False), clip_grad=run.get("clip", 0.0)),
             model, muon_config,
@@ -114,10 +116,14 @@ def train_runs(rank: int, world: int, runs: list[dict]) -> list[dict]:
             scheduler.step(1)
             stats_per_step.append(dict(stats.bytes_by_primitive))
             grad_norms.append(grad_norm)
+        if run.get("overlap") and run["dist_opt"]:
+            for chunk in model:  # the last step's param all-gather, which the next forward would start
+                chunk.disable_forward_pre_hook(param_sync=True)
         full = gather_full_params(model, ps.get_tensor_model_parallel_group(), pp)
         local = {f"chunk{c}.{n}": p.detach().clone() for c, chunk in enumerate(model)
                  for n, p in chunk.named_parameters()}
-        out.append(dict(run=run, full=full if rank == 0 else None, local=local, stats=stats_per_step,
+        buckets = sum(len(buffer.buckets) for chunk in model for buffer in chunk.buffers)
+        out.append(dict(run=run, full=full if rank == 0 else None, local=local, stats=stats_per_step, buckets=buckets,
                         grad_norms=grad_norms, layouts=layouts, dp_size=ps.get_data_parallel_world_size(),
                         tp_rank=ps.get_tensor_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
                         pp_rank=ps.get_pipeline_model_parallel_rank(), world=dist.get_world_size()))
@@ -217,6 +223,15 @@ RUNS_2 += [dict(tp=1, pp=2, tp_mode="owner", **BALANCED)]
 RUNS_4 += [dict(tp=2, tp_mode=m, **BALANCED) for m in ("duplicated", "distributed", "owner")]
 RUNS_4 += [dict(tp=1, tp_mode="owner", **BALANCED), dict(tp=1, pp=2, tp_mode="owner", **BALANCED)]
 RUNS_4 += [dict(tp=2, tp_mode="owner", **BALANCED, **BF16)]
+# --overlap-grad-reduce with several buckets (DDP honours bucket_size only with it), and
+# --overlap-param-gather with the distributed optimizer: grads reduce-scattered bucket by bucket
+# from backward hooks, the param all-gather left to the next forward's pre-hooks. At 20,000
+# elements the tiny model's buffer splits into several buckets (asserted), each sharded over DP
+# on its own, so matrices are cut at bucket and shard boundaries alike.
+OVERLAP = dict(overlap=True, bucket_size=20_000)
+RUNS_4 += [dict(tp=t, dist_opt=True, tp_mode="owner", expect_cut=True, **OVERLAP) for t in (1, 2)]
+RUNS_4 += [dict(tp=2, dist_opt=False, tp_mode="owner", **OVERLAP)]
+RUNS_4 += [dict(tp=2, tp_mode="owner", **BALANCED, **OVERLAP)]
 # Every run twice, in the same world: without grad clipping and with clip_grad = CLIP, which is
 # below every grad norm of these runs (measured 2.49, 4.33 and 2.85-3.10 over the K = 3 steps),
 # so Megatron clips every step (asserted from the norm its step returns); the reference clips
@@ -257,6 +272,7 @@ def _run_id(world: int, run: dict) -> str:
     tags += ["bf16"] * bool(run.get("bf16"))
     tags += [run["layout"]] if run.get("layout") else []
     tags += [run.get("muon", {}).get("dp_mode", "")] if run.get("muon", {}).get("dp_mode") else []
+    tags += ["overlap"] if run.get("overlap") else []
     tags += [f"clip{run['clip']:g}"] if run.get("clip") else []
     return "-".join(tags)
 
@@ -346,6 +362,20 @@ def test_only_cut_or_moved_matrices_travel_across_dp(trained):
                 assert cut, f"{_run_id(world, run)}: some matrix should be cut across DP ranks"
             checked += 1
     assert checked >= 3
+
+
+def test_overlap_runs_have_several_buckets(trained):
+    """The overlap runs exercise what they are for: more than one bucket per buffer, where
+    megatron-core lays the buffer out. (The balanced layout keeps a bucket open until it holds
+    a few times DP x its largest matrix, which is this whole tiny model: one bucket, by design;
+    that run checks the overlapped grad reduce and param gather on our layout.)"""
+    overlap = [i for i, run in enumerate(RUNS[4]) if run.get("overlap")]
+    assert len(overlap) == 8  # 4 layouts, with and without clipping
+    for index in overlap:
+        if RUNS[4][index].get("layout") != "balanced":
+            assert trained[4][0][index]["buckets"] >= 3, (RUNS[4][index], trained[4][0][index]["buckets"])
+    plain = next(i for i, run in enumerate(RUNS[4]) if run["dist_opt"] and not run.get("overlap"))
+    assert trained[4][0][plain]["buckets"] == 1  # without overlap DDP ignores bucket_size
 
 
 def test_redundant_dp_mode_moves_nothing_across_dp(trained):

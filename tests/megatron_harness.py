@@ -145,6 +145,7 @@ def build_tiny_gpt(
     dp_layout: str = "megatron",
     muon_config=None,
     vpp: int | None = None,
+    layout_bucket_size: int | None = None,
 ) -> list:
     """The tiny GPT on this rank's TP x PP slot, wrapped like ``megatron.training.get_model``.
 
@@ -160,6 +161,10 @@ def build_tiny_gpt(
     as ``get_model`` builds them (``vp_stage=i``; only the first stage of PP rank 0 embeds, only
     the last of the last PP rank has the output layer), each in its own DDP, so the list holds
     ``vpp`` chunks; ``num_layers`` must be a multiple of ``pp * vpp``.
+    ``layout_bucket_size``: with the distributed optimizer and the ``megatron`` layout, megatron-core's
+    own layout (``DistributedOptimizer.compute_full_param_layout``) with buckets of about this many
+    elements, handed to DDP: DDP drops ``bucket_size`` without ``overlap_grad_reduce``, so this is
+    how a test moves the DP boundaries (each bucket is split over DP) onto the matrix it wants cut.
     Call after ``init_megatron(tp, pp)``.
     """
     from megatron.core import parallel_state as ps
@@ -235,6 +240,12 @@ def build_tiny_gpt(
                 muon_config=muon_config or MuonConfig(), tp_size=tp, max_padding=1.0)
         else:
             assert dp_layout == "megatron", dp_layout
+            if use_distributed_optimizer and layout_bucket_size is not None:
+                from megatron.core.optimizer import DistributedOptimizer
+
+                layout = DistributedOptimizer.compute_full_param_layout(
+                    [p for p in model.parameters() if p.requires_grad], layout_bucket_size,
+                    ps.get_data_parallel_world_size(), ddp_config)
         return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, full_param_layout=layout)
 
     return [build_chunk(i) for i in range(vpp)] if vpp else [build_chunk(None)]

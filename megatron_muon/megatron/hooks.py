@@ -102,8 +102,9 @@ def _wrap_validate_args(validate_args):
         # Megatron asserts TE >= 2.9 for --qk-clip / --log-max-attention-logit (only TE tracked the
         # logit); ours tracks it in the local attention too, and check_supported_args has made
         # Megatron's other two checks (alpha, threshold) and refused TE attention without 2.9.
-        hidden = {} if te_tracks_max_logit() else {
-            name: getattr(args, name) for name in ("qk_clip", "log_max_attention_logit") if getattr(args, name, False)}
+        hidden = {name: True for name in ("qk_clip", "log_max_attention_logit") if getattr(args, name, False)}
+        if hidden and te_tracks_max_logit():
+            hidden = {}
         for name in hidden:
             setattr(args, name, False)
         try:

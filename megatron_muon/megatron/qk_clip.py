@@ -122,7 +122,7 @@ class QKClip:
 
     def __init__(self, attentions: list[ClippedAttention], group, threshold: float, alpha: float, clip: bool,
                  log_group=None):
-        if not threshold > 0:
+        if clip and not threshold > 0:
             raise ValueError(f"--qk-clip-threshold: expected a value > 0, got {threshold}")
         if clip and not 0.0 < alpha < 1.0:
             raise ValueError(f"--qk-clip-alpha: expected a value in (0, 1), got {alpha}")

@@ -48,7 +48,6 @@ exit code 2); each exists because Megatron itself would do something else:
 8. ``megatron.training.training.load_checkpoint``: before the load the checksums are verified,
    a load Megatron refuses for a TP/PP change is explained in one line (``resharding.py``), and
    after it the loaded main params and optimizer state are checked finite.
-
 9. ``megatron.training.training.clip_qk`` (``train_step`` calls it after ``optimizer.step()``
    with ``--qk-clip`` or ``--log-max-attention-logit``): with the plugin it clips nothing — the
    optimizer's step already clipped the main params (``qk_clip.py``) — and returns the max logit

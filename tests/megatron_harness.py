@@ -146,6 +146,7 @@ def build_tiny_gpt(
     muon_config=None,
     vpp: int | None = None,
     overlap: bool = False,
+    layout_bucket_size: int | None = None,
 ) -> list:
     """The tiny GPT on this rank's TP x PP slot, wrapped like ``megatron.training.get_model``.
 
@@ -166,6 +167,10 @@ def build_tiny_gpt(
     ``--overlap-param-gather`` (the step leaves the param all-gather to the next forward's
     pre-hooks; call ``chunk.disable_forward_pre_hook()`` before reading the params, as Megatron
     does before a checkpoint or an evaluation).
+    ``layout_bucket_size``: with the distributed optimizer and the ``megatron`` layout, megatron-core's
+    own layout (``DistributedOptimizer.compute_full_param_layout``) with buckets of about this many
+    elements, handed to DDP: DDP drops ``bucket_size`` without ``overlap_grad_reduce``, so this is
+    how a test moves the DP boundaries (each bucket is split over DP) onto the matrix it wants cut.
     Call after ``init_megatron(tp, pp)``.
     """
     from megatron.core import parallel_state as ps
@@ -242,6 +247,12 @@ def build_tiny_gpt(
                 muon_config=muon_config or MuonConfig(), tp_size=tp, max_padding=1.0)
         else:
             assert dp_layout == "megatron", dp_layout
+            if use_distributed_optimizer and layout_bucket_size is not None:
+                from megatron.core.optimizer import DistributedOptimizer
+
+                layout = DistributedOptimizer.compute_full_param_layout(
+                    [p for p in model.parameters() if p.requires_grad], layout_bucket_size,
+                    ps.get_data_parallel_world_size(), ddp_config)
         return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, full_param_layout=layout)
 
     return [build_chunk(i) for i in range(vpp)] if vpp else [build_chunk(None)]

@@ -88,7 +88,7 @@ def hooks_restored(monkeypatch):
 
     for module, names in ((arguments, ("add_megatron_arguments", "validate_args")),
                           (yaml_arguments, ("validate_yaml",)),
-                          (training, ("get_megatron_optimizer", "training_log", "wrap_model_chunks_with_ddp",
+                          (training, ("get_megatron_optimizer", "training_log", "clip_qk", "wrap_model_chunks_with_ddp",
                                       "save_checkpoint", "load_checkpoint"))):
         for name in names:
             monkeypatch.setattr(module, name, getattr(module, name))

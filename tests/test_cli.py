@@ -171,7 +171,7 @@ def installed(megatron, monkeypatch):
 
     arguments, training = megatron
     for module, name in [(arguments, "add_megatron_arguments"), (arguments, "validate_args"),
-                         (training, "training_log"),
+                         (training, "training_log"), (training, "clip_qk"),
                          (training, "get_megatron_optimizer")]:
         monkeypatch.setattr(module, name, getattr(module, name))
     monkeypatch.setenv("WORLD_SIZE", "1")

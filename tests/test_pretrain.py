@@ -121,3 +121,21 @@ def test_pretrain_with_virtual_pipeline_stages(tmp_path):
     for _, _, lr, loss, grad_norm, kind, _sent in rows:
         assert 0 < lr <= 0.02 and 0 < loss < 7 and grad_norm > 0 and kind == "muon"
     assert rows[-1][3] < rows[0][3], "loss did not go down"
+
+
+QK_CLIP = re.compile(r"iteration\s+(\d+)/.* qk-clip heads clipped: (\d+)/(\d+) \(tau ([0-9.]+)\) \| "
+                     r"max attention logit: ([0-9.-]+) \|")
+
+
+def test_pretrain_with_qk_clip(tmp_path):
+    """--qk-clip through Megatron's loop without Transformer Engine (the local attention's logit,
+    megatron-muon's clip inside the step, upstream's clip_qk a no-op), on the log line with
+    --muon-log-stats. τ is below this model's logits (about 0.1), so heads clip."""
+    out = _torchrun(["--qk-clip", "--qk-clip-threshold", "0.05", "--log-max-attention-logit",
+                     "--train-iters", "4", "--log-interval", "2"], tmp_path)
+    rows = [(int(m[1]), int(m[2]), int(m[3]), float(m[4]), float(m[5])) for m in QK_CLIP.finditer(out)]
+    assert [it for it, *_ in rows] == [1, 2, 4], out[-4000:]  # Megatron logs the first iteration too
+    for _, clipped, heads, tau, top in rows:
+        # 2 layers x 4 heads; the max logit is that of the step's forward, before its clip
+        assert heads == 8 and tau == 0.05 and 0 < clipped <= heads and top > tau
+    assert len(_iterations(out)) == 3, "the iteration line lost the muon stats"

@@ -6,4 +6,5 @@
     shapes          shard ↔ full shape arithmetic under TP (the one source of it)
     models          ``ModelShape``: a GPT's weight shapes (Llama-3 8B / 70B / 405B)
     matrix_layout   one Muon matrix as the optimizer sees it: TP shard, DP ranges, fused sub-matrices
+    qk_clip         QK-clip (MuonClip): per-group η, the fused QKV's row factors, on a matrix or a flat range
 """

@@ -6,7 +6,7 @@ Usage: call ``install()`` before Megatron first parses the command line
     import megatron_muon.megatron.hooks
     megatron_muon.megatron.hooks.install()
 
-``install()`` (idempotent) replaces eight module attributes of megatron-core 0.19.2's training
+``install()`` (idempotent) replaces nine module attributes of megatron-core 0.19.2's training
 package, and ``sys.excepthook`` (``errors.py``: an uncaught ``UserInputError`` is one line and
 exit code 2); each exists because Megatron itself would do something else:
 
@@ -48,6 +48,12 @@ exit code 2); each exists because Megatron itself would do something else:
 8. ``megatron.training.training.load_checkpoint``: before the load the checksums are verified,
    a load Megatron refuses for a TP/PP change is explained in one line (``resharding.py``), and
    after it the loaded main params and optimizer state are checked finite.
+9. ``megatron.training.training.clip_qk`` (``train_step`` calls it after ``optimizer.step()``
+   with ``--qk-clip`` or ``--log-max-attention-logit``): with the plugin it clips nothing — the
+   optimizer's step already clipped the main params (``qk_clip.py``) — and returns the max logit
+   for the log. ``validate_args`` (2.) hides those two flags from Megatron's "TE >= 2.9" assert
+   when Transformer Engine is older or absent (the local attention's logit is tracked by us).
+   With ``--muon-log-stats`` the log line also gets the clipped heads and the max logit.
 
 ``--optimizer dist_muon`` (deprecated upstream) and the other emerging optimizers keep upstream's
 implementations, and none of the checks above applies to them.
@@ -64,7 +70,7 @@ import traceback
 from .cli import add_muon_args, muon_config_from_args
 from .errors import UserInputError, install_excepthook, print_error
 from .startup_checks import check_data_files as check_data
-from .startup_checks import check_resume, check_supported_args
+from .startup_checks import check_resume, check_supported_args, te_tracks_max_logit
 
 __all__ = ["install"]
 
@@ -92,6 +98,14 @@ def _wrap_validate_args(validate_args):
             return validate_args(args, defaults)
         check_supported_args(args)
         args.optimizer = "adam"  # keep --use-distributed-optimizer as Megatron's distributed optimizer
+        # Megatron asserts TE >= 2.9 for --qk-clip / --log-max-attention-logit (only TE tracked the
+        # logit); ours tracks it in the local attention too, and check_supported_args has made
+        # Megatron's other two checks (alpha, threshold) and refused TE attention without 2.9.
+        hidden = {name: True for name in ("qk_clip", "log_max_attention_logit") if getattr(args, name, False)}
+        if hidden and te_tracks_max_logit():
+            hidden = {}
+        for name in hidden:
+            setattr(args, name, False)
         try:
             result = validate_args(args, defaults)
         except (AssertionError, ValueError, TypeError) as err:
@@ -100,6 +114,8 @@ def _wrap_validate_args(validate_args):
             raise _megatron_validation_error(err) from err
         finally:
             args.optimizer = "muon"
+            for name, value in hidden.items():
+                setattr(args, name, value)
         check_resume(args)
         check_data(args)
         setattr(args, ACTIVE, True)
@@ -151,6 +167,8 @@ def _wrap_get_megatron_optimizer(get_megatron_optimizer):
                     use_gloo_process_groups=use_gloo_process_groups,
                 )
                 _BUILT[:] = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [])]
+                _CLIPS[:] = [o.qk_clip for o in getattr(optimizer, "chained_optimizers", [])
+                             if getattr(o, "qk_clip", None) is not None]
                 return optimizer
         return get_megatron_optimizer(
             config, model_chunks, config_overrides=config_overrides,
@@ -163,6 +181,7 @@ def _wrap_get_megatron_optimizer(get_megatron_optimizer):
 
 
 _BUILT: list = []  # the MuonWithAdamW optimizers the dispatcher built (for the log line)
+_CLIPS: list = []  # their qk_clip.QKClip, with --qk-clip / --log-max-attention-logit
 
 
 def stats_text(optimizers) -> str:
@@ -230,10 +249,16 @@ def _wrap_training_log(training_log):
         if not (getattr(margs, ACTIVE, False) and getattr(margs, "muon_log_stats", False) and _BUILT):
             return training_log(*args, **kwargs)
         printer = training.print_rank_last
+        qk_text = ""
+        iteration = kwargs["iteration"] if "iteration" in kwargs else args[3]
+        if _CLIPS and (iteration % margs.log_interval == 0 or kwargs.get("is_first_iteration", False)):
+            # a reduction over the model-parallel group, on every rank, on the iterations that print
+            # (training_log's own condition for the iteration line)
+            qk_text = "".join(clip.log_text() for clip in _CLIPS)
 
         def print_with_stats(message):
             if " iteration " in message and message.rstrip().endswith("|"):
-                message = message.rstrip() + stats_text(_BUILT)
+                message = message.rstrip() + stats_text(_BUILT) + qk_text
             printer(message)
 
         training.print_rank_last = print_with_stats
@@ -243,6 +268,27 @@ def _wrap_training_log(training_log):
             training.print_rank_last = printer
 
     setattr(wrapper, _ORIGINAL, training_log)
+    return wrapper
+
+
+def _wrap_clip_qk(clip_qk):
+    """``training.py`` calls ``clip_qk(model, log_max_only=not args.qk_clip)`` after
+    ``optimizer.step()``. With the plugin, the clip has already run inside the step, on the main
+    params (``qk_clip.py``), so this clips nothing: it returns this rank's max logit of the last
+    step (as upstream's does, a host sync) for ``--log-max-attention-logit``'s scalar, 0.0 without it."""
+    @functools.wraps(clip_qk)
+    def wrapper(model, log_max_only=False):
+        from megatron.training import get_args
+
+        margs = get_args()
+        if not getattr(margs, ACTIVE, False):
+            return clip_qk(model, log_max_only=log_max_only)
+        if not getattr(margs, "log_max_attention_logit", False):
+            return 0.0
+        values = [clip.last_max_logit for clip in _CLIPS if clip.last_max_logit is not None]
+        return max(float(v) for v in values) if values else 0.0
+
+    setattr(wrapper, _ORIGINAL, clip_qk)
     return wrapper
 
 
@@ -366,6 +412,7 @@ def install() -> None:
         (yaml_arguments, "validate_yaml", _wrap_validate_yaml),
         (training, "get_megatron_optimizer", _wrap_get_megatron_optimizer),
         (training, "training_log", _wrap_training_log),
+        (training, "clip_qk", _wrap_clip_qk),
         (training, "wrap_model_chunks_with_ddp", _wrap_wrap_model_chunks_with_ddp),
         (training, "save_checkpoint", _wrap_save_checkpoint),
         (training, "load_checkpoint", _wrap_load_checkpoint),

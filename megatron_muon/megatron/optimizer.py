@@ -41,6 +41,7 @@ from ..core.matrix_layout import MatrixLayout, RowSplit
 from ..optimizer import MuonMatrix, MuonWithAdamW
 from .checkpoint import MuonCheckpointMixin, prepare_for_checkpointing
 from .cli import muon_config_from_args
+from .qk_clip import build_qk_clip
 from .report import print_startup_report
 
 __all__ = ["MuonDistributedOptimizer", "get_megatron_muon_optimizer", "is_muon_matrix"]
@@ -115,6 +116,8 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
                 main_of.update({id(m): s for m, s in zip(models, mains)})
         names = _param_names(self.model_chunks)
         matrices = []
+        self.matrix_of_param: dict[int, MuonMatrix] = {}
+        """id(model param) → its ``MuonMatrix`` (layout, this rank's main shard): what QK-clip scales."""
         for buffer in self.buffers:  # same buffers, same order, on every DP (and TP) rank
             for bucket in buffer.buckets:
                 per_rank = self._ranges_on_every_rank(buffer, bucket, dp_size)
@@ -124,6 +127,7 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
                     ranges = tuple(per_rank[r].get(param, (0, 0)) for r in range(dp_size))
                     layout = _layout(names.get(id(param), "param"), param, tp_size, muon_config, ranges)
                     matrices.append(MuonMatrix(layout, main_of.get(id(param))))
+                    self.matrix_of_param[id(param)] = matrices[-1]
         self.optimizer.attach(matrices, dp_group=self.data_parallel_group, tp_group=tp_group)
         self.cut_matrices = sum(1 for m in matrices if len(m.layout.holders(dp_size)) > 1)
         """Muon matrices cut across DP ranks (0 under ``--muon-dp-layout balanced``)."""
@@ -272,8 +276,19 @@ def get_megatron_muon_optimizer(
         else:
             optimizer = FP32Optimizer(inner, config, init_state_fn)
         optimizer.grad_stats_parallel_group = groups_dict["mp_group"]
-        _attach_whole(inner, model_chunks, groups_dict["intra_dp_cp_group"], tp_group, muon_config)
+        matrix_of = _attach_whole(inner, model_chunks, groups_dict["intra_dp_cp_group"], tp_group, muon_config)
     optimizer.tp_group = tp_group
+    optimizer.qk_clip = None
+    """``qk_clip.QKClip`` with ``--qk-clip`` / ``--log-max-attention-logit``: runs after every inner step."""
+    if not getattr(optimizer, "is_stub_optimizer", False):
+        dp_group = groups_dict["intra_dp_cp_group"]
+        if config.use_distributed_optimizer:
+            matrix_of = optimizer.matrix_of_param
+        optimizer.qk_clip = build_qk_clip(model_chunks, matrix_of, dp_group, get_pg_rank(dp_group),
+                                          log_group=groups_dict["mp_group"])
+        if optimizer.qk_clip is not None:
+            # after the fp32 update, before Megatron copies main params into the model (and gathers them)
+            inner.register_step_post_hook(optimizer.qk_clip.after_step)
     if not getattr(optimizer, "is_stub_optimizer", False):
         from megatron.core import parallel_state
 
@@ -298,18 +313,21 @@ def _muon_config(config: OptimizerConfig, muon_config: MuonConfig | None) -> Muo
                          f"fields are used: {err}") from err
 
 
-def _attach_whole(inner: MuonWithAdamW, model_chunks, dp_group, tp_group, muon_config: MuonConfig) -> None:
-    """Without the distributed optimizer every DP rank holds every matrix whole."""
+def _attach_whole(inner: MuonWithAdamW, model_chunks, dp_group, tp_group,
+                  muon_config: MuonConfig) -> dict[int, MuonMatrix]:
+    """Without the distributed optimizer every DP rank holds every matrix whole. Returns
+    id(model param) → its ``MuonMatrix``."""
     tp_size = get_pg_size(tp_group) if tp_group is not None else 1
     names = _param_names(model_chunks)
-    matrices = []
+    matrix_of = {}
     for chunk in model_chunks:
         for _, p in chunk.named_parameters():
             if p.requires_grad and is_muon_matrix(p):
                 main = getattr(p, "main_param", None)
-                matrices.append(MuonMatrix(_layout(names[id(p)], p, tp_size, muon_config),
-                                           main if main is not None else p))
-    inner.attach(matrices, dp_group=dp_group, tp_group=tp_group)
+                matrix_of[id(p)] = MuonMatrix(_layout(names[id(p)], p, tp_size, muon_config),
+                                              main if main is not None else p)
+    inner.attach(list(matrix_of.values()), dp_group=dp_group, tp_group=tp_group)
+    return matrix_of
 
 
 def _tp_group():

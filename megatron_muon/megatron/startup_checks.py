@@ -25,7 +25,8 @@ from pathlib import Path
 from .cli import muon_config_from_args
 from .errors import UserInputError
 
-__all__ = ["TRACKER", "check_resume", "check_data_files", "check_supported_args", "checkpoints_in"]
+__all__ = ["TRACKER", "check_resume", "check_data_files", "check_supported_args", "checkpoints_in",
+           "te_tracks_max_logit"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron's tracker file: a directory holds a checkpoint for ``--load`` when it has this."""
@@ -70,7 +71,7 @@ def check_supported_args(args) -> None:
          f"--num-experts {getattr(args, 'num_experts', None)}: MoE experts are not supported with "
          "--optimizer muon yet"),
     ]
-    for bad, message in rejected:
+    for bad, message in rejected + _qk_clip_rejections(args):
         if bad:
             raise UserInputError(message)
     try:
@@ -79,6 +80,41 @@ def check_supported_args(args) -> None:
         raise
     except ValueError as err:
         raise UserInputError(str(err)) from err
+
+
+def te_tracks_max_logit() -> bool:
+    """Transformer Engine >= 2.9 is installed (its attention returns the max logit)."""
+    from megatron.core.utils import is_te_min_version
+
+    return is_te_min_version("2.9.0")
+
+
+def _qk_clip_rejections(args) -> list[tuple[bool, str]]:
+    """``--qk-clip`` / ``--log-max-attention-logit`` under ``--optimizer muon`` (``qk_clip.py``):
+    megatron-core's own checks (α in (0, 1), τ > 0) as one line, and what the plugin cannot clip.
+    Without Transformer Engine >= 2.9 the local attention tracks the logit instead, so the
+    ``validate_args`` hook hides the flags from Megatron's TE version assert."""
+    clip, log = getattr(args, "qk_clip", False), getattr(args, "log_max_attention_logit", False)
+    if not (clip or log):
+        return []
+    flag = "--qk-clip" if clip else "--log-max-attention-logit"
+    alpha, threshold = getattr(args, "qk_clip_alpha", 0.5), getattr(args, "qk_clip_threshold", 100.0)
+    impl = getattr(args, "transformer_impl", "local")
+    return [
+        (clip and not 0.0 < alpha < 1.0,
+         f"--qk-clip-alpha {alpha}: expected a value in (0, 1) with --qk-clip (query rows get eta^alpha, key "
+         "rows eta^(1-alpha))"),
+        (clip and not threshold > 0, f"--qk-clip-threshold {threshold}: expected a value > 0 with --qk-clip"),
+        (getattr(args, "multi_latent_attention", False),
+         f"{flag} with --multi-latent-attention: not supported with --optimizer muon (MLA's clip scales its q/kv "
+         "up-projections); drop one of them"),
+        (getattr(args, "attention_output_gate", False),
+         f"{flag} with --attention-output-gate: not supported with --optimizer muon (the gate rows sit inside "
+         "linear_qkv); drop one of them"),
+        (impl == "transformer_engine" and not te_tracks_max_logit(),
+         f"{flag} with --transformer-impl transformer_engine needs Transformer Engine >= 2.9 (it tracks the max "
+         "attention logit); use --transformer-impl local (megatron-muon tracks it there) or upgrade"),
+    ]
 
 
 # --------------------------------------------------------------------------- resume

@@ -1,0 +1,262 @@
+"""QK-clip (``--qk-clip``, MuonClip) for ``--optimizer muon``: the max logit, its reduction, the clip.
+
+megatron-core 0.19.2 has the flags (``--qk-clip``, ``--qk-clip-threshold`` τ, ``--qk-clip-alpha`` α,
+``--log-max-attention-logit``) but tracks the max logit only inside Transformer Engine (>= 2.9,
+``TEDotProductAttention.current_max_attn_logits``), and its ``clip_qk`` (``training.py`` calls it
+after ``optimizer.step()``) rescales ``linear_qkv.weight.main_param`` as one whole matrix — which
+the distributed optimizer's flat fp32 shards are not. Here, with the same flags and meanings:
+
+* **Tracking.** Transformer Engine's own tracking when the core attention is TE's. Megatron's
+  local ``DotProductAttention`` (``--transformer-impl local``) gets a forward pre-hook on its
+  ``scale_mask_softmax`` (``track_max_logits``): the scores it is handed are the pre-softmax
+  logits (``q·k`` × softmax scale; × the softmax's own ``scale`` when query-key layer scaling
+  is on), masked as that softmax masks them (the given mask, or causal / sliding window), and
+  ``amax`` over batch, query and key positions gives one value per head of this TP rank, kept
+  as the running max in ``core_attention.current_max_attn_logits`` (TE's attribute and
+  semantics: the max over every micro-batch's forward since the last step, detached). Only
+  forwards in training mode count (evaluation does not move the clip; TE counts every
+  forward). Recomputed forwards see the same scores, so the max is unchanged.
+* **Reduction and clip** (``QKClip``, run as a step post-hook of the inner ``MuonWithAdamW``:
+  after the update of the fp32 main params, before Megatron copies them into the model's bf16
+  params and, with the distributed optimizer, all-gathers those — so the model copy is
+  ``main.to(bf16)`` as after any step, and nothing is clipped twice). Every layer's max logits
+  go into one vector, all-reduced with MAX over the data-parallel × context-parallel group
+  (upstream reduces over the same group, one collective per layer; here one per step); TP
+  ranks hold different heads and PP stages different layers, so neither is reduced. Then, per
+  layer, ``core/qk_clip.py``'s rule on this rank's main param of ``linear_qkv.weight``: the
+  whole TP-local matrix (no distributed optimizer) or this DP rank's flat range of it (the
+  ZeRO-1 shard, possibly cut mid-row). The multiply runs every step (× 1.0 for groups under
+  τ): no host sync decides whether to clip.
+* **Upstream's call.** ``training.py``'s ``clip_qk`` is replaced by ``hooks.py`` for the plugin:
+  it clips nothing (done above) and returns this rank's max logit, as upstream's does, for
+  ``--log-max-attention-logit``'s TensorBoard scalar.
+
+Per step the clipper keeps the largest logit and the number of heads over τ on this rank
+(device tensors, no sync); ``log_text`` reduces them over the model-parallel group for the
+``--muon-log-stats`` line, only on the iterations that print it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..core.qk_clip import group_eta, qkv_row_scale, scale_rows_, scale_rows_flat_
+from ..parallel.devices import resolve_device
+
+__all__ = ["QKClip", "build_qk_clip", "track_max_logits"]
+
+_TRACKED = "_megatron_muon_tracks_max_logit"  # set on a local core attention once its hook is in
+
+
+def _record_max_logit(core: torch.nn.Module, softmax: torch.nn.Module, args: tuple) -> None:
+    """Forward pre-hook of a local ``DotProductAttention.scale_mask_softmax``: ``args`` =
+    (scores ``[b, heads, sq, sk]``, mask or None, softmax offset or None)."""
+    if not core.training:
+        return
+    scores, mask = args[0], args[1] if len(args) > 1 else None
+    with torch.no_grad():
+        sq, sk = scores.shape[-2], scores.shape[-1]
+        # As FusedScaleMaskSoftmax.forward_torch_softmax builds its mask (True = masked out).
+        if softmax.window_size is not None:
+            left, right = softmax.window_size
+            ones = torch.ones(sq, sk, dtype=torch.bool, device=scores.device)
+            mask = ~torch.tril(torch.triu(ones, diagonal=sk - sq - left), diagonal=sk - sq + right)
+        elif mask is None and sq > 1 and softmax.attn_mask_type.name == "causal":
+            mask = torch.ones(sq, sk, dtype=torch.bool, device=scores.device).triu(diagonal=1)
+        kept = scores.detach() if mask is None else scores.detach().masked_fill(mask, float("-inf"))
+        head_max = torch.amax(kept, dim=(0, 2, 3)).float()
+        if softmax.scale is not None:  # query-key layer scaling: the softmax multiplies by it
+            head_max = head_max * softmax.scale
+        previous = core.current_max_attn_logits
+        core.current_max_attn_logits = head_max if previous is None else torch.maximum(previous, head_max)
+
+
+def track_max_logits(core_attention: torch.nn.Module) -> None:
+    """Make a local ``DotProductAttention`` keep ``current_max_attn_logits`` as TE's does (idempotent)."""
+    if getattr(core_attention, _TRACKED, False):
+        return
+    core_attention.current_max_attn_logits = None
+    core_attention.scale_mask_softmax.register_forward_pre_hook(
+        lambda softmax, args: _record_max_logit(core_attention, softmax, args))
+    setattr(core_attention, _TRACKED, True)
+
+
+@dataclass
+class ClippedAttention:
+    """One self-attention layer's QKV as this rank's clipper sees it."""
+
+    name: str
+    """the QKV weight's name, for messages."""
+    core: torch.nn.Module
+    """its core attention: holds ``current_max_attn_logits`` ``[heads]`` (None before a forward)."""
+    heads: int
+    """query heads on this TP rank."""
+    groups: int
+    """query groups on this TP rank."""
+    q_rows: int
+    """query rows per group (heads / groups × head dim)."""
+    kv_rows: int
+    """key (and value) rows per group: the head dim."""
+    cols: int
+    """columns of the weight (hidden size)."""
+    main: torch.Tensor | None
+    """the fp32 main param this rank updates: the whole TP-local matrix, or a flat range of it
+    (``start`` not None); None when this DP rank holds none of it."""
+    start: int | None
+    """where ``main`` starts in the flattened TP-local matrix; None: ``main`` is the whole matrix."""
+
+
+class QKClip:
+    """The reduction and the clip of every self-attention layer of this rank (module docstring).
+
+    Args:
+        attentions: this rank's layers (the same list, in the same order, on every rank of ``group``).
+        group: the data-parallel × context-parallel group whose ranks saw other tokens.
+        threshold, alpha: τ and α (``--qk-clip-threshold``, ``--qk-clip-alpha``).
+        clip: False for ``--log-max-attention-logit`` alone: reduce and report, change nothing.
+        log_group: the model-parallel (TP × PP) group over which ``log_values`` sums the model's heads.
+    """
+
+    def __init__(self, attentions: list[ClippedAttention], group, threshold: float, alpha: float, clip: bool,
+                 log_group=None):
+        if clip and not threshold > 0:
+            raise ValueError(f"--qk-clip-threshold: expected a value > 0, got {threshold}")
+        if clip and not 0.0 < alpha < 1.0:
+            raise ValueError(f"--qk-clip-alpha: expected a value in (0, 1), got {alpha}")
+        self.attentions = attentions
+        self.group = group
+        self.threshold = float(threshold)
+        self.alpha = float(alpha)
+        self.clip = clip
+        self.log_group = log_group
+        self.heads = sum(a.heads for a in attentions)
+        """heads on this rank (all its layers)."""
+        self.last_logits: torch.Tensor | None = None
+        """fp32 ``[heads]``: the DP-reduced max logit of every head of this rank (layer by layer) at the last step."""
+        self.last_max_logit: torch.Tensor | None = None
+        """0-d fp32: the largest DP-reduced max logit of this rank's heads at the last step."""
+        self.last_heads_over: torch.Tensor | None = None
+        """0-d int64: how many of this rank's heads were over τ at the last step (clipped, if ``clip``)."""
+
+    def after_step(self, optimizer=None, args=None, kwargs=None) -> None:
+        """``torch.optim.Optimizer.register_step_post_hook``'s signature; see ``step``."""
+        self.step()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Reduce this step's max logits, clip (when ``clip``), keep the stats, reset the trackers.
+
+        Every rank of ``group`` calls it once per applied optimizer step: one all-reduce, the
+        same size everywhere (a layer that saw no forward contributes -inf, which never wins)."""
+        if not self.attentions:
+            return
+        tracked = [a.core.current_max_attn_logits for a in self.attentions]
+        device = resolve_device([t for t in tracked if t is not None], self.group, what="max attention logits")
+        logits = torch.cat([
+            t.float().to(device) if t is not None else torch.full((a.heads,), float("-inf"), device=device)
+            for a, t in zip(self.attentions, tracked)])
+        if self.group is not None and dist.get_world_size(self.group) > 1:
+            dist.all_reduce(logits, op=dist.ReduceOp.MAX, group=self.group)
+        for a, head_max in zip(self.attentions, logits.split([a.heads for a in self.attentions])):
+            a.core.current_max_attn_logits = None
+            if not self.clip or a.main is None:
+                continue
+            scale = qkv_row_scale(group_eta(head_max, a.groups, self.threshold), self.alpha, a.q_rows, a.kv_rows)
+            scale = scale.to(a.main.device)
+            if a.start is None:
+                scale_rows_(a.main, scale)
+            else:
+                scale_rows_flat_(a.main, a.start, scale, a.cols)
+        self.last_logits = logits
+        self.last_max_logit = logits.max()
+        self.last_heads_over = (logits > self.threshold).sum()
+
+    def log_values(self) -> tuple[float, int, int] | None:
+        """(max logit, heads over τ, heads) of the whole model at the last step, reduced over the
+        model-parallel group ``log_group`` (every rank of it must call this; host sync: for the log
+        line only). None before the first step."""
+        mp_group = self.log_group
+        device = resolve_device([self.last_max_logit] if self.last_max_logit is not None else [], mp_group)
+        have = self.last_max_logit is not None
+        top = torch.full((1,), float("-inf"), device=device)
+        counts = torch.zeros(3, dtype=torch.float64, device=device)  # heads over, heads, steps seen
+        if have:
+            top[0] = self.last_max_logit
+            counts[0], counts[1], counts[2] = self.last_heads_over.double(), self.heads, 1.0
+        if mp_group is not None and dist.get_world_size(mp_group) > 1:
+            dist.all_reduce(top, op=dist.ReduceOp.MAX, group=mp_group)
+            dist.all_reduce(counts, group=mp_group)
+        values = counts.tolist()
+        if values[2] == 0:
+            return None
+        return top.item(), int(values[0]), int(values[1])
+
+    def log_text(self) -> str:
+        """`` qk-clip heads: 3/16 over 50 | max attention logit: 61.2 |`` (``log_values``)."""
+        values = self.log_values()
+        if values is None:
+            return ""
+        top, over, heads = values
+        verb = "clipped" if self.clip else "over"
+        return f" qk-clip heads {verb}: {over}/{heads} (tau {self.threshold:g}) | max attention logit: {top:.3f} |"
+
+
+def _attention_layers(chunk):
+    """(name, module) of every self-attention with a fused ``linear_qkv`` in a model chunk."""
+    for name, module in chunk.named_modules():
+        if getattr(module, "linear_qkv", None) is not None and getattr(module, "core_attention", None) is not None:
+            yield name, module
+
+
+def qk_clip_settings(model_chunks) -> tuple[bool, bool, float, float]:
+    """(clip, log, τ, α) from the model's ``TransformerConfig`` (what ``--qk-clip``,
+    ``--log-max-attention-logit``, ``--qk-clip-threshold``, ``--qk-clip-alpha`` set)."""
+    config = model_chunks[0].config
+    return (bool(getattr(config, "qk_clip", False)), bool(getattr(config, "log_max_attention_logit", False)),
+            float(getattr(config, "qk_clip_threshold", 100.0)), float(getattr(config, "qk_clip_alpha", 0.5)))
+
+
+def build_qk_clip(model_chunks, matrix_of: dict, group, dp_rank: int, log_group=None) -> QKClip | None:
+    """The clipper for ``model_chunks`` when their config asks for ``--qk-clip`` or
+    ``--log-max-attention-logit``, else None; installs the local attention's tracking.
+
+    ``matrix_of``: id(model param) → its ``MuonMatrix`` (layout and this rank's main tensor);
+    ``dp_rank``: this rank's index in ``group``, whose flat range ``main`` holds under the
+    distributed optimizer; ``log_group``: the model-parallel group (``QKClip``).
+    Raises ``ValueError`` naming the flag for attention it cannot clip.
+    """
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    clip, log, threshold, alpha = qk_clip_settings(model_chunks)
+    if not (clip or log):
+        return None
+    flag = "--qk-clip" if clip else "--log-max-attention-logit"
+    if getattr(model_chunks[0].config, "multi_latent_attention", False):
+        raise ValueError(f"{flag}: multi-latent attention is not supported with --optimizer muon (its clip scales "
+                         "the q/kv up-projections); drop one of the two")
+    attentions = []
+    for c, chunk in enumerate(model_chunks):
+        for name, module in _attention_layers(chunk):
+            core = module.core_attention
+            if isinstance(core, DotProductAttention):
+                track_max_logits(core)
+            elif not hasattr(core, "current_max_attn_logits"):
+                raise ValueError(f"{flag}: {type(core).__name__} ({name}) does not track the max attention logit; use "
+                                 "--transformer-impl local or transformer_engine (Transformer Engine >= 2.9)")
+            weight = module.linear_qkv.weight
+            heads, groups = module.num_attention_heads_per_partition, module.num_query_groups_per_partition
+            head_dim = module.hidden_size_per_attention_head
+            q_rows = heads // groups * head_dim
+            if weight.dim() != 2 or weight.shape[0] != groups * (q_rows + 2 * head_dim):
+                raise ValueError(f"{flag}: {name}.linear_qkv.weight of shape {tuple(weight.shape)} is not "
+                                 f"[q; k; v] x {groups} query groups (an attention output gate is not supported)")
+            matrix = matrix_of.get(id(weight))
+            main, start = (None, None) if matrix is None else (matrix.param, None)
+            if matrix is not None and matrix.layout.dp_ranges is not None:
+                start = matrix.layout.local_range(dp_rank)[0]
+            attentions.append(ClippedAttention(f"chunk{c}.{name}.linear_qkv.weight", core, heads, groups, q_rows,
+                                               head_dim, weight.shape[1], main, start))
+    return QKClip(attentions, group, threshold, alpha, clip, log_group)

@@ -25,10 +25,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 HIDDEN, FFN, HEADS, GROUPS, VOCAB, SEQ, LAYERS = 64, 128, 4, 2, 128, 16, 2
+MOE_FFN = 32  # an expert's hidden size: fc1 gate and up 32x64, fc2 64x32 (not square)
 INIT_STD = 0.02
 
 
-def init_megatron(tp: int, pp: int = 1, seed: int = 1234, vpp: int | None = None):
+def init_megatron(tp: int, pp: int = 1, seed: int = 1234, vpp: int | None = None, ep: int = 1,
+                  etp: int | None = None):
     """Patch for CPU, build Megatron's parallel state, seed; return the ProcessGroupCollection.
 
     Needs an initialized default (gloo) group whose size is a multiple of ``tp * pp``; the rest
@@ -44,7 +46,8 @@ def init_megatron(tp: int, pp: int = 1, seed: int = 1234, vpp: int | None = None
 
     apply_cpu_patches()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                 virtual_pipeline_model_parallel_size=vpp)
+                                 virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
+                                 expert_tensor_parallel_size=etp)
     # The tracker forks the CPU generator after the patches; seeds per TP rank as on GPUs.
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)  # spawned ranks start with different CPU RNG states
@@ -85,7 +88,18 @@ def global_name(model, name: str) -> str:
     parts = name.split(".")
     if parts[:2] == ["decoder", "layers"]:
         parts[2] = str(model.decoder.layers[int(parts[2])].layer_number - 1)
+    if "local_experts" in parts:  # an EP rank numbers its experts from 0 too
+        from megatron.core import parallel_state as ps
+
+        at = parts.index("local_experts") + 1
+        local = len(model.decoder.layers[0].mlp.experts.local_experts)
+        parts[at] = str(ps.get_expert_model_parallel_rank() * local + int(parts[at]))
     return ".".join(parts)
+
+
+def is_expert(param) -> bool:
+    """Megatron's mark of an expert-parallel parameter (reduced over the expert-DP group)."""
+    return not getattr(param, "allreduce", True)
 
 
 def shard_of(full: torch.Tensor, param, tp_rank: int, tp: int) -> torch.Tensor:
@@ -113,15 +127,20 @@ def unshard(pieces: list[torch.Tensor], param) -> torch.Tensor:
 
 def _init_by_name(model, seed: int, tp_rank: int, tp: int, num_layers: int) -> None:
     """Redraw every matrix from (seed, global name); 1-D params (norm weights, ones) are kept.
+    Expert matrices take their shard over the expert-TP group.
 
     Standard deviations follow Megatron: ``INIT_STD``, and ``INIT_STD / sqrt(2 * layers)`` for
     the output projections (linear_proj, linear_fc2).
     """
+    from megatron.core import parallel_state as ps
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             if param.dim() < 2:
                 continue
             gname = global_name(model, name)
+            tp_rank, tp = ((ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+                           if is_expert(param) else (ps.get_tensor_model_parallel_rank(), tp))
             std = INIT_STD
             if gname.endswith(("linear_proj.weight", "linear_fc2.weight")):
                 std = INIT_STD / math.sqrt(2.0 * num_layers)
@@ -147,6 +166,7 @@ def build_tiny_gpt(
     vpp: int | None = None,
     overlap: bool = False,
     layout_bucket_size: int | None = None,
+    moe: dict | None = None,
 ) -> list:
     """The tiny GPT on this rank's TP x PP slot, wrapped like ``megatron.training.get_model``.
 
@@ -171,12 +191,15 @@ def build_tiny_gpt(
     own layout (``DistributedOptimizer.compute_full_param_layout``) with buckets of about this many
     elements, handed to DDP: DDP drops ``bucket_size`` without ``overlap_grad_reduce``, so this is
     how a test moves the DP boundaries (each bucket is split over DP) onto the matrix it wants cut.
-    Call after ``init_megatron(tp, pp)``.
+    ``moe``: a mixture of experts in every layer (local spec, ``SequentialMLP``): ``experts``
+    (4), ``topk`` (2), ``ffn`` (``MOE_FFN`` per expert), ``shared`` (None, or the shared expert's
+    hidden size), ``dispatcher`` ("allgather", Megatron's default; "alltoall" makes CUDA
+    streams); no load-balancing loss, no token dropping; sequence parallelism when ``tp > 1``.
+    Call after ``init_megatron(tp, pp, ep=..., etp=...)``.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -209,13 +232,18 @@ def build_tiny_gpt(
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         gradient_accumulation_fusion=False,
+        # MoE with TP needs sequence parallelism (MoELayer.forward refuses training without it)
+        sequence_parallel=bool(moe) and tp > 1,
+        expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+        expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
+        **_moe_config(moe),
     )
     def build_chunk(vp_stage):
         first = ps.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
         last = ps.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            transformer_layer_spec=_layer_spec(config, moe, vp_stage),
             vocab_size=VOCAB,
             max_sequence_length=SEQ,
             pre_process=first,
@@ -256,6 +284,57 @@ def build_tiny_gpt(
         return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, full_param_layout=layout)
 
     return [build_chunk(i) for i in range(vpp)] if vpp else [build_chunk(None)]
+
+
+class SequenceParallelTorchNorm:
+    """The local spec's torch RMSNorm under sequence parallelism (test harness only).
+
+    ``WrappedTorchNorm`` refuses ``sequence_parallel`` because its weight would miss the TP
+    all-reduce of its grad (each TP rank sees only its slice of the sequence); marking the weight
+    ``sequence_parallel`` is what Megatron's own norms do, and ``finalize_model_grads`` then sums
+    the grad over the TP group. MoE with TP needs sequence parallelism, and apex/TE norms are not
+    on this machine.
+    """
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **kwargs):
+        import copy
+
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        plain = copy.copy(config)
+        plain.sequence_parallel = False
+        norm = WrappedTorchNorm(config=plain, hidden_size=hidden_size, eps=eps, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def _layer_spec(config, moe: dict | None, vp_stage):
+    """The local spec (MoE: ``SequentialMLP`` experts), its norms ``SequenceParallelTorchNorm``
+    under sequence parallelism."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm", num_experts=moe.get("experts", 4) if moe else None,
+                                    moe_grouped_gemm=False)
+    if not config.sequence_parallel:
+        return spec
+    spec.submodules.input_layernorm = SequenceParallelTorchNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelTorchNorm
+    return TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage),
+                                      layer_norm=SequenceParallelTorchNorm)
+
+
+def _moe_config(moe: dict | None) -> dict:
+    """``TransformerConfig`` fields of ``build_tiny_gpt``'s ``moe``."""
+    if moe is None:
+        return {}
+    return dict(num_moe_experts=moe.get("experts", 4), moe_router_topk=moe.get("topk", 2),
+                moe_ffn_hidden_size=moe.get("ffn", MOE_FFN),
+                moe_shared_expert_intermediate_size=moe.get("shared"),
+                moe_token_dispatcher_type=moe.get("dispatcher", "allgather"),
+                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                moe_grouped_gemm=False)
 
 
 def make_batch(seed: int, micro_batch_size: int = 2, seq_len: int = SEQ, vocab: int = VOCAB,
@@ -368,23 +447,32 @@ def _dp_mean(loss: torch.Tensor) -> float:
 def gather_full_params(model_chunks: list, tp_group, pp: int) -> dict[str, torch.Tensor]:
     """{global name: full fp32 tensor} for the whole model, returned on every rank.
 
-    TP shards are all-gathered over ``tp_group`` and reassembled with ``unshard`` (undoing the
-    gated fc1's per-rank [gate_r; up_r] interleave); PP stages are exchanged over the pipeline
-    group and layer numbers made global, so the keys match the TP=1, PP=1 model's names.
+    TP shards are all-gathered over ``tp_group`` (experts: the expert-TP group) and reassembled
+    with ``unshard`` (undoing the gated fc1's per-rank [gate_r; up_r] interleave); experts are
+    exchanged over the expert-parallel group, under their global expert numbers; PP stages are
+    exchanged over the pipeline group and layer numbers made global, so the keys match the TP=1,
+    PP=1 model's names.
     """
     from megatron.core import parallel_state as ps
 
-    tp = dist.get_world_size(tp_group)
     full = {}
+    experts = {}
     for chunk in model_chunks:
         model = _unwrap(chunk)
         for name, param in model.named_parameters():
             local = param.detach().to(torch.float32, copy=True)  # never alias the live param
+            group = ps.get_expert_tensor_parallel_group() if is_expert(param) else tp_group
+            tp = dist.get_world_size(group)
             if getattr(param, "tensor_model_parallel", False) and tp > 1:
                 pieces = [torch.empty_like(local) for _ in range(tp)]
-                dist.all_gather(pieces, local, group=tp_group)
+                dist.all_gather(pieces, local, group=group)
                 local = unshard(pieces, param)
-            full[global_name(model, name)] = local
+            (experts if is_expert(param) else full)[global_name(model, name)] = local
+    if experts and ps.get_expert_model_parallel_world_size() > 1:
+        ranks = [None] * ps.get_expert_model_parallel_world_size()
+        dist.all_gather_object(ranks, experts, group=ps.get_expert_model_parallel_group())
+        experts = {k: v for rank in ranks for k, v in rank.items()}
+    full.update(experts)
     if pp > 1:
         stages = [None] * pp
         dist.all_gather_object(stages, full, group=ps.get_pipeline_model_parallel_group())

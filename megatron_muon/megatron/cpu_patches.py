@@ -361,6 +361,31 @@ def patch_causal_mask() -> None:
     _retarget(m, "get_default_causal_mask", consts=("cuda",))
 
 
+def patch_moe_router() -> None:
+    """megatron/core/transformer/moe/router.py: ``Router.gating`` (every MoE layer's forward)
+    moves a CPU router weight to ``torch.cuda.current_device()``: CPU view (it stays put)."""
+    from megatron.core.transformer.moe import router as m
+
+    _retarget(m.Router, "gating", view=True)
+
+
+def patch_sequence_parallel() -> None:
+    """megatron/core/tensor_parallel/mappings.py: the sequence-parallel gathers and
+    reduce-scatters (MoE with TP needs ``--sequence-parallel``; the MoE allgather dispatcher
+    gathers tokens over TP x EP with them) allocate their outputs on
+    ``torch.cuda.current_device()``: ``_gather_along_last_dim``, ``_gather_along_first_dim``,
+    ``_reduce_scatter_along_first_dim``, CPU view;
+    ``tensor_parallel/layers.py``: ``LinearWithGradAccumulationAndAsyncCommunication.backward``
+    all-gathers the sequence-parallel input into a buffer on ``torch.cuda.current_device()``:
+    CPU view.
+    """
+    from megatron.core.tensor_parallel import layers, mappings
+
+    for attr in ("_gather_along_last_dim", "_gather_along_first_dim", "_reduce_scatter_along_first_dim"):
+        _retarget(mappings, attr, view=True)
+    _retarget(layers.LinearWithGradAccumulationAndAsyncCommunication, "backward", view=True)
+
+
 def patch_optimizer() -> None:
     """megatron/core/optimizer/optimizer.py: ``device='cuda'`` literals.
 
@@ -717,6 +742,8 @@ PATCHES = (
     patch_rotary,
     patch_utils,
     patch_causal_mask,
+    patch_moe_router,
+    patch_sequence_parallel,
     patch_optimizer,
     patch_grad_scaler,
     patch_clip_grads,

@@ -44,7 +44,7 @@ from .cli import muon_config_from_args
 from .qk_clip import build_qk_clip
 from .report import print_startup_report
 
-__all__ = ["MuonDistributedOptimizer", "get_megatron_muon_optimizer", "is_muon_matrix"]
+__all__ = ["MuonDistributedOptimizer", "get_megatron_muon_optimizer", "is_expert_parallel", "is_muon_matrix"]
 
 
 def is_muon_matrix(param: torch.nn.Parameter) -> bool:
@@ -66,6 +66,26 @@ def _tag_qkv(model_chunks, muon_config: MuonConfig) -> None:
                 weight.qkv_split_shapes = [q, cfg.kv_channels, cfg.kv_channels]
 
 
+def _tag_grouped_experts(model_chunks) -> None:
+    """``TEGroupedMLP`` (``--moe-grouped-gemm``): its fc1 ``weight0 .. weight{E-1}`` are one expert's
+    ``[gate; up]`` each (per TP rank ``[gate_r; up_r]``, as a dense fc1), but Megatron marks them
+    ``partition_stride`` 1; tag them ``gated_fc1`` so ``_layout`` splits them
+    (``core/expert_layout.py``). TE's single grouped weight (every expert in one tensor) is refused."""
+    for chunk in model_chunks:
+        gated = getattr(chunk.config, "gated_linear_unit", False)
+        for name, module in chunk.named_modules():
+            if getattr(module, "num_gemms", None) is None:  # TE GroupedLinear only
+                continue
+            if getattr(module, "single_grouped_weight", False):
+                raise ValueError(
+                    f"moe_single_grouped_weight ({name}): every local expert in one tensor is not supported with "
+                    "Muon (each expert must be orthogonalized on its own); set it False for per-expert weights")
+            if gated and name.endswith("linear_fc1"):
+                for pname, param in module.named_parameters(recurse=False):
+                    if pname.startswith("weight"):
+                        param.gated_fc1 = True
+
+
 def _layout(name: str, param: torch.nn.Parameter, tp_size: int, muon_config: MuonConfig,
             dp_ranges=None) -> MatrixLayout:
     rows, cols = param.shape
@@ -77,7 +97,8 @@ def _layout(name: str, param: torch.nn.Parameter, tp_size: int, muon_config: Muo
         if rows % sum(sizes):
             raise ValueError(f"{name}: QKV rows {rows} are not a multiple of the query-group size {sum(sizes)}")
         split = RowSplit(rows // sum(sizes), sizes)
-    elif muon_config.split_fc1 and getattr(param, "partition_stride", 1) == 2 and partition_dim in (0, None):
+    elif (muon_config.split_fc1 and (getattr(param, "partition_stride", 1) == 2 or getattr(param, "gated_fc1", False))
+          and partition_dim in (0, None)):
         split = RowSplit(1, (rows // 2, rows // 2))  # a gated fc1 holds [gate; up] on every TP rank
     return MatrixLayout(name, (rows, cols), partition_dim if partition_dim in (0, 1) else None, tp_size, split,
                         dp_ranges)
@@ -194,6 +215,11 @@ def _packed_in_backprop_order(buffer) -> bool:
     return True
 
 
+def is_expert_parallel(param: torch.nn.Parameter) -> bool:
+    """Megatron's mark of an expert-parallel param (grads reduced over the expert-DP group)."""
+    return not getattr(param, "allreduce", True)
+
+
 def _check_supported(config: OptimizerConfig, model_chunks) -> None:
     if config.fp16:
         raise ValueError("--fp16: Muon does not support fp16 (loss-scaled momentum is not handled); use --bf16")
@@ -204,8 +230,56 @@ def _check_supported(config: OptimizerConfig, model_chunks) -> None:
         raise ValueError("--num-distributed-optimizer-instances > 1: not supported with Muon yet")
     for chunk in model_chunks:
         for name, p in chunk.named_parameters():
-            if not getattr(p, "allreduce", True):
-                raise ValueError(f"expert-parallel parameters ({name}): MoE experts are not supported with Muon yet")
+            if p.requires_grad and p.dim() > 2:
+                # TE >= 2.14's single grouped weight holds every local expert's matrix in one
+                # tensor; routed by dimension it would silently go to AdamW.
+                raise ValueError(
+                    f"{name} has shape {tuple(p.shape)}: Muon takes 2-D matrices; a grouped expert weight "
+                    "(moe_single_grouped_weight) is not supported with Muon, use per-expert weights")
+
+
+def _build(config: OptimizerConfig, model_chunks, param_groups, buffers, muon_config: MuonConfig, *,
+           expert: bool, groups: dict, tp_group, data_parallel_group_idx: int):
+    """One Megatron optimizer (ZeRO-1 or whole-matrix) around one ``MuonWithAdamW``, for the dense
+    params (``expert`` False) or the expert-parallel ones, with the groups Megatron's
+    ``get_megatron_optimizer`` gives each: DP over ``intra_dp_cp_group`` or
+    ``intra_expt_dp_group``, TP over the (expert) TP group."""
+    inner = MuonWithAdamW(
+        param_groups,
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_eps,
+        config=muon_config,
+        decoupled_weight_decay=config.decoupled_weight_decay,
+    )
+    prepare_for_checkpointing(inner)
+    grad_scaler = ConstantGradScaler(config.loss_scale) if config.loss_scale else None
+    dp_group = groups["intra_expt_dp_group" if expert else "intra_dp_cp_group"]
+    if config.use_distributed_optimizer:
+        optimizer = MuonDistributedOptimizer(
+            inner, config, grad_scaler, _init_state,
+            model_chunks=model_chunks,
+            per_model_buffers=buffers,
+            data_parallel_group=dp_group,
+            data_parallel_group_gloo=groups["intra_expt_dp_group_gloo" if expert else "intra_dp_cp_group_gloo"],
+            data_parallel_group_idx=data_parallel_group_idx,
+            distributed_optimizer_instance_id=0,
+            tp_group=tp_group,
+            muon_config=muon_config,
+        )
+        optimizer.grad_stats_parallel_group = groups["intra_dist_opt_group"]
+    else:
+        if config.bf16:
+            optimizer = Float16OptimizerWithFloat16Params(inner, config, grad_scaler, _init_state)
+        else:
+            optimizer = FP32Optimizer(inner, config, _init_state)
+        # Megatron's: the model-parallel group the grads differ over (experts: TP x EP x PP)
+        optimizer.grad_stats_parallel_group = groups["expt_tp_pp_with_egtp_remat_group" if expert else "mp_group"]
+        optimizer.matrix_of_param = _attach_whole(inner, model_chunks, dp_group, tp_group, muon_config,
+                                                  expert=expert)
+        """id(model param) → its ``MuonMatrix`` (as ``MuonDistributedOptimizer.matrix_of_param``)."""
+    return optimizer
 
 
 def get_megatron_muon_optimizer(
@@ -220,7 +294,12 @@ def get_megatron_muon_optimizer(
 
     ``config.use_distributed_optimizer`` selects ``MuonDistributedOptimizer`` (ZeRO-1);
     otherwise Megatron's ``Float16OptimizerWithFloat16Params`` (bf16) or ``FP32Optimizer``.
-    Returns a ``ChainedOptimizer`` of one, as Megatron's factory does.
+    Returns a ``ChainedOptimizer``, as Megatron's factory does: of one optimizer, or of two for
+    a model with expert-parallel params (MoE experts under EP or an expert-TP size of their
+    own), built as Megatron builds its expert optimizer — the ``expert_parallel_buffers``, ZeRO-1
+    and the DP owner exchange over the expert-data-parallel group, the TP modes over the
+    expert-TP group; every local expert's matrix (``SequentialMLP``: its own ``linear_fc1``, split
+    into gate and up, and ``linear_fc2``) is orthogonalized on its own.
 
     The Muon settings: ``muon_config`` when given — it is explicit, so it wins over any
     ``config.muon_*`` field that differs from it (the training hooks pass the one built from
@@ -235,68 +314,54 @@ def get_megatron_muon_optimizer(
     muon_config = _muon_config(config, muon_config)
     _check_supported(config, model_chunks)
     _tag_qkv(model_chunks, muon_config)
+    _tag_grouped_experts(model_chunks)
     overrides = dict(get_standard_config_overrides(config) if config_overrides is None else config_overrides)
     overrides[ParamKey(predicate=ParamPredicate(name="muon_matrix", fn=is_muon_matrix))] = {"algorithm": "muon"}
-    groups_dict = ProcessGroupCollection.setup_process_groups_for_optimizer(
+    groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
         pg_collection, model_chunks, use_gloo_process_groups
     )
     tp_group = pg_collection.tp if pg_collection is not None else _tp_group()
+    expert_tp_group = getattr(pg_collection, "expt_tp", None) if pg_collection is not None else _tp_group(True)
+    expert_tp_group = tp_group if expert_tp_group is None else expert_tp_group
     param_groups, buffers = _get_param_groups_and_buffers(
         model_chunks, 0, config, overrides, lambda g: not g["is_expert_parallel"], "buffers"
     )
-    inner = MuonWithAdamW(
-        param_groups,
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_eps,
-        config=muon_config,
-        decoupled_weight_decay=config.decoupled_weight_decay,
+    optimizers = [_build(config, model_chunks, param_groups, buffers, muon_config, expert=False, groups=groups,
+                         tp_group=tp_group, data_parallel_group_idx=get_pg_rank(groups["mp_group"]))]
+    expert_groups, expert_buffers = _get_param_groups_and_buffers(
+        model_chunks, 0, config, overrides, lambda g: g["is_expert_parallel"], "expert_parallel_buffers"
     )
-    prepare_for_checkpointing(inner)
-    init_state_fn = _init_state
-    grad_scaler = ConstantGradScaler(config.loss_scale) if config.loss_scale else None
-    if config.use_distributed_optimizer:
-        mp_group = groups_dict["mp_group"]
-        optimizer = MuonDistributedOptimizer(
-            inner, config, grad_scaler, init_state_fn,
-            model_chunks=model_chunks,
-            per_model_buffers=buffers,
-            data_parallel_group=groups_dict["intra_dp_cp_group"],
-            data_parallel_group_gloo=groups_dict["intra_dp_cp_group_gloo"],
-            data_parallel_group_idx=get_pg_rank(mp_group),
-            distributed_optimizer_instance_id=0,
-            tp_group=tp_group,
-            muon_config=muon_config,
-        )
-        optimizer.grad_stats_parallel_group = groups_dict["intra_dist_opt_group"]
-    else:
-        if config.bf16:
-            optimizer = Float16OptimizerWithFloat16Params(inner, config, grad_scaler, init_state_fn)
-        else:
-            optimizer = FP32Optimizer(inner, config, init_state_fn)
-        optimizer.grad_stats_parallel_group = groups_dict["mp_group"]
-        matrix_of = _attach_whole(inner, model_chunks, groups_dict["intra_dp_cp_group"], tp_group, muon_config)
-    optimizer.tp_group = tp_group
-    optimizer.qk_clip = None
-    """``qk_clip.QKClip`` with ``--qk-clip`` / ``--log-max-attention-logit``: runs after every inner step."""
-    if not getattr(optimizer, "is_stub_optimizer", False):
-        dp_group = groups_dict["intra_dp_cp_group"]
-        if config.use_distributed_optimizer:
-            matrix_of = optimizer.matrix_of_param
-        optimizer.qk_clip = build_qk_clip(model_chunks, matrix_of, dp_group, get_pg_rank(dp_group),
-                                          log_group=groups_dict["mp_group"])
-        if optimizer.qk_clip is not None:
+    if expert_groups:
+        optimizers.append(_build(
+            config, model_chunks, expert_groups, expert_buffers, muon_config, expert=True, groups=groups,
+            tp_group=expert_tp_group,
+            data_parallel_group_idx=get_pg_rank(groups["expt_tp_pp_with_egtp_remat_group"])))
+    for optimizer in optimizers:  # Megatron's two attributes, on every optimizer of the chain
+        optimizer.tp_group = tp_group
+        optimizer.expert_tp_group = expert_tp_group
+        optimizer.qk_clip = None
+        """``qk_clip.QKClip`` with ``--qk-clip`` / ``--log-max-attention-logit`` (the dense optimizer's:
+        attention is dense): runs after every inner step."""
+    dense = optimizers[0]
+    if not getattr(dense, "is_stub_optimizer", False):
+        dp_group = groups["intra_dp_cp_group"]
+        dense.qk_clip = build_qk_clip(model_chunks, dense.matrix_of_param, dp_group, get_pg_rank(dp_group),
+                                      log_group=groups["mp_group"])
+        if dense.qk_clip is not None:
             # after the fp32 update, before Megatron copies main params into the model (and gathers them)
-            inner.register_step_post_hook(optimizer.qk_clip.after_step)
-    if not getattr(optimizer, "is_stub_optimizer", False):
+            dense.optimizer.register_step_post_hook(dense.qk_clip.after_step)
+    live = [o for o in optimizers if not getattr(o, "is_stub_optimizer", False)]
+    if live:
         from megatron.core import parallel_state
 
-        print_startup_report(inner, model_chunks, muon_config, tp_group=tp_group,
-                             dp_group=groups_dict["intra_dp_cp_group"],
-                             pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-                             pp=parallel_state.get_pipeline_model_parallel_world_size())
-    return ChainedOptimizer([optimizer])
+        print_startup_report(
+            live[0].optimizer, model_chunks, muon_config, tp_group=tp_group,
+            dp_group=groups["intra_dp_cp_group"],
+            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+            pp=parallel_state.get_pipeline_model_parallel_world_size(),
+            experts=(optimizers[1].optimizer, expert_tp_group, groups["intra_expt_dp_group"],
+                     parallel_state.get_expert_model_parallel_world_size()) if len(optimizers) > 1 else None)
+    return ChainedOptimizer(optimizers)
 
 
 def _muon_config(config: OptimizerConfig, muon_config: MuonConfig | None) -> MuonConfig:
@@ -313,16 +378,16 @@ def _muon_config(config: OptimizerConfig, muon_config: MuonConfig | None) -> Muo
                          f"fields are used: {err}") from err
 
 
-def _attach_whole(inner: MuonWithAdamW, model_chunks, dp_group, tp_group,
-                  muon_config: MuonConfig) -> dict[int, MuonMatrix]:
-    """Without the distributed optimizer every DP rank holds every matrix whole. Returns
-    id(model param) → its ``MuonMatrix``."""
+def _attach_whole(inner: MuonWithAdamW, model_chunks, dp_group, tp_group, muon_config: MuonConfig, *,
+                  expert: bool = False) -> dict[int, MuonMatrix]:
+    """Without the distributed optimizer every DP rank holds every matrix whole (of the dense
+    params, or of the expert-parallel ones). Returns id(model param) → its ``MuonMatrix``."""
     tp_size = get_pg_size(tp_group) if tp_group is not None else 1
     names = _param_names(model_chunks)
     matrix_of = {}
     for chunk in model_chunks:
         for _, p in chunk.named_parameters():
-            if p.requires_grad and is_muon_matrix(p):
+            if p.requires_grad and is_muon_matrix(p) and is_expert_parallel(p) == expert:
                 main = getattr(p, "main_param", None)
                 matrix_of[id(p)] = MuonMatrix(_layout(names[id(p)], p, tp_size, muon_config),
                                               main if main is not None else p)
@@ -330,9 +395,11 @@ def _attach_whole(inner: MuonWithAdamW, model_chunks, dp_group, tp_group,
     return matrix_of
 
 
-def _tp_group():
+def _tp_group(expert: bool = False):
     from megatron.core import parallel_state
 
+    if expert:
+        return parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
     return parallel_state.get_tensor_model_parallel_group()
 
 

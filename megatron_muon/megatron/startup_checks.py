@@ -67,9 +67,6 @@ def check_supported_args(args) -> None:
          and importlib.util.find_spec("nvidia_resiliency_ext") is None,
          "--async-strategy nvrx (the default with --async-save): needs nvidia-resiliency-ext, which is not "
          "installed; pass --async-strategy mcore (megatron-core's own writer) or install it"),
-        ((getattr(args, "num_experts", None) or 0) > 0,
-         f"--num-experts {getattr(args, 'num_experts', None)}: MoE experts are not supported with "
-         "--optimizer muon yet"),
     ]
     for bad, message in rejected + _qk_clip_rejections(args):
         if bad:

@@ -10,6 +10,7 @@ the machine a config is meant for, and are given its answers (see ``_as_on_a_gpu
 from __future__ import annotations
 
 import importlib.util
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -22,7 +23,7 @@ from megatron_muon.megatron.yaml_config import build_parser, load_yaml_args, mai
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 EXPECTED_CONFIGS = {"tiny-cpu", "gpt-125m-muon", "llama3-8b-tp8-owner", "llama3-8b-tp8-muonbp",
-                    "llama3-70b-tp8-pp4-owner"}
+                    "llama3-70b-tp8-pp4-owner", "moe-tiny-cpu", "moonlight-16b-a3b-ep8"}
 
 
 @pytest.fixture(scope="module")
@@ -240,11 +241,14 @@ def _as_on_a_gpu_node(arguments, monkeypatch):
     raises on a machine without a GPU, and (2) before Blackwell asserts
     CUDA_DEVICE_MAX_CONNECTIONS=1, which the launcher must export (configs/README.md). Here the
     first answers 9 (Hopper, the H100/H200 the Llama configs target) and the second is set, as
-    the launch line sets it; every other check runs unchanged. For tiny-cpu (gloo, TP=2) the
+    the launch line sets it; with --moe-grouped-gemm it (3) asks the compute capability, answered
+    (9, 0); every other check runs unchanged. For tiny-cpu (gloo, TP=2) the
     same architecture query happens in a real CPU run: the training entry has to answer it too.
     """
     monkeypatch.setattr(arguments, "get_device_arch_version", lambda: 9)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # --moe-grouped-gemm asks the GPU's compute capability (>= 8 for the grouped GEMM kernels)
+    monkeypatch.setattr(arguments.torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
 
 
 def _parse_and_validate(arguments, monkeypatch, argv: list[str]):
@@ -252,8 +256,11 @@ def _parse_and_validate(arguments, monkeypatch, argv: list[str]):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "1")
     probe = arguments.parse_args()
-    world = probe.tensor_model_parallel_size * probe.pipeline_model_parallel_size * probe.context_parallel_size
-    monkeypatch.setenv("WORLD_SIZE", str(world))  # one data-parallel replica
+    model_parallel = probe.tensor_model_parallel_size * probe.context_parallel_size
+    # the fewest data-parallel replicas the layout allows: one, or as many as expert parallelism needs
+    expert_parallel = probe.expert_model_parallel_size * (probe.expert_tensor_parallel_size or 1)
+    world = math.lcm(model_parallel, expert_parallel) * probe.pipeline_model_parallel_size
+    monkeypatch.setenv("WORLD_SIZE", str(world))
     args = arguments.parse_args()
     arguments.validate_args(args)
     return args
@@ -266,7 +273,7 @@ def test_config_passes_megatrons_parse_and_validate(installed, monkeypatch, path
     data = read_yaml(path)
     assert args.optimizer == "muon" and args.megatron_muon is True
     assert args.use_distributed_optimizer and not args.use_layer_wise_distributed_optimizer
-    assert args.data_parallel_size == 1
+    assert args.data_parallel_size == max(1, args.expert_model_parallel_size // args.tensor_model_parallel_size)
     assert args.global_batch_size % args.micro_batch_size == 0
     for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "lr",
                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "muon_tp_mode"):
@@ -314,6 +321,23 @@ def test_tiny_cpu_is_the_cpu_demo(installed, monkeypatch):
     assert args.valid_data_path == ["data/valid_text_document"]
     assert (args.lr, args.lr_decay_style, args.log_interval, args.save_interval) == (3e-3, "cosine", 10, 100)
     assert args.lr_warmup_iters > 0
+
+
+def test_moe_configs_are_what_they_say(installed, monkeypatch):
+    """The CPU MoE demo (EP2 over its 2 ranks, QK-clip on GQA attention) and the cluster MoE
+    config (Moonlight-16B-A3B's shapes at EP8, MLA, so no QK-clip), through Megatron's parser."""
+    _as_on_a_gpu_node(installed, monkeypatch)
+    demo = _parse_and_validate(installed, monkeypatch, load_yaml_args(ROOT / "configs" / "moe-tiny-cpu.yaml"))
+    assert (demo.num_experts, demo.moe_router_topk, demo.expert_model_parallel_size) == (4, 2, 2)
+    assert (demo.tensor_model_parallel_size, demo.data_parallel_size, demo.distributed_backend) == (1, 2, "gloo")
+    assert demo.qk_clip and demo.qk_clip_threshold == 1.0 and demo.transformer_impl == "local"
+    assert demo.train_data_path == ["data/train_text_document"]
+    big = _parse_and_validate(installed, monkeypatch, load_yaml_args(ROOT / "configs" / "moonlight-16b-a3b-ep8.yaml"))
+    assert (big.num_layers, big.hidden_size, big.num_experts, big.moe_router_topk) == (27, 2048, 64, 6)
+    assert (big.moe_ffn_hidden_size, big.moe_shared_expert_intermediate_size) == (1408, 2816)
+    assert big.moe_layer_freq == [0] + [1] * 26
+    assert big.multi_latent_attention and not big.qk_clip
+    assert big.overlap_grad_reduce and big.overlap_param_gather
 
 
 # --- docs/flags.md ---------------------------------------------------------------------------

@@ -493,6 +493,8 @@ def patch_initialize() -> None:
       with the seed it gave ``torch.manual_seed`` (per pipeline / data-parallel rank), its
       tracker arguments and the per-TP-rank offsets of GPUs; the CPU generator is reseeded with
       that seed after (as ``_set_random_seed`` leaves it);
+    * ``initialize_megatron``'s inner ``finish_mpu_init`` sets the MoE aux-loss scale with
+      ``torch.ones(1, device=torch.cuda.current_device())``: CPU view;
     * ``_warmup_jit_function`` (from ``pretrain`` -> ``set_jit_fusion_options``) runs the
       ``torch.compile``d bias-GeLU / SwiGLU and bias-dropout-add fusions on ``device="cuda"``
       tensors, so that they are compiled before the first step. Retargeted to the CPU it works
@@ -533,6 +535,9 @@ def patch_initialize() -> None:
         raise RuntimeError("cpu_patches: initialize_megatron has no allow_no_cuda; Megatron changed?")
     if "device_count" not in set_random_seed.__code__.co_names:
         raise RuntimeError("cpu_patches: _set_random_seed no longer checks device_count; Megatron changed?")
+    # Its inner finish_mpu_init, with MoE: MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1,
+    # device=torch.cuda.current_device())): CPU view.
+    _retarget(m, "initialize_megatron", view=True)
     training.initialize_megatron = _initialize_megatron_cpu
     m._set_random_seed = _set_random_seed_cpu
     if "cuda" not in _strings(m._warmup_jit_function.__code__):

@@ -186,15 +186,23 @@ _CLIPS: list = []  # their qk_clip.QKClip, with --qk-clip / --log-max-attention-
 
 def stats_text(optimizers) -> str:
     """`` muon mode: owner | muon step: full | muon bytes sent: 1.23 MB | muon orthogonalize: 4.5 ms |`` for the
-    last step of every megatron-muon optimizer (one per model chunk group; usually one)."""
+    last step of the dense optimizer, and for a model with experts (the chain's second optimizer, over
+    the expert-parallel params) `` muon experts bytes sent: 0.45 MB | muon experts orthogonalize: 2.1 ms |``."""
     parts = []
-    for inner in optimizers:
+    for k, inner in enumerate(optimizers):
         stats = getattr(inner, "last_step_stats", None)
-        if stats:
+        if not stats:
+            continue
+        if k == 0:
             parts.append(
                 f" muon mode: {inner.config.tp_mode} | muon step: {stats['kind']} |"
                 f" muon bytes sent: {stats['bytes_sent'] / 1e6:.3f} MB |"
                 f" muon orthogonalize: {stats['orthogonalize_ms']:.1f} ms ({stats['timing']}) |"
+            )
+        else:
+            parts.append(
+                f" muon experts bytes sent: {stats['bytes_sent'] / 1e6:.3f} MB |"
+                f" muon experts orthogonalize: {stats['orthogonalize_ms']:.1f} ms ({stats['timing']}) |"
             )
     return "".join(parts)
 
@@ -207,7 +215,7 @@ def muon_scalars(optimizers) -> dict[str, float]:
         stats = getattr(inner, "last_step_stats", None)
         if not stats:
             continue
-        tag = "muon" if len(optimizers) == 1 else f"muon{k}"
+        tag = "muon" if k == 0 else "muon_experts"
         out.update({f"{tag}/bytes_sent_mb": stats["bytes_sent"] / 1e6,
                     f"{tag}/orthogonalize_ms": stats["orthogonalize_ms"],
                     f"{tag}/ns_tflop": stats["ns_flops"] / 1e12,

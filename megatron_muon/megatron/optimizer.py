@@ -44,7 +44,8 @@ from .cli import muon_config_from_args
 from .qk_clip import build_qk_clip
 from .report import print_startup_report
 
-__all__ = ["MuonDistributedOptimizer", "get_megatron_muon_optimizer", "is_expert_parallel", "is_muon_matrix"]
+__all__ = ["MuonChainedOptimizer", "MuonDistributedOptimizer", "get_megatron_muon_optimizer", "is_expert_parallel",
+           "is_muon_matrix"]
 
 
 def is_muon_matrix(param: torch.nn.Parameter) -> bool:
@@ -204,6 +205,26 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
         return out
 
 
+class MuonChainedOptimizer(ChainedOptimizer):
+    """Megatron's ``ChainedOptimizer``, with the checkpoint format of its optimizer state decided
+    once for the whole chain, before Megatron's own code reads it.
+
+    ``MuonDistributedOptimizer.sharded_state_dict`` saves a buffer laid out by ``--muon-dp-layout
+    balanced`` as ``fully_reshardable`` and records that in the checkpoint's metadata. Megatron's
+    chain decides from the same metadata, before it asks its optimizers, whether their keys get a
+    ``chained_<i>.`` prefix (not for ``fully_reshardable``): switched inside the first optimizer,
+    a save with two optimizers (dense and experts) wrote prefixed keys that its own load, reading
+    ``fully_reshardable`` back, looked for without the prefix. Here the switch happens first."""
+
+    def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
+        metadata = kwargs.get("metadata")
+        if (not is_loading and metadata is not None and metadata.get("distrib_optim_sharding_type") == "dp_reshardable"
+                and any(not getattr(o, "packed_like_megatron", True) and not getattr(o, "is_stub_optimizer", False)
+                        for o in self.chained_optimizers)):
+            metadata["distrib_optim_sharding_type"] = "fully_reshardable"  # recorded with the checkpoint
+        return super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+
+
 def _packed_in_backprop_order(buffer) -> bool:
     for bucket in buffer.buckets:
         cursor = bucket.offset
@@ -361,7 +382,7 @@ def get_megatron_muon_optimizer(
             pp=parallel_state.get_pipeline_model_parallel_world_size(),
             experts=(optimizers[1].optimizer, expert_tp_group, groups["intra_expt_dp_group"],
                      parallel_state.get_expert_model_parallel_world_size()) if len(optimizers) > 1 else None)
-    return ChainedOptimizer(optimizers)
+    return MuonChainedOptimizer(optimizers)
 
 
 def _muon_config(config: OptimizerConfig, muon_config: MuonConfig | None) -> MuonConfig:

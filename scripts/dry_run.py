@@ -317,6 +317,7 @@ def run_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout: str = "balanced", ep: 
         dense = results["dense"]
         return dict(rank=rank, **slot, **dense, experts=results.get("experts"),
                     peak_extra_bytes_all=max(r["peak_extra_bytes"] for r in results.values()),
+                    groups=sorted({ranks for ranks, _, _ in recorder.trace if ranks is not None}),
                     errors=recorder.errors, trace=recorder.trace)
     finally:
         teardown()

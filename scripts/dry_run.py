@@ -3,6 +3,8 @@
     python scripts/dry_run.py --model llama3-405b --tp 8 --pp 16 --dp 64
     python scripts/dry_run.py --model llama3-8b --tp 8 --dp 64 --ranks first,no-first-piece,idle-dp-owner
     python scripts/dry_run.py --model llama3-70b --tp 8 --dp 8 --json out.json
+    python scripts/dry_run.py --model mixtral-8x7b --tp 2 --ep 8 --dp 64 --tp-mode duplicated
+    python scripts/dry_run.py --model deepseek-v3 --tp 1 --ep 8 --pp 16 --dp 64
 
 For each chosen rank it builds what a Megatron job builds on that rank — the real megatron-core
 ``GPTModel`` (local spec, bf16) with meta parameters, Megatron's DDP buffers and ZeRO-1 ranges,
@@ -17,10 +19,15 @@ data moves; shapes propagate, and:
   for each pair of simulated ranks in one group the collectives line up in order and kind, and
   what one sends the other expects (``all_to_all`` splits, ``all_gather`` sizes).
 
+MoE models (``--ep``, ``--etp``; issue 14): megatron-core's MoE layers (local spec,
+``SequentialMLP``) on Megatron's expert-parallel groups; both optimizers of the chain (dense, and
+experts over the expert-DP and expert-TP groups) step, and each is measured and checked apart.
+
 Rank kinds (``--ranks``, comma-separated): ``first``, ``last``, ``no-first-piece`` (a DP rank
 holding no piece of the first Muon matrix), ``idle-dp-owner`` (a DP rank that owns no matrix, so
 its TP group has nothing to orthogonalize), ``pp-stages`` (the first rank of every pipeline
-stage), or a number. Prints per rank: matrices owned, NS FLOPs, bytes per collective, the step's
+stage), ``expert-dp-group`` / ``expert-tp-group`` (every member of that group of the first rank of
+the first stage with experts), or a number. Prints per rank: matrices owned, NS FLOPs, bytes per collective, the step's
 peak extra bytes (live meta tensors created during the step), next to what the plans predict for
 that rank (``parallel.step_plan``, on the real layouts), the planner table's figures
 (``scripts.bench.planner_quality``, PP = 1) and the cost model's for the busiest rank.

@@ -3,6 +3,8 @@
     python scripts/dry_run.py --model llama3-405b --tp 8 --pp 16 --dp 64
     python scripts/dry_run.py --model llama3-8b --tp 8 --dp 64 --ranks first,no-first-piece,idle-dp-owner
     python scripts/dry_run.py --model llama3-70b --tp 8 --dp 8 --json out.json
+    python scripts/dry_run.py --model mixtral-8x7b --tp 2 --ep 8 --dp 64 --tp-mode duplicated
+    python scripts/dry_run.py --model deepseek-v3 --tp 1 --ep 8 --pp 16 --dp 64
 
 For each chosen rank it builds what a Megatron job builds on that rank — the real megatron-core
 ``GPTModel`` (local spec, bf16) with meta parameters, Megatron's DDP buffers and ZeRO-1 ranges,
@@ -17,10 +19,15 @@ data moves; shapes propagate, and:
   for each pair of simulated ranks in one group the collectives line up in order and kind, and
   what one sends the other expects (``all_to_all`` splits, ``all_gather`` sizes).
 
+MoE models (``--ep``, ``--etp``; issue 14): megatron-core's MoE layers (local spec,
+``SequentialMLP``) on Megatron's expert-parallel groups; both optimizers of the chain (dense, and
+experts over the expert-DP and expert-TP groups) step, and each is measured and checked apart.
+
 Rank kinds (``--ranks``, comma-separated): ``first``, ``last``, ``no-first-piece`` (a DP rank
 holding no piece of the first Muon matrix), ``idle-dp-owner`` (a DP rank that owns no matrix, so
 its TP group has nothing to orthogonalize), ``pp-stages`` (the first rank of every pipeline
-stage), or a number. Prints per rank: matrices owned, NS FLOPs, bytes per collective, the step's
+stage), ``expert-dp-group`` / ``expert-tp-group`` (every member of that group of the first rank of
+the first stage with experts), or a number. Prints per rank: matrices owned, NS FLOPs, bytes per collective, the step's
 peak extra bytes (live meta tensors created during the step), next to what the plans predict for
 that rank (``parallel.step_plan``, on the real layouts), the planner table's figures
 (``scripts.bench.planner_quality``, PP = 1) and the cost model's for the busiest rank.
@@ -51,10 +58,10 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from megatron_muon.core.models import LLAMA3, ModelShape  # noqa: E402
+from megatron_muon.core.models import LLAMA3, MOE_MODELS, ModelShape  # noqa: E402
 
-MODELS = {f"llama3-{k.lower()}": v for k, v in LLAMA3.items()}
-RANK_KINDS = ("first", "last", "no-first-piece", "idle-dp-owner", "pp-stages")
+MODELS = {**{f"llama3-{k.lower()}": v for k, v in LLAMA3.items()}, **MOE_MODELS}
+RANK_KINDS = ("first", "last", "no-first-piece", "idle-dp-owner", "pp-stages", "expert-dp-group", "expert-tp-group")
 
 
 class LiveBytes(TorchDispatchMode):
@@ -79,51 +86,99 @@ class LiveBytes(TorchDispatchMode):
         return out
 
 
+class NoCoreAttention(torch.nn.Module):
+    """A stand-in for MLA's core attention (softmax(QK^T)V: no parameter, nothing the optimizer
+    sees). megatron-core 0.19.2's local ``DotProductAttention`` cannot be built for MLA (it takes
+    no ``k_channels``; MLA runs on Transformer Engine's attention), so the dry run, which never
+    runs a forward pass, builds MLA's projections around this instead."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__()
+
+
 def _layer_split(shape: ModelShape, pp: int) -> dict:
-    """Megatron's uneven-pipeline flags when the layers do not split evenly (405B: 126 = 7 + 14·8 + 7)."""
+    """Megatron's uneven-pipeline flags when the layers do not split evenly: middle stages of
+    ceil(layers / pp), the rest on the first and last (405B: 126 = 7 + 14·8 + 7; DeepSeek-V3 at
+    PP16: 61 = 2 + 14·4 + 3)."""
     if shape.num_layers % pp == 0:
         return {}
     middle = -(-shape.num_layers // pp)
-    edge = (shape.num_layers - middle * (pp - 2)) // 2
-    if pp < 3 or edge < 1 or 2 * edge + middle * (pp - 2) != shape.num_layers:
+    rest = shape.num_layers - middle * (pp - 2)
+    first, last = rest // 2, rest - rest // 2
+    if pp < 3 or first < 1:
         raise SystemExit(f"error: {shape.num_layers} layers do not split over --pp {pp}")
-    return dict(num_layers_in_first_pipeline_stage=edge, num_layers_in_last_pipeline_stage=edge)
+    return dict(num_layers_in_first_pipeline_stage=first, num_layers_in_last_pipeline_stage=last)
 
 
-def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, dp_layout: str = "balanced"):
+def _moe_fields(shape: ModelShape, ep: int, etp: int) -> dict:
+    """``TransformerConfig`` fields of the experts (local spec: ``SequentialMLP``, one 2-D weight
+    per expert) and of MLA; none for a dense GQA model."""
+    fields = {}
+    if shape.mla is not None:
+        m = shape.mla
+        fields.update(multi_latent_attention=True, q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                      qk_head_dim=m.qk_head_dim, qk_pos_emb_head_dim=m.qk_pos_emb_head_dim, v_head_dim=m.v_head_dim,
+                      # DeepSeek's YaRN RoPE calls torch.cuda.current_device() when built; plain RoPE
+                      # has the same (no) parameters and takes cpu_patches' path.
+                      rope_type="rope")
+    if shape.num_experts:
+        # No grouped GEMM: the optimizer sees one weight per expert, as with TEGroupedMLP's
+        # weight0..weight{E-1}. The allgather token dispatcher: the alltoall one (what EP runs
+        # use) creates a CUDA stream when built; the dispatcher owns no parameter. Sequence parallelism,
+        # which Megatron asks for with TP x EP, only changes how the norms' grads are reduced
+        # (finalize_model_grads), not the optimizer step: left off (WrappedTorchNorm refuses it).
+        fields.update(num_moe_experts=shape.num_experts, moe_router_topk=shape.moe_topk,
+                      moe_ffn_hidden_size=shape.moe_ffn_hidden, moe_layer_freq=shape.moe_layer_pattern,
+                      moe_shared_expert_intermediate_size=shape.shared_expert_ffn or None,
+                      moe_grouped_gemm=False, moe_token_dispatcher_type="allgather",
+                      expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    return fields
+
+
+def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, dp_layout: str = "balanced",
+               ep: int = 1, etp: int | None = None):
     """Megatron's state, model, DDP (on the ``dp_layout`` buffer layout, as ``--muon-dp-layout``
-    gives it) and our optimizer for ``rank``, all on meta."""
+    gives it) and our optimizer for ``rank``, all on meta. Returns the inner optimizers (the
+    dense one, then the expert one for a model with experts) and the rank's coordinates."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from megatron_muon.config import MuonConfig
     from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
 
+    etp = tp if etp is None else etp  # Megatron's default expert-TP size
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp * pp * dp)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                  create_gloo_process_groups=False)
-    config = TransformerConfig(
+    config = (MLATransformerConfig if shape.mla is not None else TransformerConfig)(
         num_layers=shape.num_layers, hidden_size=shape.hidden, ffn_hidden_size=shape.ffn_hidden,
         num_attention_heads=shape.num_heads, num_query_groups=shape.num_query_groups, kv_channels=shape.head_dim,
         gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, use_cpu_initialization=True, perform_initialization=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, **_layer_split(shape, pp),
+        gradient_accumulation_fusion=False, **_layer_split(shape, pp), **_moe_fields(shape, ep, etp),
     )
+    if shape.num_experts or shape.mla is not None:  # per-layer specs (first dense layers), this stage's
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+        if shape.mla is not None:
+            for layer in spec.layer_specs:
+                layer.submodules.self_attention.submodules.core_attention = NoCoreAttention
+    else:
+        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     # Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by (128) x TP.
     vocab = -(-shape.vocab // (128 * tp)) * 128 * tp
     with torch.device("meta"):  # the layers allocate on the default device under use_cpu_initialization
-        model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                         vocab_size=vocab, max_sequence_length=8192, share_embeddings_and_output_weights=False,
-                         position_embedding_type="rope", pre_process=ps.is_pipeline_first_stage(),
-                         post_process=ps.is_pipeline_last_stage())
+        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=8192,
+                         share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     # Megatron's defaults for a large run: fp32 grad reduction, overlapped reduce-scatter buckets.
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
                                                use_distributed_optimizer=True)
@@ -134,14 +189,27 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
         from megatron_muon.megatron.layout import balanced_full_param_layout
 
         bucket = max(40_000_000, 1_000_000 * dp) if ps.get_pipeline_model_parallel_rank() == 0 else None
-        layout = balanced_full_param_layout(module, bucket, dp, ddp_config, muon_config=muon_config, tp_size=tp)
+        layout = balanced_full_param_layout(module, bucket, dp, ddp_config, muon_config=muon_config, tp_size=tp,
+                                            expert_dp_size=ps.get_expert_data_parallel_world_size())
     model = DistributedDataParallel(config, ddp_config, module, full_param_layout=layout)
     optimizer = get_megatron_muon_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=True, clip_grad=1.0),
         [model], muon_config, use_gloo_process_groups=False)
+    group_ranks = lambda g: list(dist.get_process_group_ranks(g))  # noqa: E731
     slot = dict(tp=ps.get_tensor_model_parallel_rank(), dp=ps.get_data_parallel_rank(),
                 pp=ps.get_pipeline_model_parallel_rank())
-    return optimizer.chained_optimizers[0].optimizer, slot
+    parts = [dict(part="dense", inner=optimizer.chained_optimizers[0].optimizer, tp=tp,
+                  dp=ps.get_data_parallel_world_size(), tp_rank=slot["tp"], dp_rank=slot["dp"])]
+    if shape.num_experts:
+        slot.update(ep=ps.get_expert_model_parallel_rank(), etp=ps.get_expert_tensor_parallel_rank(),
+                    edp=ps.get_expert_data_parallel_rank(),
+                    expert_dp_group=group_ranks(ps.get_expert_data_parallel_group()),
+                    expert_tp_group=group_ranks(ps.get_expert_tensor_parallel_group()))
+        experts = [o.optimizer for o in optimizer.chained_optimizers[1:]]
+        if experts:  # a stage of dense layers only has no expert optimizer
+            parts.append(dict(part="experts", inner=experts[0], tp=etp, dp=ps.get_expert_data_parallel_world_size(),
+                              tp_rank=slot["etp"], dp_rank=slot["edp"]))
+    return parts, slot
 
 
 def teardown() -> None:
@@ -203,42 +271,79 @@ def cross_rank_errors(traces: dict[int, list]) -> list[str]:
     return errors
 
 
-def run_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout: str = "balanced") -> dict:
+def _step_part(part: dict, recorder: Recorder) -> dict:
+    """One inner optimizer's step on meta (the dense one or the expert one), measured, next to
+    its plan for this rank and for every rank of its (expert-)TP x (expert-)DP grid."""
     from megatron_muon.parallel.comm import comm_stats, observe_collectives
     from megatron_muon.parallel.step_plan import plan_step
 
-    inner, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout)
+    inner, tp, dp = part["inner"], part["tp"], part["dp"]
+    for group in inner.param_groups:  # the reduce-scattered grads of this rank's ranges
+        for p in group["params"]:
+            p.grad = torch.empty_like(p)
+    meter = LiveBytes()
+    with observe_collectives(recorder), comm_stats() as stats, meter:
+        try:
+            inner.step()
+        except (RuntimeError, ValueError) as e:  # a wrong device, or meta mixed with CPU
+            recorder.errors.append(f"the {part['part']} step failed: {type(e).__name__}: {str(e).splitlines()[0]}")
+    layouts = [m.layout for m in inner.matrices()]
+    cfg = inner.config
+    plan = plan_step(layouts, inner._owners, tp, dp, tp_mode=cfg.tp_mode, steps=cfg.num_ns_steps,
+                     ns_bytes=cfg.ns_dtype.itemsize)
+    here = part["dp_rank"] * tp + part["tp_rank"]
+    return dict(matrices=len(layouts), dp_owned=sum(1 for o in inner._owners if o == part["dp_rank"]),
+                cut_across_dp=sum(1 for lay in layouts if lay.dp_ranges and len(lay.holders(dp)) > 1),
+                ns_flops=stats.ns_flops, bytes_by_collective=dict(stats.bytes_by_primitive),
+                bytes_sent=stats.bytes_sent, peak_extra_bytes=meter.peak, device=str(inner.device),
+                plan_ns_flops=plan.ns_flops[here], plan_bytes_sent=plan.bytes_sent[here],
+                plan_grid=dict(ranks=tp * dp, ns_flops_max=max(plan.ns_flops),
+                               ns_flops_mean=sum(plan.ns_flops) / (tp * dp), bytes_sent_max=max(plan.bytes_sent),
+                               bytes_sent_mean=sum(plan.bytes_sent) / (tp * dp)),
+                first_matrix_holders=sorted(layouts[0].holders(dp)) if layouts else [],
+                idle_dp_ranks=sorted(set(range(dp)) - set(inner._owners)),
+                names=sorted({_pattern(lay.name) for lay in layouts}))
+
+
+def _pattern(name: str) -> str:
+    """``chunk0.module.module.decoder.layers.3.mlp.experts.local_experts.5.linear_fc1.weight`` →
+    ``decoder.layers.*.mlp.experts.local_experts.*.linear_fc1.weight``."""
+    from megatron_muon.megatron.report import name_pattern
+
+    return name_pattern(name)
+
+
+def run_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout: str = "balanced", ep: int = 1, etp: int | None = None
+             ) -> dict:
+    """Build ``rank`` and run its step(s): the dense optimizer's figures at the top level (as
+    for a dense model), the expert optimizer's under ``experts`` (None without experts on the stage)."""
+    parts, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout, ep, etp)
     try:
-        for group in inner.param_groups:  # the reduce-scattered grads of this rank's ranges
-            for p in group["params"]:
-                p.grad = torch.empty_like(p)
-        recorder = Recorder(inner.device)
-        meter = LiveBytes()
-        with observe_collectives(recorder), comm_stats() as stats, meter:
-            try:
-                inner.step()
-            except (RuntimeError, ValueError) as e:  # a wrong device, or meta mixed with CPU
-                recorder.errors.append(f"the step failed: {type(e).__name__}: {str(e).splitlines()[0]}")
-        layouts = [m.layout for m in inner.matrices()]
-        owned = sum(1 for o in inner._owners if o == slot["dp"])
-        cfg = inner.config
-        plan = plan_step(layouts, inner._owners, tp, dp, tp_mode=tp_mode, steps=cfg.num_ns_steps,
-                         ns_bytes=cfg.ns_dtype.itemsize)
-        here = slot["dp"] * tp + slot["tp"]
-        cut = sum(1 for lay in layouts if lay.dp_ranges and len(lay.holders(dp)) > 1)
-        return dict(rank=rank, **slot, matrices=len(layouts), dp_owned=owned, cut_across_dp=cut,
-                    ns_flops=stats.ns_flops, bytes_by_collective=dict(stats.bytes_by_primitive),
-                    bytes_sent=stats.bytes_sent, peak_extra_bytes=meter.peak, device=str(inner.device),
-                    plan_ns_flops=plan.ns_flops[here], plan_bytes_sent=plan.bytes_sent[here],
-                    errors=recorder.errors, trace=recorder.trace,
-                    first_matrix_holders=sorted(layouts[0].holders(dp)) if layouts else [],
-                    idle_dp_ranks=sorted(set(range(dp)) - set(inner._owners)))
+        recorder = Recorder(parts[0]["inner"].device)
+        results = {part["part"]: _step_part(part, recorder) for part in parts}
+        dense = results["dense"]
+        return dict(rank=rank, **slot, **dense, experts=results.get("experts"),
+                    peak_extra_bytes_all=max(r["peak_extra_bytes"] for r in results.values()),
+                    groups=sorted({ranks for ranks, _, _ in recorder.trace if ranks is not None}),
+                    errors=recorder.errors, trace=recorder.trace)
     finally:
         teardown()
 
 
-def choose_ranks(kinds: list[str], tp: int, pp: int, dp: int, probe: dict) -> dict[int, list[str]]:
-    """Global rank → the kinds it stands for (Megatron's default order: TP fastest, then DP, then PP)."""
+def first_moe_stage(shape: ModelShape, pp: int) -> int:
+    """The first pipeline stage holding an MoE layer (DeepSeek-V3 at PP16: stage 1)."""
+    split = _layer_split(shape, pp)
+    first = split.get("num_layers_in_first_pipeline_stage", shape.num_layers // pp)
+    middle = (shape.num_layers - first - split.get("num_layers_in_last_pipeline_stage", first)) // max(pp - 2, 1)
+    ends = [first + middle * k for k in range(pp - 1)] + [shape.num_layers]
+    return next(p for p, end in enumerate(ends) if shape.first_dense_layers < end)
+
+
+def choose_ranks(kinds: list[str], tp: int, pp: int, dp: int, probe: dict, moe_stage: int = 0
+                 ) -> dict[int, list[str]]:
+    """Global rank → the kinds it stands for (Megatron's default order: TP fastest, then DP, then PP;
+    the expert grid ETP, EP, expert-DP inside each stage). ``expert-dp-group`` / ``expert-tp-group``:
+    every member of the group of the first rank of ``moe_stage`` (the first stage with experts)."""
     at = lambda t, d, p: t + tp * (d + dp * p)  # noqa: E731
     chosen: dict[int, list[str]] = {}
     for kind in kinds:
@@ -252,6 +357,8 @@ def choose_ranks(kinds: list[str], tp: int, pp: int, dp: int, probe: dict) -> di
             ranks = [at(0, d, 0) for d in probe["idle_dp_ranks"]][:1]
         elif kind == "pp-stages":
             ranks = [at(0, 0, p) for p in range(pp)]
+        elif kind in ("expert-dp-group", "expert-tp-group"):  # stage 0's groups, moved to moe_stage
+            ranks = [r + at(0, 0, moe_stage) for r in probe.get(kind.replace("-", "_"), [])]
         elif kind.isdigit():
             ranks = [int(kind)]
         else:
@@ -285,68 +392,134 @@ def planner_rows(model: str, tp: int, pp: int, dp: int, dp_layout: str = "balanc
     return {r: (plan.flops[r], plan.dp_bytes[r] + plan.tp_bytes[r]) for r in range(tp * dp)}
 
 
+def _row(rank: int, kinds: list[str], coords: str, res: dict) -> str:
+    b = Counter(res["bytes_by_collective"])
+    sent = " / ".join(f"{b[k] / 2**20:.1f}" for k in ("all_to_all", "all_gather", "all_reduce", "shape_check"))
+    plan_flops = f" ({res['plan_ns_flops'] / 1e12:.2f})"
+    plan_mib = f"{res['plan_bytes_sent'] / 2**20:.1f}"
+    if "planner_ns_flops" in res:
+        plan_flops += f" [{res['planner_ns_flops'] / 1e12:.2f}]"
+        plan_mib += f" [{res['planner_bytes_sent'] / 2**20:.1f}]"
+    return (f"| {rank} | {', '.join(kinds)} | {coords} | {res['matrices']} | {res['cut_across_dp']} | "
+            f"{res['dp_owned']} | {res['ns_flops'] / 1e12:.2f}{plan_flops} | {sent} | {plan_mib} | "
+            f"{res['peak_extra_bytes'] / 2**30:.2f} |")
+
+
+def summary(parts: dict[int, dict], stage_of: dict[int, int]) -> dict:
+    """NS FLOPs and bytes sent of one optimizer (dense or experts): max and mean over the simulated
+    ranks (measured), and over every rank of the pipeline stages simulated (the plans of their
+    layouts, which the measured ranks match): the max of the stages' maxima, the mean of their means
+    (every stage has the same number of ranks)."""
+    flops, sent = [r["ns_flops"] for r in parts.values()], [r["bytes_sent"] for r in parts.values()]
+    grids = {stage_of[rank]: r["plan_grid"] for rank, r in sorted(parts.items(), reverse=True)}
+    plan = dict(stages=sorted(grids), ranks_per_stage=next(iter(grids.values()))["ranks"],
+                **{f"{k}_max": max(g[f"{k}_max"] for g in grids.values()) for k in ("ns_flops", "bytes_sent")},
+                **{f"{k}_mean": sum(g[f"{k}_mean"] for g in grids.values()) / len(grids)
+                   for k in ("ns_flops", "bytes_sent")})
+    return dict(ranks=len(parts), ns_flops_max=max(flops), ns_flops_mean=sum(flops) / len(flops),
+                bytes_sent_max=max(sent), bytes_sent_mean=sum(sent) / len(sent), plan=plan)
+
+
+def _summary_line(what: str, s: dict, grid: str) -> str:
+    g = s["plan"]
+    stages = f"stage {g['stages'][0]}" if len(g["stages"]) == 1 else f"{len(g['stages'])} stages"
+    return (f"{what}: over the {s['ranks']} simulated ranks NS max {s['ns_flops_max'] / 1e12:.2f} / mean "
+            f"{s['ns_flops_mean'] / 1e12:.2f} TFLOP, sent max {s['bytes_sent_max'] / 2**20:.1f} / mean "
+            f"{s['bytes_sent_mean'] / 2**20:.1f} MiB; plan over every {grid} rank of the simulated {stages} "
+            f"({g['ranks_per_stage']} per stage): NS max {g['ns_flops_max'] / 1e12:.2f} / mean "
+            f"{g['ns_flops_mean'] / 1e12:.2f} TFLOP, sent max {g['bytes_sent_max'] / 2**20:.1f} / mean "
+            f"{g['bytes_sent_mean'] / 2**20:.1f} MiB")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=sorted(MODELS), required=True)
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=8)
+    parser.add_argument("--ep", type=int, default=1, help="expert model parallel size (MoE models)")
+    parser.add_argument("--etp", type=int, default=None,
+                        help="expert tensor parallel size (default: --tp, as Megatron)")
     parser.add_argument("--tp-mode", default="owner", choices=("owner", "duplicated", "distributed", "blockwise"))
     parser.add_argument("--dp-layout", default="balanced", choices=("balanced", "megatron"),
                         help="the DDP buffer layout (--muon-dp-layout); default balanced, as in training")
-    parser.add_argument("--ranks", default="first,last,no-first-piece,idle-dp-owner,pp-stages",
-                        help=f"comma-separated rank numbers or kinds {RANK_KINDS}")
+    parser.add_argument("--ranks", default=None,
+                        help=f"comma-separated rank numbers or kinds {RANK_KINDS}; default first,last,no-first-piece,"
+                             "idle-dp-owner,pp-stages (and expert-dp-group,expert-tp-group for an MoE model)")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
-    for flag in ("tp", "pp", "dp"):
-        if getattr(args, flag) < 1:
+    for flag in ("tp", "pp", "dp", "ep", "etp"):
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     shape = MODELS[args.model]
+    etp = args.tp if args.etp is None else args.etp
+    if not shape.num_experts and (args.ep > 1 or etp != args.tp):
+        parser.error(f"--ep / --etp: {args.model} has no experts")
+    if shape.num_experts and (shape.num_experts % args.ep or (args.tp * args.dp) % (args.ep * etp)):
+        parser.error(f"--ep {args.ep} --etp {etp}: EP must divide the {shape.num_experts} experts and EP x expert-TP "
+                     f"must divide TP x DP = {args.tp * args.dp} (Megatron's expert grid)")
+    ranks = args.ranks or ("first,last,no-first-piece,idle-dp-owner,pp-stages"
+                           + (",expert-dp-group,expert-tp-group" if shape.num_experts else ""))
     warnings.filterwarnings("ignore")  # Megatron: no TE / Apex on this machine; GPTModel deprecation
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     from megatron_muon.megatron.cpu_patches import apply_cpu_patches, view_device
 
     apply_cpu_patches()
     started = time.perf_counter()
+    layout = (shape, args.tp, args.pp, args.dp)
     with view_device(torch.device("meta")):  # Megatron's buffers: allocated on meta, not the CPU
-        probe = run_rank(shape, args.tp, args.pp, args.dp, 0, args.tp_mode, args.dp_layout)
-        chosen = choose_ranks(args.ranks.split(","), args.tp, args.pp, args.dp, probe)
+        probe = run_rank(*layout, 0, args.tp_mode, args.dp_layout, args.ep, etp)
+        moe_stage = first_moe_stage(shape, args.pp) if shape.num_experts else 0
+        chosen = choose_ranks(ranks.split(","), args.tp, args.pp, args.dp, probe, moe_stage)
         if not chosen:
-            raise SystemExit(f"error: --ranks {args.ranks}: no such rank at this layout")
+            raise SystemExit(f"error: --ranks {ranks}: no such rank at this layout")
         results = {0: probe} if 0 in chosen else {}
         for rank in sorted(set(chosen) - set(results)):
-            results[rank] = run_rank(shape, args.tp, args.pp, args.dp, rank, args.tp_mode, args.dp_layout)
+            results[rank] = run_rank(*layout, rank, args.tp_mode, args.dp_layout, args.ep, etp)
     errors = [f"rank {r}: {e}" for r, res in results.items() for e in res["errors"]]
     errors += cross_rank_errors({r: res["trace"] for r, res in results.items()})
-    predicted = cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout)
-    planned = (planner_rows(args.model, args.tp, args.pp, args.dp, args.dp_layout) if args.tp_mode == "owner"
-               else None)
+    moe = bool(shape.num_experts) or shape.mla is not None  # the cost model and planner table: dense GQA only
+    predicted = None if moe else cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout)
+    planned = (planner_rows(args.model, args.tp, args.pp, args.dp, args.dp_layout)
+               if args.tp_mode == "owner" and not moe else None)
     for rank, res in results.items():
         if planned is not None:
             res["planner_ns_flops"], res["planner_bytes_sent"] = planned[rank]
 
-    print(f"Dry run: {args.model}, TP{args.tp} x PP{args.pp} x DP{args.dp} ({args.tp * args.pp * args.dp} ranks), "
+    world = args.tp * args.pp * args.dp
+    experts = (f", EP{args.ep} x expert-TP{etp} x expert-DP{args.tp * args.dp // (args.ep * etp)}"
+               if shape.num_experts else "")
+    print(f"Dry run: {args.model}, TP{args.tp} x PP{args.pp} x DP{args.dp} ({world} ranks){experts}, "
           f"tp_mode {args.tp_mode}, --muon-dp-layout {args.dp_layout}, bf16 NS, meta device, fake process group\n")
     print("| rank | kinds | TP/DP/PP rank | Muon matrices | cut across DP | DP-owned | NS TFLOP (plan) [planner table] "
           "| MiB sent (all_to_all / all_gather / all_reduce / shape check) | plan MiB [planner table] | "
           "peak extra GiB |")
     print("|---:|---|---|---:|---:|---:|---:|---|---:|---:|")
     for rank, res in sorted(results.items()):
-        b = Counter(res["bytes_by_collective"])
-        sent = " / ".join(f"{b[k] / 2**20:.1f}" for k in ("all_to_all", "all_gather", "all_reduce", "shape_check"))
-        plan_flops = f" ({res['plan_ns_flops'] / 1e12:.2f})"
-        plan_mib = f"{res['plan_bytes_sent'] / 2**20:.1f}"
-        if "planner_ns_flops" in res:
-            plan_flops += f" [{res['planner_ns_flops'] / 1e12:.2f}]"
-            plan_mib += f" [{res['planner_bytes_sent'] / 2**20:.1f}]"
-        print(f"| {rank} | {', '.join(chosen.get(rank, ['probe']))} | {res['tp']}/{res['dp']}/{res['pp']} | "
-              f"{res['matrices']} | {res['cut_across_dp']} | {res['dp_owned']} | {res['ns_flops'] / 1e12:.2f}"
-              f"{plan_flops} | {sent} | {plan_mib} | {res['peak_extra_bytes'] / 2**30:.2f} |")
-    busiest = max(res["ns_flops"] for res in results.values())
-    print(f"\nCost model, same layout (busiest rank of the job; h100-sxm constants): NS "
-          f"{predicted['ns_flops_max'] / 1e12:.2f} TFLOP (busiest simulated rank here: {busiest / 1e12:.2f}), "
-          f"{predicted['bytes_sent_max'] / 2**20:.1f} MiB sent (the whole step: Megatron's grad reduce-scatter "
-          f"and param all-gather included), predicted step {predicted['step_ms_h100']:.1f} ms.")
+        print(_row(rank, chosen.get(rank, ["probe"]), f"{res['tp']}/{res['dp']}/{res['pp']}", res))
+    with_experts = {r: res for r, res in sorted(results.items()) if res["experts"] is not None}
+    if with_experts:
+        print("\nExpert optimizer (this EP rank's local experts; DP = expert-DP, TP = expert-TP):\n")
+        print("| rank | kinds | EP/expert-TP/expert-DP/PP rank | Muon matrices | cut across expert-DP | "
+              "expert-DP-owned | NS TFLOP (plan) | MiB sent (all_to_all / all_gather / all_reduce / shape check) | "
+              "plan MiB | peak extra GiB |")
+        print("|---:|---|---|---:|---:|---:|---:|---|---:|---:|")
+        for rank, res in with_experts.items():
+            print(_row(rank, chosen.get(rank, ["probe"]), f"{res['ep']}/{res['etp']}/{res['edp']}/{res['pp']}",
+                       res["experts"]))
+    stage_of = {rank: res["pp"] for rank, res in results.items()}
+    sums = dict(dense=summary(results, stage_of))
+    print()
+    print(_summary_line("Dense optimizer", sums["dense"], "TP x DP"))
+    if with_experts:
+        sums["experts"] = summary({r: res["experts"] for r, res in with_experts.items()}, stage_of)
+        print(_summary_line("Expert optimizer", sums["experts"], "expert-TP x expert-DP (of one EP rank)"))
+    if predicted is not None:
+        busiest = max(res["ns_flops"] for res in results.values())
+        print(f"Cost model, same layout (busiest rank of the job; h100-sxm constants): NS "
+              f"{predicted['ns_flops_max'] / 1e12:.2f} TFLOP (busiest simulated rank here: {busiest / 1e12:.2f}), "
+              f"{predicted['bytes_sent_max'] / 2**20:.1f} MiB sent (the whole step: Megatron's grad reduce-scatter "
+              f"and param all-gather included), predicted step {predicted['step_ms_h100']:.1f} ms.")
     print(f"Checked {sum(len(r['trace']) for r in results.values())} collectives on {len(results)} ranks: "
           f"{'all on the step device, sizes consistent' if not errors else f'{len(errors)} problems'}; "
           f"{time.perf_counter() - started:.1f} s.")
@@ -355,10 +528,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         for res in results.values():
             res["trace"] = len(res["trace"])
-        args.json.write_text(json.dumps(dict(model=args.model, tp=args.tp, pp=args.pp, dp=args.dp,
-                                             tp_mode=args.tp_mode, ranks={str(r): dict(res, kinds=chosen.get(r, []))
-                                                                          for r, res in results.items()},
-                                             cost_model=predicted, errors=errors), indent=1))
+        args.json.write_text(json.dumps(dict(model=args.model, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep,
+                                             etp=etp, tp_mode=args.tp_mode, dp_layout=args.dp_layout,
+                                             ranks={str(r): dict(res, kinds=chosen.get(r, []))
+                                                    for r, res in results.items()},
+                                             summary=sums, cost_model=predicted, errors=errors), indent=1))
     return 1 if errors else 0
 
 

@@ -1,5 +1,6 @@
-"""scripts/dry_run.py: our real optimizer step at Llama-3 production layouts, on the meta device,
-under torch's fake process group (about 45 s for the four layouts on 2 cores).
+"""scripts/dry_run.py: our real optimizer step at Llama-3 production layouts, and at Mixtral-8x7B and
+DeepSeek-V3 MoE layouts (issue 14), on the meta device, under torch's fake process group (about
+45 s for the four Llama layouts on 2 cores, 30 s for the two MoE ones).
 
 Each run builds megatron-core's GPTModel, DDP buffers and our ZeRO-1 optimizer for the chosen
 ranks and runs the inner step; a tensor on another device, or collectives whose sizes do not
@@ -98,3 +99,66 @@ def test_bad_arguments_are_named(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "dry_run.py"), "--model", "llama3-8b",
                            "--ranks", "middle"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and "unknown kind 'middle'" in proc.stderr
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "dry_run.py"), "--model", "llama3-8b", "--ep", "2"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "llama3-8b has no experts" in proc.stderr
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "dry_run.py"), "--model", "mixtral-8x7b", "--tp", "1",
+                           "--dp", "4", "--ep", "8"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "must divide TP x DP = 4" in proc.stderr
+
+
+def _moe_counts(model: str, ep: int, layers) -> tuple[int, int]:
+    """(dense Muon matrices, expert matrices of one EP rank) of ``layers``, from the model's shape."""
+    from megatron_muon.core.models import MOE_MODELS
+
+    names = [name for name, *_ in MOE_MODELS[model].matrices() if int(name.split(".")[1]) in layers]
+    experts = sum(".experts." in n for n in names)
+    return len(names) - experts, experts // ep
+
+
+def test_mixtral_experts_cut_across_expert_dp(tmp_path):
+    """Mixtral-8x7B at TP2 x EP4 x DP8 (expert-TP 2, expert-DP 2) on megatron-core's buffer layout:
+    expert matrices cut by the ZeRO-1 ranges of the expert-DP group go whole to one owner there,
+    and every rank of rank 0's expert-DP and expert-TP groups is simulated, so the expert owner
+    exchange is checked across its whole group."""
+    proc, report = _dry_run(tmp_path, "--model", "mixtral-8x7b", "--tp", "2", "--ep", "4", "--dp", "8",
+                            "--dp-layout", "megatron")
+    assert report["errors"] == []
+    assert "EP4 x expert-TP2 x expert-DP2" in proc.stdout
+    dense, experts = _moe_counts("mixtral-8x7b", 4, range(32))
+    assert (dense, experts) == (96, 128)  # qkv, proj, router per layer; 2 local experts x (fc1, fc2) x 32
+    assert proc.stdout.count(f"megatron-muon: Muon on {dense + experts} matrices ({experts} expert matrices of this "
+                             "EP rank)") == 1
+    ranks = report["ranks"]
+    assert {"0", "1", "8"} <= set(ranks)  # rank 0, its expert-TP peer, its expert-DP peer
+    for rank, res in ranks.items():
+        ex = res["experts"]
+        assert res["matrices"] == dense and ex["matrices"] == experts, rank
+        assert ex["device"] == "meta" and ex["cut_across_dp"] > 0, rank
+        for part in (res, ex):  # the real step does what the plans say, for both optimizers
+            assert part["ns_flops"] == part["plan_ns_flops"] > 0, rank
+            assert part["bytes_by_collective"]["all_to_all"] == part["plan_bytes_sent"] > 0, rank
+    groups = {tuple(g) for g in ranks["0"]["groups"]}
+    assert (0, 8) in groups and (0, 1) in groups  # collectives on the expert-DP and the (expert-)TP group
+    assert report["summary"]["experts"]["ranks"] == len(ranks)
+
+
+def test_deepseek_v3_first_moe_stage(tmp_path):
+    """DeepSeek-V3 (MLA, 256 experts, first 3 layers dense) at TP1 x EP8 x PP16 x DP16: stage 0
+    (layers 0-1) has no experts and no expert optimizer; the expert-DP group is taken on stage 1
+    (layers 2-5: one dense, three MoE), 32 local experts per layer; at TP1 an expert matrix is
+    whole on its EP rank and, on the balanced layout, on one expert-DP rank: nothing moves."""
+    proc, report = _dry_run(tmp_path, "--model", "deepseek-v3", "--tp", "1", "--ep", "8", "--pp", "16", "--dp", "16",
+                            "--ranks", "first,expert-dp-group")
+    assert report["errors"] == []
+    ranks = report["ranks"]
+    assert ranks["0"]["experts"] is None and ranks["0"]["matrices"] == _moe_counts("deepseek-v3", 8, range(2))[0]
+    assert "linear_kv_up_proj" in proc.stdout and "linear_qkv" not in proc.stdout  # MLA's projections
+    dense, experts = _moe_counts("deepseek-v3", 8, range(2, 6))
+    group = [r for r in ranks if r != "0"]
+    assert sorted(map(int, group)) == [16, 24]  # stage 1 (ranks 16-31): EP8 x expert-DP2, EP fastest
+    for rank in group:
+        res = ranks[rank]
+        assert res["pp"] == 1 and res["matrices"] == dense and res["experts"]["matrices"] == experts == 3 * 32 * 2
+        assert res["experts"]["ns_flops"] == res["experts"]["plan_ns_flops"] > 0
+        assert res["experts"]["bytes_sent"] == 0

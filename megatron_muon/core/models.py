@@ -21,18 +21,56 @@ mapped onto Megatron-core's GPT layer (``TransformerLayer``), whose weights are 
 Shapes are full (unsharded); a TP rank holds ``1/tp`` of ``partition_dim`` (``core.shapes``).
 Embeddings, the output layer and norms are not hidden 2-D weights and are left out of
 ``matrices()`` (Muon routes them to AdamW).
+
+Mixture-of-experts shapes (issue 14), from the models' public HF ``config.json``:
+
+    Mixtral-8x7B (mistralai/Mixtral-8x7B-v0.1): 32 layers, hidden 4096, 32 heads / 8 kv heads of
+      128, 8 experts top-2 (num_local_experts, num_experts_per_tok), expert SwiGLU 14336, vocab
+      32000; every layer MoE, no shared expert.
+    DeepSeek-V3 (deepseek-ai/DeepSeek-V3): 61 layers, hidden 7168, 256 routed experts top-8
+      (n_routed_experts, num_experts_per_tok) of moe_intermediate_size 2048, 1 shared expert of
+      the same size, first_k_dense_replace 3 (layers 0-2 dense, intermediate_size 18432), vocab
+      129280; MLA attention: 128 heads, q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
+      qk_rope_head_dim 64, v_head_dim 128. Left out: the multi-token-prediction module
+      (num_nextn_predict_layers 1) and the router's 1-D score-correction bias (a buffer).
+
+mapped onto megatron-core's MoE layer (``MoELayer``, local spec ``SequentialMLP``): per MoE layer
+a ``router`` (experts × hidden, not TP-sharded), per expert ``linear_fc1`` (2·moe_ffn × hidden,
+gate and up) and ``linear_fc2`` (hidden × moe_ffn), sharded over the expert-TP group like the dense
+fc1 / fc2; a shared expert (``shared_experts.linear_fc1`` / ``linear_fc2``) is a dense MLP of
+``shared_expert_ffn``. MLA (``MLASelfAttention``): ``linear_q_down_proj`` (q_lora × hidden),
+``linear_q_up_proj`` (heads·(qk_head + rope) × q_lora), ``linear_kv_down_proj`` ((kv_lora + rope) ×
+hidden), ``linear_kv_up_proj`` (heads·(qk_head + v_head) × kv_lora), ``linear_proj`` (hidden ×
+heads·v_head); no fused QKV to split.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["LLAMA3", "ModelShape", "llama3_matrices"]
+__all__ = ["LLAMA3", "MOE_MODELS", "MLAShape", "ModelShape", "llama3_matrices"]
+
+
+@dataclass(frozen=True)
+class MLAShape:
+    """Multi-latent attention's sizes (megatron-core's ``MLATransformerConfig`` fields)."""
+
+    q_lora_rank: int
+    """rank of the query down projection (``--q-lora-rank``)."""
+    kv_lora_rank: int
+    """rank of the key/value down projection (``--kv-lora-rank``)."""
+    qk_head_dim: int
+    """query/key channels per head without RoPE (``--qk-head-dim``)."""
+    qk_pos_emb_head_dim: int
+    """query/key RoPE channels per head (``--qk-pos-emb-head-dim``)."""
+    v_head_dim: int
+    """value channels per head (``--v-head-dim``)."""
 
 
 @dataclass(frozen=True)
 class ModelShape:
-    """A dense GPT (RoPE, RMSNorm, SwiGLU, grouped-query attention, untied embeddings)."""
+    """A GPT (RoPE, RMSNorm, SwiGLU, untied embeddings): grouped-query attention or MLA, dense or
+    with a mixture of experts (``num_experts`` > 0) after ``first_dense_layers`` dense layers."""
 
     name: str
     """for tables and error messages, e.g. ``"llama3-8b"``."""
@@ -50,6 +88,27 @@ class ModelShape:
     """SwiGLU inner size (``--ffn-hidden-size``); fc1 holds gate and up, 2·ffn_hidden rows."""
     vocab: int
     """vocabulary size (the embedding and the untied output layer)."""
+    num_experts: int = 0
+    """routed experts per MoE layer (``--num-experts``); 0: a dense model."""
+    moe_topk: int = 0
+    """experts per token (``--moe-router-topk``)."""
+    moe_ffn_hidden: int = 0
+    """an expert's SwiGLU inner size (``--moe-ffn-hidden-size``)."""
+    shared_expert_ffn: int = 0
+    """the shared expert's inner size (``--moe-shared-expert-intermediate-size``); 0: none."""
+    first_dense_layers: int = 0
+    """leading dense layers (of ``ffn_hidden``) before the MoE layers (DeepSeek's first_k_dense_replace)."""
+    mla: MLAShape | None = None
+    """multi-latent attention's sizes; None: grouped-query attention."""
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) holds experts."""
+        return self.num_experts > 0 and layer >= self.first_dense_layers
+
+    @property
+    def moe_layer_pattern(self) -> list[int]:
+        """megatron-core's ``moe_layer_freq`` as a list: 1 for an MoE layer, 0 for a dense one."""
+        return [int(self.is_moe_layer(i)) for i in range(self.num_layers)]
 
     @property
     def qkv_sub_rows(self) -> tuple[int, int, int]:
@@ -65,25 +124,45 @@ class ModelShape:
         linear_fc2. ``partition_dim`` is 0 for ColumnParallel weights and 1 for RowParallel ones.
         Megatron *registers* (and lays out its buffers in) another order, linear_proj before
         linear_qkv; code that emulates Megatron's buffers must reorder (``planner_quality``).
+
+        An MoE layer lists, after attention, ``router`` (partition_dim None: not TP-sharded),
+        ``experts.{e}.linear_fc1`` / ``linear_fc2`` for every expert ``e`` (sharded over the
+        expert-TP group) and the shared expert's ``shared_experts.linear_fc1`` / ``linear_fc2``;
+        MLA layers list its five projections instead of linear_qkv and linear_proj.
         """
-        q, k, v = self.qkv_sub_rows
-        per_layer = (
-            ("linear_qkv", q + k + v, self.hidden, 0),
-            ("linear_proj", self.hidden, self.num_heads * self.head_dim, 1),
-            ("linear_fc1", 2 * self.ffn_hidden, self.hidden, 0),
-            ("linear_fc2", self.hidden, self.ffn_hidden, 1),
-        )
-        return [
-            (f"layers.{i}.{name}", rows, cols, pdim)
-            for i in range(self.num_layers)
-            for name, rows, cols, pdim in per_layer
-        ]
+        out = []
+        for i in range(self.num_layers):
+            mlp = [("linear_fc1", 2 * self.ffn_hidden, self.hidden, 0), ("linear_fc2", self.hidden, self.ffn_hidden, 1)]
+            if self.is_moe_layer(i):
+                mlp = [("router", self.num_experts, self.hidden, None)]
+                for e in range(self.num_experts):
+                    mlp += [(f"experts.{e}.linear_fc1", 2 * self.moe_ffn_hidden, self.hidden, 0),
+                            (f"experts.{e}.linear_fc2", self.hidden, self.moe_ffn_hidden, 1)]
+                if self.shared_expert_ffn:
+                    mlp += [("shared_experts.linear_fc1", 2 * self.shared_expert_ffn, self.hidden, 0),
+                            ("shared_experts.linear_fc2", self.hidden, self.shared_expert_ffn, 1)]
+            out += [(f"layers.{i}.{name}", rows, cols, pdim) for name, rows, cols, pdim in (*self._attention(), *mlp)]
+        return out
+
+    def _attention(self) -> list[tuple[str, int, int, int]]:
+        m = self.mla
+        if m is None:
+            q, k, v = self.qkv_sub_rows
+            return [("linear_qkv", q + k + v, self.hidden, 0),
+                    ("linear_proj", self.hidden, self.num_heads * self.head_dim, 1)]
+        return [("linear_q_down_proj", m.q_lora_rank, self.hidden, 0),
+                ("linear_q_up_proj", self.num_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim), m.q_lora_rank, 0),
+                ("linear_kv_down_proj", m.kv_lora_rank + m.qk_pos_emb_head_dim, self.hidden, 0),
+                ("linear_kv_up_proj", self.num_heads * (m.qk_head_dim + m.v_head_dim), m.kv_lora_rank, 0),
+                ("linear_proj", self.hidden, self.num_heads * m.v_head_dim, 1)]
 
     def scaled(self, divisor: int, *, num_layers: int | None = None, vocab: int | None = None,
                num_heads: int | None = None, num_query_groups: int | None = None) -> ModelShape:
         """The same architecture with hidden and ffn sizes divided by ``divisor``: a CPU-sized
         stand-in whose matrices keep the production aspect ratios. Head counts default to this
         model's; ``head_dim`` follows from the new hidden size."""
+        if self.mla is not None:
+            raise NotImplementedError(f"ModelShape.scaled: {self.name}: MLA shapes are not scaled")
         hidden, ffn = self.hidden // divisor, self.ffn_hidden // divisor
         heads = num_heads or self.num_heads
         groups = num_query_groups or self.num_query_groups
@@ -92,7 +171,9 @@ class ModelShape:
                              f"into {heads} heads of {groups} query groups")
         return replace(self, name=f"{self.name}/{divisor}", hidden=hidden, ffn_hidden=ffn, num_heads=heads,
                        num_query_groups=groups, head_dim=hidden // heads,
-                       num_layers=num_layers or self.num_layers, vocab=vocab or self.vocab)
+                       num_layers=num_layers or self.num_layers, vocab=vocab or self.vocab,
+                       moe_ffn_hidden=self.moe_ffn_hidden // divisor,
+                       shared_expert_ffn=self.shared_expert_ffn // divisor)
 
 
 LLAMA3: dict[str, ModelShape] = {
@@ -101,6 +182,16 @@ LLAMA3: dict[str, ModelShape] = {
     "405B": ModelShape("llama3-405b", 126, 16384, 128, 8, 128, 53248, 128256),
 }
 """Llama-3 / 3.1 dense models by size."""
+
+MOE_MODELS: dict[str, ModelShape] = {
+    "mixtral-8x7b": ModelShape("mixtral-8x7b", 32, 4096, 32, 8, 128, 14336, 32000, num_experts=8, moe_topk=2,
+                               moe_ffn_hidden=14336),
+    "deepseek-v3": ModelShape("deepseek-v3", 61, 7168, 128, 128, 128, 18432, 129280, num_experts=256, moe_topk=8,
+                              moe_ffn_hidden=2048, shared_expert_ffn=2048, first_dense_layers=3,
+                              mla=MLAShape(q_lora_rank=1536, kv_lora_rank=512, qk_head_dim=128,
+                                           qk_pos_emb_head_dim=64, v_head_dim=128)),
+}
+"""Mixture-of-experts models (module docstring: sources; the DeepSeek-V3 shape has no MTP module)."""
 
 
 def llama3_matrices(model: str) -> list[tuple[str, int, int, int]]:

@@ -248,11 +248,14 @@ def patch_rotary() -> None:
     """megatron/core/models/common/embeddings/rotary_pos_embedding.py: CPU view.
 
     ``RotaryEmbedding.get_emb`` moves ``inv_freq`` (built on CPU under
-    ``use_cpu_initialization``) to ``torch.cuda.current_device()`` on the first forward.
+    ``use_cpu_initialization``) to ``torch.cuda.current_device()`` on the first forward;
+    ``RotaryEmbedding.__init__`` builds it there when not given ``use_cpu_initialization``, as
+    MLA's attention (``MLASelfAttention``, ``rope_type="rope"``) builds it.
     """
     from megatron.core.models.common.embeddings import rotary_pos_embedding as m
 
     _retarget(m.RotaryEmbedding, "get_emb", view=True)
+    _retarget(m.RotaryEmbedding, "__init__", view=True)
 
 
 def patch_utils() -> None:

@@ -367,7 +367,11 @@ def model_weights(model: ModelShape, *, split_fc1: bool = True) -> ModelWeights:
     """``model``'s weights as the optimizer sees them: QKV split into q, k, v (all groups of each
     together, as the optimizer batches them), fc1 into gate and up when ``split_fc1`` (ours;
     megatron-core 0.19.2 orthogonalizes fc1 whole); untied embedding and output, two norms per
-    layer and the final norm to AdamW."""
+    layer and the final norm to AdamW. Dense GQA models only: experts (EP, expert-DP) and MLA
+    are not modeled (``scripts/dry_run.py`` measures MoE layouts instead)."""
+    if model.num_experts or model.mla is not None:
+        raise NotImplementedError(f"model_weights: {model.name}: the cost model covers dense models with "
+                                  "grouped-query attention; MoE / MLA layouts: scripts/dry_run.py")
     sub_rows = {"linear_qkv": model.qkv_sub_rows,
                 "linear_fc1": (model.ffn_hidden, model.ffn_hidden) if split_fc1 else ()}
     weights = tuple(

@@ -139,16 +139,18 @@ def _init_by_name(model, seed: int, tp_rank: int, tp: int, num_layers: int) -> N
             if param.dim() < 2:
                 continue
             gname = global_name(model, name)
-            tp_rank, tp = ((ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
-                           if is_expert(param) else (ps.get_tensor_model_parallel_rank(), tp))
+            # experts: their own rank and size (never overwrite the dense tp_rank / tp: after the
+            # first expert matrix, every later dense matrix would be drawn at the expert-TP size)
+            rank, size = ((ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size())
+                          if is_expert(param) else (tp_rank, tp))
             std = INIT_STD
             if gname.endswith(("linear_proj.weight", "linear_fc2.weight")):
                 std = INIT_STD / math.sqrt(2.0 * num_layers)
             shape = list(param.shape)
             if getattr(param, "tensor_model_parallel", False):
-                shape[param.partition_dim] *= tp
+                shape[param.partition_dim] *= size
             gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(gname.encode()))
-            param.copy_(shard_of(torch.randn(shape, generator=gen) * std, param, tp_rank, tp))
+            param.copy_(shard_of(torch.randn(shape, generator=gen) * std, param, rank, size))
 
 
 def build_tiny_gpt(

@@ -7,6 +7,9 @@ expert ``MuonWithAdamW`` chained as Megatron chains its dense and expert optimiz
 
 * EP2 x expert-DP2 (TP1, dense DP4), with and without the distributed optimizer;
 * TP2 x EP2 with the expert-TP size Megatron defaults to (2; expert-DP1), in the exact TP modes;
+* TP2 x EP2 with expert-TP1 (``--expert-tensor-parallel-size 1``: TP for attention and the shared
+  expert, whole experts, expert-DP2 over other ranks than the dense DP group's), with and without
+  clipping;
 * a 1-layer, 6-expert model at EP2 x expert-DP2 whose expert buffer is cut inside an expert
   matrix by the ZeRO-1 ranges (the owner exchange over the expert-DP group).
 
@@ -48,17 +51,18 @@ K = 3
 # RowParallel all-reduces and vocab-parallel cross entropy, the sequence-parallel reduce-scatters,
 # the allgather dispatcher's token order per expert), so grads differ in the last bits.
 # Muon matrices (experts, shared experts, router, attention): measured max |diff| after K = 3
-# steps 4.5e-7 at TP1 (EP2 x expert-DP2) and 6.6e-7 at TP2 x EP2; 2e-6 (the dense test's bound)
-# leaves 3x margin, while BlockMuon on the expert-TP shards is off by 3.0e-2.
+# steps 4.5e-7 at TP1 (EP2 x expert-DP2), 6.6e-7 at TP2 x EP2 and 5.9e-7 at TP2 x EP2 x expert-TP1;
+# 2e-6 (the dense test's bound) leaves 3x margin, while BlockMuon on the expert-TP shards is off by 3.0e-2.
 ATOL_MUON = 2e-6
 # AdamW params (output layer, embedding, norms): Adam's m / (sqrt(v) + eps) turns a last-bit
 # change of a near-zero grad (rare-token rows of the output layer) into a visible change of its
 # update. Measured max 1.6e-6 at TP1, 5.7e-6 / 9.7e-6 / 2.6e-5 at TP2 x EP2 (owner / distributed /
-# duplicated: the same grads, the run-to-run spread is the sequence-parallel sum order), all on
-# output_layer.weight; 1e-4 leaves 3.9x margin and is 200x below one AdamW step (lr 0.02).
+# duplicated: the same grads, the run-to-run spread is the sequence-parallel sum order), 4.0e-6 / 2.1e-5
+# at TP2 x EP2 x expert-TP1 (shared expert / clip 1.0), all on output_layer.weight; 1e-4 leaves 3.9x
+# margin and is 200x below one AdamW step (lr 0.02).
 ATOL_ADAMW = 1e-4
 # The grad norm the chained step returns vs the reference's: fp32 sums of squares in the layout's
-# order; measured max relative difference 4.4e-7 (TP2 x EP2); 1e-6 leaves 2.2x margin. A norm
+# order; measured max relative difference 4.4e-7 (TP2 x EP2; 2.4e-7 at expert-TP1); 1e-6 leaves 2.2x margin. A norm
 # that missed the other EP rank's experts or counted expert-DP shards twice is off by > 1e-2.
 NORM_RTOL = 1e-6
 CLIP = 1.0
@@ -80,6 +84,8 @@ RUNS = [
     dict(tp=2, ep=2, dist_opt=True, moe=SHARED, tp_mode="distributed"),
     dict(tp=2, ep=2, dist_opt=True, moe=MOE, tp_mode="duplicated"),
     dict(tp=2, ep=2, dist_opt=True, moe=SHARED, tp_mode="blockwise"),
+    dict(tp=2, ep=2, etp=1, dist_opt=True, moe=SHARED),
+    dict(tp=2, ep=2, etp=1, dist_opt=True, moe=MOE, clip=CLIP),
 ]
 REFERENCES = {"moe": dict(moe=MOE), "shared": dict(moe=SHARED), "moe-clip": dict(moe=MOE, clip=CLIP),
               "cut": dict(moe=CUT, layers=1)}
@@ -226,6 +232,8 @@ def test_matches_single_process_reference(trained, reference, index):
     assert result["chained"] == 2, "the experts must have their own optimizer (expert-parallel params)"
     assert set(result["full"]) == set(want)
     assert any(".local_experts.3." in n for n in want)
+    if run.get("etp") == 1:  # whole experts; the expert-DP group is not the dense DP group's size here
+        assert result["expert_dp"] == 2 and result["ranks"][2] == 0
     diffs = {n: (result["full"][n] - want[n]).abs().max().item() for n in want}
     muon = max((d, n) for n, d in diffs.items() if _is_muon(n, want[n]))
     adamw = max((d, n) for n, d in diffs.items() if not _is_muon(n, want[n]))

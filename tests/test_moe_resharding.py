@@ -10,8 +10,8 @@ distributed optimizer, tp_mode owner, grad clipping 1.0, fp32: a dense and an ex
 * each load rebuilds the model from another init seed at another layout, loads, and trains steps
   3 and 4:
 
-  - ``ep4``: TP1 x EP4 x expert-DP1 (dense DP4): every expert moves to another rank (EP rank r
-    held experts 2r, 2r+1 of a layer, now expert r) and expert-DP shrinks 2 -> 1;
+  - ``ep4``: TP1 x EP4 x expert-DP1 (dense DP4): experts move between ranks and expert-DP shrinks
+    2 -> 1 (ranks 0-3 held experts {0, 1}, {2, 3}, {0, 1}, {2, 3} of a layer, now 0, 1, 2, 3);
   - ``tp2-etp2``: TP2 x EP2 with expert-TP2 (dense DP2, expert-DP1): the dense and the expert
     matrices are cut across TP, and the dense DP shrinks 4 -> 2.
 

@@ -20,7 +20,8 @@ shared expert — and ``torch.optim.AdamW`` on the rest.
 
 Also: DP replicas bitwise equal (the dense and the expert-DP ones); a save (torch_dist, both
 distributed-optimizer formats) after 2 steps, a rebuild with other initial weights, a load and
-one more step equal the uninterrupted run bitwise; and BlockMuon (tp mode blockwise on the
+one more step equal the uninterrupted run bitwise (loads at other EP / expert-DP / TP sizes:
+``test_moe_resharding.py``); and BlockMuon (tp mode blockwise on the
 expert-TP shards) must NOT match the reference, so the comparison can fail.
 """
 

@@ -148,6 +148,7 @@ def train_runs(rank: int, world: int, root: str) -> list[dict]:
                       chained=len(chain), expert_layouts=layouts, expert_dp=ps.get_expert_data_parallel_world_size(),
                       ranks=(ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
                              ps.get_expert_tensor_parallel_rank()))
+        del model, optimizer, scheduler, chain, expert  # their process groups' gloo threads end with them
         destroy_megatron()
         if run.get("resume"):  # EP2 x expert-DP2 and TP2 x EP2 (expert-TP2): save, rebuild, load, step
             result["resumed"] = {}
@@ -158,12 +159,14 @@ def train_runs(rank: int, world: int, root: str) -> list[dict]:
                 model, optimizer, scheduler = _build(run)
                 _steps(model, optimizer, scheduler, K - 1)
                 _save(path, model, optimizer, scheduler, sharding)
+                del model, optimizer, scheduler
                 destroy_megatron()
                 init_megatron(run["tp"], ep=run["ep"], etp=run.get("etp"))
                 model, optimizer, scheduler = _build(run, seed=999)
                 _load(path, model, optimizer, scheduler)
                 _steps(model, optimizer, scheduler, 1)
                 result["resumed"][sharding] = _local(model)
+                del model, optimizer, scheduler
                 destroy_megatron()
         out.append(result)
     return out

@@ -339,6 +339,27 @@ def _moe_config(moe: dict | None) -> dict:
                 moe_grouped_gemm=False)
 
 
+def reference_param_groups(chunk) -> tuple[list[dict], list, list]:
+    """How the one-process references (TP1) split a tiny GPT's params, as megatron-muon routes them:
+    Muon groups (a fused QKV split per query group into q, k and v; a gated fc1 into [gate; up]),
+    AdamW params with weight decay, and AdamW params without (biases and 1-D params: Megatron's
+    standard override, wd_mult 0). Reads ``HEADS`` / ``GROUPS`` when called (a test may change them)."""
+    from megatron_muon.core.matrix_layout import RowSplit
+    from megatron_muon.megatron.optimizer import is_muon_matrix
+
+    q, kv = HEADS // GROUPS * (HIDDEN // HEADS), HIDDEN // HEADS
+    muon_groups, decay, no_decay = [], [], []
+    for name, p in chunk.named_parameters():
+        if is_muon_matrix(p):
+            split = RowSplit(GROUPS, (q, kv, kv)) if "linear_qkv" in name else (
+                RowSplit(1, (p.shape[0] // 2,) * 2) if "linear_fc1" in name else None)
+            muon_groups.append(dict(params=[p], row_split=split))
+        elif name.endswith(".bias") or p.dim() == 1:
+            no_decay.append(p)
+        else:
+            decay.append(p)
+    return muon_groups, decay, no_decay
+
 def make_batch(seed: int, micro_batch_size: int = 2, seq_len: int = SEQ, vocab: int = VOCAB,
                dp_rank: int | None = None) -> dict:
     """A deterministic batch: ``tokens``, ``labels`` (next tokens), ``position_ids``, all [b, s].

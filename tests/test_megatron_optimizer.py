@@ -14,10 +14,6 @@ import pytest
 import torch
 from dist_harness import run_world
 from megatron_harness import (
-    FFN,
-    GROUPS,
-    HEADS,
-    HIDDEN,
     LAYERS,
     build_tiny_gpt,
     destroy_megatron,
@@ -25,6 +21,7 @@ from megatron_harness import (
     gather_full_params,
     init_megatron,
     make_batch,
+    reference_param_groups,
 )
 
 K = 3
@@ -158,26 +155,13 @@ def train_reference(rank: int, world: int, configs: list[dict]) -> list[tuple]:
     from megatron.core import parallel_state as ps
 
     from megatron_muon import Muon
-    from megatron_muon.core.matrix_layout import RowSplit
-    from megatron_muon.megatron.optimizer import is_muon_matrix
 
     out = []
     for config in configs:
         init_megatron(1, 1)
         model = build_tiny_gpt(1, 1, num_layers=config.get("layers", LAYERS))
         initial = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
-        q = HEADS // GROUPS * (HIDDEN // HEADS)
-        kv = HIDDEN // HEADS
-        muon_groups, decay, no_decay = [], [], []
-        for name, p in model[0].named_parameters():
-            if is_muon_matrix(p):
-                split = RowSplit(GROUPS, (q, kv, kv)) if "linear_qkv" in name else (
-                    RowSplit(1, (FFN, FFN)) if "linear_fc1" in name else None)
-                muon_groups.append(dict(params=[p], row_split=split))
-            elif name.endswith(".bias") or p.dim() == 1:
-                no_decay.append(p)  # Megatron's standard override: wd_mult 0 for biases and 1-D
-            else:
-                decay.append(p)
+        muon_groups, decay, no_decay = reference_param_groups(model[0])
         muon = Muon(muon_groups, lr=LR, weight_decay=WD, momentum=MUON["momentum"], nesterov=MUON["nesterov"],
                     ns_dtype=torch.float32, coefficients=MUON["coefficient_type"], scale_mode=MUON["scale_mode"],
                     extra_scale_factor=MUON["extra_scale_factor"])

@@ -33,9 +33,6 @@ import pytest
 import torch
 from dist_harness import run_world
 from megatron_harness import (
-    GROUPS,
-    HEADS,
-    HIDDEN,
     build_tiny_gpt,
     destroy_megatron,
     forward_backward,
@@ -43,6 +40,7 @@ from megatron_harness import (
     init_megatron,
     is_expert,
     make_batch,
+    reference_param_groups,
 )
 from test_checkpoint import _load, _save
 from test_megatron_optimizer import MUON, _optimizer_config, _scheduler, clip_like_megatron
@@ -177,25 +175,13 @@ def train_reference(rank: int, world: int) -> dict:
     from megatron.core import parallel_state as ps
 
     from megatron_muon import Muon
-    from megatron_muon.core.matrix_layout import RowSplit
-    from megatron_muon.megatron.optimizer import is_muon_matrix
 
     out = {}
     for key, config in REFERENCES.items():
         init_megatron(1)
         model = build_tiny_gpt(1, moe=config["moe"], num_layers=config.get("layers", 2))
-        q, kv = HEADS // GROUPS * (HIDDEN // HEADS), HIDDEN // HEADS
-        muon_groups, decay, no_decay = [], [], []
-        for name, p in model[0].named_parameters():
-            assert not is_expert(p)  # one process: every expert is an ordinary local param
-            if is_muon_matrix(p):
-                split = RowSplit(GROUPS, (q, kv, kv)) if "linear_qkv" in name else (
-                    RowSplit(1, (p.shape[0] // 2,) * 2) if "linear_fc1" in name else None)  # [gate; up]
-                muon_groups.append(dict(params=[p], row_split=split))
-            elif p.dim() == 1:
-                no_decay.append(p)
-            else:
-                decay.append(p)
+        assert not any(is_expert(p) for p in model[0].parameters())  # one process: every expert is local
+        muon_groups, decay, no_decay = reference_param_groups(model[0])
         muon = Muon(muon_groups, lr=0.02, weight_decay=0.1, momentum=MUON["momentum"], nesterov=MUON["nesterov"],
                     ns_dtype=torch.float32, coefficients=MUON["coefficient_type"], scale_mode=MUON["scale_mode"],
                     extra_scale_factor=MUON["extra_scale_factor"])

@@ -19,7 +19,6 @@ import pytest
 import torch
 from dist_harness import run_world
 from megatron_harness import (
-    FFN,
     GROUPS,
     HEADS,
     HIDDEN,
@@ -30,6 +29,7 @@ from megatron_harness import (
     gather_full_params,
     init_megatron,
     make_batch,
+    reference_param_groups,
 )
 from test_megatron_optimizer import BETAS, EPS, LR, MUON, WD, _optimizer_config, _scheduler
 
@@ -213,24 +213,13 @@ def train_reference(rank: int, world: int, configs: list[dict]) -> list[dict]:
     from megatron.core import parallel_state as ps
 
     from megatron_muon import Muon
-    from megatron_muon.core.matrix_layout import RowSplit
-    from megatron_muon.megatron.optimizer import is_muon_matrix
 
     out = []
     for config in configs:
         init_megatron(1, 1)
         model = build_tiny_gpt(1, 1)
-        q = HEADS // GROUPS * HEAD_DIM
-        muon_groups, decay, no_decay, layers = [], [], [], []
-        for name, p in model[0].named_parameters():
-            if is_muon_matrix(p):
-                split = RowSplit(GROUPS, (q, HEAD_DIM, HEAD_DIM)) if "linear_qkv" in name else (
-                    RowSplit(1, (FFN, FFN)) if "linear_fc1" in name else None)
-                muon_groups.append(dict(params=[p], row_split=split))
-            elif name.endswith(".bias") or p.dim() == 1:
-                no_decay.append(p)
-            else:
-                decay.append(p)
+        muon_groups, decay, no_decay = reference_param_groups(model[0])
+        layers = []
         for module in model[0].modules():
             if getattr(module, "linear_qkv", None) is not None:
                 module.core_attention.register_forward_pre_hook(_reference_logits)

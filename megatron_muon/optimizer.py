@@ -5,7 +5,12 @@ Megatron's LR scheduler (which rewrites ``lr`` and ``weight_decay`` per group), 
 and found-inf skipping work unchanged: this class only implements ``step``.
 
 The parameters it updates are whatever Megatron hands an inner optimizer: full fp32 main params
-(no distributed optimizer) or flat fp32 shard main params (distributed optimizer). Muon needs
+(no distributed optimizer), flat fp32 shard main params (distributed optimizer), or Megatron-FSDP's
+DTensor main params (``--use-megatron-fsdp``: each rank's rows of a matrix, possibly none). A
+DTensor is stepped through its local shard (``local``): the arithmetic is elementwise or runs
+on the plan's exchanged pieces, so it never needs DTensor's sharding propagation, and the
+state it creates (``zeros_like`` the param) is a DTensor sharded like it, which is what
+Megatron-FSDP's ``fsdp_dtensor`` checkpoint saves. Muon needs
 to know, for every matrix of the model — including those this rank holds nothing of — where
 its pieces live; the Megatron adapter describes that with ``attach`` (a ``MatrixLayout`` per
 matrix and the DP/TP groups). Without ``attach`` every Muon param is one whole local matrix,
@@ -46,9 +51,16 @@ from .parallel.comm import comm_stats
 from .parallel.devices import resolve_device
 from .parallel.orthogonalize import orthogonalize_updates
 
-__all__ = ["ALGORITHMS", "MuonMatrix", "MuonWithAdamW"]
+__all__ = ["ALGORITHMS", "MuonMatrix", "MuonWithAdamW", "local"]
 
 ALGORITHMS = ("muon", "adamw")
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (Megatron-FSDP's params, grads and the state made like
+    them): the tensor that holds its storage, so in-place updates reach the DTensor. Any other
+    tensor is returned as it is."""
+    return getattr(tensor, "_local_tensor", tensor)
 
 
 @dataclass
@@ -242,7 +254,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         # does), so the exchange sizes stay the plan's. A rank holding no piece of this matrix
         # (param None) still allocates on the optimizer's device.
         pieces = [update_of.pop(id(m.param)) if m.param is not None and id(m.param) in update_of
-                  else torch.zeros(0 if m.param is None else m.param.numel(), device=device) for m in matrices]
+                  else torch.zeros(0 if m.param is None else local(m.param).numel(), device=device)
+                  for m in matrices]
         step_lr = [-group_of[id(m.param)]["lr"] * lr_mult if m.param is not None else 0.0 for m in matrices]
 
         def apply(i: int, update: torch.Tensor, scale: float) -> None:
@@ -250,6 +263,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if p is None or p.grad is None:
                 return
             # θ ← θ − lr·(scale·O): the scalar scale rides in add_'s alpha instead of a scaled copy.
+            p = local(p)
             p.add_(update.reshape_as(p), alpha=step_lr[i] * scale)
 
         if self._timer is None:  # built once: its CUDA events are recorded again every step
@@ -299,15 +313,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if not live:
             return {}
-        grads = [p.grad for p in live]
+        params = [local(p) for p in live]
+        grads = [local(p.grad) for p in live]
         if not self.decoupled_weight_decay:
-            grads = _with_l2(live, grads, [group_of[id(p)]["weight_decay"] for p in live])
-        bufs = [self.state[p]["momentum_buffer"] for p in live]
+            grads = _with_l2(params, grads, [group_of[id(p)]["weight_decay"] for p in live])
+        bufs = [local(self.state[p]["momentum_buffer"]) for p in live]
         torch._foreach_add_([self.state[p]["step"] for p in live], 1.0)
         torch._foreach_lerp_(bufs, grads, 1 - cfg.momentum)
         updates = torch._foreach_lerp(grads, bufs, cfg.momentum) if cfg.nesterov else bufs
         if self.decoupled_weight_decay:
-            torch._foreach_mul_(live, [1 - group_of[id(p)]["lr"] * group_of[id(p)]["weight_decay"] for p in live])
+            torch._foreach_mul_(params, [1 - group_of[id(p)]["lr"] * group_of[id(p)]["weight_decay"] for p in live])
         return {id(p): u.reshape(-1) for p, u in zip(live, updates)}
 
     def _adamw_step(self, group) -> None:
@@ -320,10 +335,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 state["step"] = torch.tensor(0.0)  # device-rule: host scalar, as torch's AdamW keeps it
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(p)
-            grads.append(p.grad)
-            exp_avgs.append(state["exp_avg"])
-            exp_avg_sqs.append(state["exp_avg_sq"])
+            params.append(local(p))
+            grads.append(local(p.grad))
+            exp_avgs.append(local(state["exp_avg"]))
+            exp_avg_sqs.append(local(state["exp_avg_sq"]))
             steps.append(state["step"])
         if not params:
             return

@@ -169,6 +169,7 @@ def build_tiny_gpt(
     overlap: bool = False,
     layout_bucket_size: int | None = None,
     moe: dict | None = None,
+    fsdp: str | None = None,
 ) -> list:
     """The tiny GPT on this rank's TP x PP slot, wrapped like ``megatron.training.get_model``.
 
@@ -198,10 +199,15 @@ def build_tiny_gpt(
     hidden size), ``dispatcher`` ("allgather", Megatron's default; "alltoall" makes CUDA
     streams); no load-balancing loss, no token dropping; sequence parallelism when ``tp > 1``.
     Call after ``init_megatron(tp, pp, ep=..., etp=...)``.
+    ``fsdp``: Megatron-FSDP (``--use-megatron-fsdp``) with this ``--data-parallel-sharding-strategy``
+    instead of DDP, wrapped as ``get_model`` wraps it (``FullyShardedDataParallel``, the
+    distributed optimizer implied); ``gradient_reduce_div_fusion`` off, as gloo has no
+    ``PREMUL_SUM`` (``megatron.hooks`` sets it so in training on a CPU).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -258,6 +264,16 @@ def build_tiny_gpt(
             _init_by_name(model, seed, ps.get_tensor_model_parallel_rank(), tp, num_layers)
         if bf16:
             model = Float16Module(config, model)
+        if fsdp is not None:
+            from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+            fsdp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, use_distributed_optimizer=True, use_megatron_fsdp=True,
+                data_parallel_sharding_strategy=fsdp, gradient_reduce_div_fusion=False,
+                overlap_grad_reduce=overlap, overlap_param_gather=overlap, bucket_size=bucket_size)
+            return FullyShardedDataParallel(config=config, ddp_config=fsdp_config, module=model,
+                                            device=torch.device("cpu"),
+                                            pg_collection=ProcessGroupCollection.use_mpu_process_groups())
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             overlap_grad_reduce=overlap,
@@ -467,6 +483,37 @@ def _dp_mean(loss: torch.Tensor) -> float:
     return loss.item() / dist.get_world_size(group)
 
 
+def _named_weights(chunk, model):
+    """The weights the optimizer steps: the model's params, or under Megatron-FSDP its DTensor
+    main weights (the module's own params may be unsharded copies whose storage is released
+    between forwards)."""
+    if getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False):
+        for name, param in chunk.param_and_grad_buffer.optimizer_named_parameters:
+            while name.startswith("module."):  # relative to what Megatron-FSDP wraps (Float16Module)
+                name = name[len("module."):]
+            yield name, param
+    else:
+        yield from model.named_parameters()
+
+
+def _gather_fsdp_rows(param) -> torch.Tensor:
+    """The TP-local weight of a Megatron-FSDP DTensor param: every DP rank's rows (contiguous,
+    in DP rank order, some possibly empty), concatenated. Through ``all_gather_object``, as
+    Megatron's ``uneven_dtensor_to_full_tensor`` all-gathers uneven pieces, which gloo refuses."""
+    from megatron.core import parallel_state as ps
+    from torch.distributed.tensor import Shard
+
+    local = param._local_tensor.detach().to(torch.float32, copy=True)
+    names = param.device_mesh.mesh_dim_names or ()
+    dp_dims = [i for i, n in enumerate(names) if n.startswith("dp")]
+    if not any(isinstance(param.placements[i], Shard) for i in dp_dims):
+        return local  # no_shard: every DP rank holds all of it
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    pieces = [None] * dist.get_world_size(group)
+    dist.all_gather_object(pieces, local, group=group)
+    return torch.cat([p.reshape(-1, p.shape[-1]) if p.dim() > 1 else p for p in pieces])
+
+
 def gather_full_params(model_chunks: list, tp_group, pp: int) -> dict[str, torch.Tensor]:
     """{global name: full fp32 tensor} for the whole model, returned on every rank.
 
@@ -482,8 +529,11 @@ def gather_full_params(model_chunks: list, tp_group, pp: int) -> dict[str, torch
     experts = {}
     for chunk in model_chunks:
         model = _unwrap(chunk)
-        for name, param in model.named_parameters():
-            local = param.detach().to(torch.float32, copy=True)  # never alias the live param
+        for name, param in _named_weights(chunk, model):
+            if hasattr(param, "_local_tensor"):  # Megatron-FSDP: this DP rank's rows of the TP-local weight
+                local = _gather_fsdp_rows(param)
+            else:
+                local = param.detach().to(torch.float32, copy=True)  # never alias the live param
             group = ps.get_expert_tensor_parallel_group() if is_expert(param) else tp_group
             tp = dist.get_world_size(group)
             if getattr(param, "tensor_model_parallel", False) and tp > 1:

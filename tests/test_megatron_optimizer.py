@@ -147,7 +147,8 @@ def clip_like_megatron(params, clip_grad: float) -> float:
 def train_reference(rank: int, world: int, configs: list[dict]) -> list[tuple]:
     """TP=1, one process: megatron_muon.Muon on the matrices, torch AdamW on the rest.
 
-    One reference per config: ``clip`` (0.0: none; else as ``clip_like_megatron``), ``layers``
+    One reference per config: ``batch`` (2: the sequences of ``make_batch(7)``, the global batch),
+    ``clip`` (0.0: none; else as ``clip_like_megatron``), ``layers``
     (``LAYERS``), ``microbatches`` (1: one direct call; more: Megatron's no-pipelining schedule
     over that many slices, accumulating the grads in the order a pipeline does). Returns, per
     config, (full weights after K steps, initial weights, the grad norm before clipping per step).
@@ -167,7 +168,7 @@ def train_reference(rank: int, world: int, configs: list[dict]) -> list[tuple]:
                     extra_scale_factor=MUON["extra_scale_factor"])
         adamw = torch.optim.AdamW([dict(params=decay, weight_decay=WD), dict(params=no_decay, weight_decay=0.0)],
                                   lr=LR, betas=BETAS, eps=EPS)
-        batch = make_batch(7)
+        batch = make_batch(7, micro_batch_size=config.get("batch", 2))
         microbatches = config.get("microbatches", 1)
         grad_norms = []
         for _ in range(K):

@@ -48,6 +48,19 @@ _VIEW = "_megatron_muon_cpu_torch"  # the global name patched functions use inst
 # --------------------------------------------------------------------------- mechanisms
 
 
+class _NullEvent:
+    """Stands in for a CUDA event recorded on a ``_NullStream``: already complete."""
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+
 class _NullStream:
     """Stands in for a CUDA stream: CPU kernels are synchronous, so every wait is already met."""
 
@@ -56,6 +69,9 @@ class _NullStream:
 
     def wait_stream(self, stream):
         pass
+
+    def record_event(self, event=None):
+        return _NullEvent()
 
 
 _VIEW_DEVICE = [torch.device("cpu")]  # what current_device() answers; the dry run sets meta
@@ -133,6 +149,8 @@ class _HostTypeName(str):
 
 _CONSTANTS = {
     "cuda": "cpu",
+    # f"cuda:{torch.cuda.current_device()}" with the CPU view: "" + "cpu", i.e. torch.device("cpu")
+    "cuda:": "",
     "torch.cuda.FloatTensor": _HostTypeName("torch.FloatTensor"),
     "torch.cuda.HalfTensor": _HostTypeName("torch.HalfTensor"),
     "torch.cuda.BFloat16Tensor": _HostTypeName("torch.BFloat16Tensor"),
@@ -605,6 +623,25 @@ def _retarget_device_view(owner, attr: str, *, names: tuple[str, ...]) -> None:
     func.__code__ = rename(code)
 
 
+def _rename_method_call(owner, attr: str, method: str, to: str) -> None:
+    """In ``owner.attr`` only, every attribute or method named ``method`` is read as ``to``
+    (``tensor.cuda()`` -> ``tensor.cpu()``). Refused if the function uses ``torch.<method>``
+    (that would be renamed too) or no longer reads ``method``."""
+    func = getattr(owner, attr)
+    code = func.__code__
+    where = f"{getattr(owner, '__name__', owner)}.{attr}"
+    ins = [i for c in _walk(code) for i in dis.get_instructions(c)]
+    after_torch = {b.argval for a, b in zip(ins, ins[1:]) if a.argval == "torch"}
+    if method in after_torch or method not in {n for c in _walk(code) for n in c.co_names}:
+        raise RuntimeError(f"cpu_patches: {where} changed (reads torch.{method}, or no .{method}); Megatron changed?")
+
+    def rename(c: types.CodeType) -> types.CodeType:
+        consts = tuple(rename(x) if isinstance(x, types.CodeType) else x for x in c.co_consts)
+        return c.replace(co_consts=consts, co_names=tuple(to if n == method else n for n in c.co_names))
+
+    func.__code__ = rename(code)
+
+
 def patch_initialize_distributed() -> None:
     """megatron/training/initialize.py: ``_initialize_distributed`` (from ``initialize_megatron``)
     builds Megatron's parallel state (``mpu.initialize_model_parallel``: TP / PP / DP groups) only
@@ -744,6 +781,46 @@ def patch_checkpointing() -> None:
     _retarget(m, "read_metadata", consts=("cuda",))
 
 
+def patch_megatron_fsdp() -> None:
+    """megatron/core/distributed/fsdp (``--use-megatron-fsdp``: Megatron-FSDP and its adapter).
+
+    * mcore_fsdp_adapter.py ``FullyShardedDataParallel._init_dist_index`` builds its
+      ``DeviceMesh.from_group(..., device_type="cuda")``: the constant becomes ``"cpu"`` (a gloo
+      mesh), so the DTensors Megatron-FSDP makes live on the CPU;
+    * mcore_fsdp_adapter.py ``_get_rng_state_dict`` (``FullyShardedDataParallel.__init__`` ->
+      ``sync_rng_states_across_tp_group``, TP > 1: TP rank 0 broadcasts its RNG states) reads
+      ``torch.cuda.get_rng_state()``: CPU view. ``_load_rng_state_dict``'s
+      ``torch.cuda.set_rng_state`` is queued lazily by torch and never runs without CUDA;
+    * megatron_fsdp.py ``MegatronFSDP.__init__`` compares its device with
+      ``torch.device(f"cuda:{torch.cuda.current_device()}")``: CPU view, and the ``"cuda:"``
+      prefix becomes ``""`` (``torch.device("cpu")``); ``_init_fsdp_param_and_grad_buffer``
+      makes two side streams (``torch.cuda.Stream()``): device view (null streams);
+    * param_and_grad_buffer.py ``GradReducePipeline.__init__`` / ``AllGatherPipeline.__init__``
+      (streams for the outer, hybrid-FSDP group), ``GradReducePipeline._bucket_group_gradient_reduce``
+      (the reduce-scatter, on ``torch.cuda.stream(...)``, recording an event) and
+      ``AllGatherPipeline.all_gather_params`` (the param all-gather, likewise): device view;
+    * uneven_dtensor.py ``validate_uneven_dtensor`` (every DTensor Megatron-FSDP makes) moves
+      its boundary flags to the GPU with ``Tensor.cuda()`` before all-reducing them over the
+      mesh's (gloo) group: the method name is rewritten to ``cpu`` in that function only (it
+      reads nothing else named ``cuda``).
+    """
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import megatron_fsdp as fsdp
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as buffers
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import uneven_dtensor
+
+    _retarget(adapter.FullyShardedDataParallel, "_init_dist_index", consts=("cuda",))
+    _retarget(adapter, "_get_rng_state_dict", view=True)
+    _retarget(fsdp.MegatronFSDP, "__init__", consts=("cuda:",), view=True)
+    _retarget_device_view(fsdp.MegatronFSDP, "_init_fsdp_param_and_grad_buffer", names=("Stream",))
+    _retarget_device_view(buffers.GradReducePipeline, "__init__", names=("Stream",))
+    _retarget_device_view(buffers.GradReducePipeline, "_bucket_group_gradient_reduce",
+                          names=("stream", "current_stream"))
+    _retarget_device_view(buffers.AllGatherPipeline, "__init__", names=("Stream",))
+    _retarget_device_view(buffers.AllGatherPipeline, "all_gather_params", names=("stream", "current_stream"))
+    _rename_method_call(uneven_dtensor, "validate_uneven_dtensor", "cuda", "cpu")
+
+
 PATCHES = (
     patch_rng_tracker,
     patch_grad_buffer,
@@ -771,6 +848,7 @@ PATCHES = (
     patch_batch_broadcast,
     patch_training_utils,
     patch_checkpointing,
+    patch_megatron_fsdp,
 )
 
 

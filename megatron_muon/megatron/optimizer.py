@@ -88,8 +88,10 @@ def _tag_grouped_experts(model_chunks) -> None:
 
 
 def _layout(name: str, param: torch.nn.Parameter, tp_size: int, muon_config: MuonConfig,
-            dp_ranges=None) -> MatrixLayout:
-    rows, cols = param.shape
+            dp_ranges=None, local_shape: tuple[int, int] | None = None) -> MatrixLayout:
+    """``local_shape``: this TP rank's shape of the weight when ``param.shape`` is not it
+    (a Megatron-FSDP DTensor reports its global shape)."""
+    rows, cols = local_shape if local_shape is not None else param.shape
     tensor_parallel = getattr(param, "tensor_model_parallel", False) and tp_size > 1
     partition_dim = getattr(param, "partition_dim", -1) if tensor_parallel else None
     split = None
@@ -246,7 +248,11 @@ def _check_supported(config: OptimizerConfig, model_chunks) -> None:
         raise ValueError("--fp16: Muon does not support fp16 (loss-scaled momentum is not handled); use --bf16")
     ddp = model_chunks[0].ddp_config
     if getattr(ddp, "use_megatron_fsdp", False):
-        raise ValueError("--use-megatron-fsdp: not supported with Muon; use --use-distributed-optimizer")
+        for chunk in model_chunks:
+            for name, p in chunk.named_parameters():
+                if is_expert_parallel(p):
+                    raise ValueError(f"--use-megatron-fsdp: {name} is an expert weight; experts under Muon need "
+                                     "--use-distributed-optimizer (the expert-DP owner exchange)")
     if getattr(ddp, "num_distributed_optimizer_instances", 1) > 1:
         raise ValueError("--num-distributed-optimizer-instances > 1: not supported with Muon yet")
     for chunk in model_chunks:
@@ -277,7 +283,26 @@ def _build(config: OptimizerConfig, model_chunks, param_groups, buffers, muon_co
     prepare_for_checkpointing(inner)
     grad_scaler = ConstantGradScaler(config.loss_scale) if config.loss_scale else None
     dp_group = groups["intra_expt_dp_group" if expert else "intra_dp_cp_group"]
-    if config.use_distributed_optimizer:
+    ddp_config = model_chunks[0].ddp_config
+    if getattr(ddp_config, "use_megatron_fsdp", False):
+        from .fsdp import MuonFSDPOptimizer
+
+        strategy = ddp_config.data_parallel_sharding_strategy
+        optimizer = MuonFSDPOptimizer(
+            inner, config, grad_scaler, _init_state,
+            model_chunks=model_chunks,
+            per_model_buffers=buffers,
+            data_parallel_group=groups["dp_cp_group"],
+            data_parallel_group_gloo=groups["intra_dp_cp_group_gloo"],
+            data_parallel_group_idx=data_parallel_group_idx,
+            distributed_optimizer_instance_id=0,
+            tp_group=tp_group,
+            muon_config=muon_config,
+            layout_of=_layout,
+        )
+        # Megatron's: no_shard's grads are whole on every DP rank, so their norm is over TP x PP only
+        optimizer.grad_stats_parallel_group = groups["mp_group" if strategy == "no_shard" else "intra_dist_opt_group"]
+    elif config.use_distributed_optimizer:
         optimizer = MuonDistributedOptimizer(
             inner, config, grad_scaler, _init_state,
             model_chunks=model_chunks,

@@ -58,6 +58,10 @@ def buffer_layout(model_chunks, buffer_name: str = "buffers") -> str:
     packing or not) and their padding (alignment included) as a share of their elements."""
     from .optimizer import _packed_in_backprop_order
 
+    ddp_config = getattr(model_chunks[0], "ddp_config", None) if model_chunks else None
+    if getattr(ddp_config, "use_megatron_fsdp", False):
+        return (f"Megatron-FSDP {ddp_config.data_parallel_sharding_strategy} layout (each bucket cut in equal "
+                "shards at row boundaries)")
     buffers = [b for chunk in model_chunks for b in getattr(chunk, buffer_name, [])]
     if not buffers or not buffers[0].ddp_config.use_distributed_optimizer:
         return "no distributed optimizer (whole matrices on every DP rank)"

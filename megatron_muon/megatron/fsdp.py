@@ -1,0 +1,121 @@
+"""Muon under Megatron-FSDP (``--use-megatron-fsdp``): exact, through the DP owner exchange.
+
+megatron-core 0.19.2 refuses an emerging optimizer with Megatron-FSDP. Its layout is what the
+ZeRO-1 owner exchange already handles:
+
+* Megatron-FSDP groups the params into buckets (one per ``TransformerLayer`` under
+  ``optim_grads_params``), lays each bucket out flat (``build_data_parallel_buffer_index``:
+  every param at its ``global_data_index``, padded to multiples of ``chunk_size_factor``) and
+  cuts it into ``dp`` equal contiguous shards. A matrix is whole on one rank, cut between
+  ranks (at a row boundary, so each rank's piece is a ``[rows, cols]`` DTensor shard), or absent.
+* The optimizer is handed the fp32 main weights as DTensors (``dist_main_weight``), each
+  rank's local tensor being its piece of the matrix: rows ``[r0, r1)`` of the TP-local shard,
+  i.e. the flat range ``[r0·cols, r1·cols)`` — exactly ``MatrixLayout.dp_ranges``.
+
+So ``MuonFSDPOptimizer`` is Megatron's own ``DistributedOptimizer`` in its Megatron-FSDP mode
+(Megatron-FSDP reduces the grads, copies main weights into the model weights and gathers them;
+Megatron's step does grad clipping and found-inf skipping) with a ``MuonWithAdamW`` inside and
+every Muon matrix described by the flat range each DP rank holds of it, computed with
+Megatron-FSDP's own shard arithmetic for every rank. The inner step then sends the pieces of a
+cut matrix to one owner (planned to balance Newton–Schulz cost), orthogonalizes whole matrices
+under the chosen TP mode and returns each rank's rows; a matrix whole on one rank never moves.
+Momentum lives with the shards (a DTensor like the param).
+
+The strategies: ``optim_grads_params`` and ``optim_grads`` shard the main weights the same way
+(params, or only grads and optimizer state); ``optim`` shards the main weights and optimizer
+state and keeps full grads; ``no_shard`` gives every rank whole matrices (no exchange, each DP
+rank orthogonalizes every matrix itself, as without the distributed optimizer).
+"""
+
+from __future__ import annotations
+
+from megatron.core.optimizer import DistributedOptimizer
+from megatron.core.utils import get_pg_size
+
+from ..config import MuonConfig
+from ..optimizer import MuonMatrix
+
+__all__ = ["MuonFSDPOptimizer", "fsdp_item_ranges"]
+
+
+def fsdp_item_ranges(bucket_start: int, bucket_size: int, item_start: int, item_size: int,
+                     dp_size: int) -> tuple[tuple[int, int], ...]:
+    """Per DP rank, the ``[start, end)`` range of one item (a param, flattened) that the rank's
+    shard of its bucket holds, relative to the item's first element; ``(0, 0)`` when none.
+
+    Megatron-FSDP's arithmetic (``_get_dp_buffer_shard_bucket_index``,
+    ``DataParallelBuffer._get_item_slice_in_shard``): rank ``r``'s shard is
+    ``[bucket_start + r·s, bucket_start + (r+1)·s)`` with ``s = bucket_size // dp_size``.
+    """
+    shard = bucket_size // dp_size
+    out = []
+    for r in range(dp_size):
+        lo = max(item_start, bucket_start + r * shard)
+        hi = min(item_start + item_size, bucket_start + (r + 1) * shard)
+        out.append((lo - item_start, hi - item_start) if lo < hi else (0, 0))
+    return tuple(out)
+
+
+def _optimizer_buffer(group):
+    """The buffer whose shards are the optimizer's params (``_init_distributed_params``: the
+    main weights when kept apart, else the model weights)."""
+    return group.main_weight_buffer if group.main_weight_buffer is not None else group.model_weight_buffer
+
+
+class MuonFSDPOptimizer(DistributedOptimizer):
+    """Megatron's ``DistributedOptimizer`` for Megatron-FSDP, with a ``MuonWithAdamW`` inside.
+
+    Args: Megatron's (``model_chunks`` wrapped in ``FullyShardedDataParallel``), plus
+    ``tp_group`` and ``muon_config``. ``matrix_of_param`` maps id(optimizer param) to its
+    ``MuonMatrix``, as ``MuonDistributedOptimizer``'s does.
+    """
+
+    def __init__(self, *args, tp_group=None, muon_config: MuonConfig, layout_of, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.matrix_of_param: dict[int, MuonMatrix] = {}
+        if self.is_stub_optimizer:
+            return
+        from .checkpoint import prepare_for_checkpointing
+
+        prepare_for_checkpointing(self.optimizer)
+        tp_size = get_pg_size(tp_group) if tp_group is not None else 1
+        muon_params = {id(p) for g in self.optimizer.param_groups if g["algorithm"] == "muon" for p in g["params"]}
+        matrices, dp_group = [], None
+        for c, chunk in enumerate(self.model_chunks):
+            buffers = chunk.param_and_grad_buffer
+            dist_param_of = {id(p.orig_param): (name, p) for name, p in chunk.named_parameters()
+                             if hasattr(p, "orig_param")}
+            # parameter_groups: the same buckets, same order, on every rank of the DP group
+            for group in buffers.parameter_groups:
+                buffer = _optimizer_buffer(group)
+                for item_id, orig in enumerate(group.params):
+                    name, param = dist_param_of[id(orig)]
+                    if id(param) not in muon_params:
+                        continue
+                    item = buffer.item_index_map[item_id]
+                    ranges = None
+                    if buffers.bucketing_policy.data_parallel_sharding_strategy != "no_shard":
+                        ranges = fsdp_item_ranges(buffer.bucket_index.global_data_index, buffer.bucket_index.size,
+                                                  item.global_data_index, item.size, buffer.dp_world_size)
+                        _check_own_range(buffer, item_id, ranges[buffer.dp_rank], name)
+                        if dp_group is None:
+                            dp_group = buffer.data_parallel_group
+                        elif dp_group is not buffer.data_parallel_group:
+                            raise ValueError(f"--use-megatron-fsdp: {name} is sharded over another DP group than "
+                                             "the other Muon matrices (hybrid FSDP is not supported with Muon)")
+                    layout = layout_of(f"chunk{c}.{name}", param, tp_size, muon_config, ranges, tuple(item.shape))
+                    matrices.append(MuonMatrix(layout, param))
+                    self.matrix_of_param[id(param)] = matrices[-1]
+        self.optimizer.attach(matrices, dp_group=dp_group, tp_group=tp_group)
+        self.cut_matrices = sum(1 for m in matrices if m.layout.dp_ranges is not None
+                                and len(m.layout.holders(len(m.layout.dp_ranges))) > 1)
+        """Muon matrices cut across DP ranks (their pieces travel to one owner every step)."""
+
+
+def _check_own_range(buffer, item_id: int, computed: tuple[int, int], name: str) -> None:
+    """This rank's range as Megatron-FSDP itself computes it must be the one computed for it:
+    the other ranks' ranges come from the same arithmetic, so a change in Megatron stops here."""
+    start, end = buffer._get_item_slice_in_shard(item_id)
+    if (start, end) != computed and not (start == end and computed[0] == computed[1]):
+        raise RuntimeError(f"Megatron-FSDP layout: DP rank {buffer.dp_rank} holds [{start}, {end}) of {name}, "
+                           f"computed {list(computed)}; Megatron changed?")

@@ -163,3 +163,162 @@ def test_matrices_are_cut_and_travel(trained):
                 assert sum(sum(r[index]["sent"]) for r in results) > 0, (world, run)
             if run["fsdp"] == "no_shard":
                 assert results[0][index]["cut"] == 0
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+CKPT_STEPS = 2  # steps before the save, and after the load
+CKPT_STRATEGIES = ("optim_grads_params", "optim")
+
+
+def _fsdp_state(model, optimizer, *, loading: bool):
+    """What ``megatron.training.checkpointing`` saves and loads for ``--ckpt-format fsdp_dtensor``
+    (``generate_state_dict``): the model's state dict, the optimizer's ``fsdp_dtensor`` state."""
+    model_sd = model[0].state_dict_for_save_checkpoint()
+    state = {"model": model_sd}
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state, is_loading=loading, metadata={"distrib_optim_sharding_type": "fsdp_dtensor"})
+    return state
+
+
+def _args():
+    from argparse import Namespace
+
+    return Namespace(swiglu=True, num_experts=None)  # what preprocess_fsdp_dtensor_state_dict reads
+
+
+def _save_fsdp(path: str, model, optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
+
+    state = preprocess_fsdp_dtensor_state_dict(_args(), _fsdp_state(model, optimizer, loading=False),
+                                               _unwrapped(model))
+    dcp.save(state, checkpoint_id=path)
+
+
+def _unwrapped(model):
+    """What ``save_checkpoint`` / ``load_checkpoint`` hand the preprocessing: ``unwrap_model``'s
+    result, Megatron-FSDP's own module (the fc1 lookups go through it)."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(model)[0]
+
+
+def _load_fsdp(path: str, model, optimizer) -> None:
+    """As ``load_checkpoint`` -> ``_load_base_checkpoint`` does, except that a key of the current
+    state missing from the checkpoint fails here (Megatron allows a partial load by default)."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
+    from torch.distributed.checkpoint import default_planner
+
+    state = _fsdp_state(model, optimizer, loading=True)
+    raw_model, raw_optimizer = state["model"].copy(), state["optimizer"].copy()
+    state = preprocess_fsdp_dtensor_state_dict(_args(), state, _unwrapped(model))
+    dcp.load_state_dict(state_dict=state, storage_reader=dcp.FileSystemReader(path),
+                        planner=default_planner.DefaultLoadPlanner(allow_partial_load=False))
+    model[0].load_state_dict(raw_model, strict=False)  # Megatron's strict=False with SwiGLU (the _w/_v keys)
+    optimizer.load_state_dict(raw_optimizer)
+
+
+def _optimizer_state(optimizer) -> dict:
+    """Every state tensor of the inner optimizer, by param name, gathered whole (DP shards
+    concatenated), plus the step counters: the optimizer's, and each param's where this rank
+    holds a piece of it (a rank never steps a param whose shard is empty there: no grad; a load
+    sets its counter to the optimizer's, ``fsdp._canonical``)."""
+    from megatron_harness import _gather_fsdp_rows
+
+    inner = optimizer.chained_optimizers[0]
+    out = {"muon_steps": inner.optimizer.muon_steps}
+    for group in inner.optimizer.param_groups:
+        for param in group["params"]:
+            name = inner._param_name(param)
+            for key, value in sorted(inner.optimizer.state[param].items()):
+                if key == "step" and param._local_tensor.numel() == 0:
+                    continue
+                if hasattr(value, "_local_tensor"):
+                    out[f"{name}.{key}"] = _gather_fsdp_rows(value)
+                else:
+                    out[f"{name}.{key}"] = value.detach().clone()
+    return out
+
+
+def checkpoint_runs(rank: int, world: int, path: str, strategy: str) -> dict:
+    """Uninterrupted 2 + 2 steps vs 2 steps, save, a new model and optimizer from another init
+    seed, load, 2 steps. bf16 params (``Float16Module``, fp32 main weights), as megatron-core
+    0.19.2's ``fsdp_dtensor`` save of a SwiGLU model needs. Each DP rank on its own data."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_muon.config import MuonConfig
+    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
+
+    def build(seed):
+        init_megatron(1, seed=seed)
+        model = build_tiny_gpt(1, use_distributed_optimizer=True, fsdp=strategy, bf16=True, seed=seed)
+        optimizer = get_megatron_muon_optimizer(_optimizer_config(True, bf16=True), model,
+                                                MuonConfig(tp_mode="owner", **dict(MUON, fp32_matmul_prec="medium")))
+        return model, optimizer, _scheduler(optimizer)
+
+    def train(model, optimizer, scheduler, first_step):
+        for step in range(first_step, first_step + CKPT_STEPS):
+            dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+            batch = _my_slice(make_batch(20 + step, micro_batch_size=GLOBAL_BATCH), dp_rank, dp)
+            forward_backward(model, batch, pp=1, optimizer=optimizer, use_schedule=True)
+            ok, _, _ = optimizer.step()
+            assert ok
+            scheduler.step(1)
+
+    out = {}
+    model, optimizer, scheduler = build(1234)
+    train(model, optimizer, scheduler, 0)
+    _save_fsdp(path, model, optimizer)
+    saved = _optimizer_state(optimizer)
+    train(model, optimizer, scheduler, CKPT_STEPS)
+    out["straight"] = (gather_full_params(model, ps.get_tensor_model_parallel_group(), 1), _optimizer_state(optimizer))
+    # Groups stay alive: DTensor device meshes are cached by torch and keep naming them
+    destroy_megatron(release_groups=False)
+
+    model, optimizer, scheduler = build(999)
+    _load_fsdp(path, model, optimizer)
+    out["loaded"] = _optimizer_state(optimizer)
+    out["saved"] = saved
+    for _ in range(CKPT_STEPS):
+        scheduler.step(1)  # the scheduler's own state is saved apart (opt_param_scheduler); constant lr here
+    train(model, optimizer, scheduler, CKPT_STEPS)
+    out["resumed"] = (gather_full_params(model, ps.get_tensor_model_parallel_group(), 1), _optimizer_state(optimizer))
+    destroy_megatron()
+    return out
+
+
+@pytest.fixture(scope="module")
+def checkpointed(tmp_path_factory):
+    return {s: run_world(2, checkpoint_runs, str(tmp_path_factory.mktemp(f"fsdp-{s}")), s, timeout=TIMEOUT)
+            for s in CKPT_STRATEGIES}
+
+
+@pytest.mark.parametrize("strategy", CKPT_STRATEGIES)
+def test_checkpoint_restores_the_optimizer_state_bitwise(checkpointed, strategy):
+    for result in checkpointed[strategy]:
+        saved, loaded = result["saved"], result["loaded"]
+        assert saved.keys() == loaded.keys()
+        assert any(k.endswith("momentum_buffer") for k in saved)
+        for key, value in saved.items():
+            if key == "muon_steps":
+                assert loaded[key] == value
+            else:
+                assert torch.equal(loaded[key], value), key
+
+
+@pytest.mark.parametrize("strategy", CKPT_STRATEGIES)
+def test_bitwise_resume(checkpointed, strategy):
+    """Resumed from the checkpoint into a model initialized differently, two more steps give
+    bitwise the weights and state of the uninterrupted run, on every rank (the first forward after
+    the load must see the loaded weights, not the fresh model's)."""
+    for result in checkpointed[strategy]:
+        (full, state), (full_resumed, state_resumed) = result["straight"], result["resumed"]
+        for name in full:
+            assert torch.equal(full_resumed[name], full[name]), name
+        for key in state:
+            if key == "muon_steps":
+                assert state_resumed[key] == state[key]
+            else:
+                assert torch.equal(state_resumed[key], state[key]), key

@@ -784,7 +784,10 @@ def patch_checkpointing() -> None:
 def patch_megatron_fsdp() -> None:
     """megatron/core/distributed/fsdp (``--use-megatron-fsdp``: Megatron-FSDP and its adapter).
 
-    * mcore_fsdp_adapter.py ``FullyShardedDataParallel._init_dist_index`` builds its
+    * mcore_fsdp_adapter.py ``FullyShardedDataParallel.__init__`` (``get_model`` passes no
+      device) takes ``torch.device(f"cuda:{torch.cuda.current_device()}")``: CPU view, and the
+      ``"cuda:"`` prefix becomes ``""`` (``torch.device("cpu")``);
+      ``FullyShardedDataParallel._init_dist_index`` builds its
       ``DeviceMesh.from_group(..., device_type="cuda")``: the constant becomes ``"cpu"`` (a gloo
       mesh), so the DTensors Megatron-FSDP makes live on the CPU;
     * mcore_fsdp_adapter.py ``_get_rng_state_dict`` (``FullyShardedDataParallel.__init__`` ->
@@ -809,6 +812,7 @@ def patch_megatron_fsdp() -> None:
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as buffers
     from megatron.core.distributed.fsdp.src.megatron_fsdp import uneven_dtensor
 
+    _retarget(adapter.FullyShardedDataParallel, "__init__", consts=("cuda:",), view=True)
     _retarget(adapter.FullyShardedDataParallel, "_init_dist_index", consts=("cuda",))
     _retarget(adapter, "_get_rng_state_dict", view=True)
     _retarget(fsdp.MegatronFSDP, "__init__", consts=("cuda:",), view=True)

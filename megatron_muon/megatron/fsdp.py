@@ -29,6 +29,7 @@ rank orthogonalizes every matrix itself, as without the distributed optimizer).
 
 from __future__ import annotations
 
+import torch
 from megatron.core.optimizer import DistributedOptimizer
 from megatron.core.utils import get_pg_size
 
@@ -110,6 +111,84 @@ class MuonFSDPOptimizer(DistributedOptimizer):
         self.cut_matrices = sum(1 for m in matrices if m.layout.dp_ranges is not None
                                 and len(m.layout.holders(len(m.layout.dp_ranges))) > 1)
         """Muon matrices cut across DP ranks (their pieces travel to one owner every step)."""
+
+
+    # ---- checkpoints (--ckpt-format fsdp_dtensor) ---------------------------------------------
+
+    def _init_optimizer_states_with_dummy_values(self):
+        """Before a load Megatron makes every state exist by stepping on zero grads; for Muon
+        (and AdamW) that step would still decay the weights and count a step. Create the state
+        instead (``MuonWithAdamW.init_state``: zeros shaped like the DTensor params)."""
+        self.optimizer.init_state()
+
+    def _muon_param_names(self) -> set[str]:
+        return {self._param_name(p) for g in self.optimizer.param_groups if g["algorithm"] == "muon"
+                for p in g["params"]}
+
+    def sharded_param_state_fsdp_dtensor(self, is_loading: bool = False):
+        """Megatron's ``fsdp_dtensor`` optimizer state (per param name, DTensors sharded as the
+        params), with Muon's momentum under Adam's keys, as ``checkpoint.py`` does for ZeRO-1:
+        ``exp_avg`` is the momentum buffer itself (a load fills it in place) and ``exp_avg_sq`` a
+        zero placeholder. Megatron's checkpoint code splits a SwiGLU fc1's ``exp_avg`` /
+        ``exp_avg_sq`` into gate and up halves (``handle_swiglu_in_state_dict``) and nothing else,
+        so any other key of an fc1 would fail there."""
+        # Every param needs its entries on every rank: the save splits and re-shards them with
+        # collectives per key, and a param whose shard is empty on this rank has had no grad
+        # (hence no state) yet. init_state creates only what is missing.
+        self.optimizer.init_state()
+        state_dict = super().sharded_param_state_fsdp_dtensor(is_loading)
+        muon = self._muon_param_names()
+        steps = float(self.optimizer.muon_steps)
+        state_dict["state"] = {name: _canonical(state, name in muon, steps)
+                               for name, state in state_dict["state"].items()}
+        return state_dict
+
+    def load_state_dict(self, state_dict):
+        """Megatron's, with the canonical keys of ``sharded_param_state_fsdp_dtensor`` mapped back
+        (``exp_avg`` is the momentum buffer, already loaded in place; the placeholder is dropped).
+
+        Then the model weights are made the loaded main weights, as after a step (copy, then
+        Megatron-FSDP's param sync): the checkpoint's model state is the fp32 main weights, and
+        megatron-core 0.19.2 copies them into the weights the forward uses (bf16, or the
+        unsharded ``optim`` copy) only in ``step`` — the first iteration after a resume would
+        otherwise run on the freshly initialized model's weights."""
+        if self.is_stub_optimizer:
+            return super().load_state_dict(state_dict)
+        if "state" in state_dict:
+            muon = self._muon_param_names()
+            state_dict = dict(state_dict)
+            state_dict["state"] = {name: (_from_canonical(state) if name in muon else state)
+                                   for name, state in state_dict["state"].items()}
+        result = super().load_state_dict(state_dict)
+        self._copy_main_params_to_model_params()
+        for chunk in self.model_chunks:
+            chunk.start_param_sync()
+        return result
+
+
+def _canonical(state: dict, muon: bool, steps: float) -> dict:
+    """One param's state as saved. ``step``: the optimizer's applied steps, the same tensor value
+    on every rank. The checkpoint keeps one copy of a plain (non-DTensor) tensor, rank 0's, and
+    a rank whose shard of a param is empty has never stepped it (no grad there): its own counter
+    would be 0. Every param is stepped on every applied step (Megatron hands zero grads to the
+    unused ones), so the common count is each param's count. A fresh tensor per param: a load
+    gives each param its own counter."""
+    out = {k: v for k, v in state.items() if k != "momentum_buffer"}
+    if "step" in state:
+        out["step"] = torch.tensor(steps)  # device-rule: host scalar, as torch's AdamW keeps it
+    if not muon:
+        return out
+    if "momentum_buffer" in state:
+        out["exp_avg"] = state["momentum_buffer"]
+        out["exp_avg_sq"] = torch.zeros_like(state["momentum_buffer"])  # Adam's key; never read back
+    return out
+
+
+def _from_canonical(state: dict) -> dict:
+    out = {k: v for k, v in state.items() if k not in ("exp_avg", "exp_avg_sq")}
+    if "exp_avg" in state:
+        out["momentum_buffer"] = state["exp_avg"]
+    return out
 
 
 def _check_own_range(buffer, item_id: int, computed: tuple[int, int], name: str) -> None:

@@ -39,12 +39,14 @@ def check_supported_args(args) -> None:
     instances = getattr(args, "num_distributed_optimizer_instances", 1)
     rejected = [
         (args.fp16, "--fp16: not supported with --optimizer muon (loss-scaled momentum is not handled); use --bf16"),
-        (args.use_megatron_fsdp,
-         "--use-megatron-fsdp: not supported with --optimizer muon; use --use-distributed-optimizer"),
         (args.use_torch_fsdp2,
-         "--use-torch-fsdp2: not supported with --optimizer muon; use --use-distributed-optimizer"),
-        (args.ckpt_format not in ("torch", "torch_dist"),
-         f"--ckpt-format {args.ckpt_format}: --optimizer muon supports torch and torch_dist"),
+         "--use-torch-fsdp2: not supported with --optimizer muon (FSDP2 cuts every matrix across all DP ranks "
+         "and Megatron steps it without a distributed optimizer); use --use-megatron-fsdp or "
+         "--use-distributed-optimizer"),
+        (not args.use_megatron_fsdp and args.ckpt_format not in ("torch", "torch_dist"),
+         f"--ckpt-format {args.ckpt_format}: --optimizer muon supports torch and torch_dist "
+         "(fsdp_dtensor with --use-megatron-fsdp)"),
+        *_megatron_fsdp_rejections(args),
         (getattr(args, "dump_param_to_param_group_map", None) is not None,
          "--dump-param-to-param-group-map: not supported with --optimizer muon"),
         (getattr(args, "muon_dp_mode", "owner") == "redundant" and args.use_distributed_optimizer,
@@ -77,6 +79,30 @@ def check_supported_args(args) -> None:
         raise
     except ValueError as err:
         raise UserInputError(str(err)) from err
+
+
+def _megatron_fsdp_rejections(args) -> list[tuple[bool, str]]:
+    """``--use-megatron-fsdp`` under ``--optimizer muon`` (``fsdp.py``): every sharding strategy
+    is exact; what is not supported yet is refused here, before Megatron-FSDP builds anything."""
+    if not args.use_megatron_fsdp:
+        return []
+    return [
+        (getattr(args, "num_experts", None) is not None,
+         "--use-megatron-fsdp with --num-experts: experts under Muon need --use-distributed-optimizer (the "
+         "expert-DP owner exchange); Megatron-FSDP with Muon is dense-only for now"),
+        (args.ckpt_format != "fsdp_dtensor",
+         f"--use-megatron-fsdp: --ckpt-format {args.ckpt_format}; Megatron-FSDP saves with --ckpt-format "
+         "fsdp_dtensor"),
+        (getattr(args, "distributed_backend", "nccl") == "gloo" and getattr(args, "gradient_reduce_div_fusion", True),
+         "--use-megatron-fsdp with --distributed-backend gloo: add --no-gradient-reduce-div-fusion (the fused "
+         "division is NCCL's PREMUL_SUM, which gloo does not have)"),
+        (getattr(args, "swiglu", False) and not (args.bf16 or args.fp16) and getattr(args, "save", None),
+         "--use-megatron-fsdp with --swiglu in fp32: megatron-core 0.19.2's fsdp_dtensor save looks the fc1 "
+         "weights up through the --bf16 wrapper (Float16Module) and fails without it; add --bf16"),
+        (getattr(args, "qk_clip", False) or getattr(args, "log_max_attention_logit", False),
+         "--qk-clip / --log-max-attention-logit with --use-megatron-fsdp: not supported with --optimizer muon yet; "
+         "use --use-distributed-optimizer"),
+    ]
 
 
 def te_tracks_max_logit() -> bool:

@@ -170,6 +170,7 @@ def build_tiny_gpt(
     layout_bucket_size: int | None = None,
     moe: dict | None = None,
     fsdp: str | None = None,
+    mla: dict | None = None,
 ) -> list:
     """The tiny GPT on this rank's TP x PP slot, wrapped like ``megatron.training.get_model``.
 
@@ -202,25 +203,29 @@ def build_tiny_gpt(
     ``fsdp``: Megatron-FSDP (``--use-megatron-fsdp``) with this ``--data-parallel-sharding-strategy``
     instead of DDP, wrapped as ``get_model`` wraps it (``FullyShardedDataParallel``, the
     distributed optimizer implied); ``gradient_reduce_div_fusion`` off, as gloo has no
-    ``PREMUL_SUM`` (``megatron.hooks`` sets it so in training on a CPU).
+    ``PREMUL_SUM`` (training on gloo asks for ``--no-gradient-reduce-div-fusion``).
+    ``mla``: multi-latent attention in every layer (``MLATransformerConfig``, the local spec's
+    ``MLASelfAttention`` around ``mla_attention.MLACoreAttention``, plain RoPE), its sizes:
+    ``q_lora_rank`` (None: one ``linear_q_proj``), ``kv_lora_rank``, ``qk_head_dim``,
+    ``qk_pos_emb_head_dim``, ``v_head_dim`` (``MLA`` by default); ``HEADS`` heads, no query groups.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.transformer.module import Float16Module
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     assert VOCAB % tp == 0 and FFN % tp == 0 and GROUPS % tp == 0, "tiny GPT supports tp in 1, 2"
     assert num_layers % (pp * (vpp or 1)) == 0
     assert init in ("by_name", "megatron")
     dtype = torch.bfloat16 if bf16 else torch.float32
-    config = TransformerConfig(
+    config = (MLATransformerConfig if mla is not None else TransformerConfig)(
         num_layers=num_layers,
         hidden_size=HIDDEN,
         ffn_hidden_size=FFN,
         num_attention_heads=HEADS,
-        num_query_groups=GROUPS,
+        num_query_groups=GROUPS if mla is None else HEADS,
         gated_linear_unit=True,
         activation_func=F.silu,  # with gated_linear_unit: SwiGLU
         normalization="RMSNorm",
@@ -245,13 +250,14 @@ def build_tiny_gpt(
         expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         **_moe_config(moe),
+        **_mla_config(mla),
     )
     def build_chunk(vp_stage):
         first = ps.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
         last = ps.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
         model = GPTModel(
             config=config,
-            transformer_layer_spec=_layer_spec(config, moe, vp_stage),
+            transformer_layer_spec=_layer_spec(config, moe, vp_stage, mla is not None),
             vocab_size=VOCAB,
             max_sequence_length=SEQ,
             pre_process=first,
@@ -327,14 +333,18 @@ class SequenceParallelTorchNorm:
         return norm
 
 
-def _layer_spec(config, moe: dict | None, vp_stage):
-    """The local spec (MoE: ``SequentialMLP`` experts), its norms ``SequenceParallelTorchNorm``
-    under sequence parallelism."""
+def _layer_spec(config, moe: dict | None, vp_stage, mla: bool = False):
+    """The local spec (MoE: ``SequentialMLP`` experts; MLA: ``MLACoreAttention``), its norms
+    ``SequenceParallelTorchNorm`` under sequence parallelism."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm", num_experts=moe.get("experts", 4) if moe else None,
-                                    moe_grouped_gemm=False)
+                                    moe_grouped_gemm=False, multi_latent_attention=mla)
+    if mla:
+        from mla_attention import MLACoreAttention
+
+        spec.submodules.self_attention.submodules.core_attention = MLACoreAttention
     if not config.sequence_parallel:
         return spec
     spec.submodules.input_layernorm = SequenceParallelTorchNorm
@@ -353,6 +363,18 @@ def _moe_config(moe: dict | None) -> dict:
                 moe_token_dispatcher_type=moe.get("dispatcher", "allgather"),
                 moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
                 moe_grouped_gemm=False)
+
+
+MLA = dict(q_lora_rank=None, kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8, v_head_dim=16)
+"""``build_tiny_gpt``'s default MLA sizes (each TP2-divisible: 4 heads, kv_down 32 + 8 rows)."""
+
+
+def _mla_config(mla: dict | None) -> dict:
+    """``MLATransformerConfig`` fields of ``build_tiny_gpt``'s ``mla``: plain RoPE (YaRN, the default,
+    builds on ``torch.cuda.current_device()``)."""
+    if mla is None:
+        return {}
+    return dict(MLA, **mla, rope_type="rope")
 
 
 def reference_param_groups(chunk) -> tuple[list[dict], list, list]:

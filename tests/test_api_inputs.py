@@ -67,6 +67,9 @@ def _factory_worker(rank: int, world: int) -> dict:
     attempt("bad_tp_mode", lambda: get_megatron_muon_optimizer(_config(muon_tp_mode="sharded"), model))
     attempt("custom_coefficients", lambda: get_megatron_muon_optimizer(_config(muon_coefficient_type="custom"),
                                                                        model))
+    mla = build_tiny_gpt(1, 1, mla=dict(cache_mla_latents=True))  # inference-only latents: no kv up-projection
+    mla[0].config.qk_clip = True
+    attempt("qk_clip_mla_cache", lambda: get_megatron_muon_optimizer(_config(), mla))
     destroy_megatron()
     return out
 
@@ -120,6 +123,7 @@ API_ROWS = {
     "api-3d-muon": lambda _: _error(lambda: MuonWithAdamW([dict(params=[_param(2, 3, 4)], algorithm="muon")])),
     "api-algorithm": lambda _: _error(lambda: MuonWithAdamW([dict(params=[_param(4, 4)], algorithm="lion")])),
     "api-negative-lr": lambda _: _error(lambda: MuonWithAdamW([_param(4, 4)], lr=-1.0)),
+    "api-qk-clip-mla-cache": lambda factory: factory["qk_clip_mla_cache"],
 }
 
 

@@ -325,7 +325,8 @@ def test_tiny_cpu_is_the_cpu_demo(installed, monkeypatch):
 
 def test_moe_configs_are_what_they_say(installed, monkeypatch):
     """The CPU MoE demo (EP2 over its 2 ranks, QK-clip on GQA attention) and the cluster MoE
-    config (Moonlight-16B-A3B's shapes at EP8, MLA, so no QK-clip), through Megatron's parser."""
+    config (Moonlight-16B-A3B's shapes at EP8, MLA, QK-clip off as Moonlight trained), through Megatron's
+    parser."""
     _as_on_a_gpu_node(installed, monkeypatch)
     demo = _parse_and_validate(installed, monkeypatch, load_yaml_args(ROOT / "configs" / "moe-tiny-cpu.yaml"))
     assert (demo.num_experts, demo.moe_router_topk, demo.expert_model_parallel_size) == (4, 2, 2)

@@ -19,10 +19,33 @@ The fused QKV weight, as Megatron lays it out on one TP rank (``SelfAttention.li
     rows = groups × (q_rows + 2·kv_rows),   q_rows = heads / groups · d,   kv_rows = d
     per group g: [q rows of its heads (q_rows) | k rows (kv_rows) | v rows (kv_rows)]
 
-The scale is a per-row vector (``qkv_row_scale``), applied either to the whole TP-local matrix
-(``scale_rows_``) or to a flat range of it (``scale_rows_flat_``): the distributed optimizer's
-fp32 shard holds elements ``[start, end)`` of the row-major flattened matrix, which may begin and
-end mid-row. Both multiply each element by its row's fp32 factor, so they agree bitwise.
+**MLA** (multi-latent attention; megatron-core 0.19.2's ``MLASelfAttention.clip_qk``, Kimi K2's
+rule with α = 0.5): no GQA, so η is per head (``group_eta`` with one head per group). A head's
+logit is ``q_nope·k_nope + q_pe·k_pe``; the rotary key ``k_pe`` is one row block shared by every
+head (in ``linear_kv_down_proj``) and is never scaled, so the rotary query takes all of η. Two
+weights are scaled, laid out per head on one TP rank (``heads`` of this rank, column-parallel
+split by heads)::
+
+    q projection (linear_q_proj, or linear_q_up_proj with q_lora_rank):
+        rows = heads × (nope_rows + pe_rows)    per head: [q_nope (nope_rows) | q_pe (pe_rows)]
+        q_nope × η^α,  q_pe × η                 (mla_q_row_scale)
+    linear_kv_up_proj:
+        rows = heads × (nope_rows + v_rows)     per head: [k_nope (nope_rows) | v (v_rows)]
+        k_nope × η^(1−α),  v × 1                (mla_kv_row_scale)
+
+so ``q_nope·k_nope`` is scaled by η and ``q_pe·k_pe`` by η: the whole logit by η.
+
+**Corner cases** (dense and MLA alike): a group or head whose max logit is negative or NaN is
+left alone (η = 1). Upstream computes ``clamp(τ / m, max=1)`` for every group (head) as soon as
+one of the layer is over τ: a negative ``m`` gives a negative η, whose ``η^α`` is NaN (and, for
+MLA's rotary query rows, × η flips their sign); a NaN ``m`` gives NaN rows. For ``m ≥ 0``
+both give the same factors, bitwise.
+
+The scale is a per-row vector (``qkv_row_scale``, ``mla_q_row_scale``, ``mla_kv_row_scale``),
+applied either to the whole TP-local matrix (``scale_rows_``) or to a flat range of it
+(``scale_rows_flat_``): the distributed optimizer's fp32 shard holds elements ``[start, end)`` of
+the row-major flattened matrix, which may begin and end mid-row. Both multiply each element by
+its row's fp32 factor, so they agree bitwise.
 
 Nothing here imports Megatron; devices and dtypes come from the inputs.
 """
@@ -31,7 +54,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["group_eta", "qkv_row_scale", "scale_rows_", "scale_rows_flat_"]
+__all__ = ["group_eta", "mla_kv_row_scale", "mla_q_row_scale", "qkv_row_scale", "scale_rows_", "scale_rows_flat_"]
 
 
 def group_eta(max_logits: torch.Tensor, groups: int, threshold: float) -> torch.Tensor:
@@ -51,20 +74,49 @@ def group_eta(max_logits: torch.Tensor, groups: int, threshold: float) -> torch.
     return torch.where(m > threshold, threshold / m, torch.ones_like(m))
 
 
+def _check_alpha(alpha: float) -> None:
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"qk-clip: alpha must be in (0, 1), got {alpha}")
+
+
+def _blocks(factors: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
+    """Per group, its row blocks in order: ``factors`` = [(fp32 [groups] factor, rows of the block)];
+    returns fp32 ``[groups · Σ rows]``."""
+    groups = factors[0][0].numel()
+    return torch.cat([f[:, None].expand(groups, rows) for f, rows in factors], dim=1).reshape(-1)
+
+
 def qkv_row_scale(eta: torch.Tensor, alpha: float, q_rows: int, kv_rows: int) -> torch.Tensor:
     """The per-row factor of a fused QKV weight: fp32 ``[groups · (q_rows + 2·kv_rows)]``.
 
     Group ``g``'s ``q_rows`` query rows get ``η_g^α``, its ``kv_rows`` key rows ``η_g^(1−α)``, its
     value rows 1. ``alpha`` in (0, 1) (``--qk-clip-alpha``).
     """
-    if not 0.0 < alpha < 1.0:
-        raise ValueError(f"qk-clip: alpha must be in (0, 1), got {alpha}")
+    _check_alpha(alpha)
     eta = eta.float()
-    groups = eta.numel()
-    q = torch.pow(eta, alpha)[:, None].expand(groups, q_rows)
-    k = torch.pow(eta, 1.0 - alpha)[:, None].expand(groups, kv_rows)
-    v = torch.ones_like(eta)[:, None].expand(groups, kv_rows)
-    return torch.cat([q, k, v], dim=1).reshape(-1)
+    return _blocks([(torch.pow(eta, alpha), q_rows), (torch.pow(eta, 1.0 - alpha), kv_rows),
+                    (torch.ones_like(eta), kv_rows)])
+
+
+def mla_q_row_scale(eta: torch.Tensor, alpha: float, nope_rows: int, pe_rows: int) -> torch.Tensor:
+    """The per-row factor of MLA's q projection (``linear_q_proj`` / ``linear_q_up_proj``): fp32
+    ``[heads · (nope_rows + pe_rows)]``, ``eta`` ``[heads]`` (one head per group: ``group_eta(m,
+    heads, τ)``). Head ``h``'s ``nope_rows`` (``qk_head_dim``) rows get ``η_h^α``, its ``pe_rows``
+    (``qk_pos_emb_head_dim``) rotary rows ``η_h`` itself (the shared rotary key is not scaled).
+    """
+    _check_alpha(alpha)
+    eta = eta.float()
+    return _blocks([(torch.pow(eta, alpha), nope_rows), (eta, pe_rows)])
+
+
+def mla_kv_row_scale(eta: torch.Tensor, alpha: float, nope_rows: int, v_rows: int) -> torch.Tensor:
+    """The per-row factor of MLA's ``linear_kv_up_proj``: fp32 ``[heads · (nope_rows + v_rows)]``,
+    ``eta`` ``[heads]``. Head ``h``'s ``nope_rows`` (``qk_head_dim``) key rows get ``η_h^(1−α)``,
+    its ``v_rows`` (``v_head_dim``) value rows 1.
+    """
+    _check_alpha(alpha)
+    eta = eta.float()
+    return _blocks([(torch.pow(eta, 1.0 - alpha), nope_rows), (torch.ones_like(eta), v_rows)])
 
 
 def scale_rows_(matrix: torch.Tensor, row_scale: torch.Tensor) -> torch.Tensor:

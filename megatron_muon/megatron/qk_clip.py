@@ -6,16 +6,20 @@ megatron-core 0.19.2 has the flags (``--qk-clip``, ``--qk-clip-threshold`` τ, `
 after ``optimizer.step()``) rescales ``linear_qkv.weight.main_param`` as one whole matrix — which
 the distributed optimizer's flat fp32 shards are not. Here, with the same flags and meanings:
 
-* **Tracking.** Transformer Engine's own tracking when the core attention is TE's. Megatron's
-  local ``DotProductAttention`` (``--transformer-impl local``) gets a forward pre-hook on its
-  ``scale_mask_softmax`` (``track_max_logits``): the scores it is handed are the pre-softmax
-  logits (``q·k`` × softmax scale; × the softmax's own ``scale`` when query-key layer scaling
-  is on), masked as that softmax masks them (the given mask, or causal / sliding window), and
-  ``amax`` over batch, query and key positions gives one value per head of this TP rank, kept
-  as the running max in ``core_attention.current_max_attn_logits`` (TE's attribute and
-  semantics: the max over every micro-batch's forward since the last step, detached). Only
-  forwards in training mode count (evaluation does not move the clip; TE counts every
-  forward). Recomputed forwards see the same scores, so the max is unchanged.
+* **Tracking.** Transformer Engine's own tracking when the core attention is TE's; any other core
+  attention that keeps ``current_max_attn_logits`` itself (TE's attribute and semantics) is taken
+  as it is. Megatron's local ``DotProductAttention`` (``--transformer-impl local``) gets a
+  forward pre-hook on its ``scale_mask_softmax`` (``track_max_logits``): the scores it is handed
+  are the pre-softmax logits (``q·k`` × softmax scale; × the softmax's own ``scale`` when
+  query-key layer scaling is on), masked as that softmax masks them (the given mask, or causal /
+  sliding window), and ``amax`` over batch, query and key positions gives one value per head of
+  this TP rank, kept as the running max in ``core_attention.current_max_attn_logits`` (TE's
+  attribute and semantics: the max over every micro-batch's forward since the last step,
+  detached). Only forwards in training mode count (evaluation does not move the clip; TE counts
+  every forward). Recomputed forwards see the same scores, so the max is unchanged. Multi-latent
+  attention cannot use it: megatron-core 0.19.2's ``DotProductAttention`` does not take the
+  ``k_channels`` / ``v_channels`` that ``MLASelfAttention`` builds its core attention with, so
+  MLA runs on TE's attention (the CPU tests bring their own, ``tests/mla_attention.py``).
 * **Reduction and clip** (``QKClip``, run as a step post-hook of the inner ``MuonWithAdamW``:
   after the update of the fp32 main params, before Megatron copies them into the model's bf16
   params and, with the distributed optimizer, all-gathers those — so the model copy is
@@ -23,10 +27,13 @@ the distributed optimizer's flat fp32 shards are not. Here, with the same flags 
   go into one vector, all-reduced with MAX over the data-parallel × context-parallel group
   (upstream reduces over the same group, one collective per layer; here one per step); TP
   ranks hold different heads and PP stages different layers, so neither is reduced. Then, per
-  layer, ``core/qk_clip.py``'s rule on this rank's main param of ``linear_qkv.weight``: the
-  whole TP-local matrix (no distributed optimizer) or this DP rank's flat range of it (the
-  ZeRO-1 shard, possibly cut mid-row). The multiply runs every step (× 1.0 for groups under
-  τ): no host sync decides whether to clip.
+  layer, ``core/qk_clip.py``'s rule on this rank's main param of each weight it scales —
+  ``linear_qkv.weight`` (η per query group), or for MLA (``MLASelfAttention``, η per head) the
+  q projection (``linear_q_proj``, or ``linear_q_up_proj`` with a q LoRA rank) and
+  ``linear_kv_up_proj.weight``: the whole TP-local matrix (no distributed optimizer) or this DP
+  rank's flat range of it (the ZeRO-1 shard, possibly cut mid-row). Both MLA weights are
+  column-parallel and split by heads, so a TP rank's rows are its heads'. The multiply runs
+  every step (× 1.0 for groups under τ): no host sync decides whether to clip.
 * **Upstream's call.** ``training.py``'s ``clip_qk`` is replaced by ``hooks.py`` for the plugin:
   it clips nothing (done above) and returns this rank's max logit, as upstream's does, for
   ``--log-max-attention-logit``'s TensorBoard scalar.
@@ -38,15 +45,24 @@ Per step the clipper keeps the largest logit and the number of heads over τ on 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
 
-from ..core.qk_clip import group_eta, qkv_row_scale, scale_rows_, scale_rows_flat_
+from ..core.qk_clip import (
+    group_eta,
+    mla_kv_row_scale,
+    mla_q_row_scale,
+    qkv_row_scale,
+    scale_rows_,
+    scale_rows_flat_,
+)
 from ..parallel.devices import resolve_device
 
-__all__ = ["QKClip", "build_qk_clip", "track_max_logits"]
+__all__ = ["ClippedAttention", "ClippedWeight", "QKClip", "build_qk_clip", "track_max_logits"]
 
 _TRACKED = "_megatron_muon_tracks_max_logit"  # set on a local core attention once its hook is in
 
@@ -85,28 +101,36 @@ def track_max_logits(core_attention: torch.nn.Module) -> None:
 
 
 @dataclass
-class ClippedAttention:
-    """One self-attention layer's QKV as this rank's clipper sees it."""
+class ClippedWeight:
+    """One weight a layer's clip scales, as this rank holds its fp32 main param."""
 
     name: str
-    """the QKV weight's name, for messages."""
-    core: torch.nn.Module
-    """its core attention: holds ``current_max_attn_logits`` ``[heads]`` (None before a forward)."""
-    heads: int
-    """query heads on this TP rank."""
-    groups: int
-    """query groups on this TP rank."""
-    q_rows: int
-    """query rows per group (heads / groups × head dim)."""
-    kv_rows: int
-    """key (and value) rows per group: the head dim."""
+    """the weight's name, for messages."""
     cols: int
-    """columns of the weight (hidden size)."""
+    """columns of the weight."""
     main: torch.Tensor | None
     """the fp32 main param this rank updates: the whole TP-local matrix, or a flat range of it
     (``start`` not None); None when this DP rank holds none of it."""
     start: int | None
     """where ``main`` starts in the flattened TP-local matrix; None: ``main`` is the whole matrix."""
+    row_scale: Callable[[torch.Tensor, float], torch.Tensor]
+    """(η ``[groups]`` of this TP rank, α) → the fp32 factor of each TP-local row (``core/qk_clip.py``)."""
+
+
+@dataclass
+class ClippedAttention:
+    """One self-attention layer as this rank's clipper sees it: its tracker and the weights it scales."""
+
+    name: str
+    """the layer's name, for messages."""
+    core: torch.nn.Module
+    """its core attention: holds ``current_max_attn_logits`` ``[heads]`` (None before a forward)."""
+    heads: int
+    """query heads on this TP rank."""
+    groups: int
+    """groups η is taken over on this TP rank: query groups (GQA), or ``heads`` (MHA, MLA)."""
+    weights: list[ClippedWeight]
+    """``linear_qkv.weight``; MLA: the q projection and ``linear_kv_up_proj.weight``."""
 
 
 class QKClip:
@@ -162,14 +186,16 @@ class QKClip:
             dist.all_reduce(logits, op=dist.ReduceOp.MAX, group=self.group)
         for a, head_max in zip(self.attentions, logits.split([a.heads for a in self.attentions])):
             a.core.current_max_attn_logits = None
-            if not self.clip or a.main is None:
+            held = [w for w in a.weights if w.main is not None]
+            if not self.clip or not held:
                 continue
-            scale = qkv_row_scale(group_eta(head_max, a.groups, self.threshold), self.alpha, a.q_rows, a.kv_rows)
-            scale = scale.to(a.main.device)
-            if a.start is None:
-                scale_rows_(a.main, scale)
-            else:
-                scale_rows_flat_(a.main, a.start, scale, a.cols)
+            eta = group_eta(head_max, a.groups, self.threshold)
+            for w in held:
+                scale = w.row_scale(eta, self.alpha).to(w.main.device)
+                if w.start is None:
+                    scale_rows_(w.main, scale)
+                else:
+                    scale_rows_flat_(w.main, w.start, scale, w.cols)
         self.last_logits = logits
         self.last_max_logit = logits.max()
         self.last_heads_over = (logits > self.threshold).sum()
@@ -205,9 +231,9 @@ class QKClip:
 
 
 def _attention_layers(chunk):
-    """(name, module) of every self-attention with a fused ``linear_qkv`` in a model chunk."""
+    """(name, module) of every attention layer (a module with a core attention) in a model chunk."""
     for name, module in chunk.named_modules():
-        if getattr(module, "linear_qkv", None) is not None and getattr(module, "core_attention", None) is not None:
+        if getattr(module, "core_attention", None) is not None:
             yield name, module
 
 
@@ -226,37 +252,75 @@ def build_qk_clip(model_chunks, matrix_of: dict, group, dp_rank: int, log_group=
     ``matrix_of``: id(model param) → its ``MuonMatrix`` (layout and this rank's main tensor);
     ``dp_rank``: this rank's index in ``group``, whose flat range ``main`` holds under the
     distributed optimizer; ``log_group``: the model-parallel group (``QKClip``).
-    Raises ``ValueError`` naming the flag for attention it cannot clip.
+    Raises ``ValueError`` naming the flag for attention it cannot clip exactly.
     """
     from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     clip, log, threshold, alpha = qk_clip_settings(model_chunks)
     if not (clip or log):
         return None
     flag = "--qk-clip" if clip else "--log-max-attention-logit"
-    if getattr(model_chunks[0].config, "multi_latent_attention", False):
-        raise ValueError(f"{flag}: multi-latent attention is not supported with --optimizer muon (its clip scales "
-                         "the q/kv up-projections); drop one of the two")
     attentions = []
     for c, chunk in enumerate(model_chunks):
         for name, module in _attention_layers(chunk):
+            name = f"chunk{c}.{name}"
+            mla = isinstance(module, MLASelfAttention)
+            if not mla and getattr(module, "linear_qkv", None) is None:
+                raise ValueError(f"{flag}: {type(module).__name__} ({name}) is not supported with --optimizer muon "
+                                 "(self-attention with a fused linear_qkv, or MLASelfAttention, only)")
             core = module.core_attention
             if isinstance(core, DotProductAttention):
                 track_max_logits(core)
             elif not hasattr(core, "current_max_attn_logits"):
-                raise ValueError(f"{flag}: {type(core).__name__} ({name}) does not track the max attention logit; use "
-                                 "--transformer-impl local or transformer_engine (Transformer Engine >= 2.9)")
+                use = ("--transformer-impl transformer_engine (Transformer Engine >= 2.9)" if mla else
+                       "--transformer-impl local or transformer_engine (Transformer Engine >= 2.9)")
+                raise ValueError(f"{flag}: {type(core).__name__} ({name}) does not track the max attention logit; "
+                                 f"use {use}")
+            heads = module.num_attention_heads_per_partition
+            if mla:
+                attentions.append(ClippedAttention(name, core, heads, heads, _mla_weights(
+                    module, name, flag, matrix_of, dp_rank)))
+                continue
             weight = module.linear_qkv.weight
-            heads, groups = module.num_attention_heads_per_partition, module.num_query_groups_per_partition
+            groups = module.num_query_groups_per_partition
             head_dim = module.hidden_size_per_attention_head
             q_rows = heads // groups * head_dim
             if weight.dim() != 2 or weight.shape[0] != groups * (q_rows + 2 * head_dim):
                 raise ValueError(f"{flag}: {name}.linear_qkv.weight of shape {tuple(weight.shape)} is not "
                                  f"[q; k; v] x {groups} query groups (an attention output gate is not supported)")
-            matrix = matrix_of.get(id(weight))
-            main, start = (None, None) if matrix is None else (matrix.param, None)
-            if matrix is not None and matrix.layout.dp_ranges is not None:
-                start = matrix.layout.local_range(dp_rank)[0]
-            attentions.append(ClippedAttention(f"chunk{c}.{name}.linear_qkv.weight", core, heads, groups, q_rows,
-                                               head_dim, weight.shape[1], main, start))
+            attentions.append(ClippedAttention(name, core, heads, groups, [_clipped(
+                f"{name}.linear_qkv.weight", weight, matrix_of, dp_rank,
+                partial(qkv_row_scale, q_rows=q_rows, kv_rows=head_dim))]))
     return QKClip(attentions, group, threshold, alpha, clip, log_group)
+
+
+def _mla_weights(module, name: str, flag: str, matrix_of: dict, dp_rank: int) -> list[ClippedWeight]:
+    """An ``MLASelfAttention``'s q projection and ``linear_kv_up_proj``, per head of this TP rank
+    ``[q_nope | q_pe]`` and ``[k_nope | v]`` (``core/qk_clip.py``); refuses what the rule does not fit."""
+    config = module.config
+    if getattr(config, "cache_mla_latents", False):
+        raise ValueError(f"{flag}: --cache-mla-latents ({name}) is not supported (absorption deletes "
+                         "linear_kv_up_proj, whose key rows the clip scales; it is for inference only)")
+    heads = module.num_attention_heads_per_partition
+    nope, pe, v = config.qk_head_dim, config.qk_pos_emb_head_dim, config.v_head_dim
+    q_name = "linear_q_proj" if config.q_lora_rank is None else "linear_q_up_proj"
+    out = []
+    for attr, rows, scale in ((q_name, nope + pe, partial(mla_q_row_scale, nope_rows=nope, pe_rows=pe)),
+                              ("linear_kv_up_proj", nope + v, partial(mla_kv_row_scale, nope_rows=nope, v_rows=v))):
+        weight = getattr(getattr(module, attr, None), "weight", None)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != heads * rows:
+            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+            raise ValueError(f"{flag}: {name}.{attr}.weight of shape {shape} is not {heads} heads x {rows} rows "
+                             "on this TP rank")
+        out.append(_clipped(f"{name}.{attr}.weight", weight, matrix_of, dp_rank, scale))
+    return out
+
+
+def _clipped(name: str, weight: torch.Tensor, matrix_of: dict, dp_rank: int, row_scale) -> ClippedWeight:
+    """``weight`` as this rank's clipper holds it: its main param (whole, or this DP rank's flat range)."""
+    matrix = matrix_of.get(id(weight))
+    main, start = (None, None) if matrix is None else (matrix.param, None)
+    if matrix is not None and matrix.layout.dp_ranges is not None:
+        start = matrix.layout.local_range(dp_rank)[0]
+    return ClippedWeight(name, weight.shape[1], main, start, row_scale)

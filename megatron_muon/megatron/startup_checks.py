@@ -123,20 +123,20 @@ def _qk_clip_rejections(args) -> list[tuple[bool, str]]:
     flag = "--qk-clip" if clip else "--log-max-attention-logit"
     alpha, threshold = getattr(args, "qk_clip_alpha", 0.5), getattr(args, "qk_clip_threshold", 100.0)
     impl = getattr(args, "transformer_impl", "local")
+    fallback = ("upgrade (with --multi-latent-attention there is no local attention to fall back on: megatron-core "
+                "0.19.2's cannot be built for MLA)" if getattr(args, "multi_latent_attention", False) else
+                "use --transformer-impl local (megatron-muon tracks it there) or upgrade")
     return [
         (clip and not 0.0 < alpha < 1.0,
          f"--qk-clip-alpha {alpha}: expected a value in (0, 1) with --qk-clip (query rows get eta^alpha, key "
          "rows eta^(1-alpha))"),
         (clip and not threshold > 0, f"--qk-clip-threshold {threshold}: expected a value > 0 with --qk-clip"),
-        (getattr(args, "multi_latent_attention", False),
-         f"{flag} with --multi-latent-attention: not supported with --optimizer muon (MLA's clip scales its q/kv "
-         "up-projections); drop one of them"),
         (getattr(args, "attention_output_gate", False),
          f"{flag} with --attention-output-gate: not supported with --optimizer muon (the gate rows sit inside "
          "linear_qkv); drop one of them"),
         (impl == "transformer_engine" and not te_tracks_max_logit(),
          f"{flag} with --transformer-impl transformer_engine needs Transformer Engine >= 2.9 (it tracks the max "
-         "attention logit); use --transformer-impl local (megatron-muon tracks it there) or upgrade"),
+         f"attention logit); {fallback}"),
     ]
 
 

@@ -2,9 +2,11 @@
 # One entry for a fresh machine: builds the virtual environment if it is missing or stale,
 # then runs the main job or the test suite.
 #
-#   bash scripts/run.sh main [ARGS...]   # the main job: the tiny-GPT demo (configs/tiny-cpu.yaml):
-#                                        #   byte-level data from the stdlib, then Megatron's own training
-#                                        #   loop with --optimizer muon --muon-tp-mode owner on 2 processes
+#   bash scripts/run.sh main [CONFIG.yaml] [ARGS...]
+#                                        # the main job: the tiny-GPT demo (configs/tiny-cpu.yaml, or the
+#                                        #   CONFIG given, e.g. configs/tiny-cpu-fsdp.yaml or
+#                                        #   configs/moe-tiny-cpu.yaml): byte-level data from the stdlib, then
+#                                        #   Megatron's own training loop with --optimizer muon on 2 processes
 #   bash scripts/run.sh test [ARGS...]   # the test suite (pytest), ARGS passed through
 #   bash scripts/run.sh bench [ARGS...]  # the TP-mode benchmark (python -m scripts.bench.bench_tp_modes)
 #   bash scripts/run.sh dry-run ARGS...  # the real step at production scale on the meta device
@@ -95,18 +97,33 @@ case "$cmd" in
             fi
         fi
         port="$("$venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-        # Megatron's validate_args wants this whenever TP > 1 (kernel ordering on pre-Blackwell GPUs).
-        export CUDA_DEVICE_MAX_CONNECTIONS=1
+        config=configs/tiny-cpu.yaml
+        if [[ $# -gt 0 && "$1" == *.yaml ]]; then
+            config="$1"
+            shift
+        fi
+        # Megatron's validate_args wants this whenever TP > 1 (kernel ordering on pre-Blackwell
+        # GPUs); Megatron-FSDP refuses it (it overlaps communication on more than one connection).
+        if grep -q '^use_megatron_fsdp: *true' "$config" || [[ " $* " == *" --use-megatron-fsdp "* ]]; then
+            unset CUDA_DEVICE_MAX_CONNECTIONS
+        else
+            export CUDA_DEVICE_MAX_CONNECTIONS=1
+        fi
         # The config and ARGS, checked as the job's rank 0 of 2 will check them before torchrun
         # starts anything (megatron_muon.megatron.preflight): a mistake is one line and exit 2.
         config_text="$("$venv/bin/python" -m megatron_muon.megatron.preflight --lines --nproc 2 \
-            configs/tiny-cpu.yaml "$@")" || exit $?
+            "$config" "$@")" || exit $?
         mapfile -t config_args <<< "$config_text"
         "$venv/bin/torchrun" --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$port" \
             scripts/pretrain_gpt.py "${config_args[@]}"
         echo
-        echo "Checkpoint: checkpoints/tiny-cpu. Running the same command again resumes from it; to train on:"
-        echo "  bash scripts/run.sh main --train-iters 400 --override-opt-param-scheduler"
+        name="$(basename "$config" .yaml)"
+        echo "Checkpoint: checkpoints/$name. Running the same command again resumes from it; to train on:"
+        if [[ "$config" == configs/tiny-cpu.yaml ]]; then
+            echo "  bash scripts/run.sh main --train-iters 400 --override-opt-param-scheduler"
+        else
+            echo "  bash scripts/run.sh main $config --train-iters 400 --override-opt-param-scheduler"
+        fi
         ;;
     bench)
         ensure_venv

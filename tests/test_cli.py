@@ -234,7 +234,12 @@ def test_install_is_idempotent(installed):
 
 REJECTED = [
     ("--optimizer muon --fp16", "--fp16"),
-    ("--optimizer muon --use-distributed-optimizer --use-megatron-fsdp", "--use-megatron-fsdp"),
+    # Megatron-FSDP runs with Muon (tests/test_megatron_fsdp.py); what it cannot run yet is refused
+    ("--optimizer muon --use-megatron-fsdp --ckpt-format torch_dist", "--use-megatron-fsdp: --ckpt-format"),
+    ("--optimizer muon --use-megatron-fsdp --ckpt-format fsdp_dtensor --distributed-backend gloo",
+     "--use-megatron-fsdp with --distributed-backend gloo: add --no-gradient-reduce-div-fusion"),
+    ("--optimizer muon --use-megatron-fsdp --ckpt-format fsdp_dtensor --num-experts 4",
+     "--use-megatron-fsdp with --num-experts"),
     ("--optimizer muon --use-torch-fsdp2", "--use-torch-fsdp2"),
     ("--optimizer muon --ckpt-format torch_dcp", "--ckpt-format"),
     ("--optimizer muon --dump-param-to-param-group-map x.json", "--dump-param-to-param-group-map"),

@@ -178,3 +178,38 @@ def test_moe_demo_config_trains_and_resumes(tmp_path):
               "--qk-clip-threshold", "0.2", "--override-opt-param-scheduler")
     assert re.search(r"loading distributed checkpoint from \S+ at iteration 30", out), out[-4000:]
     assert [int(m) for m in re.findall(r"iteration\s+(\d+)/\s*33", out)] == [31, 32, 33]
+
+
+def test_fsdp_demo_config_trains_and_resumes(tmp_path):
+    """configs/tiny-cpu-fsdp.yaml as a user runs it: Megatron-FSDP (optim_grads_params) over 2
+    ranks, bf16, its own checkpoint format (fsdp_dtensor). 30 iterations with a save, the loss
+    falling (6.02 -> 3.64 measured), a QKV of each layer cut between the ranks (the startup
+    report), then a resume for 3 more through Megatron's loop."""
+    from megatron_muon.megatron.yaml_config import load_yaml_args
+
+    subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--out", str(tmp_path / "data"),
+                    "--max-bytes", "300000"], check=True, capture_output=True)
+    config = load_yaml_args(REPO / "configs" / "tiny-cpu-fsdp.yaml")
+    ckpt = str(tmp_path / "ckpt")
+    # no CUDA_DEVICE_MAX_CONNECTIONS=1: Megatron-FSDP refuses it
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+    def run(*extra: str) -> str:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(_free_port()), str(ENTRY), *config, "--save", ckpt, "--load", ckpt, *extra]
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 0, out[-6000:]
+        return out
+
+    out = run("--train-iters", "30", "--log-interval", "3", "--save-interval", "30", "--eval-iters", "0")
+    assert "Megatron-FSDP optim_grads_params layout" in out and "2 of 8 matrices cut across DP ranks" in out
+    losses = [float(m) for m in re.findall(r"lm loss: ([0-9.E+-]+)", out)]
+    assert len(losses) == 11 and losses[-1] < losses[0] - 1.0, losses
+    assert len(re.findall(r"muon bytes sent: 0\.0[0-9]+ MB", out)) == 11  # the cut QKVs' rows, every step
+    assert "in fsdp_dtensor format" in out
+    out = run("--train-iters", "33", "--log-interval", "1", "--eval-iters", "0", "--save-interval", "1000",
+              "--override-opt-param-scheduler")
+    assert re.search(r"successfully loaded checkpoint from \S+ .* at iteration 30", out), out[-4000:]
+    assert [int(m) for m in re.findall(r"iteration\s+(\d+)/\s*33", out)] == [31, 32, 33]

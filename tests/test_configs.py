@@ -23,7 +23,7 @@ from megatron_muon.megatron.yaml_config import build_parser, load_yaml_args, mai
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 EXPECTED_CONFIGS = {"tiny-cpu", "gpt-125m-muon", "llama3-8b-tp8-owner", "llama3-8b-tp8-muonbp",
-                    "llama3-70b-tp8-pp4-owner", "moe-tiny-cpu", "moonlight-16b-a3b-ep8"}
+                    "llama3-70b-tp8-pp4-owner", "moe-tiny-cpu", "moonlight-16b-a3b-ep8", "tiny-cpu-fsdp"}
 
 
 @pytest.fixture(scope="module")
@@ -269,8 +269,10 @@ def _parse_and_validate(arguments, monkeypatch, argv: list[str]):
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
 def test_config_passes_megatrons_parse_and_validate(installed, monkeypatch, path):
     _as_on_a_gpu_node(installed, monkeypatch)
-    args = _parse_and_validate(installed, monkeypatch, load_yaml_args(path))
     data = read_yaml(path)
+    if data.get("use_megatron_fsdp"):  # Megatron-FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1 (its launch line omits it)
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    args = _parse_and_validate(installed, monkeypatch, load_yaml_args(path))
     assert args.optimizer == "muon" and args.megatron_muon is True
     assert args.use_distributed_optimizer and not args.use_layer_wise_distributed_optimizer
     assert args.data_parallel_size == max(1, args.expert_model_parallel_size // args.tensor_model_parallel_size)
@@ -339,6 +341,18 @@ def test_moe_configs_are_what_they_say(installed, monkeypatch):
     assert big.moe_layer_freq == [0] + [1] * 26
     assert big.multi_latent_attention and not big.qk_clip
     assert big.overlap_grad_reduce and big.overlap_param_gather
+
+
+def test_fsdp_config_is_what_it_says(installed, monkeypatch):
+    """The CPU Megatron-FSDP demo: TP1 (DP over both ranks), fully sharded, its own checkpoint
+    format, bf16 (its save of a SwiGLU model needs the bf16 wrapper), no fused division (gloo)."""
+    _as_on_a_gpu_node(installed, monkeypatch)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    args = _parse_and_validate(installed, monkeypatch, load_yaml_args(ROOT / "configs" / "tiny-cpu-fsdp.yaml"))
+    assert args.use_megatron_fsdp and args.data_parallel_sharding_strategy == "optim_grads_params"
+    assert (args.tensor_model_parallel_size, args.ckpt_format, args.bf16) == (1, "fsdp_dtensor", True)
+    assert not args.gradient_reduce_div_fusion and args.distributed_backend == "gloo"
+    assert args.save == "checkpoints/tiny-cpu-fsdp" and args.load == args.save
 
 
 # --- docs/flags.md ---------------------------------------------------------------------------

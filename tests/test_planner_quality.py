@@ -110,7 +110,7 @@ def _model_total(model: str, *, split_fc1: bool) -> int:
 def test_every_sub_matrix_counted_once(llama, model, tp, dp):
     r = llama[(model, tp, dp)]
     total = _model_total(model, split_fc1=True)
-    for name in ("ours (ZeRO-1)", "ours (DDP, dp-mode owner)"):
+    for name in ("ours (ZeRO-1)", "ours (Megatron-FSDP)", "ours (DDP, dp-mode owner)"):
         plan, _ = r["plans"][name]
         assert sum(plan.flops) == pytest.approx(total, rel=REL), name
         assert plan.total == total
@@ -181,7 +181,7 @@ def test_busiest_rank_below_megatron_duplicated(llama, model, tp, dp):
 def test_markdown_and_verdicts(llama):
     results = list(llama.values())
     text = pq.markdown(results)
-    assert text.count("| 8B | 8×8 |") == 5 + 2 + 3  # 5 FLOPs rows, 2 bytes rows, 3 buffer layouts
+    assert text.count("| 8B | 8×8 |") == 6 + 3 + 3  # 6 FLOPs rows, 3 bytes rows, 3 buffer layouts
     # the output must say where ours is worse than Megatron (8B TP8×DP8 max/mean 1.123 vs
     # 1.053), and why
     assert "8B TP8×DP8: our max/mean" in text
@@ -190,6 +190,22 @@ def test_markdown_and_verdicts(llama):
 
 # ---------------------------------------------------------------------------------------------
 # DP buffer layouts (issue: no DP exchange)
+
+
+@pytest.mark.parametrize("tp,dp", pq.CONFIGS)
+def test_fsdp_layouts_cover_every_matrix_once(tp, dp):
+    """Megatron-FSDP's layout (its own grouping and index functions on meta params): every DP
+    rank's piece of a matrix is whole rows, the pieces tile the matrix, and layers are cut (each
+    layer one bucket in DP equal shards), which the DP owner exchange then reassembles."""
+    layouts = pq.fsdp_layouts(pq.llama3_spec("8B"), tp, dp)
+    assert len(layouts) == 4 * 32
+    for lay in layouts:
+        cols = lay.local_shape[1]
+        pieces = sorted(r for r in lay.dp_ranges if r[1] > r[0])
+        assert pieces[0][0] == 0 and pieces[-1][1] == lay.numel, lay.name
+        assert all(a[1] == b[0] for a, b in zip(pieces, pieces[1:])), lay.name
+        assert all(start % cols == 0 and end % cols == 0 for start, end in pieces), lay.name  # row boundaries
+    assert sum(1 for lay in layouts if len(lay.holders(dp)) > 1) > 0
 
 
 def test_balanced_layout_cuts_nothing_and_pads_little(llama):

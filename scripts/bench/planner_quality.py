@@ -261,6 +261,53 @@ def ours_layouts(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, *,
     return layouts
 
 
+def fsdp_layouts(spec: ModelSpec, tp: int, dp: int, strategy: str = "optim_grads_params") -> list[MatrixLayout]:
+    """The ``MatrixLayout`` list ``MuonFSDPOptimizer`` attaches under Megatron-FSDP, from
+    Megatron-FSDP's own functions on meta params: ``_get_parameter_groups`` (one bucket per
+    transformer layer, its FSDP unit; the rest in 40M-element buckets; each split by row size)
+    and ``build_data_parallel_buffer_index`` (the flat layout of a bucket, cut into DP equal
+    shards), then ``fsdp_item_ranges`` for every DP rank, as the optimizer computes them."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer import (
+        BucketingPolicy,
+        _get_parameter_groups,
+        build_data_parallel_buffer_index,
+    )
+
+    from megatron_muon.megatron.fsdp import fsdp_item_ranges
+
+    class Layer(torch.nn.Module):  # a TransformerLayer: Megatron-FSDP's unit under optim_grads_params
+        pass
+
+    root = torch.nn.Module()
+    root.layers = torch.nn.ModuleList()
+    names = {}
+    for name, param in model_params(spec, tp):
+        owner = root
+        if name.startswith("layers."):
+            index = int(name.split(".")[1])
+            while len(root.layers) <= index:
+                root.layers.append(Layer())
+            owner = root.layers[index]
+        owner.register_parameter(name.replace(".", "_"), param)
+        names[id(param)] = name
+    policy = BucketingPolicy(suggested_bucket_size=40_000_000, fsdp_unit_modules=[Layer],
+                             data_parallel_sharding_strategy=strategy)
+    groups = _get_parameter_groups(root, policy, {})[0]
+    config = types.SimpleNamespace(data_parallel_sharding_strategy=strategy)
+    muon_config = MuonConfig(tp_mode="owner")
+    layouts = []
+    for bucket_id, group in enumerate(groups):
+        items, bucket, _ = build_data_parallel_buffer_index(
+            [p.shape for p in group.params], 0, dp, True, config, bucket_id=bucket_id,
+            chunk_size_factor=group.chunk_size_factor)
+        for item_id, param in enumerate(group.params):
+            if is_muon_matrix(param):
+                item = items[item_id]
+                ranges = fsdp_item_ranges(bucket.global_data_index, bucket.size, item.global_data_index, item.size, dp)
+                layouts.append(_layout(names[id(param)], param, tp, muon_config, ranges))
+    return layouts
+
+
 @dataclass
 class Plan:
     """Per rank (index dp·TP + tp) NS FLOPs and bytes sent, plus the units planned."""
@@ -380,8 +427,10 @@ def evaluate(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, *, with
     out: dict = dict(model=spec.name, tp=tp, dp=dp, ranks=ranks, bucket_size=bucket_size)
     zero1 = ours_layouts(spec, tp, dp, bucket_size, with_non_matrix=with_non_matrix)
     ddp = ours_layouts(spec, tp, dp, bucket_size, distributed_optimizer=False)
+    fsdp = fsdp_layouts(spec, tp, dp) if with_non_matrix else []
     plans = {
         "ours (ZeRO-1)": (plan_ours(zero1, tp, dp), 1),
+        **({"ours (Megatron-FSDP)": (plan_ours(fsdp, tp, dp), 1)} if fsdp else {}),
         "ours (DDP, dp-mode owner)": (plan_ours(ddp, tp, dp), 1),
         "ours (DDP, TP owner only)": (plan_ours(ddp, tp, dp, dp_mode="redundant"), dp),
         "Megatron layer-wise + duplicated": (plan_megatron(spec, tp, dp, bucket_size, "duplicated"), tp),
@@ -399,6 +448,7 @@ def evaluate(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, *, with
         tp_rank0_share=sum(ours.flops[d * tp] for d in range(dp)) / sum(ours.flops),
     )
     out["cut_matrices"] = sum(1 for lay in zero1 if len(lay.holders(dp)) > 1)
+    out["cut_matrices_fsdp"] = sum(1 for lay in fsdp if len(lay.holders(dp)) > 1)
     out["layouts"] = layout_rows(spec, tp, dp, bucket_size) if with_non_matrix else {}
     out["matrices"] = len(zero1)
     out["plans"] = plans
@@ -528,6 +578,12 @@ def verdicts(results: list[dict]) -> list[str]:
     return lines
 
 
+def _cut(result: dict, planner: str):
+    if "ZeRO-1" in planner:
+        return result["cut_matrices"]
+    return result["cut_matrices_fsdp"] if "Megatron-FSDP" in planner else "-"
+
+
 def markdown(results: list[dict]) -> str:
     out = []
     out.append("### NS FLOPs per rank, one optimizer step (PP = 1; 5 quintic steps; "
@@ -555,7 +611,7 @@ def markdown(results: list[dict]) -> str:
             out.append(f"| {r['model']} | {r['tp']}×{r['dp']} | {name} | {_mb(b['dp_max'])} | {_mb(b['dp_mean'])} | "
                        f"{_mb(b['dp_min_mean'])} | {_mb(b['tp_max'])} | {_mb(b['tp_mean'])} | "
                        f"{_mb(b['tp_min_mean'])} | {_mb(b['max'])} | {_mb(b['mean'])} | {_mb(b['min_mean'])} | "
-                       f"{r['cut_matrices'] if 'ZeRO-1' in name else '-'} / {r['matrices']} |")
+                       f"{_cut(r, name)} / {r['matrices']} |")
     out.append("")
     out.append("min (mean) = the analytic minimum total over all ranks divided by ranks (no plan can send "
                "less on average): TP, 2·(t−1)/t of every sharded sub-matrix; DP (ZeRO-1), twice all but "

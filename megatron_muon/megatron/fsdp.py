@@ -146,24 +146,14 @@ class MuonFSDPOptimizer(DistributedOptimizer):
     def load_state_dict(self, state_dict):
         """Megatron's, with the canonical keys of ``sharded_param_state_fsdp_dtensor`` mapped back
         (``exp_avg`` is the momentum buffer, already loaded in place; the placeholder is dropped).
-
-        Then the model weights are made the loaded main weights, as after a step (copy, then
-        Megatron-FSDP's param sync): the checkpoint's model state is the fp32 main weights, and
-        megatron-core 0.19.2 copies them into the weights the forward uses (bf16, or the
-        unsharded ``optim`` copy) only in ``step`` — the first iteration after a resume would
-        otherwise run on the freshly initialized model's weights."""
-        if self.is_stub_optimizer:
-            return super().load_state_dict(state_dict)
-        if "state" in state_dict:
+        The model's own load restores the weights the forward uses (checked by
+        ``tests/test_megatron_fsdp.py``'s resume from a differently initialized model)."""
+        if "state" in state_dict and not self.is_stub_optimizer:
             muon = self._muon_param_names()
             state_dict = dict(state_dict)
             state_dict["state"] = {name: (_from_canonical(state) if name in muon else state)
                                    for name, state in state_dict["state"].items()}
-        result = super().load_state_dict(state_dict)
-        self._copy_main_params_to_model_params()
-        for chunk in self.model_chunks:
-            chunk.start_param_sync()
-        return result
+        return super().load_state_dict(state_dict)
 
 
 def _canonical(state: dict, muon: bool, steps: float) -> dict:

@@ -60,6 +60,7 @@ from ..core.qk_clip import (
     scale_rows_,
     scale_rows_flat_,
 )
+from ..optimizer import local
 from ..parallel.devices import resolve_device
 
 __all__ = ["ClippedAttention", "ClippedWeight", "QKClip", "build_qk_clip", "track_max_logits"]
@@ -286,8 +287,9 @@ def build_qk_clip(model_chunks, matrix_of: dict, group, dp_rank: int, log_group=
             groups = module.num_query_groups_per_partition
             head_dim = module.hidden_size_per_attention_head
             q_rows = heads // groups * head_dim
-            if weight.dim() != 2 or weight.shape[0] != groups * (q_rows + 2 * head_dim):
-                raise ValueError(f"{flag}: {name}.linear_qkv.weight of shape {tuple(weight.shape)} is not "
+            shape = _tp_local_shape(weight, matrix_of)
+            if len(shape) != 2 or shape[0] != groups * (q_rows + 2 * head_dim):
+                raise ValueError(f"{flag}: {name}.linear_qkv.weight of shape {shape} is not "
                                  f"[q; k; v] x {groups} query groups (an attention output gate is not supported)")
             attentions.append(ClippedAttention(name, core, heads, groups, [_clipped(
                 f"{name}.linear_qkv.weight", weight, matrix_of, dp_rank,
@@ -309,18 +311,31 @@ def _mla_weights(module, name: str, flag: str, matrix_of: dict, dp_rank: int) ->
     for attr, rows, scale in ((q_name, nope + pe, partial(mla_q_row_scale, nope_rows=nope, pe_rows=pe)),
                               ("linear_kv_up_proj", nope + v, partial(mla_kv_row_scale, nope_rows=nope, v_rows=v))):
         weight = getattr(getattr(module, attr, None), "weight", None)
-        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or weight.shape[0] != heads * rows:
-            shape = tuple(weight.shape) if isinstance(weight, torch.Tensor) else None
+        shape = _tp_local_shape(weight, matrix_of) if isinstance(weight, torch.Tensor) else None
+        if shape is None or len(shape) != 2 or shape[0] != heads * rows:
             raise ValueError(f"{flag}: {name}.{attr}.weight of shape {shape} is not {heads} heads x {rows} rows "
                              "on this TP rank")
         out.append(_clipped(f"{name}.{attr}.weight", weight, matrix_of, dp_rank, scale))
     return out
 
 
-def _clipped(name: str, weight: torch.Tensor, matrix_of: dict, dp_rank: int, row_scale) -> ClippedWeight:
-    """``weight`` as this rank's clipper holds it: its main param (whole, or this DP rank's flat range)."""
+def _tp_local_shape(weight: torch.Tensor, matrix_of: dict) -> tuple[int, ...]:
+    """This TP rank's shape of ``weight``: its Muon layout's when it has one (a Megatron-FSDP
+    DTensor reports the TP-unsharded global shape)."""
     matrix = matrix_of.get(id(weight))
-    main, start = (None, None) if matrix is None else (matrix.param, None)
-    if matrix is not None and matrix.layout.dp_ranges is not None:
+    return tuple(matrix.layout.local_shape) if matrix is not None else tuple(weight.shape)
+
+
+def _clipped(name: str, weight: torch.Tensor, matrix_of: dict, dp_rank: int, row_scale) -> ClippedWeight:
+    """``weight`` as this rank's clipper holds it: its main param (whole, or this DP rank's flat
+    range: a ZeRO-1 shard, or under Megatron-FSDP the local rows of the DTensor, flattened)."""
+    matrix = matrix_of.get(id(weight))
+    if matrix is None:  # every Muon matrix has a layout on every rank, held there or not
+        raise RuntimeError(f"qk-clip: {name} is not among the optimizer's Muon matrices (a wrapper replaced "
+                           "the module's parameter?)")
+    main, start = local(matrix.param), None
+    if matrix.layout.dp_ranges is not None:
         start = matrix.layout.local_range(dp_rank)[0]
-    return ClippedWeight(name, weight.shape[1], main, start, row_scale)
+        if main is not None and main.dim() != 1:  # Megatron-FSDP: rows [r0, r1) of the matrix, a contiguous view
+            main = main.view(-1)
+    return ClippedWeight(name, _tp_local_shape(weight, matrix_of)[1], main, start, row_scale)

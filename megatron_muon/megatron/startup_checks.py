@@ -99,9 +99,6 @@ def _megatron_fsdp_rejections(args) -> list[tuple[bool, str]]:
         (getattr(args, "swiglu", False) and not (args.bf16 or args.fp16) and getattr(args, "save", None),
          "--use-megatron-fsdp with --swiglu in fp32: megatron-core 0.19.2's fsdp_dtensor save looks the fc1 "
          "weights up through the --bf16 wrapper (Float16Module) and fails without it; add --bf16"),
-        (getattr(args, "qk_clip", False) or getattr(args, "log_max_attention_logit", False),
-         "--qk-clip / --log-max-attention-logit with --use-megatron-fsdp: not supported with --optimizer muon yet; "
-         "use --use-distributed-optimizer"),
     ]
 
 

@@ -93,7 +93,7 @@ RUNS = {
     + [dict(tp=1, fsdp=s, tp_mode="owner", microbatches=2, overlap=o)
        for s in ("optim_grads_params", "optim", "no_shard") for o in (False, True)]
     + [dict(tp=1, **ZERO1)],
-    4: [dict(tp=1, fsdp=s, tp_mode="owner") for s in ("optim_grads_params", "optim")]
+    4: [dict(tp=1, fsdp=s, tp_mode="owner") for s in STRATEGIES]
     + [dict(tp=2, fsdp="optim_grads_params", tp_mode=m) for m in ("owner", "duplicated", "distributed")]
     + [dict(tp=2, fsdp="optim", tp_mode="owner"), dict(tp=1, **ZERO1), dict(tp=2, **ZERO1)],
 }

@@ -105,10 +105,16 @@ def _megatron_fsdp_rejections(args) -> list[tuple[bool, str]]:
 def _torch_fsdp2_rejections(args) -> list[tuple[bool, str]]:
     """``--use-torch-fsdp2`` under ``--optimizer muon`` (``fsdp2.py``): training is exact (every
     matrix cut by rows over DP, through the owner exchange; ``tests/test_torch_fsdp2.py``); what is
-    not supported yet is refused here. Checkpoints: Megatron saves FSDP2 models with torch_dist or
-    torch_dcp through its non-distributed optimizer's state dict, whose Muon momentum under FSDP2 is
-    a DTensor of row shards; no save/resume of that has been made and tested bitwise yet, so a run
-    that would save or load is refused rather than trusted."""
+    not supported yet is refused here.
+
+    Checkpoints: a torch_dist save under FSDP2 is written, and a resume restores the weights (the
+    tiny FSDP2 demo, 3 + 3 iterations: iteration 4's loss equals the uninterrupted run's), but the
+    next update differs (iteration 5: 5.443 vs 5.284). With FSDP2 and torch_dist, Megatron's
+    ``load_checkpoint`` is called with ``skip_load_to_model_and_opt`` (training.py) and never calls
+    the optimizer's ``load_state_dict``: it relies on dist_checkpointing filling the state tensors
+    in place, so what ``checkpoint.py`` restores in ``load_state_dict`` (the step counters,
+    ``muon_steps``, the param groups) is not restored. Until that is handled and a bitwise resume
+    tested, a run that would save or load is refused rather than trusted."""
     if not getattr(args, "use_torch_fsdp2", False):
         return []
     return [
@@ -122,8 +128,9 @@ def _torch_fsdp2_rejections(args) -> list[tuple[bool, str]]:
          "--muon-dp-mode redundant with --use-torch-fsdp2: FSDP2 cuts every matrix by rows over DP, so no rank "
          "holds whole matrices; use owner"),
         (getattr(args, "save", None) is not None or getattr(args, "load", None) is not None,
-         "--use-torch-fsdp2 with --save / --load: checkpoints of Muon's FSDP2-sharded state are not supported "
-         "yet (training is); drop --save and --load, or use --use-megatron-fsdp (--ckpt-format fsdp_dtensor)"),
+         "--use-torch-fsdp2 with --save / --load: a resume does not restore Muon's optimizer state yet (Megatron "
+         "loads FSDP2 torch_dist checkpoints in place, without the optimizer's load_state_dict); drop --save and "
+         "--load, or use --use-megatron-fsdp (--ckpt-format fsdp_dtensor)"),
     ]
 
 

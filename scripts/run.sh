@@ -4,8 +4,8 @@
 #
 #   bash scripts/run.sh main [CONFIG.yaml] [ARGS...]
 #                                        # the main job: the tiny-GPT demo (configs/tiny-cpu.yaml, or the
-#                                        #   CONFIG given, e.g. configs/tiny-cpu-fsdp.yaml or
-#                                        #   configs/moe-tiny-cpu.yaml): byte-level data from the stdlib, then
+#                                        #   CONFIG given, e.g. configs/tiny-cpu-fsdp.yaml,
+#                                        #   configs/tiny-cpu-fsdp2.yaml or configs/moe-tiny-cpu.yaml): byte-level data from the stdlib, then
 #                                        #   Megatron's own training loop with --optimizer muon on 2 processes
 #   bash scripts/run.sh test [ARGS...]   # the test suite (pytest), ARGS passed through
 #   bash scripts/run.sh bench [ARGS...]  # the TP-mode benchmark (python -m scripts.bench.bench_tp_modes)
@@ -103,8 +103,10 @@ case "$cmd" in
             shift
         fi
         # Megatron's validate_args wants this whenever TP > 1 (kernel ordering on pre-Blackwell
-        # GPUs); Megatron-FSDP refuses it (it overlaps communication on more than one connection).
-        if grep -q '^use_megatron_fsdp: *true' "$config" || [[ " $* " == *" --use-megatron-fsdp "* ]]; then
+        # GPUs); Megatron-FSDP and torch FSDP2 refuse it (they overlap communication on more than
+        # one connection).
+        if grep -qE '^use_(megatron_fsdp|torch_fsdp2): *true' "$config" \
+                || [[ " $* " == *" --use-megatron-fsdp "* || " $* " == *" --use-torch-fsdp2 "* ]]; then
             unset CUDA_DEVICE_MAX_CONNECTIONS
         else
             export CUDA_DEVICE_MAX_CONNECTIONS=1
@@ -118,6 +120,10 @@ case "$cmd" in
             scripts/pretrain_gpt.py "${config_args[@]}"
         echo
         name="$(basename "$config" .yaml)"
+        if ! grep -q '^save:' "$config"; then
+            echo "No checkpoint: $config saves none."
+            exit 0
+        fi
         echo "Checkpoint: checkpoints/$name. Running the same command again resumes from it; to train on:"
         if [[ "$config" == configs/tiny-cpu.yaml ]]; then
             echo "  bash scripts/run.sh main --train-iters 400 --override-opt-param-scheduler"

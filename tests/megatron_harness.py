@@ -171,6 +171,7 @@ def build_tiny_gpt(
     moe: dict | None = None,
     fsdp: str | None = None,
     mla: dict | None = None,
+    fsdp2: bool = False,
 ) -> list:
     """The tiny GPT on this rank's TP x PP slot, wrapped like ``megatron.training.get_model``.
 
@@ -204,6 +205,11 @@ def build_tiny_gpt(
     instead of DDP, wrapped as ``get_model`` wraps it (``FullyShardedDataParallel``, the
     distributed optimizer implied); ``gradient_reduce_div_fusion`` off, as gloo has no
     ``PREMUL_SUM`` (training on gloo asks for ``--no-gradient-reduce-div-fusion``).
+    ``fsdp2``: torch FSDP2 (``--use-torch-fsdp2``) instead of DDP, wrapped as ``get_model`` wraps
+    it: Megatron's ``TorchFullyShardedDataParallel`` with the config ``get_megatron_ddp_config``
+    makes (``TorchFullyShardedDataParallelConfig``, reshard after forward), over the DP group;
+    every param becomes a DTensor sharded along dim 0 (``fully_shard`` on each transformer layer
+    and the embedding, then the root), and Megatron's optimizer is the non-distributed one.
     ``mla``: multi-latent attention in every layer (``MLATransformerConfig``, the local spec's
     ``MLASelfAttention`` around ``mla_attention.MLACoreAttention``, plain RoPE), its sizes:
     ``q_lora_rank`` (None: one ``linear_q_proj``), ``kv_lora_rank``, ``qk_head_dim``,
@@ -251,6 +257,9 @@ def build_tiny_gpt(
         expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(),
         **_moe_config(moe),
         **_mla_config(mla),
+        # the local spec is what --transformer-impl local builds; FSDP2's wrapper reads this to
+        # skip wrapping ColumnParallelLinear (inside an already sharded TransformerLayer)
+        **(dict(transformer_impl="local") if fsdp2 else {}),
     )
     def build_chunk(vp_stage):
         first = ps.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
@@ -270,6 +279,11 @@ def build_tiny_gpt(
             _init_by_name(model, seed, ps.get_tensor_model_parallel_rank(), tp, num_layers)
         if bf16:
             model = Float16Module(config, model)
+        if fsdp2:
+            from megatron.core.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
+
+            return TorchFullyShardedDataParallel(config=config, ddp_config=TorchFullyShardedDataParallelConfig(),
+                                                 module=model)
         if fsdp is not None:
             from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
@@ -519,15 +533,16 @@ def _named_weights(chunk, model):
 
 
 def _gather_fsdp_rows(param) -> torch.Tensor:
-    """The TP-local weight of a Megatron-FSDP DTensor param: every DP rank's rows (contiguous,
+    """The TP-local weight of a Megatron-FSDP (or torch FSDP2) DTensor param: every DP rank's rows (contiguous,
     in DP rank order, some possibly empty), concatenated. Through ``all_gather_object``, as
     Megatron's ``uneven_dtensor_to_full_tensor`` all-gathers uneven pieces, which gloo refuses."""
     from megatron.core import parallel_state as ps
     from torch.distributed.tensor import Shard
 
     local = param._local_tensor.detach().to(torch.float32, copy=True)
-    names = param.device_mesh.mesh_dim_names or ()
-    dp_dims = [i for i, n in enumerate(names) if n.startswith("dp")]
+    names = param.device_mesh.mesh_dim_names
+    # torch FSDP2's mesh (``DeviceMesh.from_group`` of the DP group) is one unnamed DP dimension
+    dp_dims = [i for i, n in enumerate(names) if n.startswith("dp")] if names else [0]
     if not any(isinstance(param.placements[i], Shard) for i in dp_dims):
         return local  # no_shard: every DP rank holds all of it
     group = ps.get_data_parallel_group(with_context_parallel=True)

@@ -240,7 +240,9 @@ REJECTED = [
      "--use-megatron-fsdp with --distributed-backend gloo: add --no-gradient-reduce-div-fusion"),
     ("--optimizer muon --use-megatron-fsdp --ckpt-format fsdp_dtensor --num-experts 4",
      "--use-megatron-fsdp with --num-experts"),
-    ("--optimizer muon --use-torch-fsdp2", "--use-torch-fsdp2"),
+    # torch FSDP2 trains with Muon (tests/test_torch_fsdp2.py); its checkpoints and experts are refused
+    ("--optimizer muon --use-torch-fsdp2 --save x", "--use-torch-fsdp2 with --save / --load"),
+    ("--optimizer muon --use-torch-fsdp2 --num-experts 4", "--use-torch-fsdp2 with --num-experts"),
     ("--optimizer muon --ckpt-format torch_dcp", "--ckpt-format"),
     ("--optimizer muon --dump-param-to-param-group-map x.json", "--dump-param-to-param-group-map"),
     ("--optimizer muon --use-distributed-optimizer --muon-dp-mode redundant", "--muon-dp-mode"),

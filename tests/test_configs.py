@@ -23,7 +23,8 @@ from megatron_muon.megatron.yaml_config import build_parser, load_yaml_args, mai
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 EXPECTED_CONFIGS = {"tiny-cpu", "gpt-125m-muon", "llama3-8b-tp8-owner", "llama3-8b-tp8-muonbp",
-                    "llama3-70b-tp8-pp4-owner", "moe-tiny-cpu", "moonlight-16b-a3b-ep8", "tiny-cpu-fsdp"}
+                    "llama3-70b-tp8-pp4-owner", "moe-tiny-cpu", "moonlight-16b-a3b-ep8", "tiny-cpu-fsdp",
+                    "tiny-cpu-fsdp2"}
 
 
 @pytest.fixture(scope="module")
@@ -270,11 +271,13 @@ def _parse_and_validate(arguments, monkeypatch, argv: list[str]):
 def test_config_passes_megatrons_parse_and_validate(installed, monkeypatch, path):
     _as_on_a_gpu_node(installed, monkeypatch)
     data = read_yaml(path)
-    if data.get("use_megatron_fsdp"):  # Megatron-FSDP refuses CUDA_DEVICE_MAX_CONNECTIONS=1 (its launch line omits it)
+    if data.get("use_megatron_fsdp") or data.get("use_torch_fsdp2"):  # FSDPs refuse CUDA_DEVICE_MAX_CONNECTIONS=1
         monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     args = _parse_and_validate(installed, monkeypatch, load_yaml_args(path))
     assert args.optimizer == "muon" and args.megatron_muon is True
-    assert args.use_distributed_optimizer and not args.use_layer_wise_distributed_optimizer
+    # every config keeps Megatron's distributed optimizer, but FSDP2, which forbids it
+    assert args.use_distributed_optimizer != bool(data.get("use_torch_fsdp2"))
+    assert not args.use_layer_wise_distributed_optimizer
     assert args.data_parallel_size == max(1, args.expert_model_parallel_size // args.tensor_model_parallel_size)
     assert args.global_batch_size % args.micro_batch_size == 0
     for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "lr",
@@ -353,6 +356,18 @@ def test_fsdp_config_is_what_it_says(installed, monkeypatch):
     assert (args.tensor_model_parallel_size, args.ckpt_format, args.bf16) == (1, "fsdp_dtensor", True)
     assert not args.gradient_reduce_div_fusion and args.distributed_backend == "gloo"
     assert args.save == "checkpoints/tiny-cpu-fsdp" and args.load == args.save
+
+
+
+def test_fsdp2_config_is_what_it_says(installed, monkeypatch):
+    """The CPU torch FSDP2 demo: TP1 (DP over both ranks), Megatron's non-distributed optimizer
+    (FSDP2 forbids the distributed one), bf16, and no checkpoints (refused with FSDP2 for now)."""
+    _as_on_a_gpu_node(installed, monkeypatch)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    args = _parse_and_validate(installed, monkeypatch, load_yaml_args(ROOT / "configs" / "tiny-cpu-fsdp2.yaml"))
+    assert args.use_torch_fsdp2 and not args.use_distributed_optimizer and not args.use_megatron_fsdp
+    assert (args.tensor_model_parallel_size, args.bf16, args.distributed_backend) == (1, True, "gloo")
+    assert args.save is None and args.load is None
 
 
 # --- docs/flags.md ---------------------------------------------------------------------------

@@ -825,6 +825,18 @@ def patch_megatron_fsdp() -> None:
     _rename_method_call(uneven_dtensor, "validate_uneven_dtensor", "cuda", "cpu")
 
 
+def patch_torch_fsdp2() -> None:
+    """megatron/core/distributed/torch_fully_sharded_data_parallel.py (``--use-torch-fsdp2``).
+
+    * ``TorchFullyShardedDataParallel.__init__`` builds its ``DeviceMesh.from_group(
+      self.process_group, "cuda")``: the constant becomes ``"cpu"`` (a gloo mesh), so
+      ``fully_shard`` keeps the params on the CPU and its DTensors live there.
+    """
+    from megatron.core.distributed import torch_fully_sharded_data_parallel as torch_fsdp
+
+    _retarget(torch_fsdp.TorchFullyShardedDataParallel, "__init__", consts=("cuda",))
+
+
 PATCHES = (
     patch_rng_tracker,
     patch_grad_buffer,
@@ -853,6 +865,7 @@ PATCHES = (
     patch_training_utils,
     patch_checkpointing,
     patch_megatron_fsdp,
+    patch_torch_fsdp2,
 )
 
 

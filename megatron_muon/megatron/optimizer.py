@@ -41,6 +41,7 @@ from ..core.matrix_layout import MatrixLayout, RowSplit
 from ..optimizer import MuonMatrix, MuonWithAdamW
 from .checkpoint import MuonCheckpointMixin, prepare_for_checkpointing
 from .cli import muon_config_from_args
+from .fsdp2 import torch_fsdp2_ranges
 from .qk_clip import build_qk_clip
 from .report import print_startup_report
 
@@ -427,17 +428,28 @@ def _muon_config(config: OptimizerConfig, muon_config: MuonConfig | None) -> Muo
 def _attach_whole(inner: MuonWithAdamW, model_chunks, dp_group, tp_group, muon_config: MuonConfig, *,
                   expert: bool = False) -> dict[int, MuonMatrix]:
     """Without the distributed optimizer every DP rank holds every matrix whole (of the dense
-    params, or of the expert-parallel ones). Returns id(model param) → its ``MuonMatrix``."""
+    params, or of the expert-parallel ones), except under ``--use-torch-fsdp2``: there every
+    matrix is a DTensor cut by rows over FSDP2's DP mesh (``fsdp2.py``), described by each DP
+    rank's range and exchanged over the mesh's group. Returns id(model param) → its ``MuonMatrix``."""
     tp_size = get_pg_size(tp_group) if tp_group is not None else 1
     names = _param_names(model_chunks)
     matrix_of = {}
+    fsdp2_group = None
     for chunk in model_chunks:
         for _, p in chunk.named_parameters():
             if p.requires_grad and is_muon_matrix(p) and is_expert_parallel(p) == expert:
                 main = getattr(p, "main_param", None)
-                matrix_of[id(p)] = MuonMatrix(_layout(names[id(p)], p, tp_size, muon_config),
+                ranges = None
+                if getattr(p, "is_torch_fsdp2_param", False):  # --use-torch-fsdp2: rows cut over DP
+                    ranges, group = torch_fsdp2_ranges(names[id(p)], p)
+                    if fsdp2_group is not None and group is not fsdp2_group:
+                        raise ValueError(f"--use-torch-fsdp2: {names[id(p)]} is sharded over another mesh than "
+                                         "the other Muon matrices (HSDP is not supported with Muon)")
+                    fsdp2_group = group
+                matrix_of[id(p)] = MuonMatrix(_layout(names[id(p)], p, tp_size, muon_config, ranges),
                                               main if main is not None else p)
-    inner.attach(list(matrix_of.values()), dp_group=dp_group, tp_group=tp_group)
+    inner.attach(list(matrix_of.values()), dp_group=dp_group if fsdp2_group is None else fsdp2_group,
+                 tp_group=tp_group)
     return matrix_of
 
 

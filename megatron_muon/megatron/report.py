@@ -62,6 +62,8 @@ def buffer_layout(model_chunks, buffer_name: str = "buffers") -> str:
     if getattr(ddp_config, "use_megatron_fsdp", False):
         return (f"Megatron-FSDP {ddp_config.data_parallel_sharding_strategy} layout (each bucket cut in equal "
                 "shards at row boundaries)")
+    if any(getattr(p, "is_torch_fsdp2_param", False) for chunk in model_chunks for p in chunk.parameters()):
+        return "torch FSDP2 layout (every param cut by rows over DP, torch.chunk)"
     buffers = [b for chunk in model_chunks for b in getattr(chunk, buffer_name, [])]
     if not buffers or not buffers[0].ddp_config.use_distributed_optimizer:
         return "no distributed optimizer (whole matrices on every DP rank)"

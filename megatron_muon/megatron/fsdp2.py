@@ -1,0 +1,65 @@
+"""Muon under torch FSDP2 (``--use-torch-fsdp2``): exact, through the DP owner exchange.
+
+Megatron wraps each transformer layer, the embedding and the root module in ``fully_shard``
+(``TorchFullyShardedDataParallel``) over a 1-D mesh of the DP(-CP) group, and steps the params
+with its non-distributed optimizer wrappers (``--use-torch-fsdp2`` forbids
+``--use-distributed-optimizer``): ``FP32Optimizer`` on the DTensor params themselves, or
+``Float16OptimizerWithFloat16Params`` on fp32 DTensor clones of them (``main_param``). FSDP2
+reduce-scatters the grads in backward, so each rank's ``param.grad`` is a DTensor holding only
+its own rows, already averaged over DP.
+
+FSDP2 shards every param along dim 0 with ``torch.chunk`` semantics: ``c = ceil(rows / dp)``
+rows per rank, rank ``r`` holding rows ``[min(r·c, rows), min((r+1)·c, rows))`` of the (TP-local)
+matrix — the last ranks possibly fewer, or none. That is the flat range ``[r0·cols, r1·cols)``,
+i.e. ``MatrixLayout.dp_ranges``, so every Muon matrix (all of them are cut at DP ≥ 2) goes to one
+DP owner through the owner exchange, as under Megatron-FSDP and ZeRO-1 (``fsdp.py``).
+
+With TP the module FSDP2 shards already holds TP-local weights: a param's DTensor shape is its
+TP-local shape and its mesh is the DP mesh alone (TP stays outside DTensor), so the layout's
+TP description comes from the param's Megatron attributes as without FSDP2.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["fsdp2_row_ranges", "torch_fsdp2_ranges"]
+
+
+def fsdp2_row_ranges(rows: int, cols: int, dp_size: int) -> tuple[tuple[int, int], ...]:
+    """Per DP rank, the flat ``[start, end)`` range of a ``rows × cols`` matrix that FSDP2's
+    ``Shard(0)`` gives it (``torch.chunk`` over ``dp_size``); ``(0, 0)`` when it holds none."""
+    chunk = -(-rows // dp_size)
+    out = []
+    for r in range(dp_size):
+        r0, r1 = min(r * chunk, rows), min((r + 1) * chunk, rows)
+        out.append((r0 * cols, r1 * cols) if r1 > r0 else (0, 0))
+    return tuple(out)
+
+
+def torch_fsdp2_ranges(name: str, param: torch.Tensor):
+    """``(dp_ranges, dp_group)`` of an FSDP2 DTensor param: every DP rank's range, and the mesh's
+    group. This rank's range is checked against the DTensor's own local shape and offset, so a
+    change in FSDP2's sharding stops here instead of mixing up rows."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(param, DTensor):
+        raise ValueError(f"--use-torch-fsdp2: {name} is marked an FSDP2 param but is a "
+                         f"{type(param).__name__}, not a DTensor")
+    mesh, placements = param.device_mesh, tuple(param.placements)
+    if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
+        raise ValueError(f"--use-torch-fsdp2: {name} has placements {placements} on a {mesh.ndim}-D mesh; "
+                         "Muon expects FSDP2's Shard(0) over one DP mesh dimension (HSDP is not supported)")
+    rows, cols = param.shape
+    dp_size, dp_rank = mesh.size(), mesh.get_local_rank()
+    ranges = fsdp2_row_ranges(rows, cols, dp_size)
+    shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+    local_rows = param._local_tensor.shape[0] if param._local_tensor.dim() == 2 else 0
+    start, end = ranges[dp_rank]
+    held = (offset[0] * cols, (offset[0] + shape[0]) * cols) if shape[0] else (0, 0)
+    if held != (start, end) or local_rows != shape[0]:
+        raise RuntimeError(f"--use-torch-fsdp2: DP rank {dp_rank} holds rows [{offset[0]}, {offset[0] + shape[0]}) "
+                           f"({local_rows} local) of {name} {tuple(param.shape)}, computed flat range "
+                           f"[{start}, {end}); FSDP2 changed?")
+    return ranges, mesh.get_group()

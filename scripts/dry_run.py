@@ -427,8 +427,9 @@ def planner_rows(model: str, tp: int, pp: int, dp: int, dp_layout: str = "balanc
                  ) -> dict[int, tuple[float, float]] | None:
     """Per global rank (PP = 1 only), the planner table's NS FLOPs and bytes sent for the same
     layout (``scripts.bench.planner_quality``: the same plans, computed without running a step;
-    under ``fsdp`` its "ours (Megatron-FSDP)" row, ``fsdp_layouts``)."""
-    if pp != 1:
+    under ``fsdp`` its "ours (Megatron-FSDP)" row, ``fsdp_layouts``, which emulates
+    ``optim_grads_params`` only: one bucket per transformer layer)."""
+    if pp != 1 or fsdp not in (None, "optim_grads_params"):
         return None
     from scripts.bench import planner_quality as pq
 

@@ -195,3 +195,20 @@ def test_megatron_fsdp_step_matches_plan_and_planner(tmp_path):
                            "--dp", "64", "--fsdp", "optim_grads_params"], cwd=REPO, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "cannot be built with pipeline parallelism" in proc.stderr
+
+
+def test_megatron_fsdp_no_shard_exchanges_over_the_dp_group(tmp_path):
+    """--fsdp no_shard at TP8 x DP8: every matrix whole on every DP rank; the owner exchange shares
+    the Newton–Schulz work over the 8 DP ranks. MuonFSDPOptimizer used to hand the inner step no
+    DP group under no_shard, so it planned owners over the whole world (64 ranks) and the startup
+    report failed (IndexError); the Megatron-FSDP tests ran no_shard at TP1 only, where the world
+    is the DP group."""
+    _, report = _dry_run(tmp_path, "--model", "llama3-8b", "--tp", "8", "--dp", "8", "--fsdp", "no_shard",
+                         "--ranks", "last")
+    assert report["errors"] == []
+    res = report["ranks"]["63"]
+    assert res["cut_across_dp"] == 0 and res["dp_owned"] == 16  # 128 matrices over 8 DP owners
+    assert res["ns_flops"] == res["plan_ns_flops"] > 0
+    assert res["bytes_by_collective"]["all_to_all"] == res["plan_bytes_sent"] > 0
+    assert "planner_ns_flops" not in res  # the planner table emulates optim_grads_params only
+    assert {len(g) for g in res["groups"]} == {8}  # the DP and TP groups, never the world

@@ -5,6 +5,7 @@
     python scripts/dry_run.py --model llama3-70b --tp 8 --dp 8 --json out.json
     python scripts/dry_run.py --model mixtral-8x7b --tp 2 --ep 8 --dp 64 --tp-mode duplicated
     python scripts/dry_run.py --model deepseek-v3 --tp 1 --ep 8 --pp 16 --dp 64
+    python scripts/dry_run.py --model llama3-70b --tp 8 --dp 8 --fsdp optim_grads_params
 
 For each chosen rank it builds what a Megatron job builds on that rank — the real megatron-core
 ``GPTModel`` (local spec, bf16) with meta parameters, Megatron's DDP buffers and ZeRO-1 ranges,
@@ -23,13 +24,21 @@ MoE models (``--ep``, ``--etp``; issue 14): megatron-core's MoE layers (local sp
 ``SequentialMLP``) on Megatron's expert-parallel groups; both optimizers of the chain (dense, and
 experts over the expert-DP and expert-TP groups) step, and each is measured and checked apart.
 
+Megatron-FSDP (``--fsdp STRATEGY``, issue 15; dense models): Megatron-FSDP's
+``FullyShardedDataParallel`` (its own buckets and equal DP shards, device meta) wraps the model
+instead of DDP, and our ``MuonFSDPOptimizer`` steps its DTensor shards; the same checks, next to
+the planner table's "ours (Megatron-FSDP)" row (``planner_quality.fsdp_layouts``). Three
+Megatron-FSDP steps need the meta device / fake backend let through
+(``cpu_patches.patch_megatron_fsdp_dry_run``). No cost-model row: it knows DDP's layouts only.
+
 Rank kinds (``--ranks``, comma-separated): ``first``, ``last``, ``no-first-piece`` (a DP rank
 holding no piece of the first Muon matrix), ``idle-dp-owner`` (a DP rank that owns no matrix, so
 its TP group has nothing to orthogonalize), ``pp-stages`` (the first rank of every pipeline
 stage), ``expert-dp-group`` / ``expert-tp-group`` (every member of that group of the first rank of
-the first stage with experts), or a number. Prints per rank: matrices owned, NS FLOPs, bytes per collective, the step's
-peak extra bytes (live meta tensors created during the step), next to what the plans predict for
-that rank (``parallel.step_plan``, on the real layouts), the planner table's figures
+the first stage with experts), ``busiest`` (the ranks of the first stage with the most NS FLOPs
+and the most bytes sent, by the plan), or a number. Prints per rank: matrices owned, NS FLOPs,
+bytes per collective, the step's peak extra bytes (live meta tensors created during the step),
+next to what the plans predict for that rank (``parallel.step_plan``, on the real layouts), the planner table's figures
 (``scripts.bench.planner_quality``, PP = 1) and the cost model's for the busiest rank.
 """
 
@@ -53,6 +62,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -61,11 +71,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from megatron_muon.core.models import LLAMA3, MOE_MODELS, ModelShape  # noqa: E402
 
 MODELS = {**{f"llama3-{k.lower()}": v for k, v in LLAMA3.items()}, **MOE_MODELS}
-RANK_KINDS = ("first", "last", "no-first-piece", "idle-dp-owner", "pp-stages", "expert-dp-group", "expert-tp-group")
+RANK_KINDS = ("first", "last", "no-first-piece", "idle-dp-owner", "pp-stages", "busiest", "expert-dp-group",
+              "expert-tp-group")
 
 
 class LiveBytes(TorchDispatchMode):
-    """Peak bytes of the tensors created (and still alive) inside the block; views are free."""
+    """Peak bytes of the tensors created (and still alive) inside the block; views are free. A
+    DTensor (Megatron-FSDP's params, and the optimizer state made like them) counts its local
+    shard, what the rank holds: the mode sees it before DTensor unwraps it, and its ``numel()``
+    is the global one."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -79,7 +93,8 @@ class LiveBytes(TorchDispatchMode):
         seen = {id(t) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor) and id(t) not in seen and not t._is_view():
-                nbytes = t.numel() * t.element_size()
+                local = t._local_tensor if isinstance(t, DTensor) else t
+                nbytes = local.numel() * local.element_size()
                 self.live += nbytes
                 self.peak = max(self.peak, self.live)
                 weakref.finalize(t, self._free, nbytes)
@@ -136,10 +151,13 @@ def _moe_fields(shape: ModelShape, ep: int, etp: int) -> dict:
 
 
 def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, dp_layout: str = "balanced",
-               ep: int = 1, etp: int | None = None):
+               ep: int = 1, etp: int | None = None, fsdp: str | None = None):
     """Megatron's state, model, DDP (on the ``dp_layout`` buffer layout, as ``--muon-dp-layout``
-    gives it) and our optimizer for ``rank``, all on meta. Returns the inner optimizers (the
-    dense one, then the expert one for a model with experts) and the rank's coordinates."""
+    gives it) and our optimizer for ``rank``, all on meta. With ``fsdp`` (a
+    ``--data-parallel-sharding-strategy``) Megatron-FSDP's ``FullyShardedDataParallel`` wraps the
+    model instead of DDP (``--use-megatron-fsdp``: its own layout; ``dp_layout`` is unused).
+    Returns the inner optimizers (the dense one, then the expert one for a model with experts)
+    and the rank's coordinates."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt import GPTModel
@@ -185,13 +203,16 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
     muon_config = MuonConfig(tp_mode=tp_mode, fp32_matmul_prec="medium", dp_layout=dp_layout)
     module = Float16Module(config, model)
     layout = None
-    if dp_layout == "balanced":  # what the hook's DDP factory builds (megatron/layout.py), same bucket rule
+    if fsdp is not None:
+        model = _megatron_fsdp(config, module, fsdp)
+    elif dp_layout == "balanced":  # what the hook's DDP factory builds (megatron/layout.py), same bucket rule
         from megatron_muon.megatron.layout import balanced_full_param_layout
 
         bucket = max(40_000_000, 1_000_000 * dp) if ps.get_pipeline_model_parallel_rank() == 0 else None
         layout = balanced_full_param_layout(module, bucket, dp, ddp_config, muon_config=muon_config, tp_size=tp,
                                             expert_dp_size=ps.get_expert_data_parallel_world_size())
-    model = DistributedDataParallel(config, ddp_config, module, full_param_layout=layout)
+    if fsdp is None:
+        model = DistributedDataParallel(config, ddp_config, module, full_param_layout=layout)
     optimizer = get_megatron_muon_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=True, clip_grad=1.0),
         [model], muon_config, use_gloo_process_groups=False)
@@ -210,6 +231,24 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
             parts.append(dict(part="experts", inner=experts[0], tp=etp, dp=ps.get_expert_data_parallel_world_size(),
                               tp_rank=slot["etp"], dp_rank=slot["edp"]))
     return parts, slot
+
+
+def _megatron_fsdp(config, module, strategy: str):
+    """Megatron-FSDP around ``module`` on meta, as ``get_model`` builds it under
+    ``--use-megatron-fsdp``: Megatron's DDP config for a large run with that sharding strategy,
+    the model-parallel groups of parallel_state; bucket size unset, so each transformer layer is
+    one FSDP unit (its bucket) and the rest (embedding, output, final norm: no Muon matrix)
+    groups by dtype."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True, use_megatron_fsdp=True,
+        data_parallel_sharding_strategy=strategy, gradient_reduce_div_fusion=False,
+        overlap_grad_reduce=True, overlap_param_gather=True)
+    return FullyShardedDataParallel(config=config, ddp_config=ddp_config, module=module, device=torch.device("meta"),
+                                    pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 
 def teardown() -> None:
@@ -302,6 +341,9 @@ def _step_part(part: dict, recorder: Recorder) -> dict:
                                bytes_sent_mean=sum(plan.bytes_sent) / (tp * dp)),
                 first_matrix_holders=sorted(layouts[0].holders(dp)) if layouts else [],
                 idle_dp_ranks=sorted(set(range(dp)) - set(inner._owners)),
+                # the (dp, tp) of the grid's busiest ranks by the plan: NS FLOPs, then bytes sent
+                plan_busiest=[divmod(max(range(tp * dp), key=f.__getitem__), tp)
+                              for f in (plan.ns_flops, plan.bytes_sent)],
                 names=sorted({_pattern(lay.name) for lay in layouts}))
 
 
@@ -313,11 +355,11 @@ def _pattern(name: str) -> str:
     return name_pattern(name)
 
 
-def run_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout: str = "balanced", ep: int = 1, etp: int | None = None
-             ) -> dict:
+def run_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout: str = "balanced", ep: int = 1, etp: int | None = None,
+             fsdp: str | None = None) -> dict:
     """Build ``rank`` and run its step(s): the dense optimizer's figures at the top level (as
     for a dense model), the expert optimizer's under ``experts`` (None without experts on the stage)."""
-    parts, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout, ep, etp)
+    parts, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout, ep, etp, fsdp)
     try:
         recorder = Recorder(parts[0]["inner"].device)
         results = {part["part"]: _step_part(part, recorder) for part in parts}
@@ -357,6 +399,8 @@ def choose_ranks(kinds: list[str], tp: int, pp: int, dp: int, probe: dict, moe_s
             ranks = [at(0, d, 0) for d in probe["idle_dp_ranks"]][:1]
         elif kind == "pp-stages":
             ranks = [at(0, 0, p) for p in range(pp)]
+        elif kind == "busiest":  # of the first stage, by its plan
+            ranks = sorted({at(t, d, 0) for d, t in probe["plan_busiest"]})
         elif kind in ("expert-dp-group", "expert-tp-group"):  # stage 0's groups, moved to moe_stage
             ranks = [r + at(0, 0, moe_stage) for r in probe.get(kind.replace("-", "_"), [])]
         elif kind.isdigit():
@@ -379,16 +423,20 @@ def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str, d
     return dict(ns_flops_max=cost.ns_flops_max, bytes_sent_max=cost.bytes_sent_max, step_ms_h100=cost.total_s * 1e3)
 
 
-def planner_rows(model: str, tp: int, pp: int, dp: int, dp_layout: str = "balanced"
+def planner_rows(model: str, tp: int, pp: int, dp: int, dp_layout: str = "balanced", fsdp: str | None = None
                  ) -> dict[int, tuple[float, float]] | None:
     """Per global rank (PP = 1 only), the planner table's NS FLOPs and bytes sent for the same
-    layout (``scripts.bench.planner_quality``: the same plans, computed without running a step)."""
-    if pp != 1:
+    layout (``scripts.bench.planner_quality``: the same plans, computed without running a step;
+    under ``fsdp`` its "ours (Megatron-FSDP)" row, ``fsdp_layouts``, which emulates
+    ``optim_grads_params`` only: one bucket per transformer layer)."""
+    if pp != 1 or fsdp not in (None, "optim_grads_params"):
         return None
     from scripts.bench import planner_quality as pq
 
     spec = pq.llama3_spec(model.removeprefix("llama3-").upper())
-    plan = pq.plan_ours(pq.ours_layouts(spec, tp, dp, pq.default_bucket_size(dp), dp_layout=dp_layout), tp, dp)
+    layouts = (pq.fsdp_layouts(spec, tp, dp, fsdp) if fsdp is not None
+               else pq.ours_layouts(spec, tp, dp, pq.default_bucket_size(dp), dp_layout=dp_layout))
+    plan = pq.plan_ours(layouts, tp, dp)
     return {r: (plan.flops[r], plan.dp_bytes[r] + plan.tp_bytes[r]) for r in range(tp * dp)}
 
 
@@ -441,8 +489,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--etp", type=int, default=None,
                         help="expert tensor parallel size (default: --tp, as Megatron)")
     parser.add_argument("--tp-mode", default="owner", choices=("owner", "duplicated", "distributed", "blockwise"))
-    parser.add_argument("--dp-layout", default="balanced", choices=("balanced", "megatron"),
-                        help="the DDP buffer layout (--muon-dp-layout); default balanced, as in training")
+    wrap = parser.add_mutually_exclusive_group()
+    wrap.add_argument("--dp-layout", default=None, choices=("balanced", "megatron"),
+                      help="the DDP buffer layout (--muon-dp-layout); default balanced, as in training")
+    wrap.add_argument("--fsdp", default=None, choices=("optim_grads_params", "optim_grads", "optim", "no_shard"),
+                      help="Megatron-FSDP (--use-megatron-fsdp) with this --data-parallel-sharding-strategy "
+                           "instead of DDP (dense models only)")
     parser.add_argument("--ranks", default=None,
                         help=f"comma-separated rank numbers or kinds {RANK_KINDS}; default first,last,no-first-piece,"
                              "idle-dp-owner,pp-stages (and expert-dp-group,expert-tp-group for an MoE model)")
@@ -451,7 +503,16 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("tp", "pp", "dp", "ep", "etp"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    args.dp_layout = args.dp_layout or "balanced"
     shape = MODELS[args.model]
+    if args.fsdp is not None and (shape.num_experts or args.ep > 1):
+        parser.error(f"--fsdp: {args.model} has experts; experts under Muon need the distributed optimizer (DDP)")
+    if args.fsdp is not None and args.pp > 1:
+        # mcore_fsdp_adapter._get_dp_tp_mesh rearranges torch.arange(world_size) as (dp_cp ep tp):
+        # at TP8 x PP16 x DP64 einops raises "Shape mismatch, 8192 != 512" (a real job too).
+        parser.error(f"--fsdp with --pp {args.pp}: megatron-core 0.19.2's Megatron-FSDP builds its DP x TP mesh "
+                     "from every rank of the job (world size = DP x TP x EP), so it cannot be built with pipeline "
+                     "parallelism")
     etp = args.tp if args.etp is None else args.etp
     if not shape.num_experts and (args.ep > 1 or etp != args.tp):
         parser.error(f"--ep / --etp: {args.model} has no experts")
@@ -465,22 +526,28 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_muon.megatron.cpu_patches import apply_cpu_patches, view_device
 
     apply_cpu_patches()
+    if args.fsdp is not None:
+        from megatron_muon.megatron.cpu_patches import patch_megatron_fsdp_dry_run
+
+        patch_megatron_fsdp_dry_run()
     started = time.perf_counter()
     layout = (shape, args.tp, args.pp, args.dp)
     with view_device(torch.device("meta")):  # Megatron's buffers: allocated on meta, not the CPU
-        probe = run_rank(*layout, 0, args.tp_mode, args.dp_layout, args.ep, etp)
+        probe = run_rank(*layout, 0, args.tp_mode, args.dp_layout, args.ep, etp, args.fsdp)
         moe_stage = first_moe_stage(shape, args.pp) if shape.num_experts else 0
         chosen = choose_ranks(ranks.split(","), args.tp, args.pp, args.dp, probe, moe_stage)
         if not chosen:
             raise SystemExit(f"error: --ranks {ranks}: no such rank at this layout")
         results = {0: probe} if 0 in chosen else {}
         for rank in sorted(set(chosen) - set(results)):
-            results[rank] = run_rank(*layout, rank, args.tp_mode, args.dp_layout, args.ep, etp)
+            results[rank] = run_rank(*layout, rank, args.tp_mode, args.dp_layout, args.ep, etp, args.fsdp)
     errors = [f"rank {r}: {e}" for r, res in results.items() for e in res["errors"]]
     errors += cross_rank_errors({r: res["trace"] for r, res in results.items()})
     moe = bool(shape.num_experts) or shape.mla is not None  # the cost model and planner table: dense GQA only
-    predicted = None if moe else cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout)
-    planned = (planner_rows(args.model, args.tp, args.pp, args.dp, args.dp_layout)
+    # the cost model knows DDP's buffer layouts only
+    predicted = (None if moe or args.fsdp else
+                 cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout))
+    planned = (planner_rows(args.model, args.tp, args.pp, args.dp, args.dp_layout, args.fsdp)
                if args.tp_mode == "owner" and not moe else None)
     for rank, res in results.items():
         if planned is not None:
@@ -489,8 +556,9 @@ def main(argv: list[str] | None = None) -> int:
     world = args.tp * args.pp * args.dp
     experts = (f", EP{args.ep} x expert-TP{etp} x expert-DP{args.tp * args.dp // (args.ep * etp)}"
                if shape.num_experts else "")
+    wrapper = f"Megatron-FSDP {args.fsdp}" if args.fsdp else f"--muon-dp-layout {args.dp_layout}"
     print(f"Dry run: {args.model}, TP{args.tp} x PP{args.pp} x DP{args.dp} ({world} ranks){experts}, "
-          f"tp_mode {args.tp_mode}, --muon-dp-layout {args.dp_layout}, bf16 NS, meta device, fake process group\n")
+          f"tp_mode {args.tp_mode}, {wrapper}, bf16 NS, meta device, fake process group\n")
     print("| rank | kinds | TP/DP/PP rank | Muon matrices | cut across DP | DP-owned | NS TFLOP (plan) [planner table] "
           "| MiB sent (all_to_all / all_gather / all_reduce / shape check) | plan MiB [planner table] | "
           "peak extra GiB |")
@@ -529,7 +597,8 @@ def main(argv: list[str] | None = None) -> int:
         for res in results.values():
             res["trace"] = len(res["trace"])
         args.json.write_text(json.dumps(dict(model=args.model, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep,
-                                             etp=etp, tp_mode=args.tp_mode, dp_layout=args.dp_layout,
+                                             etp=etp, tp_mode=args.tp_mode, fsdp=args.fsdp,
+                                             dp_layout=None if args.fsdp else args.dp_layout,
                                              ranks={str(r): dict(res, kinds=chosen.get(r, []))
                                                     for r, res in results.items()},
                                              summary=sums, cost_model=predicted, errors=errors), indent=1))

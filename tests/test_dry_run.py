@@ -7,6 +7,7 @@ ranks and runs the inner step; a tensor on another device, or collectives whose 
 line up across the simulated ranks, make it exit 1. Before the device rule, the rank holding no
 piece of the first matrix (CPU exchange buffers) and the DP owner whose TP group owns nothing
 (a CPU shape-check header) both failed here; see tests/test_device_rule.py for the rule itself.
+``--fsdp`` (issue 15) runs the same step under Megatron-FSDP's own wrapper and layout (about 30 s).
 """
 
 from __future__ import annotations
@@ -162,3 +163,52 @@ def test_deepseek_v3_first_moe_stage(tmp_path):
         assert res["pp"] == 1 and res["matrices"] == dense and res["experts"]["matrices"] == experts == 3 * 32 * 2
         assert res["experts"]["ns_flops"] == res["experts"]["plan_ns_flops"] > 0
         assert res["experts"]["bytes_sent"] == 0
+
+
+def test_megatron_fsdp_step_matches_plan_and_planner(tmp_path):
+    """--fsdp optim_grads_params (issue 15): Megatron-FSDP's FullyShardedDataParallel wraps the
+    meta model instead of DDP; MuonFSDPOptimizer steps its DTensor shards. Llama-3 8B at TP8 x DP8
+    (about 20 s): each transformer layer is one bucket cut in 8 equal shards, 96 of the 128 Muon
+    matrices cut between DP ranks (the planner table's count), and on every simulated rank the
+    step does what the plans and the planner table's "ours (Megatron-FSDP)" row say, to the unit."""
+    proc, report = _dry_run(tmp_path, "--model", "llama3-8b", "--tp", "8", "--dp", "8", "--fsdp", "optim_grads_params",
+                            "--ranks", "first,no-first-piece,last")
+    assert report["errors"] == [] and report["fsdp"] == "optim_grads_params" and report["dp_layout"] is None
+    assert "Megatron-FSDP optim_grads_params" in proc.stdout
+    ranks = report["ranks"]
+    assert {"0", "63"} <= set(ranks) and len(ranks) == 3
+    for rank, res in ranks.items():
+        assert res["device"] == "meta" and res["trace"] > 0, rank
+        assert res["matrices"] == 128 and res["cut_across_dp"] == 96, rank
+        assert res["ns_flops"] == res["plan_ns_flops"] == res["planner_ns_flops"] > 0, rank
+        assert res["bytes_by_collective"]["all_to_all"] == res["plan_bytes_sent"] == res["planner_bytes_sent"] > 0
+        # the momentum of this rank's shards, counted at the DTensor's local size (not its global one)
+        assert 0 < res["peak_extra_bytes"] < 4 * 2**30, rank
+    assert report["cost_model"] is None  # the cost model knows DDP's layouts only
+    # --fsdp and --dp-layout (DDP's buffer layout) exclude each other
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "dry_run.py"), "--model", "llama3-8b", "--fsdp",
+                           "optim_grads_params", "--dp-layout", "megatron"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
+    # megatron-core 0.19.2's Megatron-FSDP cannot be built with PP > 1 (its mesh is every rank of the job)
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "dry_run.py"), "--model", "llama3-405b", "--pp", "16",
+                           "--dp", "64", "--fsdp", "optim_grads_params"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "cannot be built with pipeline parallelism" in proc.stderr
+
+
+def test_megatron_fsdp_no_shard_exchanges_over_the_dp_group(tmp_path):
+    """--fsdp no_shard at TP8 x DP8: every matrix whole on every DP rank; the owner exchange shares
+    the Newton–Schulz work over the 8 DP ranks. MuonFSDPOptimizer used to hand the inner step no
+    DP group under no_shard, so it planned owners over the whole world (64 ranks) and the startup
+    report failed (IndexError); the Megatron-FSDP tests ran no_shard at TP1 only, where the world
+    is the DP group."""
+    _, report = _dry_run(tmp_path, "--model", "llama3-8b", "--tp", "8", "--dp", "8", "--fsdp", "no_shard",
+                         "--ranks", "last")
+    assert report["errors"] == []
+    res = report["ranks"]["63"]
+    assert res["cut_across_dp"] == 0 and res["dp_owned"] == 16  # 128 matrices over 8 DP owners
+    assert res["ns_flops"] == res["plan_ns_flops"] > 0
+    assert res["bytes_by_collective"]["all_to_all"] == res["plan_bytes_sent"] > 0
+    assert "planner_ns_flops" not in res  # the planner table emulates optim_grads_params only
+    assert {len(g) for g in res["groups"]} == {8}  # the DP and TP groups, never the world

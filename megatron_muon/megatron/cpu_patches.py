@@ -837,6 +837,55 @@ def patch_torch_fsdp2() -> None:
     _retarget(torch_fsdp.TorchFullyShardedDataParallel, "__init__", consts=("cuda",))
 
 
+def patch_megatron_fsdp_dry_run() -> None:
+    """For ``scripts/dry_run.py --fsdp`` only (not in ``PATCHES``): Megatron-FSDP over a model
+    whose params are on the meta device, its buffers on meta too (``device=meta``), under torch's
+    fake process group.
+
+    * param_and_grad_buffer.py ``ParamAndGradBuffer._init_each_parameter_group_buffers`` asserts
+      ``not p.is_meta`` on every param before copying it into its model-weight buffer (a param
+      left uninitialized by ``init_model_with_meta_device`` would be copied as garbage). In the
+      dry run every param and buffer is meta by design and the copies only propagate shapes, so
+      in that function only ``is_meta`` is read as ``is_quantized`` (False for the dry run's
+      bf16 / fp32 params). Its other reads of ``is_meta`` sit behind
+      ``reset_parameters_for_meta_device_init_module`` (``init_model_with_meta_device``), off.
+    * param_and_grad_buffer.py ``make_fsdp_dtensor`` (``_init_distributed_params``: every
+      DTensor param, ``run_check=True``) calls ``validate_uneven_dtensor``, whose bounds check
+      takes the other DP ranks' local shapes from ``dist.all_gather_object``; the fake backend
+      gathers nothing real (each slot reads as this rank's own shape), so on DP rank > 0 a param
+      held whole by one rank "ends" past its global shape. megatron-core already skips the
+      function's second check under the fake backend for the same reason; here the call from
+      ``make_fsdp_dtensor`` skips the whole check under the fake backend (elsewhere it runs).
+    * mcore_fsdp_adapter.py ``FullyShardedDataParallel.sync_rng_states_across_tp_group`` (from
+      ``__init__``, TP > 1): TP rank 0 sends its RNG states with ``broadcast_object_list``; under
+      the fake backend a receiving rank reads an uninitialized object size and tries to allocate
+      that (94 TB on TP rank 7 of Llama-3 8B at TP8). The dry run draws no random number: skipped
+      under the fake backend.
+    """
+    from megatron.core.distributed.fsdp import mcore_fsdp_adapter as adapter
+    from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as buffers
+
+    if getattr(buffers.validate_uneven_dtensor, "_skips_fake_backend", False):
+        return  # applied
+    _rename_method_call(buffers.ParamAndGradBuffer, "_init_each_parameter_group_buffers", "is_meta", "is_quantized")
+    buffers.validate_uneven_dtensor = _unless_fake_backend(buffers.validate_uneven_dtensor)
+    fsdp = adapter.FullyShardedDataParallel
+    fsdp.sync_rng_states_across_tp_group = _unless_fake_backend(fsdp.sync_rng_states_across_tp_group)
+
+
+def _unless_fake_backend(func):
+    """``func``, which does nothing under torch's fake process group."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        if torch.distributed.is_initialized() and torch.distributed.get_backend() == "fake":
+            return None
+        return func(*args, **kwargs)
+
+    wrapper._skips_fake_backend = True
+    return wrapper
+
+
 PATCHES = (
     patch_rng_tracker,
     patch_grad_buffer,

@@ -23,8 +23,9 @@ Momentum lives with the shards (a DTensor like the param).
 
 The strategies: ``optim_grads_params`` and ``optim_grads`` shard the main weights the same way
 (params, or only grads and optimizer state); ``optim`` shards the main weights and optimizer
-state and keeps full grads; ``no_shard`` gives every rank whole matrices (no exchange, each DP
-rank orthogonalizes every matrix itself, as without the distributed optimizer).
+state and keeps full grads; ``no_shard`` gives every rank whole matrices (no pieces travel; the
+DP owner exchange shares the Newton–Schulz work out and sends each result to the other DP ranks,
+as without the distributed optimizer).
 """
 
 from __future__ import annotations
@@ -94,16 +95,19 @@ class MuonFSDPOptimizer(DistributedOptimizer):
                     if id(param) not in muon_params:
                         continue
                     item = buffer.item_index_map[item_id]
+                    # The DP group under every strategy, no_shard included: None would make the
+                    # inner step plan and exchange over the default (world) group, TP peers too
+                    # (found by scripts/dry_run.py --fsdp no_shard at TP8: owners up to 63 for 8 DP ranks).
+                    if dp_group is None:
+                        dp_group = buffer.data_parallel_group
+                    elif dp_group is not buffer.data_parallel_group:
+                        raise ValueError(f"--use-megatron-fsdp: {name} is sharded over another DP group than "
+                                         "the other Muon matrices (hybrid FSDP is not supported with Muon)")
                     ranges = None
                     if buffers.bucketing_policy.data_parallel_sharding_strategy != "no_shard":
                         ranges = fsdp_item_ranges(buffer.bucket_index.global_data_index, buffer.bucket_index.size,
                                                   item.global_data_index, item.size, buffer.dp_world_size)
                         _check_own_range(buffer, item_id, ranges[buffer.dp_rank], name)
-                        if dp_group is None:
-                            dp_group = buffer.data_parallel_group
-                        elif dp_group is not buffer.data_parallel_group:
-                            raise ValueError(f"--use-megatron-fsdp: {name} is sharded over another DP group than "
-                                             "the other Muon matrices (hybrid FSDP is not supported with Muon)")
                     layout = layout_of(f"chunk{c}.{name}", param, tp_size, muon_config, ranges, tuple(item.shape))
                     matrices.append(MuonMatrix(layout, param))
                     self.matrix_of_param[id(param)] = matrices[-1]

@@ -84,6 +84,10 @@ def _megatron_fsdp_rejections(args) -> list[tuple[bool, str]]:
     if not args.use_megatron_fsdp:
         return []
     return [
+        (getattr(args, "pipeline_model_parallel_size", 1) > 1,
+         f"--use-megatron-fsdp with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
+         "megatron-core 0.19.2's Megatron-FSDP lays every rank of the job out as DP x TP (x EP) and fails on "
+         "a pipeline (an einops shape error); use --use-distributed-optimizer"),
         (getattr(args, "num_experts", None) is not None,
          "--use-megatron-fsdp with --num-experts: experts under Muon need --use-distributed-optimizer (the "
          "expert-DP owner exchange); Megatron-FSDP with Muon is dense-only for now"),

@@ -95,7 +95,8 @@ RUNS = {
     + [dict(tp=1, **ZERO1)],
     4: [dict(tp=1, fsdp=s, tp_mode="owner") for s in STRATEGIES]
     + [dict(tp=2, fsdp="optim_grads_params", tp_mode=m) for m in ("owner", "duplicated", "distributed")]
-    + [dict(tp=2, fsdp="optim", tp_mode="owner"), dict(tp=1, **ZERO1), dict(tp=2, **ZERO1)],
+    + [dict(tp=2, fsdp=s, tp_mode="owner") for s in ("optim", "no_shard")]  # no_shard: DP owners over DP, not TP x DP
+    + [dict(tp=1, **ZERO1), dict(tp=2, **ZERO1)],
 }
 CASES = [(w, i) for w, runs in RUNS.items() for i, r in enumerate(runs) if r["fsdp"]]
 

@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 from .mechanisms import _rename_method_call, _retarget, _retarget_device_view, _unless_fake_backend
 
 
@@ -48,6 +51,30 @@ def patch_megatron_fsdp() -> None:
     _retarget_device_view(buffers.AllGatherPipeline, "__init__", names=("Stream",))
     _retarget_device_view(buffers.AllGatherPipeline, "all_gather_params", names=("stream", "current_stream"))
     _rename_method_call(uneven_dtensor, "validate_uneven_dtensor", "cuda", "cpu")
+    buffers.AllGatherPipeline.all_gather_params = _synchronous_param_gather(buffers.AllGatherPipeline.all_gather_params)
+
+
+def _synchronous_param_gather(all_gather_params):
+    """``AllGatherPipeline.all_gather_params`` with ``async_param_gather=False``: on the CPU every
+    param all-gather completes before the call returns.
+
+    On CUDA an overlapped all-gather writes its bucket on a side stream, and a bucket Megatron-FSDP
+    frees (its storage resized to 0) is only reused once the stream has passed the gather. On the
+    CPU the null streams order nothing: a prefetched bucket released while gloo still writes into
+    it corrupts the heap (seen once in CI: ``malloc(): unaligned tcache chunk detected`` in the
+    FSDP demo). Waiting at once removes the overlap, which the CPU does not have anyway."""
+    signature = inspect.signature(all_gather_params)
+    if "async_param_gather" not in signature.parameters:
+        raise RuntimeError("cpu_patches: AllGatherPipeline.all_gather_params has no async_param_gather; "
+                           "Megatron changed?")
+
+    @functools.wraps(all_gather_params)
+    def wrapper(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["async_param_gather"] = False
+        return all_gather_params(*bound.args, **bound.kwargs)
+
+    return wrapper
 
 
 def patch_torch_fsdp2() -> None:

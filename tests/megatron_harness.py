@@ -192,9 +192,9 @@ def build_tiny_gpt(
     ``--overlap-param-gather`` (the step leaves the param all-gather to the next forward's
     pre-hooks; call ``chunk.disable_forward_pre_hook()`` before reading the params, as Megatron
     does before a checkpoint or an evaluation).
-    ``layout_bucket_size``: with the distributed optimizer and the ``megatron`` layout, megatron-core's
-    own layout (``DistributedOptimizer.compute_full_param_layout``) with buckets of about this many
-    elements, handed to DDP: DDP drops ``bucket_size`` without ``overlap_grad_reduce``, so this is
+    ``layout_bucket_size``: with the distributed optimizer, the layout (megatron-core's own,
+    ``DistributedOptimizer.compute_full_param_layout``, or the balanced one) with buckets of about
+    this many elements, handed to DDP: DDP drops ``bucket_size`` without ``overlap_grad_reduce``, so this is
     how a test moves the DP boundaries (each bucket is split over DP) onto the matrix it wants cut.
     ``moe``: a mixture of experts in every layer (local spec, ``SequentialMLP``): ``experts``
     (4), ``topk`` (2), ``ffn`` (``MOE_FFN`` per expert), ``shared`` (None, or the shared expert's
@@ -308,7 +308,8 @@ def build_tiny_gpt(
 
             # DDP's rule: no buckets without overlap_grad_reduce (it sets bucket_size None itself)
             layout = balanced_full_param_layout(
-                model, bucket_size if ddp_config.overlap_grad_reduce else None, ps.get_data_parallel_world_size(),
+                model, bucket_size if ddp_config.overlap_grad_reduce else layout_bucket_size,
+                ps.get_data_parallel_world_size(),
                 ddp_config,
                 muon_config=muon_config or MuonConfig(), tp_size=tp, max_padding=1.0)
         else:
@@ -532,7 +533,7 @@ def _named_weights(chunk, model):
         yield from model.named_parameters()
 
 
-def _gather_fsdp_rows(param) -> torch.Tensor:
+def gather_fsdp_rows(param) -> torch.Tensor:
     """The TP-local weight of a Megatron-FSDP (or torch FSDP2) DTensor param: every DP rank's rows (contiguous,
     in DP rank order, some possibly empty), concatenated. Through ``all_gather_object``, as
     Megatron's ``uneven_dtensor_to_full_tensor`` all-gathers uneven pieces, which gloo refuses."""
@@ -568,7 +569,7 @@ def gather_full_params(model_chunks: list, tp_group, pp: int) -> dict[str, torch
         model = _unwrap(chunk)
         for name, param in _named_weights(chunk, model):
             if hasattr(param, "_local_tensor"):  # Megatron-FSDP: this DP rank's rows of the TP-local weight
-                local = _gather_fsdp_rows(param)
+                local = gather_fsdp_rows(param)
             else:
                 local = param.detach().to(torch.float32, copy=True)  # never alias the live param
             group = ps.get_expert_tensor_parallel_group() if is_expert(param) else tp_group

@@ -24,6 +24,8 @@ import os
 
 import pytest
 import torch
+from checkpoint_harness import load_torch_dist as _load
+from checkpoint_harness import save_torch_dist as _save
 from dist_harness import ChildError, run_world
 from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
 
@@ -90,60 +92,6 @@ def _train(model, optimizer, scheduler, first: int, last: int) -> None:
         ok, _, _ = optimizer.step()
         assert ok
         scheduler.step(1)
-
-
-def _metadata(sharding_type: str | None) -> dict:
-    """What megatron.training's ``_build_sharded_state_dict_metadata`` builds."""
-    from megatron.core import parallel_state as ps
-
-    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
-    if sharding_type is not None:
-        metadata["distrib_optim_sharding_type"] = sharding_type
-        # True = the gloo gather (--distrib-optim-fully-reshardable-mem-efficient); the default
-        # (False) all-gathers on the CUDA device, which this CPU build does not have.
-        metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
-    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
-    return metadata
-
-
-def _unwrap(module):
-    """DDP -> (Float16Module ->) GPTModel, as megatron.training's ``unwrap_model`` before
-    ``sharded_state_dict``."""
-    while hasattr(module, "module"):
-        module = module.module
-    return module
-
-
-def _save(ckpt_dir: str, model, optimizer, scheduler, sharding_type: str | None) -> None:
-    """As ``megatron.training.checkpointing.save_checkpoint`` (generate_state_dict) does."""
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
-
-    metadata = _metadata(sharding_type)
-    state = {"model": _unwrap(model[0]).sharded_state_dict(metadata=metadata)}
-    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
-    state["opt_param_scheduler"] = scheduler.state_dict()
-    dist_checkpointing.save(state, ckpt_dir, content_metadata=_clean_metadata_for_serialization(metadata))
-
-
-def _load(ckpt_dir: str, model, optimizer, scheduler, *, load_model: bool = True) -> None:
-    """As ``megatron.training.checkpointing.load_checkpoint`` does: the sharding type comes from
-    the checkpoint's content metadata; model, then optimizer, then scheduler."""
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-
-    metadata = dist_checkpointing.load_content_metadata(ckpt_dir) or {}
-    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
-    state = {"model": _unwrap(model[0]).sharded_state_dict(metadata=metadata)}
-    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
-    state["opt_param_scheduler"] = scheduler.state_dict()
-    if not load_model:
-        del state["model"]
-    loaded = dist_checkpointing.load(state, ckpt_dir)
-    if load_model:
-        model[0].load_state_dict(loaded["model"])
-    optimizer.load_state_dict(loaded["optimizer"])
-    scheduler.load_state_dict(loaded["opt_param_scheduler"])
 
 
 def _snapshot(model, optimizer) -> dict:

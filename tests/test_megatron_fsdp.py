@@ -22,6 +22,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from checkpoint_harness import fsdp_optimizer_state as _optimizer_state
+from checkpoint_harness import load_fsdp_dtensor as _load_fsdp
+from checkpoint_harness import save_fsdp_dtensor as _save_fsdp
 from dist_harness import run_world
 from megatron_harness import (
     build_tiny_gpt,
@@ -170,77 +173,6 @@ def test_matrices_are_cut_and_travel(trained):
 
 CKPT_STEPS = 2  # steps before the save, and after the load
 CKPT_STRATEGIES = ("optim_grads_params", "optim")
-
-
-def _fsdp_state(model, optimizer, *, loading: bool):
-    """What ``megatron.training.checkpointing`` saves and loads for ``--ckpt-format fsdp_dtensor``
-    (``generate_state_dict``): the model's state dict, the optimizer's ``fsdp_dtensor`` state."""
-    model_sd = model[0].state_dict_for_save_checkpoint()
-    state = {"model": model_sd}
-    state["optimizer"] = optimizer.sharded_state_dict(
-        state, is_loading=loading, metadata={"distrib_optim_sharding_type": "fsdp_dtensor"})
-    return state
-
-
-def _args():
-    from argparse import Namespace
-
-    return Namespace(swiglu=True, num_experts=None)  # what preprocess_fsdp_dtensor_state_dict reads
-
-
-def _save_fsdp(path: str, model, optimizer) -> None:
-    import torch.distributed.checkpoint as dcp
-    from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
-
-    state = preprocess_fsdp_dtensor_state_dict(_args(), _fsdp_state(model, optimizer, loading=False),
-                                               _unwrapped(model))
-    dcp.save(state, checkpoint_id=path)
-
-
-def _unwrapped(model):
-    """What ``save_checkpoint`` / ``load_checkpoint`` hand the preprocessing: ``unwrap_model``'s
-    result, Megatron-FSDP's own module (the fc1 lookups go through it)."""
-    from megatron.core.utils import unwrap_model
-
-    return unwrap_model(model)[0]
-
-
-def _load_fsdp(path: str, model, optimizer) -> None:
-    """As ``load_checkpoint`` -> ``_load_base_checkpoint`` does, except that a key of the current
-    state missing from the checkpoint fails here (Megatron allows a partial load by default)."""
-    import torch.distributed.checkpoint as dcp
-    from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
-    from torch.distributed.checkpoint import default_planner
-
-    state = _fsdp_state(model, optimizer, loading=True)
-    raw_model, raw_optimizer = state["model"].copy(), state["optimizer"].copy()
-    state = preprocess_fsdp_dtensor_state_dict(_args(), state, _unwrapped(model))
-    dcp.load_state_dict(state_dict=state, storage_reader=dcp.FileSystemReader(path),
-                        planner=default_planner.DefaultLoadPlanner(allow_partial_load=False))
-    model[0].load_state_dict(raw_model, strict=False)  # Megatron's strict=False with SwiGLU (the _w/_v keys)
-    optimizer.load_state_dict(raw_optimizer)
-
-
-def _optimizer_state(optimizer) -> dict:
-    """Every state tensor of the inner optimizer, by param name, gathered whole (DP shards
-    concatenated), plus the step counters: the optimizer's, and each param's where this rank
-    holds a piece of it (a rank never steps a param whose shard is empty there: no grad; a load
-    sets its counter to the optimizer's, ``fsdp._canonical``)."""
-    from megatron_harness import _gather_fsdp_rows
-
-    inner = optimizer.chained_optimizers[0]
-    out = {"muon_steps": inner.optimizer.muon_steps}
-    for group in inner.optimizer.param_groups:
-        for param in group["params"]:
-            name = inner._param_name(param)
-            for key, value in sorted(inner.optimizer.state[param].items()):
-                if key == "step" and param._local_tensor.numel() == 0:
-                    continue
-                if hasattr(value, "_local_tensor"):
-                    out[f"{name}.{key}"] = _gather_fsdp_rows(value)
-                else:
-                    out[f"{name}.{key}"] = value.detach().clone()
-    return out
 
 
 def checkpoint_runs(rank: int, world: int, path: str, strategy: str) -> dict:

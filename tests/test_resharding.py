@@ -43,6 +43,7 @@ import types
 import megatron_harness
 import pytest
 import torch
+from checkpoint_harness import unwrap as _unwrap
 from dist_harness import run_world
 from megatron_harness import (
     HEADS,
@@ -55,7 +56,7 @@ from megatron_harness import (
     unshard,
 )
 from test_bad_inputs import expected_line
-from test_checkpoint import LR, MUON, SMALL_BUCKET, WD, _load, _optimizer_config, _unwrap
+from test_checkpoint import LR, MUON, SMALL_BUCKET, WD, _load, _optimizer_config
 from test_pretrain import ENTRY, TINY, _free_port
 
 from megatron_muon.megatron.resharding import FULLY_RESHARDABLE_FLAG, explain_load_error

@@ -62,6 +62,7 @@ import torch
 __all__ = [
     "CANONICAL_STATE_KEYS",
     "MuonCheckpointMixin",
+    "check_saved_extents",
     "load_canonical_state",
     "prepare_for_checkpointing",
     "tag_param_groups",
@@ -141,7 +142,52 @@ def load_canonical_state(
         target.copy_(src.view_as(target))
 
 
+def mismatched_elements(main: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """How many elements of an fp32 main param are not the model weights' values (0-d tensor).
+
+    The model param is the main param rounded to its dtype (Megatron copies main → model after
+    every step and the reverse at a weights-only load), so the two differ by at most half an ulp
+    of the model dtype; one ulp (``eps · |main|``) is allowed. A loss-free checkpoint has 0
+    everywhere; a zero-filled tail (a checkpoint that lost elements on save) counts each of
+    them, since real weights are not exactly 0.
+    """
+    ulp = torch.finfo(weights.dtype).eps
+    main = main.reshape(-1).float()
+    return ((weights.reshape(-1).float() - main).abs() > ulp * main.abs()).sum()
+
+
 # --------------------------------------------------------------------------- distributed optimizer
+
+
+def check_saved_extents(buffers, names: dict[int, str], *, exact: bool = False) -> None:
+    """Refuse a buffer whose checkpoints would lose part of a param.
+
+    Megatron's distributed-optimizer checkpoints keep, of each bucket, its first
+    ``bucket.numel_unpadded`` elements (``get_parameter_state_dp_zero``; both the
+    ``fully_reshardable`` and the ``dp_reshardable`` formats) and zero-fill whatever a param
+    has beyond them on save, with only a log warning. Invariant checked here, per bucket:
+    every param ends at or before ``bucket.offset + bucket.numel_unpadded``. ``exact``: also
+    that the count is exactly the last param's end (megatron-core's own definition), which a
+    layout of ours must meet.
+
+    ``buffers``: megatron-core ``_ParamAndGradBuffer``s; ``names``: ``id(param) → name``.
+    Raises ``ValueError`` (one line) naming the param and the elements it would lose.
+    """
+    for b_index, buffer in enumerate(buffers):
+        for k, bucket in enumerate(buffer.buckets):
+            saved_end = bucket.offset + bucket.numel_unpadded
+            last_end = max(buffer.param_index_map[p][1] for p in bucket.params_list)
+            if last_end > saved_end:
+                param = max(bucket.params_list, key=lambda p: buffer.param_index_map[p][1])
+                raise ValueError(
+                    f"full_param_layout: bucket {k} of buffer {b_index} saves {bucket.numel_unpadded} elements "
+                    f"(per_bucket_numel_unpadded) but {names.get(id(param), tuple(param.shape))} ends "
+                    f"{last_end - saved_end} elements later, which every checkpoint would zero; "
+                    "per_bucket_numel_unpadded must be each bucket's last param end minus its start")
+            if exact and last_end != saved_end:
+                raise ValueError(
+                    f"full_param_layout: bucket {k} of buffer {b_index} has per_bucket_numel_unpadded "
+                    f"{bucket.numel_unpadded}, but its last param ends at {last_end - bucket.offset}")
 
 
 class MuonCheckpointMixin:
@@ -161,6 +207,48 @@ class MuonCheckpointMixin:
         return CANONICAL_STATE_KEYS
 
     # ---- per-param state -------------------------------------------------------------------
+    def sharded_param_state_fully_reshardable(self, *args, **kwargs):
+        """Megatron's, on world tensors in buffer coordinates (``get_parameter_state_dp_zero``)."""
+        self._world_in_buffer_coordinates = True
+        try:
+            return super().sharded_param_state_fully_reshardable(*args, **kwargs)
+        finally:
+            self._world_in_buffer_coordinates = False
+
+    def get_parameter_state_dp_zero(self, *args, **kwargs):
+        """Megatron's; inside ``sharded_param_state_fully_reshardable``, each world tensor is laid
+        out as its buffer is (bucket ``b``'s unpadded elements at ``bucket.offset``, zeros in the
+        padding between buckets).
+
+        megatron-core 0.19.2 gathers a buffer's state into one world tensor with the padding
+        between buckets removed, and ``sharded_param_state_fully_reshardable`` then slices it
+        with ``buffer.param_index_map``, whose offsets include that padding: with more than one
+        bucket, every param after the first padded bucket end is saved shifted by the padding
+        before it (and the last ones zero-filled, the "param range exceeds unpadded buffer"
+        warning). Both DP layouts pad bucket ends at DP >= 2. The loader
+        (``load_parameter_state_from_fully_reshardable``) reads each param's own tensor and needs
+        nothing here.
+        """
+        state = super().get_parameter_state_dp_zero(*args, **kwargs)
+        if state is None or not getattr(self, "_world_in_buffer_coordinates", False):
+            return state
+        for gbuf_idx, dtype_state in state.items():
+            if not isinstance(gbuf_idx, int):
+                continue  # "buckets_coalesced"
+            buffer = self.buffers[gbuf_idx]
+            for world in dtype_state.values():
+                for key, packed in list(world.items()):
+                    if not isinstance(packed, torch.Tensor):
+                        continue  # "numel_unpadded"
+                    laid = packed.new_zeros(buffer.numel)
+                    cursor = 0
+                    for bucket in buffer.buckets:
+                        n = bucket.numel_unpadded
+                        laid[bucket.offset:bucket.offset + n] = packed[cursor:cursor + n]
+                        cursor += n
+                    world[key] = laid
+        return state
+
     def _main_param_state_algorithm(self, model_param):
         if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
             raise NotImplementedError("Muon: --use-precision-aware-optimizer is not supported")
@@ -178,9 +266,25 @@ class MuonCheckpointMixin:
         return to_canonical_state(main_param, state, algorithm)
 
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
-        """Inverse of ``_get_main_param_and_optimizer_states``."""
+        """Inverse of ``_get_main_param_and_optimizer_states``; also records how many elements of
+        the checkpoint's fp32 main param disagree with the model weights (``weight_mismatches``)."""
         main_param, state, algorithm = self._main_param_state_algorithm(model_param)
+        saved = tensors.get("param")
+        if isinstance(saved, torch.Tensor):
+            rng = self._get_model_param_range_map(model_param)["param"]
+            weights = model_param.detach().view(-1)[rng.start:rng.end]
+            self.weight_mismatches.append((self._param_name(model_param), mismatched_elements(saved, weights)))
         load_canonical_state(main_param, state, algorithm, tensors, name=self._param_name(model_param))
+
+    @property
+    def weight_mismatches(self) -> list:
+        """``(param name, 0-d count tensor)`` per main param set by the last load: elements of the
+        checkpoint's fp32 main param that are not the model param's values up to its rounding.
+        Meaningful when the model params hold the same checkpoint's weights at that moment, as in
+        Megatron's ``load_checkpoint`` (model first, then optimizer); ``integrity`` reads it."""
+        if "_weight_mismatches" not in self.__dict__:
+            self._weight_mismatches = []
+        return self._weight_mismatches
 
     # ---- non-tensor state --------------------------------------------------------------------
     def state_dict(self):
@@ -213,6 +317,7 @@ class MuonCheckpointMixin:
         and, when parameter state was loaded, the copy of main params to the model params and the
         param all-gather (upstream #6920)."""
         inner = self.optimizer
+        self.weight_mismatches.clear()
         # Megatron would allocate Adam-named dummies (on the CUDA device) for an empty state;
         # create the real state instead, which Megatron then keeps and loads into.
         inner.init_state()

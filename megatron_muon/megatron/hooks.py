@@ -325,10 +325,23 @@ def _wrap_save_checkpoint(save_checkpoint):
     """After Megatron has written a persistent, synchronous checkpoint: its checksums (integrity.py)."""
     @functools.wraps(save_checkpoint)
     def wrapper(iteration, *args, **kwargs):
-        result = save_checkpoint(iteration, *args, **kwargs)
         from megatron.training import get_args
 
         margs = get_args()
+        optimizer = kwargs.get("optimizer", args[1] if len(args) > 1 else None)
+        # A balanced-layout buffer is saved fully_reshardable whatever was asked
+        # (MuonDistributedOptimizer.sharded_state_dict); asking for it here makes Megatron's own
+        # "Storing distributed optimizer sharded state of type ..." line name the format written.
+        switch = (getattr(margs, ACTIVE, False) and not margs.dist_ckpt_optim_fully_reshardable
+                  and any(not getattr(o, "packed_like_megatron", True) and not getattr(o, "is_stub_optimizer", False)
+                          for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]))
+        if switch:
+            margs.dist_ckpt_optim_fully_reshardable = True
+        try:
+            result = save_checkpoint(iteration, *args, **kwargs)
+        finally:
+            if switch:
+                margs.dist_ckpt_optim_fully_reshardable = False
         if (getattr(margs, ACTIVE, False) and margs.save and not kwargs.get("non_persistent_ckpt", False)
                 and not getattr(margs, "async_save", False)):
             from megatron.training.checkpointing import get_checkpoint_name, print_rank_0
@@ -361,7 +374,7 @@ def _wrap_load_checkpoint(load_checkpoint):
             return load_checkpoint(ddp_model, optimizer, opt_param_scheduler, *args, **kwargs)
         from megatron.training.checkpointing import get_load_checkpoint_path_by_args, print_rank_0
 
-        from .integrity import check_finite_state, verify_checksums
+        from .integrity import check_finite_state, check_main_params_match_weights, verify_checksums
         from .resharding import explain_load_error
 
         load_arg = kwargs.get("load_arg", args[0] if args else "load")
@@ -384,6 +397,7 @@ def _wrap_load_checkpoint(load_checkpoint):
             raise UserInputError(message) from err
         if directory is not None and optimizer is not None and not getattr(margs, "no_load_optim", False):
             check_finite_state(optimizer, ddp_model, directory)
+            check_main_params_match_weights(optimizer, directory)
         return result
 
     setattr(wrapper, _ORIGINAL, load_checkpoint)

@@ -19,6 +19,15 @@ Two checks, both at checkpoint time only — nothing here runs in a training ste
   tensor (``torch._foreach_norm`` with ord inf, which is NaN when the tensor holds a NaN), then
   one host read for the whole rank. A non-finite tensor is refused with one line naming the
   checkpoint directory and the tensor.
+* **Main params equal the model weights.** A checkpoint holds every weight twice: the model
+  param (bf16 or fp32) and the distributed optimizer's fp32 main param, the model param's
+  source. While a load sets each main param (``MuonCheckpointMixin``), the model params already
+  hold the same checkpoint's weights, so any element of the two that differs beyond the model
+  dtype's rounding means the optimizer half lost data on save (megatron-muon before its fix of
+  ``--muon-dp-layout balanced``'s ``per_bucket_numel_unpadded`` zero-filled the tail of a
+  bucket's last param at DP >= 2). Such a checkpoint is refused in one line that names the
+  param and the way out: ``--muon-reset-optimizer-state`` loads its (intact) weights with fresh
+  optimizer state, keeping the iteration and the LR schedule.
 
 Collectives: all on the default (world) group, called by every rank in the same order (the
 save/load hooks run on every rank): a broadcast of the file list, an all-gather of the results.
@@ -35,7 +44,8 @@ import torch
 
 from .errors import UserInputError
 
-__all__ = ["CHECKSUMS", "check_finite_state", "digest", "list_files", "verify_checksums", "write_checksums"]
+__all__ = ["CHECKSUMS", "check_finite_state", "check_main_params_match_weights", "digest", "list_files",
+           "verify_checksums", "write_checksums"]
 
 CHECKSUMS = "megatron_muon_checksums.json"
 """Name of the checksum file inside an iteration directory."""
@@ -207,3 +217,32 @@ def check_finite_state(optimizer, model_chunks, checkpoint_dir: str | Path) -> i
         more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
         raise UserInputError(f"checkpoint {checkpoint_dir} refused: {found[0]} holds NaN or inf{more}")
     return len(named)
+
+
+# --------------------------------------------------------------------------- main params vs weights
+
+
+def check_main_params_match_weights(optimizer, checkpoint_dir: str | Path) -> int:
+    """Refuse (``UserInputError`` on every rank) a load whose fp32 main params disagree with the
+    same checkpoint's model weights beyond rounding (module docstring). Collective.
+
+    Reads what the last load recorded (``MuonCheckpointMixin.weight_mismatches``), so call it
+    right after a load that restored the model weights before the optimizer state (Megatron's
+    ``load_checkpoint``). Returns the number of main params compared on this rank.
+    """
+    records = [r for wrapper in getattr(optimizer, "chained_optimizers", None) or [optimizer]
+               for r in getattr(wrapper, "weight_mismatches", [])]
+    bad = []
+    if records:
+        counts = torch.stack([count for _, count in records]).tolist()  # host-sync: load only
+        bad = [f"{name} ({count} elements)" for (name, _), count in zip(records, counts) if count]
+    dist, rank, world = _world()
+    found = [b for part in _all_gather(dist, world, bad) for b in part]
+    if found:
+        more = f" (and {len(found) - 1} more)" if len(found) > 1 else ""
+        raise UserInputError(
+            f"checkpoint {checkpoint_dir} refused: its fp32 main params differ from its own model weights in "
+            f"{found[0]}{more}, so its optimizer state lost data on save (megatron-muon's balanced layout before "
+            "its per_bucket_numel_unpadded fix); resume with --muon-reset-optimizer-state to load the weights "
+            "with fresh optimizer state, keeping the iteration and LR schedule")
+    return len(records)

@@ -28,6 +28,7 @@ from megatron.core.utils import get_pg_size
 
 from ..config import MuonConfig
 from ..parallel.balanced_layout import MAX_PADDING, PARAM_ALIGN, LayoutItem, balanced_layout
+from .checkpoint import check_saved_extents
 from .optimizer import _layout, _tag_qkv, is_muon_matrix
 
 __all__ = ["balanced_buffer_layouts", "balanced_full_param_layout", "ddp_with_balanced_layout"]
@@ -132,8 +133,12 @@ def ddp_with_balanced_layout(muon_config: MuonConfig):
                 expert_dp_size=get_pg_size(groups["intra_expt_dp_group"]),
             )
         kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
-        return DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
-                                       disable_bucketing=disable_bucketing,
-                                       full_param_layout=full_param_layout, **kwargs)
+        ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
+                                      disable_bucketing=disable_bucketing,
+                                      full_param_layout=full_param_layout, **kwargs)
+        if ddp_config.use_distributed_optimizer:  # our layout and megatron-core's buffers agree
+            names = {id(p): n for n, p in module.named_parameters()}
+            check_saved_extents(ddp.buffers + ddp.expert_parallel_buffers, names, exact=True)
+        return ddp
 
     return build

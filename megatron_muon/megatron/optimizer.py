@@ -39,7 +39,7 @@ from megatron.core.utils import get_pg_rank, get_pg_size
 from ..config import MuonConfig
 from ..core.matrix_layout import MatrixLayout, RowSplit
 from ..optimizer import MuonMatrix, MuonWithAdamW
-from .checkpoint import MuonCheckpointMixin, prepare_for_checkpointing
+from .checkpoint import MuonCheckpointMixin, check_saved_extents, prepare_for_checkpointing
 from .cli import muon_config_from_args
 from .fsdp2 import torch_fsdp2_ranges
 from .qk_clip import build_qk_clip
@@ -140,6 +140,7 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
             for models, mains in zip(model_groups, main_groups):
                 main_of.update({id(m): s for m, s in zip(models, mains)})
         names = _param_names(self.model_chunks)
+        check_saved_extents(self.buffers, names)  # any layout, ours or a caller's full_param_layout
         matrices = []
         self.matrix_of_param: dict[int, MuonMatrix] = {}
         """id(model param) → its ``MuonMatrix`` (layout, this rank's main shard): what QK-clip scales."""

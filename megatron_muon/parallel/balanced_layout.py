@@ -87,7 +87,12 @@ class BufferLayout:
     buckets: tuple[tuple[int, int], ...]
     """per bucket: ``[start, end)``; ``end − start`` is DP × its shard size."""
     numel_unpadded: tuple[int, ...]
-    """per bucket: elements of its params (without alignment or padding)."""
+    """per bucket: the end of its last-placed param minus the bucket start — megatron-core's
+    ``per_bucket_numel_unpadded``. Megatron's checkpoints keep only this many elements of each
+    bucket (``get_parameter_state_dp_zero``), so it must cover every param of the bucket, gaps
+    between params included: a shorter count zero-fills the tail of the last param on save."""
+    numel_params: tuple[int, ...]
+    """per bucket: elements of its params (without alignment gaps or padding)."""
     dp_size: int
     """number of equal shards per bucket."""
 
@@ -99,7 +104,7 @@ class BufferLayout:
     @property
     def padding_fraction(self) -> float:
         """padding as a fraction of the buffer (alignment included)."""
-        return 1.0 - sum(self.numel_unpadded) / self.numel if self.numel else 0.0
+        return 1.0 - sum(self.numel_params) / self.numel if self.numel else 0.0
 
     def holder(self, i: int) -> int | None:
         """DP rank whose shard holds item ``i`` wholly, or None when a shard boundary cuts it."""
@@ -156,7 +161,8 @@ def balanced_layout(
     loads = [0.0] * dp_size  # NS FLOPs per DP rank, across buckets
     ranges: list[tuple[int, int, int] | None] = [None] * len(items)
     buckets: list[tuple[int, int]] = []
-    unpadded: list[int] = []
+    extents: list[int] = []
+    param_numels: list[int] = []
 
     def emit(chunk: list[int]) -> None:
         if not chunk:
@@ -171,7 +177,8 @@ def balanced_layout(
         for i, (s, e) in placed.items():
             ranges[i] = (start + s, start + e, len(buckets))
         buckets.append((start, start + dp_size * shard))
-        unpadded.append(sum(items[i].numel for i in chunk))
+        extents.append(max(e for _, e in placed.values()))
+        param_numels.append(sum(items[i].numel for i in chunk))
 
     # Backprop order, cut into runs at the params that take a bucket of their own.
     runs: list[list[int]] = [[]]
@@ -188,7 +195,8 @@ def balanced_layout(
             cut = _bucket_end(items, run, dp_size, bucket_numel, alpha, shard_divisor, loads, per_rank_flops)
             emit(run[:cut])
             run = run[cut:]
-    return BufferLayout(tuple(ranges), tuple(buckets), tuple(unpadded), dp_size)  # type: ignore[arg-type]
+    return BufferLayout(tuple(ranges), tuple(buckets), tuple(extents), tuple(param_numels),  # type: ignore[arg-type]
+                        dp_size)
 
 
 def _packed(items, chunk, dp_size, divisor):

@@ -1,0 +1,224 @@
+"""Checkpoints of the tiny GPT as megatron.training writes and reads them, and read back offline.
+
+``save_torch_dist`` / ``load_torch_dist``: ``--ckpt-format torch_dist`` through dist_checkpointing,
+as ``save_checkpoint`` (``generate_state_dict``) and ``load_checkpoint`` do it (model, then
+optimizer, then scheduler). ``save_fsdp_dtensor`` / ``load_fsdp_dtensor``: Megatron-FSDP's
+``--ckpt-format fsdp_dtensor``. ``read_offline``: every tensor of a saved checkpoint, whole, in one
+process without a process group (torch's DCP reader), so a test can compare what a save wrote with
+the live state without trusting the loader that wrote it. ``zero1_full_state``: that live state.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+import torch.distributed as dist
+from megatron_harness import gather_fsdp_rows, global_name, unshard
+
+__all__ = ["fsdp_optimizer_state", "load_fsdp_dtensor", "load_torch_dist", "read_offline", "save_fsdp_dtensor",
+           "save_torch_dist", "torch_dist_keys", "unwrap", "zero1_full_state"]
+
+
+def unwrap(module):
+    """DDP -> (Float16Module ->) GPTModel, as megatron.training's ``unwrap_model`` before
+    ``sharded_state_dict``."""
+    while hasattr(module, "module"):
+        module = module.module
+    return module
+
+
+def torch_dist_metadata(sharding_type: str | None) -> dict:
+    """What megatron.training's ``_build_sharded_state_dict_metadata`` builds."""
+    from megatron.core import parallel_state as ps
+
+    metadata = {"singleton_local_shards": False, "chained_optim_avoid_prefix": True}
+    if sharding_type is not None:
+        metadata["distrib_optim_sharding_type"] = sharding_type
+        # True = the gloo gather (--distrib-optim-fully-reshardable-mem-efficient); the default
+        # (False) all-gathers on the CUDA device, which this CPU build does not have.
+        metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
+    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    return metadata
+
+
+def save_torch_dist(ckpt_dir: str, model, optimizer, scheduler, sharding_type: str | None) -> None:
+    """As ``megatron.training.checkpointing.save_checkpoint`` (generate_state_dict) does."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+    metadata = torch_dist_metadata(sharding_type)
+    state = {"model": unwrap(model[0]).sharded_state_dict(metadata=metadata)}
+    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    dist_checkpointing.save(state, ckpt_dir, content_metadata=_clean_metadata_for_serialization(metadata))
+
+
+def load_torch_dist(ckpt_dir: str, model, optimizer, scheduler, *, load_model: bool = True) -> None:
+    """As ``megatron.training.checkpointing.load_checkpoint`` does: the sharding type comes from
+    the checkpoint's content metadata; model, then optimizer, then scheduler."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    metadata = dist_checkpointing.load_content_metadata(ckpt_dir) or {}
+    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    state = {"model": unwrap(model[0]).sharded_state_dict(metadata=metadata)}
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    if not load_model:
+        del state["model"]
+    loaded = dist_checkpointing.load(state, ckpt_dir)
+    if load_model:
+        model[0].load_state_dict(loaded["model"])
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["opt_param_scheduler"])
+
+
+def _fsdp_state(model, optimizer, *, loading: bool):
+    """What ``megatron.training.checkpointing`` saves and loads for ``--ckpt-format fsdp_dtensor``
+    (``generate_state_dict``): the model's state dict, the optimizer's ``fsdp_dtensor`` state."""
+    model_sd = model[0].state_dict_for_save_checkpoint()
+    state = {"model": model_sd}
+    state["optimizer"] = optimizer.sharded_state_dict(
+        state, is_loading=loading, metadata={"distrib_optim_sharding_type": "fsdp_dtensor"})
+    return state
+
+
+def _fsdp_args():
+    from argparse import Namespace
+
+    return Namespace(swiglu=True, num_experts=None)  # what preprocess_fsdp_dtensor_state_dict reads
+
+
+def _fsdp_unwrapped(model):
+    """What ``save_checkpoint`` / ``load_checkpoint`` hand the preprocessing: ``unwrap_model``'s
+    result, Megatron-FSDP's own module (the fc1 lookups go through it)."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(model)[0]
+
+
+def save_fsdp_dtensor(path: str, model, optimizer) -> None:
+    import torch.distributed.checkpoint as dcp
+    from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
+
+    state = preprocess_fsdp_dtensor_state_dict(_fsdp_args(), _fsdp_state(model, optimizer, loading=False),
+                                               _fsdp_unwrapped(model))
+    dcp.save(state, checkpoint_id=path)
+
+
+def load_fsdp_dtensor(path: str, model, optimizer) -> None:
+    """As ``load_checkpoint`` -> ``_load_base_checkpoint`` does, except that a key of the current
+    state missing from the checkpoint fails here (Megatron allows a partial load by default)."""
+    import torch.distributed.checkpoint as dcp
+    from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
+    from torch.distributed.checkpoint import default_planner
+
+    state = _fsdp_state(model, optimizer, loading=True)
+    raw_model, raw_optimizer = state["model"].copy(), state["optimizer"].copy()
+    state = preprocess_fsdp_dtensor_state_dict(_fsdp_args(), state, _fsdp_unwrapped(model))
+    dcp.load_state_dict(state_dict=state, storage_reader=dcp.FileSystemReader(path),
+                        planner=default_planner.DefaultLoadPlanner(allow_partial_load=False))
+    model[0].load_state_dict(raw_model, strict=False)  # Megatron's strict=False with SwiGLU (the _w/_v keys)
+    optimizer.load_state_dict(raw_optimizer)
+
+
+def read_offline(ckpt_dir: str, scratch: str) -> dict[str, torch.Tensor]:
+    """Every tensor a DCP-based checkpoint (torch_dist, fsdp_dtensor) holds, whole, by key (nested
+    keys joined by '/'), read in this process alone: torch's own reader, not Megatron's loader.
+    ``scratch``: a file path for the intermediate torch.save copy."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(ckpt_dir, scratch)
+    flat = {}
+
+    def walk(tree, prefix):
+        for key, value in tree.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}/")
+            elif isinstance(value, torch.Tensor):
+                flat[f"{prefix}{key}"] = value
+
+    walk(torch.load(scratch, weights_only=False), "")
+    return flat
+
+
+def torch_dist_keys(model) -> dict[int, tuple[str, int | None]]:
+    """``id(param) → (its torch_dist key, its layer along the stacked layer axis or None)``. The key
+    comes from the model's own ``sharded_state_dict`` (which renames some params, e.g. a layer's
+    input norm to ``self_attention.linear_qkv.layer_norm_weight``); a transformer layer's params
+    are saved stacked over the layers (``decoder.layers.*``), at their global layer number."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    gpt = unwrap(model[0])
+    keys = {id(item.data): item.key for item in nested_values(gpt.sharded_state_dict())
+            if isinstance(getattr(item, "data", None), torch.Tensor) and hasattr(item, "key")}
+    out = {}
+    for name, param in gpt.named_parameters():
+        layer = re.match(r"decoder\.layers\.(\d+)\.", global_name(gpt, name))
+        out[id(param)] = (keys[id(param)], int(layer[1]) if layer else None)
+    return out
+
+
+def zero1_full_state(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """The live state of a distributed (ZeRO-1) optimizer as a full-model checkpoint stores it,
+    returned on every rank: ``{(torch_dist key, layer index or None): {"weight", "param",
+    "exp_avg", "exp_avg_sq"}}``,
+    each the whole (TP- and DP-gathered, TP=1-layout) fp32 tensor. ``param`` is the fp32 main
+    param; Muon's momentum is ``exp_avg`` and ``exp_avg_sq`` its zero placeholder
+    (``megatron_muon.megatron.checkpoint``)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_muon.megatron.optimizer import is_muon_matrix
+
+    opt = optimizer.chained_optimizers[0]
+    inner = opt.optimizer
+    gpt = unwrap(model[0])
+    tp_group, dp_group = ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group()
+    ckpt_keys = torch_dist_keys(model)
+    out = {}
+    for p in gpt.parameters():
+        keys = ("momentum_buffer",) if is_muon_matrix(p) else ("exp_avg", "exp_avg_sq")
+        local = {k: torch.zeros(p.numel()) for k in ("param", *keys)}
+        if p in opt.model_param_group_index_map:
+            gi, go = opt.model_param_group_index_map[p]
+            main = inner.param_groups[gi]["params"][go]
+            rng = opt._get_model_param_range_map(p)["param"]
+            local["param"][rng.start:rng.end] = main
+            for k in keys:
+                local[k][rng.start:rng.end] = inner.state[main][k]
+        state = {"weight": p.detach().float().clone()}
+        for k, v in local.items():
+            dist.all_reduce(v, group=dp_group)  # disjoint DP ranges: the sum is exact
+            state["exp_avg" if k == "momentum_buffer" else k] = v.view(p.shape)
+        if is_muon_matrix(p):
+            state["exp_avg_sq"] = torch.zeros(p.shape)
+        tp = dist.get_world_size(tp_group)
+        for k, v in state.items():
+            if getattr(p, "tensor_model_parallel", False) and tp > 1:
+                pieces = [torch.empty_like(v) for _ in range(tp)]
+                dist.all_gather(pieces, v.contiguous(), group=tp_group)
+                v = unshard(pieces, p)
+            state[k] = v
+        out[ckpt_keys[id(p)]] = state
+    return out
+
+
+def fsdp_optimizer_state(optimizer) -> dict:
+    """Every state tensor of the inner optimizer, by param name, gathered whole (DP shards
+    concatenated), plus the step counters: the optimizer's, and each param's where this rank
+    holds a piece of it (a rank never steps a param whose shard is empty there: no grad; a load
+    sets its counter to the optimizer's, ``fsdp._canonical``)."""
+    inner = optimizer.chained_optimizers[0]
+    out = {"muon_steps": inner.optimizer.muon_steps}
+    for group in inner.optimizer.param_groups:
+        for param in group["params"]:
+            name = inner._param_name(param)
+            for key, value in sorted(inner.optimizer.state[param].items()):
+                if key == "step" and param._local_tensor.numel() == 0:
+                    continue
+                if hasattr(value, "_local_tensor"):
+                    out[f"{name}.{key}"] = gather_fsdp_rows(value)
+                else:
+                    out[f"{name}.{key}"] = value.detach().clone()
+    return out

@@ -65,10 +65,10 @@ def test_preflight_prints_the_job_arguments(tmp_path):
                        capture_output=True)
     save = str(tmp_path / "ckpt")
     proc = _preflight("--nproc", "2", "--lines", "--resume-from-save", "configs/tiny-cpu.yaml", "--save", save,
-                      "--train-iters", "3")
+                      "--train-iters", "3", "--lr-warmup-iters", "1")
     assert proc.returncode == 0, proc.stderr
     argv = proc.stdout.splitlines()
-    assert argv[-4:] == ["--train-iters", "3", "--load", save] and "--optimizer" in argv
+    assert argv[-4:] == ["--lr-warmup-iters", "1", "--load", save] and "--optimizer" in argv
     assert proc.stderr == ""  # Megatron's warnings and argument dump are held back
 
 

@@ -33,7 +33,9 @@ CHECKED_ELSEWHERE = {  # rows checked by another test file (a torchrun job, a Me
     "ckpt-nan": "test_checkpoint_integrity.py", "ckpt-tp-change": "test_resharding.py",
     # Python API rows: raised by the factory (in a Megatron world) or by MuonWithAdamW itself
     **{row: "test_api_inputs.py" for row in ("api-muon-config-type", "api-tp-mode", "api-3d-muon", "api-algorithm",
-                                              "api-negative-lr", "api-qk-clip-mla-cache")}}
+                                              "api-negative-lr", "api-qk-clip-mla-cache")},
+    # scripts/run.sh main's own argument checks (before the venv and the data)
+    **{row: "test_preflight.py" for row in ("run-sh-directory", "run-sh-missing", "run-sh-not-yaml")}}
 
 
 def rows() -> dict[str, dict]:

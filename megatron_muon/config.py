@@ -81,7 +81,8 @@ class MuonConfig:
     """with tp_mode auto: the hardware constants of the cost model (--muon-auto-hardware):
     ``detect`` (this device: H200 → h200, other CUDA GPUs → h100-sxm, CPU → cpu-gloo), a profile
     name (h100-sxm, h200, cpu-gloo) or the path of a JSON file of ``cost_model.Hardware`` fields
-    (``scripts/bench/calibrate_hardware.py``). Ignored by the other modes."""
+    (``scripts/bench/calibrate_hardware.py``). Not used by the other modes, but checked in every
+    mode; the command line refuses it with them (``startup_checks``)."""
     dp_mode: str = "owner"
     """without the distributed optimizer: owner (NS once per DP group, results exchanged) or
     redundant (every DP rank computes everything; for comparison)."""
@@ -140,11 +141,14 @@ class MuonConfig:
         for ok, flag, expected, got in checks:
             if not ok:
                 raise ValueError(f"{flag}: expected {expected}, got {got!r}")
-        if self.tp_mode == "auto" and self.auto_hardware != "detect":
-            # A bad name or JSON file fails here, naming --muon-auto-hardware. ``detect`` waits for
-            # the optimizer: asking CUDA for the device name before Megatron sets the device
-            # would open a context on GPU 0 from every rank.
-            self.hardware()
+        if self.auto_hardware != "detect":
+            # A bad name or JSON file fails here in any mode, naming --muon-auto-hardware (a typo
+            # should not wait until someone switches to auto). ``detect`` waits for the optimizer:
+            # asking CUDA for the device name before Megatron sets the device would open a context
+            # on GPU 0 from every rank.
+            from .parallel.auto_mode import hardware_profile
+
+            hardware_profile(self.auto_hardware)
 
     def step_kind(self, t: int) -> str:
         """``"muon"`` (MuonBP off), ``"full"`` or ``"block"`` for applied step t (0-based)."""

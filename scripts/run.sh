@@ -2,7 +2,7 @@
 # One entry for a fresh machine: builds the virtual environment if it is missing or stale,
 # then runs the main job or the test suite.
 #
-#   bash scripts/run.sh main [CONFIG.yaml] [ARGS...]
+#   bash scripts/run.sh main [CONFIG.yaml|CONFIG.yml] [ARGS...]
 #                                        # the main job: the tiny-GPT demo (configs/tiny-cpu.yaml, or the
 #                                        #   CONFIG given, e.g. configs/tiny-cpu-fsdp.yaml,
 #                                        #   configs/tiny-cpu-fsdp2.yaml or configs/moe-tiny-cpu.yaml): byte-level data from the stdlib, then
@@ -85,8 +85,26 @@ cmd="${1:-}"
 shift || true
 case "$cmd" in
     main)
-        ensure_venv
         cd "$repo"
+        # The config: a first argument that is not a flag (Megatron's all start with -). Checked
+        # before the venv, the data and the preflight, so that a typo costs no install or build;
+        # the first two are yaml_config's lines.
+        config=configs/tiny-cpu.yaml
+        if [[ $# -gt 0 && "$1" != -* ]]; then
+            config="$1"
+            shift
+            if [[ -d "$config" ]]; then
+                echo "megatron-muon: error: $config: is a directory; expected a YAML config file" >&2
+                exit 2
+            elif [[ ! -e "$config" ]]; then
+                echo "megatron-muon: error: $config: no such config file" >&2
+                exit 2
+            elif [[ "$config" != *.yaml && "$config" != *.yml ]]; then
+                echo "megatron-muon: error: $config: expected a YAML config file (.yaml or .yml) before the Megatron flags" >&2
+                exit 2
+            fi
+        fi
+        ensure_venv
         if [[ ! -f data/train_text_document.bin ]]; then
             # Megatron's import warnings (no GPU, no Transformer Engine) are not the user's answer:
             # shown only when the build fails, so that a bad flag below is still one line.
@@ -97,11 +115,6 @@ case "$cmd" in
             fi
         fi
         port="$("$venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-        config=configs/tiny-cpu.yaml
-        if [[ $# -gt 0 && "$1" == *.yaml ]]; then
-            config="$1"
-            shift
-        fi
         # Megatron's validate_args wants this whenever TP > 1 (kernel ordering on pre-Blackwell
         # GPUs); Megatron-FSDP and torch FSDP2 refuse it (they overlap communication on more than
         # one connection).
@@ -119,7 +132,9 @@ case "$cmd" in
         "$venv/bin/torchrun" --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$port" \
             scripts/pretrain_gpt.py "${config_args[@]}"
         echo
-        name="$(basename "$config" .yaml)"
+        name="$(basename "$config")"
+        name="${name%.yml}"
+        name="${name%.yaml}"
         if ! grep -q '^save:' "$config"; then
             echo "No checkpoint: $config saves none."
             exit 0

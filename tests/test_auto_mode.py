@@ -218,10 +218,12 @@ def test_cli_parses_auto_into_the_config():
     assert MuonConfig(tp_mode="owner").hardware() is None
 
 
-def test_config_rejects_a_bad_hardware_only_for_auto():
-    with pytest.raises(ValueError, match=r"^--muon-auto-hardware: expected detect"):
-        MuonConfig(tp_mode="auto", auto_hardware="tpu-v5")
-    MuonConfig(tp_mode="owner", auto_hardware="tpu-v5")  # ignored by the other modes
+def test_config_rejects_a_bad_hardware_in_every_mode():
+    """A typo fails when it is made, not when someone later switches to auto."""
+    for mode in ("auto", "owner"):
+        with pytest.raises(ValueError, match=r"^--muon-auto-hardware: expected detect"):
+            MuonConfig(tp_mode=mode, auto_hardware="tpu-v5")
+    assert MuonConfig(tp_mode="owner", auto_hardware="h200").hardware() is None  # valid, and unused there
 
 
 def test_muonbp_accepts_auto_for_its_full_steps():

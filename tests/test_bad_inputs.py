@@ -26,13 +26,16 @@ ROW = re.compile(r"^\| `(?P<id>[a-z0-9-]+)` \| (?P<kind>\w+) \| (?P<input>.*?) \
 PLACEHOLDERS = {  # the table's placeholders (besides TMP and CONFIG), as regular expressions
     "HALF": r"\d+", "FULL": r"\d+", "THIRD": r"\d+", "SIZE": r"\d+", "FILE": r"\S+\.distcp",
     "TENSOR": r"\S+ \(\w+\)", "MORE": r"( \(and \d+ more\))?",
+    "REASON": r"(Operation not permitted|Permission denied|Read-only file system)",
 }
 CHECKED_ELSEWHERE = {  # rows checked by another test file (a torchrun job, a Megatron world), by row id
     "ckpt-overwritten": "test_checkpoint_integrity.py", "ckpt-truncated": "test_checkpoint_integrity.py",
     "ckpt-nan": "test_checkpoint_integrity.py", "ckpt-tp-change": "test_resharding.py",
     # Python API rows: raised by the factory (in a Megatron world) or by MuonWithAdamW itself
     **{row: "test_api_inputs.py" for row in ("api-muon-config-type", "api-tp-mode", "api-3d-muon", "api-algorithm",
-                                              "api-negative-lr", "api-qk-clip-mla-cache")}}
+                                              "api-negative-lr", "api-qk-clip-mla-cache")},
+    # scripts/run.sh main's own argument checks (before the venv and the data)
+    **{row: "test_preflight.py" for row in ("run-sh-directory", "run-sh-missing", "run-sh-not-yaml")}}
 
 
 def rows() -> dict[str, dict]:
@@ -107,10 +110,11 @@ def _rejection(config: Path, extra: list[str]) -> str:
 def test_the_demo_config_itself_passes(world, hooks_restored):
     from megatron_muon.megatron.preflight import check_command_line
 
-    argv = check_command_line(str(world / "tiny.yaml"), ["--train-iters", "3"], 2)
-    assert argv[-2:] == ["--train-iters", "3"]
-    # Its own first run: --load is the (absent) --save directory, which is allowed.
-    assert not (world / "ckpt").exists()
+    argv = check_command_line(str(world / "tiny.yaml"), ["--train-iters", "3", "--lr-warmup-iters", "1"], 2)
+    assert argv[-4:] == ["--train-iters", "3", "--lr-warmup-iters", "1"]
+    # Its own first run: --load is the (absent) --save directory, which is allowed; the --save
+    # probe created that directory and removed it again.
+    assert not (world / "ckpt").exists() and sorted(p.name for p in world.iterdir()) == ["data", "tiny.yaml"]
 
 
 FLAG_ROWS = [r for r, row in rows().items() if row["kind"] == "flags"]
@@ -119,6 +123,8 @@ FLAG_ROWS = [r for r, row in rows().items() if row["kind"] == "flags"]
 def _flag_setup(row_id: str, tmp: Path) -> None:
     if row_id == "load-no-tracker":
         (tmp / "ckpt" / "iter_0000100").mkdir(parents=True)
+    if row_id in ("save-file", "save-under-file"):
+        (tmp / "file").write_text("not a directory")
     if row_id == "ckpt-step":
         (tmp / "ckpt" / "iter_0000003").mkdir(parents=True)
         (tmp / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
@@ -188,9 +194,26 @@ def _data_no_idx(tmp: Path, world: Path):
     return _damaged_data(tmp, world, lambda data: (data / "valid_text_document.idx").unlink())
 
 
+def _edited_demo(tmp: Path, world: Path, extra: list[str], drop: tuple[str, ...] = (), **changes):
+    """The demo config with keys dropped or changed (what a flag cannot undo), and ``extra`` flags."""
+    config = yaml.safe_load((world / "tiny.yaml").read_text())
+    for key in drop:
+        del config[key]
+    config.update(changes)
+    (tmp / "tiny.yaml").write_text(yaml.safe_dump(config))
+    return tmp / "tiny.yaml", extra
+
+
 SCENARIOS = {"yaml-empty": _yaml_empty, "yaml-syntax": _yaml_syntax, "yaml-twice": _yaml_twice,
              "yaml-unknown-key": _yaml_unknown_key, "yaml-missing": _yaml_missing,
-             "data-truncated": _data_truncated, "data-no-idx": _data_no_idx}
+             "data-truncated": _data_truncated, "data-no-idx": _data_no_idx,
+             "train-samples-zero": lambda tmp, world: _edited_demo(tmp, world, ["--train-samples", "0"],
+                                                                   ("train_iters",)),
+             "no-run-length": lambda tmp, world: _edited_demo(tmp, world, [], ("train_iters",)),
+             "dp-layout-no-zero1": lambda tmp, world: _edited_demo(tmp, world, ["--muon-dp-layout", "megatron"],
+                                                                   use_distributed_optimizer=False),
+             "no-split-fc1-no-swiglu": lambda tmp, world: _edited_demo(tmp, world, ["--muon-no-split-fc1"],
+                                                                       swiglu=False)}
 
 
 @pytest.mark.parametrize("row_id", sorted(SCENARIOS))

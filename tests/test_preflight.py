@@ -2,6 +2,8 @@
 
 * ``bash scripts/run.sh main --load <typo>`` — the issue's resume-chain accident: refused with
   one line and exit code 2 before torchrun starts, the real save directory untouched.
+* ``bash scripts/run.sh main`` refuses a first argument that is no YAML config (a directory, a
+  missing file, another file) in one line and exit 2 before the venv, the data or the preflight;
 * the preflight command itself: one stderr line and exit 2 for a bad flag; the argument list
   (one per line) for a good command line;
 * a job started without the launchers (torchrun on ``scripts/pretrain_gpt.py``) refuses the same
@@ -13,6 +15,7 @@
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +46,20 @@ def test_run_sh_refuses_a_load_typo_before_starting(tmp_path):
     assert (real / "latest_checkpointed_iteration.txt").read_text() == "100"
 
 
+@pytest.mark.parametrize("row_id", ["run-sh-directory", "run-sh-missing", "run-sh-not-yaml"])
+def test_run_sh_refuses_a_config_that_is_no_yaml_file(row_id, tmp_path):
+    """The rows of docs/bad_inputs.md of kind launcher: a bash test each, no Python started (so no
+    venv is built and no dataset written, wherever the checkout is)."""
+    from test_bad_inputs import rows
+
+    command = shlex.split(rows()[row_id]["input"].split("`")[1])
+    env = dict(ENV, MEGATRON_MUON_VENV=str(tmp_path / "no-venv"))  # refused before the venv is looked at
+    proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout) == (2, ""), proc.stderr
+    assert proc.stderr.splitlines() == [f"megatron-muon: error: {rows()[row_id]['line']}"]
+    assert not (tmp_path / "no-venv").exists()
+
+
 def _preflight(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "megatron_muon.megatron.preflight", *args], cwd=REPO, env=ENV,
                           capture_output=True, text=True, timeout=300)
@@ -65,10 +82,10 @@ def test_preflight_prints_the_job_arguments(tmp_path):
                        capture_output=True)
     save = str(tmp_path / "ckpt")
     proc = _preflight("--nproc", "2", "--lines", "--resume-from-save", "configs/tiny-cpu.yaml", "--save", save,
-                      "--train-iters", "3")
+                      "--train-iters", "3", "--lr-warmup-iters", "1")
     assert proc.returncode == 0, proc.stderr
     argv = proc.stdout.splitlines()
-    assert argv[-4:] == ["--train-iters", "3", "--load", save] and "--optimizer" in argv
+    assert argv[-4:] == ["--lr-warmup-iters", "1", "--load", save] and "--optimizer" in argv
     assert proc.stderr == ""  # Megatron's warnings and argument dump are held back
 
 

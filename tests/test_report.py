@@ -92,4 +92,18 @@ def test_blockwise_at_tp_above_one_is_announced_as_blockmuon():
     assert line in _report("blockwise", 2).splitlines()
     assert "BlockMuon" not in _report("owner", 2)
     assert "BlockMuon" not in _report("blockwise", 1)  # one TP rank: blockwise is Muon
-    assert "BlockMuon" not in _report("blockwise", 2, muonbp_period=0)  # MuonBP says what it does
+    assert "  BlockMuon:" not in _report("blockwise", 2, muonbp_period=0)  # MuonBP says what it does
+
+
+def test_the_muonbp_line_says_what_each_period_does():
+    """t % P == 0 is undefined at P = 0: that period and P = 1 get lines of their own."""
+    def line(**config):
+        return [row for row in _report("owner", 2, **config).splitlines() if "MuonBP" in row]
+
+    assert line() == ["  MuonBP: off"]
+    assert line(muonbp_period=0, muonbp_block_lr_mult=0.5) == [
+        "  MuonBP: period 0: never a full step, every step a block step (BlockMuon: each TP shard orthogonalized on "
+        "its own, not Muon), lr x 0.5 (eta_block / eta_full)"]
+    assert line(muonbp_period=1) == ["  MuonBP: period 1: every step a full step (exactly Muon)"]
+    assert line(muonbp_period=5, muonbp_block_lr_mult=0.5) == [
+        "  MuonBP: period 5 (a full step when t % P == 0), block-step lr x 0.5 (eta_block / eta_full)"]

@@ -127,9 +127,10 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Orthogonalize a fused SwiGLU fc1 weight as one matrix (like --muon-no-split-qkv).",
     )
     group.add_argument(
-        "--muon-auto-hardware", type=str, default="detect", metavar="PROFILE_OR_JSON",
+        "--muon-auto-hardware", type=str, default=None, metavar="PROFILE_OR_JSON",
         help="Hardware constants of the cost model that --muon-tp-mode auto uses to pick each "
-             "matrix's mode (ignored by the other modes). detect (default): this device (H200: "
+             "matrix's mode (refused with the other modes, which do not use it). detect (default): this "
+             "device (H200: "
              "h200; any other CUDA GPU: h100-sxm; no GPU: cpu-gloo, an order-of-magnitude CPU/gloo "
              "default); a profile: h100-sxm, h200, cpu-gloo; or the path of a JSON file of the "
              "Hardware fields, as scripts/bench/calibrate_hardware.py writes it.",
@@ -143,18 +144,21 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "for comparison; not with --use-distributed-optimizer).",
     )
     group.add_argument(
-        "--muon-dp-layout", type=str, default="balanced", choices=["balanced", "megatron"],
+        "--muon-dp-layout", type=str, default=None, choices=["balanced", "megatron"],
         help="With --use-distributed-optimizer, how Megatron's DDP buffer is laid out. balanced "
              "(default): every Muon matrix lies whole inside one DP rank's shard of its bucket "
              "(Canzona's alpha-balanced partition; AdamW params fill in around them), so no matrix "
              "travels between DP ranks. megatron: megatron-core's own layout, which cuts matrices "
-             "at shard boundaries; the cut ones are reassembled on one DP owner every step.",
+             "at shard boundaries; the cut ones are reassembled on one DP owner every step. Refused "
+             "without --use-distributed-optimizer and under Megatron-FSDP or FSDP2 (which lay out their "
+             "own buffers).",
     )
     group.add_argument(
-        "--muon-layout-alpha", type=float, default=DEFAULT_ALPHA, metavar="ALPHA",
+        "--muon-layout-alpha", type=float, default=None, metavar="ALPHA",
         help="Balanced layout: weight in [0, 1] of Newton-Schulz balance across DP ranks against "
              "padding of the buffer (1: NS balance only, 0: no padding beyond alignment). Default "
-             f"{DEFAULT_ALPHA}, from the Llama-3 layout table in docs/performance.md.",
+             f"{DEFAULT_ALPHA}, from the Llama-3 layout table in docs/performance.md. Refused where the "
+             "balanced layout is not used.",
     )
     group.add_argument(
         "--muon-owner-bucket-size-mb", type=float, default=256,
@@ -170,12 +174,13 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "0 never takes a full step (BlockMuon). The paper found P=5 best.",
     )
     group.add_argument(
-        "--muonbp-block-lr-mult", type=float, default=1.0,
+        "--muonbp-block-lr-mult", type=float, default=None,
         help="Learning rate of MuonBP's block steps as a multiple of --lr (η_block / η_full; full "
              "steps use the scheduled lr). Default 1.0: the paper's theory puts the optimal ratio "
              "between 1 and 1/sqrt(r·c) for an r×c block grid, and we found no ratio stated for its "
              "experiments; with block-shape RMS matching (--muon-scale-mode on the block's shape) "
-             "equal rates give block and full updates the same per-entry RMS.",
+             "equal rates give block and full updates the same per-entry RMS. Refused without "
+             "--muonbp-period and with period 1 (no block steps).",
     )
     group.add_argument(
         "--muon-log-stats", action="store_true",
@@ -190,10 +195,12 @@ def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
     """The ``MuonConfig`` the flags in ``args`` describe; ``ValueError`` names a bad flag.
 
     A flag missing from ``args`` takes its CLI default (upstream 0.19.2's, but momentum 0.95 and
-    ``--muon-tp-mode owner``).
+    ``--muon-tp-mode owner``). The flags whose parser default is None (not given) are the ones
+    ``startup_checks`` refuses where they would be ignored; None here means their default.
     """
     def get(dest: str, default):
-        return getattr(args, dest, default)
+        value = getattr(args, dest, None)
+        return default if value is None else value
 
     if get("muon_scalar_optimizer", "adam") != "adam":
         raise ValueError(

@@ -1,4 +1,4 @@
-"""Three hooks that let upstream Megatron-LM's training loop (``pretrain_gpt.py``) use megatron-muon.
+"""Nine hooks that let upstream Megatron-LM's training loop (``pretrain_gpt.py``) use megatron-muon.
 
 Usage: call ``install()`` before Megatron first parses the command line
 (``patches/pretrain_gpt.patch`` adds exactly these two lines to ``pretrain_gpt.py``)::
@@ -22,8 +22,10 @@ exit code 2); each exists because Megatron itself would do something else:
    ``DistributedOptimizer``, so with ``--optimizer muon`` the wrapper shows ``validate_args``
    ``optimizer='adam'`` (every other check runs as for Adam) and restores ``'muon'`` after.
    Before, ``startup_checks.check_supported_args`` refuses what the plugin does not support and
-   checks every ``--muon-*`` value (``MuonConfig``); after, ``check_resume`` refuses a ``--load``
-   that would silently start from scratch and ``data_check`` the data files. Megatron's own
+   checks every ``--muon-*`` value (``MuonConfig``) and the values of Megatron's own flags that
+   would fail later; after, ``check_resume`` refuses a ``--load`` that would silently start from
+   scratch, ``check_save_writable`` (rank 0) a ``--save`` that cannot be written, and
+   ``data_check`` the data files. Megatron's own
    failed checks (``assert``s) become one line too. It records ``args.megatron_muon`` (True: the
    plugin runs). The parser's ``error`` prints one line instead of the 1,500-line usage.
 3. ``megatron.training.training.get_megatron_optimizer`` (the name ``setup_model_and_optimizer``
@@ -70,7 +72,7 @@ import traceback
 from .cli import add_muon_args, muon_config_from_args
 from .errors import UserInputError, install_excepthook, print_error
 from .startup_checks import check_data_files as check_data
-from .startup_checks import check_resume, check_supported_args, te_tracks_max_logit
+from .startup_checks import check_resume, check_save_writable, check_supported_args, te_tracks_max_logit
 
 __all__ = ["install"]
 
@@ -117,6 +119,8 @@ def _wrap_validate_args(validate_args):
             for name, value in hidden.items():
                 setattr(args, name, value)
         check_resume(args)
+        if getattr(args, "rank", 0) == 0:  # one probe per job: when rank 0 exits 2, torchrun stops the others
+            check_save_writable(args)
         check_data(args)
         setattr(args, ACTIVE, True)
         if getattr(args, "rank", 0) == 0:

@@ -11,8 +11,9 @@ It does what the job's first seconds do, with nothing distributed: the YAML conf
 flags (``yaml_config``), Megatron's real parser parses them with megatron-muon's flags
 (``hooks.install``), and Megatron's ``validate_args`` runs through the plugin's hook as rank 0
 of ``--nproc`` ranks — so every ``--muon-*`` value, every unsupported combination
-(``startup_checks``), Megatron's own checks, the ``--load`` directory and the data files are
-checked. On success it prints the argument list (shell-quoted on one line, or one per line
+(``startup_checks``), Megatron's own checks and the values it lets through that fail later, the
+``--load`` directory, the ``--save`` directory (a probe file written and removed) and the data
+files are checked. On success it prints the argument list (shell-quoted on one line, or one per line
 with ``--lines``, as ``yaml_config`` does) and exits 0; otherwise it prints
 ``megatron-muon: error: <one line>`` on stderr and exits 2. Megatron's own output during the
 check (its argument dump, warnings) is discarded.

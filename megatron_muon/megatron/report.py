@@ -157,6 +157,11 @@ def startup_report(inner: MuonWithAdamW, model_chunks, config: MuonConfig, *, tp
                      "changes with the TP size (not Muon); --muon-tp-mode owner (muon_tp_mode='owner') is exact")
     if config.muonbp_period is None:
         lines.append("  MuonBP: off")
+    elif config.muonbp_period == 0:  # t % 0 is undefined: say what step_kind does
+        lines.append(f"  MuonBP: period 0: never a full step, every step a block step (BlockMuon: each TP shard "
+                     f"orthogonalized on its own, not Muon), lr x {config.muonbp_block_lr_mult} (eta_block / eta_full)")
+    elif config.muonbp_period == 1:
+        lines.append("  MuonBP: period 1: every step a full step (exactly Muon)")
     else:
         lines.append(f"  MuonBP: period {config.muonbp_period} (a full step when t % P == 0), block-step lr x "
                      f"{config.muonbp_block_lr_mult} (eta_block / eta_full)")

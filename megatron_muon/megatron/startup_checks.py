@@ -7,6 +7,10 @@ before torchrun starts, so a mistake costs seconds, not a job slot:
   whatever breaks first deep inside Megatron (``--num-distributed-optimizer-instances 2`` used
   to end in ``einops is not installed``, the precision-aware optimizer and CPU offload in
   Megatron's "only supported with adam"), and every ``--muon-*`` value (``MuonConfig``).
+  Megatron's own values that its ``validate_args`` lets through and the job then fails on
+  20-40 s in, with a traceback from every rank, are refused here too (``_training_rejections``).
+* ``check_save_writable``: a ``--save`` that cannot be written would fail at the first save,
+  after ``--save-interval`` iterations of training; a probe file is written there and removed.
 * ``check_resume``: a ``--load`` that points at no checkpoint. Megatron warns and trains from
   scratch, and its first save then overwrites the real run's checkpoints and its
   ``latest_checkpointed_iteration.txt`` when ``--save`` is the real directory; a typo in
@@ -18,15 +22,17 @@ before torchrun starts, so a mistake costs seconds, not a job slot:
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import math
 import os
 from pathlib import Path
 
 from .cli import muon_config_from_args
 from .errors import UserInputError
 
-__all__ = ["TRACKER", "check_resume", "check_data_files", "check_supported_args", "checkpoints_in",
-           "te_tracks_max_logit"]
+__all__ = ["TRACKER", "check_resume", "check_data_files", "check_save_writable", "check_supported_args",
+           "checkpoints_in", "te_tracks_max_logit"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron's tracker file: a directory holds a checkpoint for ``--load`` when it has this."""
@@ -42,6 +48,7 @@ def check_supported_args(args) -> None:
         (not args.use_megatron_fsdp and args.ckpt_format not in ("torch", "torch_dist"),
          f"--ckpt-format {args.ckpt_format}: --optimizer muon supports torch and torch_dist "
          "(fsdp_dtensor with --use-megatron-fsdp)"),
+        *_training_rejections(args),
         *_megatron_fsdp_rejections(args),
         *_torch_fsdp2_rejections(args),
         (getattr(args, "dump_param_to_param_group_map", None) is not None,
@@ -76,6 +83,121 @@ def check_supported_args(args) -> None:
         raise
     except ValueError as err:
         raise UserInputError(str(err)) from err
+    for bad, message in _ignored_setting_rejections(args):  # after the values: a bad value is the first fix
+        if bad:
+            raise UserInputError(message)
+
+
+def _ignored_setting_rejections(args) -> list[tuple[bool, str]]:
+    """``--muon-*`` settings that the run would ignore without a word, given the rest of the
+    command line: the user meant something that would not happen. "Given" is a value other than
+    None, these flags' parser default (``cli.py``)."""
+    period, mult = getattr(args, "muonbp_period", None), getattr(args, "muonbp_block_lr_mult", None)
+    mode, hardware = getattr(args, "muon_tp_mode", "owner"), getattr(args, "muon_auto_hardware", None)
+    layout, alpha = getattr(args, "muon_dp_layout", None), getattr(args, "muon_layout_alpha", None)
+    wrapper = ("--use-megatron-fsdp" if getattr(args, "use_megatron_fsdp", False) else
+               "--use-torch-fsdp2" if getattr(args, "use_torch_fsdp2", False) else None)
+    zero1 = getattr(args, "use_distributed_optimizer", False) and wrapper is None
+    unused_layout = (f"{wrapper} lays out its own buffers" if wrapper is not None else
+                     "it lays out the buffers of --use-distributed-optimizer, which this run does not use")
+    return [
+        (mult is not None and period is None,
+         f"--muonbp-block-lr-mult {mult}: needs --muonbp-period (it is the lr multiplier of MuonBP's block steps; "
+         "without --muonbp-period MuonBP is off and every step is a full Muon step); add --muonbp-period P or "
+         "drop the flag"),
+        (mult is not None and period == 1,
+         f"--muonbp-block-lr-mult {mult} with --muonbp-period 1: period 1 takes no block steps (every step is a "
+         "full Muon step), so the multiplier would be ignored; drop it or use a period other than 1"),
+        (hardware is not None and mode != "auto",
+         f"--muon-auto-hardware {hardware}: only --muon-tp-mode auto uses it (the cost model's hardware "
+         f"constants), and the mode is {mode}; drop the flag or pass --muon-tp-mode auto"),
+        (layout is not None and not zero1,
+         f"--muon-dp-layout {layout}: not used, since {unused_layout}; drop the flag"),
+        (alpha is not None and not zero1,
+         f"--muon-layout-alpha {alpha}: not used, since {unused_layout}; drop the flag"),
+        (alpha is not None and zero1 and layout == "megatron",
+         f"--muon-layout-alpha {alpha} with --muon-dp-layout megatron: alpha weights the balanced layout only; "
+         "drop one of them"),
+        (not getattr(args, "muon_split_fc1", True) and not getattr(args, "swiglu", False),
+         "--muon-no-split-fc1: only a SwiGLU fc1 (--swiglu) has gate and up halves to split; drop the flag"),
+    ]
+
+
+def _training_rejections(args) -> list[tuple[bool, str]]:
+    """Values Megatron's ``validate_args`` accepts and the job then fails on at model or optimizer
+    build (megatron-core 0.19.2, measured on the tiny CPU demo): ``MuonWithAdamW`` refuses a
+    negative lr or weight decay, the scheduler a run of no length, ``TransformerConfig`` heads
+    that do not split over TP, and the per-group QKV split of the Muon step fewer query groups
+    than TP ranks (megatron-core replicates each key/value head on several ranks then; with
+    ``--muon-no-split-qkv`` such a run trains)."""
+    def negative(value) -> bool:
+        return value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0)
+
+    lr, min_lr = getattr(args, "lr", None), getattr(args, "min_lr", 0.0)
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    heads = getattr(args, "num_attention_heads", None)
+    groups = getattr(args, "num_query_groups", None) if getattr(args, "group_query_attention", False) else None
+    iters, samples = getattr(args, "train_iters", None), getattr(args, "train_samples", None)
+    train = not getattr(args, "skip_train", False)
+    weight_decays = [(flag, getattr(args, dest, None)) for flag, dest in (
+        ("--weight-decay", "weight_decay"), ("--start-weight-decay", "start_weight_decay"),
+        ("--end-weight-decay", "end_weight_decay"))]
+    return [
+        *[(negative(value), f"{flag} {value}: expected a finite value >= 0 (the weights decay by lr x {flag})")
+          for flag, value in weight_decays],
+        (negative(lr), f"--lr {lr}: expected a finite value >= 0"),
+        (negative(min_lr), f"--min-lr {min_lr}: expected a finite value >= 0"),
+        (lr is not None and not negative(lr) and not negative(min_lr) and min_lr > lr,
+         f"--min-lr {min_lr}: expected a value <= --lr {lr} (the schedule decays from --lr to --min-lr)"),
+        (train and iters is not None and iters < 1,
+         f"--train-iters {iters}: expected an integer >= 1 (the run's length in iterations)"),
+        (train and samples is not None and samples < 1,
+         f"--train-samples {samples}: expected an integer >= 1 (the run's length in samples)"),
+        (train and iters is None and samples is None,
+         "--train-iters / --train-samples: expected one of them (the run's length); Megatron's lr scheduler "
+         "needs it"),
+        *_schedule_rejections(args, train),
+        (heads is not None and tp > 1 and heads % tp != 0,
+         f"--num-attention-heads {heads}: expected a multiple of --tensor-model-parallel-size {tp} (each TP "
+         "rank holds whole heads)"),
+        (groups is not None and heads is not None and (groups < 1 or heads % groups != 0),
+         f"--num-query-groups {groups}: expected a divisor of --num-attention-heads {heads}"),
+        (groups is not None and heads is not None and groups >= 1 and heads % groups == 0 and groups < tp
+         and getattr(args, "muon_split_qkv", True),
+         f"--num-query-groups {groups} with --tensor-model-parallel-size {tp}: expected a multiple of {tp}, or "
+         "--muon-no-split-qkv (with fewer query groups than TP ranks megatron-core replicates each key/value head "
+         "on several ranks, so no rank's linear_qkv shard holds whole groups for the per-group QKV split)"),
+        (groups is not None and heads is not None and groups >= tp and groups % tp != 0,
+         f"--num-query-groups {groups}: expected a multiple of --tensor-model-parallel-size {tp} (each TP rank "
+         "holds whole query groups)"),
+    ]
+
+
+def _schedule_rejections(args, train: bool) -> list[tuple[bool, str]]:
+    """The lr schedule's lengths: ``OptimizerParamScheduler`` asserts (bare) that the decay has at
+    least one step and the warmup is shorter than the decay, after the model is built."""
+    iters, samples = getattr(args, "train_iters", None), getattr(args, "train_samples", None)
+    if not train or getattr(args, "lr_warmup_fraction", None) is not None:
+        return []
+    if iters:
+        unit, length, decay_flag = "iterations", iters, "--lr-decay-iters"
+        decay, warmup, warmup_flag = getattr(args, "lr_decay_iters", None), getattr(args, "lr_warmup_iters", 0), \
+            "--lr-warmup-iters"
+        default = f"--train-iters {iters}"
+    elif samples:
+        unit, length, decay_flag = "samples", samples, "--lr-decay-samples"
+        decay, warmup, warmup_flag = getattr(args, "lr_decay_samples", None), getattr(args, "lr_warmup_samples", 0), \
+            "--lr-warmup-samples"
+        default = f"--train-samples {samples}"
+    else:
+        return []
+    steps = length if decay is None else decay
+    where = f"{decay_flag} {decay}" if decay is not None else f"{default}, as {decay_flag} is not given"
+    return [
+        (decay is not None and decay < 1, f"{decay_flag} {decay}: expected an integer >= 1"),
+        (steps >= 1 and warmup >= steps,
+         f"{warmup_flag} {warmup}: expected fewer warmup {unit} than the lr decay's {steps} ({where})"),
+    ]
 
 
 def _megatron_fsdp_rejections(args) -> list[tuple[bool, str]]:
@@ -216,6 +338,41 @@ def check_resume(args) -> None:
     raise UserInputError(
         f"--load {load}: {where} (no {TRACKER}); Megatron would train from scratch{after}. Fix the "
         "path, or drop --load to start a new run (a run may name its own empty --save as --load)")
+
+
+def check_save_writable(args) -> None:
+    """``UserInputError`` naming ``--save`` when a checkpoint cannot be written there: the missing
+    directories are created, a probe file written and removed, and what was created removed again,
+    so the check leaves the file system as it found it. Megatron would find out at its first save,
+    after ``--save-interval`` iterations of training."""
+    save = getattr(args, "save", None)
+    if save is None:
+        return
+    target = Path(os.path.expanduser(save))
+    missing = []
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        missing.append(existing)
+        existing = existing.parent
+    interval = getattr(args, "save_interval", None)
+    late = f"; the first save (iteration {interval}) would fail after training that long" if interval else ""
+    if not existing.is_dir():
+        what = "is a file" if existing == target else f"{existing} is a file"
+        raise UserInputError(f"--save {save}: {what}, not a directory{late}. Point --save at a writable directory")
+    probe = target / f".megatron-muon-write-probe-{os.getpid()}"
+    try:
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        finally:
+            for directory in missing:  # deepest first; rmdir leaves anything another process put there
+                with contextlib.suppress(OSError):
+                    directory.rmdir()
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise UserInputError(f"--save {save}: cannot write a checkpoint there ({reason}: {err.filename}){late}. "
+                             "Point --save at a writable directory") from None
 
 
 def check_data_files(args) -> None:

@@ -23,7 +23,10 @@ exit code 2); each exists because Megatron itself would do something else:
    ``optimizer='adam'`` (every other check runs as for Adam) and restores ``'muon'`` after.
    Before, ``startup_checks.check_supported_args`` refuses what the plugin does not support and
    checks every ``--muon-*`` value (``MuonConfig``); after, ``check_resume`` refuses a ``--load``
-   that would silently start from scratch and ``data_check`` the data files. Megatron's own
+   that would silently start from scratch or names no iteration, ``resume_config`` a checkpoint
+   whose recorded settings this command line cannot honour (model shapes, padded vocabulary,
+   optimizer), and ``data_check`` the data files. With another optimizer only a megatron-muon
+   checkpoint's optimizer state is refused (``resume_config.check_other_optimizer``). Megatron's own
    failed checks (``assert``s) become one line too. It records ``args.megatron_muon`` (True: the
    plugin runs). The parser's ``error`` prints one line instead of the 1,500-line usage.
 3. ``megatron.training.training.get_megatron_optimizer`` (the name ``setup_model_and_optimizer``
@@ -70,6 +73,7 @@ import traceback
 from .cli import add_muon_args, muon_config_from_args
 from .errors import UserInputError, install_excepthook, print_error
 from .startup_checks import check_data_files as check_data
+from .resume_config import check_other_optimizer, check_resume_config
 from .startup_checks import check_resume, check_supported_args, te_tracks_max_logit
 
 __all__ = ["install"]
@@ -95,7 +99,9 @@ def _wrap_validate_args(validate_args):
                 raise UserInputError(f"--muon-tp-mode {args.muon_tp_mode}: needs --optimizer muon "
                                      f"(megatron-muon), not {args.optimizer}")
             setattr(args, ACTIVE, False)
-            return validate_args(args, defaults)
+            result = validate_args(args, defaults)
+            check_other_optimizer(args)  # a megatron-muon checkpoint's state read by another optimizer
+            return result
         check_supported_args(args)
         args.optimizer = "adam"  # keep --use-distributed-optimizer as Megatron's distributed optimizer
         # Megatron asserts TE >= 2.9 for --qk-clip / --log-max-attention-logit (only TE tracked the
@@ -116,7 +122,7 @@ def _wrap_validate_args(validate_args):
             args.optimizer = "muon"
             for name, value in hidden.items():
                 setattr(args, name, value)
-        check_resume(args)
+        check_resume_config(args, check_resume(args))
         check_data(args)
         setattr(args, ACTIVE, True)
         if getattr(args, "rank", 0) == 0:

@@ -392,9 +392,9 @@ def test_tp_change_through_megatron_training(tmp_path, hooks_restored):  # noqa:
     (tmp_path / "tiny.yaml").write_text("distributed_backend: gloo\n")
     with pytest.raises(ValueError) as info:
         check_command_line(str(tmp_path / "tiny.yaml"), [
-            *TINY, "--tensor-model-parallel-size", "1", "--muon-dp-layout", "megatron", "--make-vocab-size-divisible-by",
-            "256", "--muonbp-period", str(PERIOD), "--train-iters", "3", "--load", str(default),
-            "--override-opt-param-scheduler"], 2)
+            *TINY, "--tensor-model-parallel-size", "1", "--muon-dp-layout", "megatron",
+            "--make-vocab-size-divisible-by", "256", "--muonbp-period", str(PERIOD), "--train-iters", "3",
+            "--load", str(default), "--override-opt-param-scheduler"], 2)
     assert str(info.value) == lines[0], info.value
 
     rc, out = _pretrain(tmp_path, 2, "--train-iters", "3", "--load", str(default), "--save", str(reshardable),

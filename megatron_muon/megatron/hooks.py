@@ -72,8 +72,8 @@ import traceback
 
 from .cli import add_muon_args, muon_config_from_args
 from .errors import UserInputError, install_excepthook, print_error
-from .startup_checks import check_data_files as check_data
 from .resume_config import check_other_optimizer, check_resume_config
+from .startup_checks import check_data_files as check_data
 from .startup_checks import check_resume, check_supported_args, te_tracks_max_logit
 
 __all__ = ["install"]

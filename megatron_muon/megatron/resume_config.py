@@ -193,8 +193,10 @@ def _vocab_refusal(saved: Saved, args) -> tuple[str | None, int | None]:
             if old % (d * tp) == 0 and all(padded_vocab(v, d, tp) == old for v in candidates)]
     saved_at = (f"TP{saved.get('tensor_model_parallel_size', 1)} with --make-vocab-size-divisible-by "
                 f"{saved.get('make_vocab_size_divisible_by', 128)}")
-    fix = (f"pass --make-vocab-size-divisible-by {keep[0]} (TP{tp} x {keep[0]} pads it to {old} rows again)" if keep
-           else f"no --make-vocab-size-divisible-by pads it to {old} rows at TP{tp}; resume at a TP size dividing {old}")
+    if keep:
+        fix = f"pass --make-vocab-size-divisible-by {keep[0]} (TP{tp} x {keep[0]} pads it to {old} rows again)"
+    else:
+        fix = f"no --make-vocab-size-divisible-by pads it to {old} rows at TP{tp}; resume at a TP size dividing {old}"
     return (f"--tensor-model-parallel-size {tp} with --make-vocab-size-divisible-by {divisor}: the padded vocabulary "
             f"would be {got} rows, but {saved.directory} was saved at {saved_at}, padded to {old} (Megatron would load "
             f"the embedding and output layer with rows dropped or left as initialized, without a word); {fix}"), None

@@ -222,7 +222,8 @@ def check_resume(args) -> Path | None:
     load = getattr(args, "load", None)
     if load is None:
         return None
-    tracked = read_tracker(load) if (Path(load) / TRACKER).is_file() else None  # Megatron reads it even with --ckpt-step
+    # Megatron reads the tracker even with --ckpt-step
+    tracked = read_tracker(load) if (Path(load) / TRACKER).is_file() else None
     step = getattr(args, "ckpt_step", None)
     if step:  # Megatron loads iter_<step> whatever the tracker says
         if (Path(load) / f"iter_{step:07d}").is_dir():

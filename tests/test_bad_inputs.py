@@ -31,6 +31,8 @@ PLACEHOLDERS = {  # the table's placeholders (besides TMP and CONFIG), as regula
 CHECKED_ELSEWHERE = {  # rows checked by another test file (a torchrun job, a Megatron world), by row id
     "ckpt-overwritten": "test_checkpoint_integrity.py", "ckpt-truncated": "test_checkpoint_integrity.py",
     "ckpt-nan": "test_checkpoint_integrity.py", "ckpt-tp-change": "test_resharding.py",
+    **{row: "test_resume_config.py" for row in ("resume-vocab", "resume-shape", "resume-muon-to-adam",
+                                                 "resume-adam-to-muon", "resume-upstream-muon")},
     # Python API rows: raised by the factory (in a Megatron world) or by MuonWithAdamW itself
     **{row: "test_api_inputs.py" for row in ("api-muon-config-type", "api-tp-mode", "api-3d-muon", "api-algorithm",
                                               "api-negative-lr", "api-qk-clip-mla-cache")},
@@ -125,9 +127,10 @@ def _flag_setup(row_id: str, tmp: Path) -> None:
         (tmp / "ckpt" / "iter_0000100").mkdir(parents=True)
     if row_id in ("save-file", "save-under-file"):
         (tmp / "file").write_text("not a directory")
-    if row_id == "ckpt-step":
+    if row_id in ("ckpt-step", "load-tracker-garbage", "load-tracker-missing-iter"):
         (tmp / "ckpt" / "iter_0000003").mkdir(parents=True)
-        (tmp / "ckpt" / "latest_checkpointed_iteration.txt").write_text("3")
+        tracker = {"load-tracker-garbage": "hello\n", "load-tracker-missing-iter": "7\n"}.get(row_id, "3")
+        (tmp / "ckpt" / "latest_checkpointed_iteration.txt").write_text(tracker)
 
 
 @pytest.mark.parametrize("row_id", FLAG_ROWS)

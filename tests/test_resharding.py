@@ -55,7 +55,7 @@ from megatron_harness import (
     make_batch,
     unshard,
 )
-from test_bad_inputs import expected_line
+from test_bad_inputs import expected_line, hooks_restored  # noqa: F401 (a fixture)
 from test_checkpoint import LR, MUON, SMALL_BUCKET, WD, _load, _optimizer_config
 from test_pretrain import ENTRY, TINY, _free_port
 
@@ -353,12 +353,14 @@ def _pretrain(tmp_path, tp: int, *args: str) -> tuple[int, str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
            "--master-port", str(_free_port()), str(driver), str(ENTRY), str(tmp_path), *TINY,
            "--tensor-model-parallel-size", str(tp), "--muon-dp-layout", "megatron",
+           # 257 tokens pad to 512 rows at TP2 and TP1 alike (the default 128 gives 384 at TP1: refused)
+           "--make-vocab-size-divisible-by", "256",
            "--muonbp-period", str(PERIOD), "--log-interval", "1", *args]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def test_tp_change_through_megatron_training(tmp_path):
+def test_tp_change_through_megatron_training(tmp_path, hooks_restored):  # noqa: F811
     """Saved at TP2 in Megatron's default optimizer format (dp_reshardable: --muon-dp-layout
     megatron), a load at TP1 is refused by Megatron with advice that does not help;
     ``explain_load_error`` names the fix, and the fix works: resume at TP2 with
@@ -385,6 +387,16 @@ def test_tp_change_through_megatron_training(tmp_path):
         assert "TP2 x PP1" in message and "TP1 x PP1" in message and FULLY_RESHARDABLE_FLAG in message
         assert "\n" not in message
         os.remove(tmp_path / f"load_error.rank{rank}.pkl")
+    # The preflight says it before torchrun starts, from the checkpoint's metadata (resume_config).
+    from megatron_muon.megatron.preflight import check_command_line
+
+    (tmp_path / "tiny.yaml").write_text("distributed_backend: gloo\n")
+    with pytest.raises(ValueError) as info:
+        check_command_line(str(tmp_path / "tiny.yaml"), [
+            *TINY, "--tensor-model-parallel-size", "1", "--muon-dp-layout", "megatron",
+            "--make-vocab-size-divisible-by", "256", "--muonbp-period", str(PERIOD), "--train-iters", "3",
+            "--load", str(default), "--override-opt-param-scheduler"], 2)
+    assert str(info.value) == lines[0], info.value
 
     rc, out = _pretrain(tmp_path, 2, "--train-iters", "3", "--load", str(default), "--save", str(reshardable),
                         "--save-interval", "3", FULLY_RESHARDABLE_FLAG, "--override-opt-param-scheduler")

@@ -24,8 +24,11 @@ exit code 2); each exists because Megatron itself would do something else:
    Before, ``startup_checks.check_supported_args`` refuses what the plugin does not support and
    checks every ``--muon-*`` value (``MuonConfig``) and the values of Megatron's own flags that
    would fail later; after, ``check_resume`` refuses a ``--load`` that would silently start from
-   scratch, ``check_save_writable`` (rank 0) a ``--save`` that cannot be written, and
-   ``data_check`` the data files. Megatron's own
+   scratch or names no iteration, ``resume_config`` a checkpoint whose recorded settings this
+   command line cannot honour (model shapes, padded vocabulary, optimizer),
+   ``check_save_writable`` (rank 0) a ``--save`` that cannot be written, and ``data_check`` the
+   data files. With another optimizer only a megatron-muon checkpoint's optimizer state is
+   refused (``resume_config.check_other_optimizer``). Megatron's own
    failed checks (``assert``s) become one line too. It records ``args.megatron_muon`` (True: the
    plugin runs). The parser's ``error`` prints one line instead of the 1,500-line usage.
 3. ``megatron.training.training.get_megatron_optimizer`` (the name ``setup_model_and_optimizer``
@@ -71,6 +74,7 @@ import traceback
 
 from .cli import add_muon_args, muon_config_from_args
 from .errors import UserInputError, install_excepthook, print_error
+from .resume_config import check_other_optimizer, check_resume_config
 from .startup_checks import check_data_files as check_data
 from .startup_checks import check_resume, check_save_writable, check_supported_args, te_tracks_max_logit
 
@@ -97,7 +101,9 @@ def _wrap_validate_args(validate_args):
                 raise UserInputError(f"--muon-tp-mode {args.muon_tp_mode}: needs --optimizer muon "
                                      f"(megatron-muon), not {args.optimizer}")
             setattr(args, ACTIVE, False)
-            return validate_args(args, defaults)
+            result = validate_args(args, defaults)
+            check_other_optimizer(args)  # a megatron-muon checkpoint's state read by another optimizer
+            return result
         check_supported_args(args)
         args.optimizer = "adam"  # keep --use-distributed-optimizer as Megatron's distributed optimizer
         # Megatron asserts TE >= 2.9 for --qk-clip / --log-max-attention-logit (only TE tracked the
@@ -118,7 +124,7 @@ def _wrap_validate_args(validate_args):
             args.optimizer = "muon"
             for name, value in hidden.items():
                 setattr(args, name, value)
-        check_resume(args)
+        check_resume_config(args, check_resume(args))
         if getattr(args, "rank", 0) == 0:  # one probe per job: when rank 0 exits 2, torchrun stops the others
             check_save_writable(args)
         check_data(args)

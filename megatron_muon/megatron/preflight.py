@@ -84,6 +84,8 @@ def _parse_and_validate() -> None:
     from . import hooks
 
     hooks.install()
+    from .resume_config import preflight_mode
+
     if not torch.cuda.is_available():
         from .cpu_patches import apply_cpu_patches
 
@@ -96,7 +98,8 @@ def _parse_and_validate() -> None:
         from megatron.training import yaml_arguments
 
         yaml_arguments.validate_yaml(args, defaults)
-    arguments.validate_args(args, defaults)
+    with preflight_mode():
+        arguments.validate_args(args, defaults)
 
 
 def main(argv: list[str] | None = None) -> int:

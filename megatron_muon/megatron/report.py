@@ -19,6 +19,10 @@ first step, by name pattern (layer numbers folded into ``*``). Llama-3 8B at TP8
       bytes sent per rank per full step (plan): max 796.8 MiB, mean 618.7 MiB
       MuonBP: off
 
+A resumed run ends the report with what it changed against the checkpoint's recorded settings
+(``resume_config``), e.g. ``resume from .../iter_0000003: changed against the checkpoint's
+settings:`` then ``TP 2 -> 1: resharded exactly ...``, or ``same settings as the checkpoint``.
+
 The figures come from the plans (``parallel.step_plan``), not from running a step.
 """
 
@@ -121,8 +125,12 @@ def _cut_line(layouts, config: MuonConfig, dp: int, layout_text: str, what: str 
 
 
 def startup_report(inner: MuonWithAdamW, model_chunks, config: MuonConfig, *, tp: int, dp: int,
-                   pp_rank: int = 0, pp: int = 1, experts: tuple | None = None) -> str:
+                   pp_rank: int = 0, pp: int = 1, experts: tuple | None = None,
+                   resume: list[str] | None = None) -> str:
     """The report's text (see the module docstring) for this rank's pipeline stage.
+
+    ``resume``: lines on what this run changed against the ``--load`` checkpoint's recorded
+    settings (``resume_config.report_lines``), appended last; None when nothing is loaded.
 
     ``experts``: (expert optimizer's ``MuonWithAdamW``, expert-TP size, expert-DP size, EP size)
     when the model has expert-parallel params; their matrices are this EP rank's local experts.
@@ -165,7 +173,7 @@ def startup_report(inner: MuonWithAdamW, model_chunks, config: MuonConfig, *, tp
     else:
         lines.append(f"  MuonBP: period {config.muonbp_period} (a full step when t % P == 0), block-step lr x "
                      f"{config.muonbp_block_lr_mult} (eta_block / eta_full)")
-    return "\n".join(lines)
+    return "\n".join(lines + list(resume or []))
 
 
 def print_startup_report(inner: MuonWithAdamW, model_chunks, config: MuonConfig, *, tp_group, dp_group,
@@ -174,8 +182,10 @@ def print_startup_report(inner: MuonWithAdamW, model_chunks, config: MuonConfig,
     (expert ``MuonWithAdamW``, expert-TP group, expert-DP group, EP size) or None."""
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
+    from .resume_config import report_lines
+
     if experts is not None:
         experts = (experts[0], comm.group_size(experts[1]), comm.group_size(experts[2]), experts[3])
     text = startup_report(inner, model_chunks, config, tp=comm.group_size(tp_group), dp=comm.group_size(dp_group),
-                          pp_rank=pp_rank, pp=pp, experts=experts)
+                          pp_rank=pp_rank, pp=pp, experts=experts, resume=report_lines())
     print(text, flush=True)

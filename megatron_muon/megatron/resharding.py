@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["FULLY_RESHARDABLE_FLAG", "explain_load_error"]
+__all__ = ["FULLY_RESHARDABLE_FLAG", "explain_load_error", "tp_pp_refusal"]
 
 FULLY_RESHARDABLE_FLAG = "--dist-ckpt-optim-fully-reshardable"
 """The save flag that makes the distributed optimizer's checkpoint loadable at any TP, PP, DP."""
@@ -40,6 +40,11 @@ _TP_PP_REFUSAL = re.compile(
 )
 
 
+# MuonDistributedOptimizer.sharded_state_dict (optimizer.py): a dp_reshardable optimizer state
+# loaded into a balanced layout.
+_BALANCED_REFUSAL = "--muon-dp-layout balanced: this checkpoint's optimizer state is in the dp_reshardable format"
+
+
 def explain_load_error(error: BaseException) -> str | None:
     """One line saying how to load a checkpoint Megatron refused for a TP/PP change, or None.
 
@@ -49,14 +54,24 @@ def explain_load_error(error: BaseException) -> str | None:
     """
     if not isinstance(error, RuntimeError):
         return None
+    if str(error).startswith(_BALANCED_REFUSAL):
+        return str(error)  # already the line; raised as RuntimeError on every rank, shown once (errors.py)
     match = _TP_PP_REFUSAL.search(str(error))
     if match is None:
         return None
-    saved = f"TP{match['ckpt_tp']} x PP{match['ckpt_pp']}"
-    wanted = f"TP{match['run_tp']} x PP{match['run_pp']}"
+    return tp_pp_refusal(int(match["ckpt_tp"]), int(match["ckpt_pp"]), int(match["run_tp"]), int(match["run_pp"]),
+                         match["kind"])
+
+
+def tp_pp_refusal(saved_tp: int, saved_pp: int, run_tp: int, run_pp: int, kind: str) -> str:
+    """The line for a checkpoint saved at ``saved_tp`` x ``saved_pp`` with its distributed optimizer
+    state in ``kind`` (a format that reshards DP only), loaded at ``run_tp`` x ``run_pp``; also
+    what the preflight says, from the checkpoint's metadata (``resume_config``)."""
+    saved = f"TP{saved_tp} x PP{saved_pp}"
+    wanted = f"TP{run_tp} x PP{run_pp}"
     return (
         f"this checkpoint was saved at {saved} with the distributed optimizer's state in the "
-        f"{match['kind']} format, which reshards DP only, so it cannot be loaded at {wanted} "
+        f"{kind} format, which reshards DP only, so it cannot be loaded at {wanted} "
         f"(Megatron's hint, --ckpt-fully-parallel-save, is a deprecated no-op). Resume at {saved} "
         f"with {FULLY_RESHARDABLE_FLAG}, save once, and load that checkpoint at {wanted}; or load "
         f"it without the optimizer state (--no-load-optim: momentum, Adam moments and the MuonBP "

@@ -16,7 +16,9 @@ before torchrun starts, so a mistake costs seconds, not a job slot:
   ``latest_checkpointed_iteration.txt`` when ``--save`` is the real directory; a typo in
   ``--load`` destroyed a resume chain that way. The one exception is a run's own first start:
   ``--load`` equal to ``--save`` and that directory holding no checkpoint yet (absent or
-  empty of checkpoints), which is how the sbatch scripts start a job and requeue it.
+  empty of checkpoints), which is how the sbatch scripts start a job and requeue it. Also a
+  tracker file that holds no iteration (Megatron exits 0 on it), or names one whose directory is
+  missing; what the checkpoint itself recorded is ``resume_config``'s.
 * the data files (``data_check.check_data_args``): every ``.bin`` as long as its ``.idx`` says.
 """
 
@@ -32,7 +34,7 @@ from .cli import muon_config_from_args
 from .errors import UserInputError
 
 __all__ = ["TRACKER", "check_resume", "check_data_files", "check_save_writable", "check_supported_args",
-           "checkpoints_in", "te_tracks_max_logit"]
+           "checkpoints_in", "iteration_directory", "read_tracker", "te_tracks_max_logit"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron's tracker file: a directory holds a checkpoint for ``--load`` when it has this."""
@@ -309,25 +311,62 @@ def _same_directory(a: str, b: str) -> bool:
     return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
 
 
-def check_resume(args) -> None:
-    """``UserInputError`` when ``--load`` would silently start from scratch (module docstring)."""
+def read_tracker(load: str) -> int | str:
+    """The iteration ``<load>/latest_checkpointed_iteration.txt`` names: an integer >= 0 or
+    ``"release"``; anything else is refused. Megatron's ``read_metadata`` prints "Invalid metadata
+    file ... Exiting" and calls ``sys.exit()``, exit code 0: the launcher then sees a finished job
+    (``run.sh`` reports a checkpoint to resume from, a scheduler counts the job done)."""
+    path = Path(load) / TRACKER
+    text = path.read_text(errors="replace").strip()
+    if text == "release":
+        return text
+    try:
+        iteration = int(text)
+    except ValueError:
+        iteration = -1
+    if iteration < 0:
+        shown = text if len(text) <= 40 else text[:40] + "..."
+        raise UserInputError(
+            f"--load {load}: {path} holds {shown!r}; expected an iteration number or 'release' (Megatron would "
+            "print \"Invalid metadata file\" and exit with code 0, as if the job had finished); write the iteration "
+            "to resume from into it")
+    return iteration
+
+
+def iteration_directory(load: str, iteration: int | str) -> Path:
+    """Megatron's directory of ``iteration`` under ``load`` (``get_checkpoint_name``'s base dir)."""
+    return Path(load) / ("release" if iteration == "release" else f"iter_{iteration:07d}")
+
+
+def check_resume(args) -> Path | None:
+    """``UserInputError`` when ``--load`` would silently start from scratch, or names an iteration
+    that is not there (module docstring); the checkpoint directory the job will load, else None."""
     load = getattr(args, "load", None)
     if load is None:
-        return
+        return None
+    # Megatron reads the tracker even with --ckpt-step
+    tracked = read_tracker(load) if (Path(load) / TRACKER).is_file() else None
     step = getattr(args, "ckpt_step", None)
     if step:  # Megatron loads iter_<step> whatever the tracker says
         if (Path(load) / f"iter_{step:07d}").is_dir():
-            return
+            return Path(load) / f"iter_{step:07d}"
         raise UserInputError(f"--ckpt-step {step}: {load} has no iter_{step:07d}")
-    if (Path(load) / TRACKER).is_file():
-        return  # what Megatron reads; a broken checkpoint behind it is integrity.py's business
+    if tracked is not None:
+        directory = iteration_directory(load, tracked)
+        if not directory.is_dir():
+            found = [name for name in checkpoints_in(load) if name != TRACKER]
+            have = f"it holds {', '.join(found[:3])}" if found else "it holds no checkpoint directory"
+            raise UserInputError(
+                f"--load {load}: {TRACKER} names iteration {tracked}, but {directory} does not exist ({have}); "
+                f"write an iteration that is there into {Path(load) / TRACKER}, or point --load elsewhere")
+        return directory  # a broken checkpoint behind it is integrity.py's business
     non_persistent = getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(load, _NON_PERSISTENT_SUBDIR)
     if getattr(args, "non_persistent_ckpt_type", None) == "global" and (Path(non_persistent) / TRACKER).is_file():
-        return
+        return None  # Megatron's non-persistent checkpoint: not compared (resume_config)
     save = getattr(args, "save", None)
     found = checkpoints_in(load)
     if save is not None and _same_directory(save, load) and not found:
-        return  # this run's own first start: nothing to resume yet, nothing to overwrite
+        return None  # this run's own first start: nothing to resume yet, nothing to overwrite
     if found:
         raise UserInputError(
             f"--load {load}: holds {', '.join(found[:3])} but no {TRACKER}, so Megatron would start "

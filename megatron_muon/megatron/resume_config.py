@@ -1,0 +1,377 @@
+"""A ``--load`` checkpoint's recorded settings against this command line: exact, or refused in one line.
+
+Megatron saves the run's ``args`` in every checkpoint, and resumes with whatever the new command
+line says; only ``num_layers``, ``hidden_size`` and ``num_attention_heads`` are compared, after
+the whole checkpoint has been read. So a changed setting either reshards exactly, or loads
+something else without a word (measured on ``tests/test_resume_config.py``'s tiny GPT and the
+CPU demo, docs/checkpoints.md "The changed-configuration table"):
+
+* **TP size and the padded vocabulary.** Megatron pads the vocabulary to a multiple of
+  ``--make-vocab-size-divisible-by`` x TP and loads the embedding and the output layer with a
+  shape mismatch allowed: rows beyond the new size are dropped, missing ones stay as initialized.
+  The demo's byte vocabulary (257) pads to 512 rows at TP2 and 384 at TP1, so its TP2 checkpoint
+  resumed at TP1 lost 128 output rows (their logits sit in every softmax): the loss jumped. A
+  change of the padded size is refused, naming the divisor that keeps it; equal sizes are exact.
+* **The optimizer.** megatron-muon keeps Muon's momentum under Adam's ``exp_avg`` and zeros under
+  ``exp_avg_sq`` (``checkpoint.py``), so the keys match Adam's: an Adam checkpoint resumed with
+  ``--optimizer muon`` takes Adam's first moment as momentum, and a megatron-muon checkpoint
+  resumed with ``--optimizer adam`` divides by sqrt(0) + eps. Both are refused unless the
+  optimizer state is not loaded (``--no-load-optim``, ``--finetune``, a release checkpoint).
+  A checkpoint of megatron-core's own ``--optimizer muon`` (no megatron-muon settings recorded)
+  is named as such (``_from_upstream_muon``; docs/checkpoints.md#migration).
+* **Model shapes** (``--hidden-size``, ``--num-layers``, ``--ffn-hidden-size``, heads, ...):
+  refused naming the first differing flag and both values, before any tensor is read (Megatron
+  fails deep inside dist_checkpointing's load, or asserts after it).
+* What reshards exactly (TP and PP with the equal padded vocabulary, DP, ``--muon-dp-layout``,
+  an exact ``--muon-tp-mode``) and what the user changes on purpose (``--muonbp-period``, another
+  Muon hyperparameter) is allowed, and the startup report (``report.py``) lists it.
+
+Only metadata is read: the common state of a ``torch_dist`` checkpoint (one small pickled object
+in the DCP files, ``dist_checkpointing.load_common_state_dict``), or the ``args`` of a ``torch``
+checkpoint through a memory map (its tensors are not read). Called from the ``validate_args``
+hook on every rank and so by the preflight (``check_resume_config``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import math
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import UserInputError
+
+__all__ = ["SHAPE_FLAGS", "Saved", "check_optimizer_change", "check_other_optimizer", "check_resume_config",
+           "padded_vocab", "preflight_mode", "read_saved", "report_lines"]
+
+SHAPE_FLAGS: tuple[tuple[str, str], ...] = (
+    ("num_layers", "--num-layers"),
+    ("hidden_size", "--hidden-size"),
+    ("ffn_hidden_size", "--ffn-hidden-size"),
+    ("num_attention_heads", "--num-attention-heads"),
+    ("num_query_groups", "--num-query-groups"),
+    ("kv_channels", "--kv-channels"),
+    ("swiglu", "--swiglu"),
+    ("add_bias_linear", "--disable-bias-linear"),
+    ("add_qkv_bias", "--add-qkv-bias"),
+    ("untie_embeddings_and_output_weights", "--untie-embeddings-and-output-weights"),
+    ("normalization", "--normalization"),
+    ("position_embedding_type", "--position-embedding-type"),
+    ("num_experts", "--num-experts"),
+    ("moe_ffn_hidden_size", "--moe-ffn-hidden-size"),
+    ("multi_latent_attention", "--multi-latent-attention"),
+    ("q_lora_rank", "--q-lora-rank"),
+    ("kv_lora_rank", "--kv-lora-rank"),
+)
+"""(args attribute, flag): the settings that give the model's tensors their shapes (or their
+presence), compared in this order; the first difference is refused."""
+
+_HYPERPARAMETERS: tuple[tuple[str, str], ...] = (
+    ("muon_momentum", "--muon-momentum"),
+    ("muon_nesterov", "--muon-nesterov"),
+    ("muon_num_ns_steps", "--muon-num-ns-steps"),
+    ("muon_coefficient_type", "--muon-coefficient-type"),
+    ("muon_scale_mode", "--muon-scale-mode"),
+    ("muon_extra_scale_factor", "--muon-extra-scale-factor"),
+    ("muon_fp32_matmul_prec", "--muon-fp32-matmul-prec"),
+    ("muon_split_qkv", "--muon-no-split-qkv"),
+    ("muon_split_fc1", "--muon-split-fc1"),
+    ("muonbp_block_lr_mult", "--muonbp-block-lr-mult"),
+)
+"""Muon settings a resume may change on purpose: the next steps use the new value (reported)."""
+
+_EXACT_TP_MODES = ("owner", "duplicated", "distributed", "auto")
+
+PLUGIN = "megatron_muon"  # hooks.ACTIVE: recorded in the saved args (True: megatron-muon ran the run)
+
+
+@dataclass
+class Saved:
+    """What a checkpoint recorded of the run that wrote it."""
+
+    directory: Path
+    args: types.SimpleNamespace
+    content_metadata: dict = field(default_factory=dict)
+
+    def get(self, name: str, default=None):
+        return getattr(self.args, name, default)
+
+
+_REPORT: list[str] | None = None  # this job's resume lines for the startup report (None: no resume)
+_PREFLIGHT = False  # checking for preflight.py (one process, before torchrun), not inside the job
+
+
+@contextlib.contextmanager
+def preflight_mode():
+    """While the preflight validates: what the job leaves to Megatron's load is refused here."""
+    global _PREFLIGHT
+    saved, _PREFLIGHT = _PREFLIGHT, True
+    try:
+        yield
+    finally:
+        _PREFLIGHT = saved
+
+
+def report_lines() -> list[str] | None:
+    """The startup report's lines about the resume this job checked (None when it loads nothing)."""
+    return None if _REPORT is None else list(_REPORT)
+
+
+def read_saved(directory: str | Path) -> Saved | None:
+    """The saved ``args`` (and the optimizer format's metadata) of the checkpoint in ``directory``
+    (an ``iter_N`` or ``release`` directory), reading no tensor; None when it records none or is
+    in a format read otherwise (``fsdp_dtensor``: the load itself checks it)."""
+    directory = Path(directory)
+    if (directory / "metadata.json").is_file():  # torch_dist
+        from megatron.core import dist_checkpointing
+
+        # dist_checkpointing prints a deprecation warning for some checkpoints; not the user's business.
+        with contextlib.redirect_stdout(io.StringIO()):
+            common = dist_checkpointing.load_common_state_dict(str(directory))
+        if not isinstance(common, dict) or common.get("args") is None:
+            return None
+        return Saved(directory, common["args"], dict(common.get("content_metadata") or {}))
+    legacy = sorted(directory.glob("mp_rank_*/model_optim_rng.pt"))
+    if legacy:  # torch: one pickle per rank; mmap maps the tensors without reading them
+        import torch
+
+        state = torch.load(legacy[0], map_location="cpu", mmap=True, weights_only=False)
+        return Saved(directory, state["args"]) if state.get("args") is not None else None
+    return None
+
+
+def padded_vocab(vocab: int, divisor: int, tp: int) -> int:
+    """Megatron's ``vocab_size_with_padding``: ``vocab`` rounded up to a multiple of ``divisor * tp``."""
+    multiple = divisor * tp
+    return math.ceil(vocab / multiple) * multiple
+
+
+def _vocabularies(saved: Saved) -> range:
+    """The unpadded vocabulary sizes consistent with the checkpoint's padded one (the tokenizer is
+    the same; its size itself is not saved)."""
+    multiple = saved.get("make_vocab_size_divisible_by", 128) * saved.get("tensor_model_parallel_size", 1)
+    padded = saved.get("padded_vocab_size")
+    return range(max(1, padded - multiple + 1), padded + 1)
+
+
+def _tokenizer_vocab(args) -> int | None:
+    """The tokenizer's own size, as ``build_tokenizer`` finds it in the job (on a copy of ``args``)."""
+    from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer
+
+    probe = types.SimpleNamespace(**vars(args))
+    probe.pad_vocab_size = False  # the size only: build_tokenizer would otherwise set padded_vocab_size
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            return int(build_tokenizer(probe).vocab_size)
+    except Exception:  # noqa: BLE001 (the job builds it again and reports its own error)
+        return None
+
+
+def _vocab_refusal(saved: Saved, args) -> tuple[str | None, int | None]:
+    """(refusal or None, the padded vocabulary both runs have) for a change of TP or of
+    ``--make-vocab-size-divisible-by``. Megatron pads only later (``build_tokenizer``, after
+    ``validate_args``), so the new size is computed here: from the range of vocabularies the
+    checkpoint's padding allows, and only if that leaves it open (the demo's 257 -> 512 at TP2
+    allows 384 or 512 at TP1) from the tokenizer, built as the job builds it."""
+    old = saved.get("padded_vocab_size")
+    if not old:
+        return None, None
+    divisor, tp = args.make_vocab_size_divisible_by, args.tensor_model_parallel_size
+    candidates = _vocabularies(saved)
+    new = {padded_vocab(v, divisor, tp) for v in candidates}
+    if len(new) > 1:
+        vocab = _tokenizer_vocab(args)
+        if vocab is None:
+            return None, None
+        candidates, new = [vocab], {padded_vocab(vocab, divisor, tp)}
+    if new == {old}:
+        return None, old
+    got = min(new)
+    keep = [d for d in range(1, old // tp + 1)
+            if old % (d * tp) == 0 and all(padded_vocab(v, d, tp) == old for v in candidates)]
+    saved_at = (f"TP{saved.get('tensor_model_parallel_size', 1)} with --make-vocab-size-divisible-by "
+                f"{saved.get('make_vocab_size_divisible_by', 128)}")
+    if keep:
+        fix = f"pass --make-vocab-size-divisible-by {keep[0]} (TP{tp} x {keep[0]} pads it to {old} rows again)"
+    else:
+        fix = f"no --make-vocab-size-divisible-by pads it to {old} rows at TP{tp}; resume at a TP size dividing {old}"
+    return (f"--tensor-model-parallel-size {tp} with --make-vocab-size-divisible-by {divisor}: the padded vocabulary "
+            f"would be {got} rows, but {saved.directory} was saved at {saved_at}, padded to {old} (Megatron would load "
+            f"the embedding and output layer with rows dropped or left as initialized, without a word); {fix}"), None
+
+
+def _dp_reshardable_refusal(saved: Saved, args) -> str | None:
+    """resharding.py's line for a TP/PP change of a ``dp_reshardable`` optimizer state, found from
+    the metadata (the job leaves it to Megatron's own refusal at load, explained the same way)."""
+    from .resharding import tp_pp_refusal
+
+    if saved.content_metadata.get("distrib_optim_sharding_type") != "dp_reshardable" or not _loads_optimizer(args):
+        return None
+    old = (saved.get("tensor_model_parallel_size", 1), saved.get("pipeline_model_parallel_size", 1))
+    new = (args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    if old == new or not saved.get("use_distributed_optimizer", False):
+        return None
+    return tp_pp_refusal(*old, *new, "dp_reshardable")
+
+
+def _loads_optimizer(args, saved: Saved | None = None) -> bool:
+    """Megatron's load_checkpoint reads the optimizer state (not --no-load-optim, --finetune, release)."""
+    if getattr(args, "no_load_optim", False) or getattr(args, "finetune", False):
+        return False
+    return saved is None or saved.directory.name != "release"
+
+
+def _kind(optimizer: str, plugin) -> str:
+    if optimizer == "muon":
+        return "megatron-muon" if plugin else "megatron-core's own Muon"
+    return optimizer
+
+
+def _state_words(kind: str) -> str:
+    return {"megatron-muon": "Muon momentum under exp_avg, zeros under exp_avg_sq",
+            "adam": "Adam's moments exp_avg and exp_avg_sq",
+            "sgd": "SGD momentum"}.get(kind, "its own state")
+
+
+def _from_upstream_muon(saved: Saved, args) -> str | None:
+    """A checkpoint written by megatron-core's own ``--optimizer muon`` (megatron-muon not installed:
+    no megatron-muon setting recorded), loaded by megatron-muon. The hook for the migration
+    (docs/checkpoints.md#migration): until it converts the state, the optimizer state is refused."""
+    if not _loads_optimizer(args, saved):
+        return None
+    return (f"--load {saved.directory}: saved by megatron-core's own --optimizer muon (no megatron-muon settings "
+            "recorded), whose optimizer state megatron-muon does not read; see docs/checkpoints.md#migration, or add "
+            "--no-load-optim to load the weights only (momentum and Adam moments start afresh)")
+
+
+def check_optimizer_change(args, saved: Saved, *, plugin: bool) -> None:
+    """``UserInputError`` when the checkpoint's optimizer state would be read by another optimizer."""
+    old = _kind(saved.get("optimizer", "adam"), saved.get(PLUGIN, False))
+    new = _kind(args.optimizer, plugin)
+    if old == new or not _loads_optimizer(args, saved):
+        return
+    if old == "megatron-core's own Muon" and new == "megatron-muon":
+        message = _from_upstream_muon(saved, args)
+        if message:
+            raise UserInputError(message)
+        return
+    was = f"--optimizer {saved.get('optimizer', 'adam')}"
+    saved_by = f"by megatron-muon ({was})" if old == "megatron-muon" else f"with {was}"
+    raise UserInputError(
+        f"--optimizer {args.optimizer}: {saved.directory} was saved {saved_by}, whose state ({_state_words(old)}) "
+        f"{new} would read as its own; resume with {was}, or add --no-load-optim to load the weights only (the "
+        "optimizer state starts afresh)")
+
+
+def check_other_optimizer(args) -> None:
+    """With an optimizer other than megatron-muon's: refuse a megatron-muon checkpoint's state only
+    (everything else is that optimizer's own business, and ``--load`` is not checked further)."""
+    from .startup_checks import TRACKER, iteration_directory
+
+    load = getattr(args, "load", None)
+    if not load or not (Path(load) / TRACKER).is_file() or not _loads_optimizer(args):
+        return
+    text = (Path(load) / TRACKER).read_text(errors="replace").strip()
+    step = getattr(args, "ckpt_step", None)
+    if not (step or text.isdigit() or text == "release"):
+        return
+    directory = iteration_directory(load, step or (text if text == "release" else int(text)))
+    saved = read_saved(directory) if directory.is_dir() else None
+    if saved is not None and saved.get(PLUGIN, False):
+        check_optimizer_change(args, saved, plugin=False)
+
+
+def _shape_value(run, name: str):
+    """``run``'s value of ``name``; without --group-query-attention there are as many query groups
+    as heads, whatever num_query_groups says (Megatron fills it in later, at any value)."""
+    if name == "num_query_groups" and not getattr(run, "group_query_attention", False):
+        return getattr(run, "num_attention_heads", None)
+    return getattr(run, name)
+
+
+def _shape_refusal(saved: Saved, args) -> str | None:
+    for name, flag in SHAPE_FLAGS:
+        if not hasattr(saved.args, name) or not hasattr(args, name):
+            continue
+        old, new = _shape_value(saved.args, name), _shape_value(args, name)
+        if old != new:
+            return (f"{flag}: this command line has {name} = {new}, but {saved.directory} was saved with {name} = "
+                    f"{old} (its tensors have that model's shapes; Megatron would fail inside the load); resume with "
+                    "the saved value, or point --load at a checkpoint of this model")
+    return None
+
+
+def _changes(saved: Saved, args, padded: int | None) -> list[str]:
+    """One line per setting that differs from the checkpoint's and is honoured (the report's)."""
+    lines = []
+
+    def size(name: str, label: str, how: str) -> None:
+        old, new = saved.get(name, 1), getattr(args, name, 1)
+        if old != new:
+            lines.append(f"{label} {old} -> {new}: {how}")
+
+    vocab = f"; the padded vocabulary is {padded} rows at both sizes" if padded else ""
+    size("tensor_model_parallel_size", "TP", f"resharded exactly (only the order of sums changes){vocab}")
+    size("pipeline_model_parallel_size", "PP", "resharded exactly")
+    size("data_parallel_size", "DP", "resharded exactly (only the order of sums changes)")
+    old_layout, new_layout = saved.get("muon_dp_layout", "balanced"), getattr(args, "muon_dp_layout", "balanced")
+    if old_layout != new_layout:
+        lines.append(f"--muon-dp-layout {old_layout} -> {new_layout}: another buffer layout, the same update (the "
+                     "state is read per param)")
+    old_mode, new_mode = saved.get("muon_tp_mode", "owner"), getattr(args, "muon_tp_mode", "owner")
+    if old_mode != new_mode:
+        same = old_mode in _EXACT_TP_MODES and new_mode in _EXACT_TP_MODES
+        lines.append(f"--muon-tp-mode {old_mode} -> {new_mode}: " + (
+            "how Newton-Schulz runs only, the same update" if same else
+            "another update from here on (blockwise orthogonalizes each TP shard on its own: BlockMuon)"))
+    old_period, new_period = saved.get("muonbp_period"), getattr(args, "muonbp_period", None)
+    if old_period != new_period:
+        now = ("plain Muon (a full step every step)" if new_period in (None, 1) else
+               "no full step (BlockMuon)" if new_period == 0 else f"a full step when t % {new_period} == 0")
+        lines.append(f"--muonbp-period {'off' if old_period is None else old_period} -> "
+                     f"{'off' if new_period is None else new_period}: from the checkpoint's step count t on, {now}")
+    for name, flag in _HYPERPARAMETERS:
+        if hasattr(saved.args, name) and getattr(saved.args, name) != getattr(args, name, None):
+            lines.append(f"{flag} ({name}) {getattr(saved.args, name)} -> {getattr(args, name, None)}: used from "
+                         "the next step on")
+    return lines
+
+
+def check_resume_config(args, directory: str | Path | None) -> None:
+    """Compare the checkpoint in ``directory`` (the ``iter_N`` / ``release`` directory ``--load``
+    resolves to, or None for a fresh start) with ``args`` (validated, ``--optimizer muon``);
+    ``UserInputError`` for what cannot be honoured (module docstring). Records the report's lines.
+
+    A TP/PP change of a ``dp_reshardable`` optimizer state is refused here by the preflight only
+    (``preflight_mode``); in the job Megatron's load refuses it and ``resharding.explain_load_error``
+    gives the same line (so that line keeps resting on Megatron's real error)."""
+    global _REPORT
+    _REPORT = None
+    if directory is None:
+        return
+    saved = read_saved(directory)
+    if saved is None:
+        return
+    if saved.get("optimizer") == "muon" and not hasattr(saved.args, PLUGIN):
+        message = _from_upstream_muon(saved, args)
+        if message:
+            raise UserInputError(message)
+    else:
+        check_optimizer_change(args, saved, plugin=True)
+    message = _shape_refusal(saved, args)
+    if message:
+        raise UserInputError(message)
+    message = _dp_reshardable_refusal(saved, args)
+    if message:
+        if not _PREFLIGHT:
+            return  # Megatron's load refuses it; the load hook turns that into this line
+        raise UserInputError(message)
+    message, padded = _vocab_refusal(saved, args)
+    if message:
+        raise UserInputError(message)
+    changes = _changes(saved, args, padded)
+    _REPORT = ([f"  resume from {saved.directory}: changed against the checkpoint's settings:"]
+               + [f"    {line}" for line in changes]) if changes else [
+        f"  resume from {saved.directory}: same settings as the checkpoint"]

@@ -48,6 +48,11 @@ exit code 2); each exists because Megatron itself would do something else:
 8. ``megatron.training.training.load_checkpoint``: before the load the checksums are verified,
    a load Megatron refuses for a TP/PP change is explained in one line (``resharding.py``), and
    after it the loaded main params and optimizer state are checked finite.
+   ``--muon-reset-optimizer-state`` (fresh optimizer state, the LR schedule kept) and
+   ``--muon-load-upstream-optimizer`` (megatron-core Muon's state carried over) replace the
+   optimizer part of the load (``reset_state.py``); a checkpoint of the other implementation
+   (megatron-core's Muon / megatron-muon) is refused in one line naming them. This hook also
+   runs for upstream's optimizers (the reset serves them too).
 9. ``megatron.training.training.clip_qk`` (``train_step`` calls it after ``optimizer.step()``
    with ``--qk-clip`` or ``--log-max-attention-logit``): with the plugin it clips nothing — the
    optimizer's step already clipped the main params (``qk_clip.py``) — and returns the max logit

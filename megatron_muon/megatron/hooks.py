@@ -392,7 +392,10 @@ def _wrap_load_checkpoint(load_checkpoint):
                 if verified:
                     print_rank_0(f"megatron-muon: checksums of {verified} files in {directory} verified in "
                                  f"{time.perf_counter() - start:.3f} s")
-            common = reset_state.load_common_state(margs, load_dir)
+            # torch_dist's common state is small; a legacy checkpoint's rank-0 file is the whole
+            # rank's state, read only when a flag needs it
+            if reset or upstream or getattr(margs, "ckpt_format", "torch_dist") == "torch_dist":
+                common = reset_state.load_common_state(margs, load_dir)
             _refuse_foreign_optimizer_state(margs, load_dir, common, reset or upstream)
             if upstream and not reset_state.is_upstream_muon_checkpoint(common):
                 written = "megatron-muon" if reset_state.is_plugin_checkpoint(common) else \

@@ -237,6 +237,9 @@ def check_load_flags(args) -> None:
                              f"state), not {args.optimizer}")
     if load is None:
         raise UserInputError(f"{flag}: needs --load (the checkpoint whose weights, iteration and LR schedule it loads)")
+    if getattr(args, "ckpt_format", "torch_dist") not in ("torch_dist", "torch"):
+        # Megatron's first read of an fsdp_dtensor checkpoint holds its args and iteration only
+        raise UserInputError(f"{flag}: supports --ckpt-format torch_dist and torch, not {args.ckpt_format}")
     for bad, name in ((getattr(args, "no_load_optim", False), "--no-load-optim"),
                       (getattr(args, "finetune", False), "--finetune")):
         if bad:

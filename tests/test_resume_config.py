@@ -143,7 +143,7 @@ def test_upstream_muon_checkpoint_points_at_the_migration(saved):
     args = types.SimpleNamespace(optimizer="muon", no_load_optim=None, finetune=False)
     with pytest.raises(UserInputError) as info:
         check_optimizer_change(args, upstream, plugin=True)
-    assert expected_line("resume-upstream-muon", TMP=str(root)).fullmatch(str(info.value)), info.value
+    assert expected_line("ckpt-upstream-muon", TMP=str(root)).fullmatch(str(info.value)), info.value
     check_optimizer_change(types.SimpleNamespace(optimizer="muon", no_load_optim=True), upstream, plugin=True)
 
 

@@ -183,6 +183,22 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "--muonbp-period and with period 1 (no block steps).",
     )
     group.add_argument(
+        "--muon-reset-optimizer-state", action="store_true",
+        help="With --load: load the checkpoint's model weights, iteration, LR/WD schedule and RNG "
+             "state, and start the optimizer state afresh (Muon momentum and Adam moments zero, Adam's "
+             "step 0, the MuonBP phase 0, fp32 main params from the loaded weights). Megatron's "
+             "--no-load-optim also skips the LR schedule, which then restarts from warmup. Works with "
+             "upstream's optimizers too (e.g. --optimizer dist_muon loading a megatron-muon checkpoint). "
+             "For one resume: drop it once the run has saved again (docs/checkpoints.md).",
+    )
+    group.add_argument(
+        "--muon-load-upstream-optimizer", action="store_true",
+        help="With --optimizer muon and --load: resume a checkpoint written by megatron-core's own Muon "
+             "(--optimizer muon or dist_muon without megatron-muon): weights, iteration, LR/WD schedule "
+             "and RNG as a resume, Muon's momentum buffers and Adam's moments and step carried over into "
+             "megatron-muon's optimizer (docs/checkpoints.md#migration-from-megatron-cores-muon).",
+    )
+    group.add_argument(
         "--muon-log-stats", action="store_true",
         help="Append to Megatron's iteration log line what the last optimizer step did: the TP "
              "mode, its kind (muon, or MuonBP's full / block), the bytes megatron-muon sent from the "

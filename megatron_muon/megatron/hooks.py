@@ -53,6 +53,11 @@ exit code 2); each exists because Megatron itself would do something else:
 8. ``megatron.training.training.load_checkpoint``: before the load the checksums are verified,
    a load Megatron refuses for a TP/PP change is explained in one line (``resharding.py``), and
    after it the loaded main params and optimizer state are checked finite.
+   ``--muon-reset-optimizer-state`` (fresh optimizer state, the LR schedule kept) and
+   ``--muon-load-upstream-optimizer`` (megatron-core Muon's state carried over) replace the
+   optimizer part of the load (``reset_state.py``); a checkpoint of the other implementation
+   (megatron-core's Muon / megatron-muon) is refused in one line naming them. This hook also
+   runs for upstream's optimizers (the reset serves them too).
 9. ``megatron.training.training.clip_qk`` (``train_step`` calls it after ``optimizer.step()``
    with ``--qk-clip`` or ``--log-max-attention-logit``): with the plugin it clips nothing — the
    optimizer's step already clipped the main params (``qk_clip.py``) — and returns the max logit
@@ -76,7 +81,13 @@ from .cli import add_muon_args, muon_config_from_args
 from .errors import UserInputError, install_excepthook, print_error
 from .resume_config import check_other_optimizer, check_resume_config
 from .startup_checks import check_data_files as check_data
-from .startup_checks import check_resume, check_save_writable, check_supported_args, te_tracks_max_logit
+from .startup_checks import (
+    check_load_flags,
+    check_resume,
+    check_save_writable,
+    check_supported_args,
+    te_tracks_max_logit,
+)
 
 __all__ = ["install"]
 
@@ -101,6 +112,7 @@ def _wrap_validate_args(validate_args):
                 raise UserInputError(f"--muon-tp-mode {args.muon_tp_mode}: needs --optimizer muon "
                                      f"(megatron-muon), not {args.optimizer}")
             setattr(args, ACTIVE, False)
+            check_load_flags(args)
             result = validate_args(args, defaults)
             check_other_optimizer(args)  # a megatron-muon checkpoint's state read by another optimizer
             return result
@@ -125,6 +137,7 @@ def _wrap_validate_args(validate_args):
             for name, value in hidden.items():
                 setattr(args, name, value)
         check_resume_config(args, check_resume(args))
+        check_load_flags(args)
         if getattr(args, "rank", 0) == 0:  # one probe per job: when rank 0 exits 2, torchrun stops the others
             check_save_writable(args)
         check_data(args)
@@ -374,44 +387,113 @@ def _wrap_save_checkpoint(save_checkpoint):
 def _wrap_load_checkpoint(load_checkpoint):
     """Around Megatron's load: checksums verified before (integrity.py), a TP/PP change under a
     format that cannot reshard explained in one line (resharding.py), and the loaded state
-    checked finite after."""
+    checked finite after. ``--muon-reset-optimizer-state`` / ``--muon-load-upstream-optimizer``
+    replace the optimizer part of the load (reset_state.py), and a checkpoint one implementation's
+    optimizer cannot read from the other's (megatron-core's Muon and megatron-muon) is refused in
+    one line naming them — with upstream's optimizers too, which load through this hook as well."""
     @functools.wraps(load_checkpoint)
     def wrapper(ddp_model, optimizer, opt_param_scheduler, *args, **kwargs):
         from megatron.training import get_args
 
         margs = get_args()
-        if not getattr(margs, ACTIVE, False):
+        active = getattr(margs, ACTIVE, False)
+        reset = getattr(margs, "muon_reset_optimizer_state", False)
+        upstream = getattr(margs, "muon_load_upstream_optimizer", False)
+        load_arg = kwargs.get("load_arg", args[0] if args else "load")
+        load_dir = getattr(margs, load_arg, None)
+        has_tracker = bool(load_dir) and os.path.isfile(os.path.join(load_dir, "latest_checkpointed_iteration.txt"))
+        if not (active or reset) and not (has_tracker and not margs.no_load_optim):
             return load_checkpoint(ddp_model, optimizer, opt_param_scheduler, *args, **kwargs)
         from megatron.training.checkpointing import get_load_checkpoint_path_by_args, print_rank_0
 
+        from . import reset_state
         from .integrity import check_finite_state, check_main_params_match_weights, verify_checksums
         from .resharding import explain_load_error
 
-        load_arg = kwargs.get("load_arg", args[0] if args else "load")
         directory = None
-        if getattr(margs, load_arg, None) and os.path.isfile(
-                os.path.join(getattr(margs, load_arg), "latest_checkpointed_iteration.txt")):
+        if has_tracker:
             directory = get_load_checkpoint_path_by_args(margs, load_arg)  # collective (read_metadata)
+        common = None
         if directory is not None and os.path.isdir(directory):
-            start = time.perf_counter()
-            verified = verify_checksums(directory)
-            if verified:
-                print_rank_0(f"megatron-muon: checksums of {verified} files in {directory} verified in "
-                             f"{time.perf_counter() - start:.3f} s")
+            if active:
+                start = time.perf_counter()
+                verified = verify_checksums(directory)
+                if verified:
+                    print_rank_0(f"megatron-muon: checksums of {verified} files in {directory} verified in "
+                                 f"{time.perf_counter() - start:.3f} s")
+            # torch_dist's common state is small; a legacy checkpoint's rank-0 file is the whole
+            # rank's state, read only when a flag needs it
+            if reset or upstream or getattr(margs, "ckpt_format", "torch_dist") == "torch_dist":
+                common = reset_state.load_common_state(margs, load_dir)
+            _refuse_foreign_optimizer_state(margs, load_dir, common, reset or upstream)
+            if upstream and not reset_state.is_upstream_muon_checkpoint(common):
+                written = "megatron-muon" if reset_state.is_plugin_checkpoint(common) else \
+                    f"--optimizer {getattr(common.get('args') if common else None, 'optimizer', '?')}"
+                raise UserInputError(f"--muon-load-upstream-optimizer: --load {load_dir} was written by {written}, "
+                                     "not by megatron-core's Muon; drop the flag")
+            if not (active or reset):
+                return load_checkpoint(ddp_model, optimizer, opt_param_scheduler, *args, **kwargs)
         try:
-            result = load_checkpoint(ddp_model, optimizer, opt_param_scheduler, *args, **kwargs)
+            if reset or upstream:
+                result = reset_state.load_with_fresh_optimizer(load_checkpoint, margs, ddp_model, optimizer,
+                                                               opt_param_scheduler, common, *args, **kwargs)
+            else:
+                result = load_checkpoint(ddp_model, optimizer, opt_param_scheduler, *args, **kwargs)
         except Exception as err:
-            message = explain_load_error(err)
+            message = explain_load_error(err) if active else None
             if message is None:
                 raise
             raise UserInputError(message) from err
-        if directory is not None and optimizer is not None and not getattr(margs, "no_load_optim", False):
+        if directory is not None and common is not None and upstream:
+            counts = reset_state.load_upstream_optimizer_state(optimizer, ddp_model, directory, common)
+            notes = reset_state.settings_differences(margs, common["args"])
+            fresh = counts["fresh"]
+            print_rank_0(
+                f"megatron-muon: --muon-load-upstream-optimizer: megatron-core Muon's state carried over from "
+                f"{directory} (this rank: {counts['muon']} Muon momentum buffers, {counts['adamw']} Adam moment pairs, "
+                f"{counts['main']} fp32 main params, step {counts['step']}); "
+                + (f"fresh: {', '.join(fresh)}; " if fresh else "")
+                + (f"settings changed: {'; '.join(notes)}" if notes else "Muon settings as saved"))
+        elif reset and directory is not None:
+            print_rank_0(f"megatron-muon: --muon-reset-optimizer-state: weights, iteration and LR/WD schedule from "
+                         f"{directory}; optimizer state fresh (momentum and Adam moments zero, step 0)")
+        if active and directory is not None and optimizer is not None and not margs.no_load_optim and not reset:
             check_finite_state(optimizer, ddp_model, directory)
             check_main_params_match_weights(optimizer, directory)
         return result
 
     setattr(wrapper, _ORIGINAL, load_checkpoint)
     return wrapper
+
+
+def _upstream_name(ckpt_args) -> str:
+    """The --optimizer a checkpoint's run was started with (validate_args saves dist_muon as muon
+    with the layer-wise optimizer)."""
+    return "dist_muon" if getattr(ckpt_args, "use_layer_wise_distributed_optimizer", False) else ckpt_args.optimizer
+
+
+def _refuse_foreign_optimizer_state(margs, load_dir: str, common, replaced: bool) -> None:
+    """One line instead of the error the other implementation's state would end in deep inside
+    Megatron's load (plugin → upstream: "Expected 2 entries in state dict, but got 5"; upstream →
+    plugin: "Could not find parameter group"), naming the flag that loads it."""
+    from . import reset_state
+
+    if margs.no_load_optim or getattr(margs, "finetune", False) or replaced or common is None:
+        return
+    if getattr(margs, ACTIVE, False) and reset_state.is_upstream_muon_checkpoint(common):
+        raise UserInputError(
+            f"--load {load_dir}: written by megatron-core's own Muon (--optimizer "
+            f"{_upstream_name(common['args'])} without megatron-muon), whose optimizer state megatron-muon does not "
+            "read as its own; add --muon-load-upstream-optimizer (momentum and Adam moments carried over) or "
+            "--muon-reset-optimizer-state (fresh optimizer state); docs/checkpoints.md")
+    if not getattr(margs, ACTIVE, False) and reset_state.is_plugin_checkpoint(common):
+        # validate_args rewrites dist_muon into muon with the layer-wise optimizer
+        optimizer = _upstream_name(margs)
+        raise UserInputError(
+            f"--load {load_dir}: written by megatron-muon (--optimizer muon with the plugin), whose optimizer "
+            f"state megatron-core's --optimizer {optimizer} cannot read; add --muon-reset-optimizer-state "
+            "(weights, iteration and LR schedule; fresh optimizer state) or resume with megatron-muon; "
+            "docs/checkpoints.md")
 
 
 def _wrap_wrap_model_chunks_with_ddp(wrap_model_chunks_with_ddp):

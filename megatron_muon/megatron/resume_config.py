@@ -220,6 +220,8 @@ def _loads_optimizer(args, saved: Saved | None = None) -> bool:
     """Megatron's load_checkpoint reads the optimizer state (not --no-load-optim, --finetune, release)."""
     if getattr(args, "no_load_optim", False) or getattr(args, "finetune", False):
         return False
+    if getattr(args, "muon_reset_optimizer_state", False) or getattr(args, "muon_load_upstream_optimizer", False):
+        return False  # reset_state.py: fresh state, or megatron-core Muon's state converted on purpose
     return saved is None or saved.directory.name != "release"
 
 
@@ -241,9 +243,12 @@ def _from_upstream_muon(saved: Saved, args) -> str | None:
     (docs/checkpoints.md#migration): until it converts the state, the optimizer state is refused."""
     if not _loads_optimizer(args, saved):
         return None
-    return (f"--load {saved.directory}: saved by megatron-core's own --optimizer muon (no megatron-muon settings "
-            "recorded), whose optimizer state megatron-muon does not read; see docs/checkpoints.md#migration, or add "
-            "--no-load-optim to load the weights only (momentum and Adam moments start afresh)")
+    name = "dist_muon" if getattr(saved.args, "use_layer_wise_distributed_optimizer", False) else "muon"
+    # the same line as the load hook's refusal (hooks._refuse_foreign_optimizer_state), said before torchrun
+    return (f"--load {saved.directory.parent}: written by megatron-core's own Muon (--optimizer {name} without "
+            "megatron-muon), whose optimizer state megatron-muon does not read as its own; add "
+            "--muon-load-upstream-optimizer (momentum and Adam moments carried over) or --muon-reset-optimizer-state "
+            "(fresh optimizer state); docs/checkpoints.md")
 
 
 def check_optimizer_change(args, saved: Saved, *, plugin: bool) -> None:

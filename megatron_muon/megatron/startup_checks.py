@@ -33,8 +33,8 @@ from pathlib import Path
 from .cli import muon_config_from_args
 from .errors import UserInputError
 
-__all__ = ["TRACKER", "check_resume", "check_data_files", "check_save_writable", "check_supported_args",
-           "checkpoints_in", "iteration_directory", "read_tracker", "te_tracks_max_logit"]
+__all__ = ["TRACKER", "check_load_flags", "check_resume", "check_data_files", "check_save_writable",
+           "check_supported_args", "checkpoints_in", "iteration_directory", "read_tracker", "te_tracks_max_logit"]
 
 TRACKER = "latest_checkpointed_iteration.txt"
 """Megatron's tracker file: a directory holds a checkpoint for ``--load`` when it has this."""
@@ -412,6 +412,39 @@ def check_save_writable(args) -> None:
         reason = err.strerror or type(err).__name__
         raise UserInputError(f"--save {save}: cannot write a checkpoint there ({reason}: {err.filename}){late}. "
                              "Point --save at a writable directory") from None
+
+
+def check_load_flags(args) -> None:
+    """``--muon-reset-optimizer-state`` / ``--muon-load-upstream-optimizer`` (``reset_state.py``):
+    each changes how one checkpoint is loaded, so each needs a ``--load`` that holds one, and
+    neither goes with the flags that already decide what the load skips. Runs for upstream's
+    optimizers too (the reset serves them)."""
+    reset = getattr(args, "muon_reset_optimizer_state", False)
+    upstream = getattr(args, "muon_load_upstream_optimizer", False)
+    if not (reset or upstream):
+        return
+    flag = "--muon-reset-optimizer-state" if reset else "--muon-load-upstream-optimizer"
+    load = getattr(args, "load", None)
+    if reset and upstream:
+        raise UserInputError("--muon-reset-optimizer-state with --muon-load-upstream-optimizer: choose one (fresh "
+                             "optimizer state, or megatron-core Muon's carried over)")
+    if upstream and args.optimizer != "muon":
+        raise UserInputError(f"--muon-load-upstream-optimizer: needs --optimizer muon (megatron-muon loads the "
+                             f"state), not {args.optimizer}")
+    if load is None:
+        raise UserInputError(f"{flag}: needs --load (the checkpoint whose weights, iteration and LR schedule it loads)")
+    if getattr(args, "ckpt_format", "torch_dist") not in ("torch_dist", "torch"):
+        # Megatron's first read of an fsdp_dtensor checkpoint holds its args and iteration only
+        raise UserInputError(f"{flag}: supports --ckpt-format torch_dist and torch, not {args.ckpt_format}")
+    for bad, name in ((getattr(args, "no_load_optim", False), "--no-load-optim"),
+                      (getattr(args, "finetune", False), "--finetune")):
+        if bad:
+            raise UserInputError(f"{flag} with {name}: {name} also restarts the LR schedule (--finetune the "
+                                 f"iteration too), which {flag} keeps; drop one of them")
+    step = getattr(args, "ckpt_step", None)
+    if not (Path(load) / TRACKER).is_file() and not (step and (Path(load) / f"iter_{step:07d}").is_dir()):
+        raise UserInputError(f"{flag}: --load {load} holds no checkpoint to resume from; the flag is for one "
+                             "resume from a saved checkpoint, drop it (a requeued job would apply it again)")
 
 
 def check_data_files(args) -> None:

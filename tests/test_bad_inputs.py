@@ -25,12 +25,13 @@ DOC = REPO / "docs" / "bad_inputs.md"
 ROW = re.compile(r"^\| `(?P<id>[a-z0-9-]+)` \| (?P<kind>\w+) \| (?P<input>.*?) \| `(?P<line>.*)` \|$")
 PLACEHOLDERS = {  # the table's placeholders (besides TMP and CONFIG), as regular expressions
     "HALF": r"\d+", "FULL": r"\d+", "THIRD": r"\d+", "SIZE": r"\d+", "FILE": r"\S+\.distcp",
-    "TENSOR": r"\S+ \(\w+\)", "MORE": r"( \(and \d+ more\))?",
+    "TENSOR": r"\S+ \(\w+\)", "PARAM": r"\S+ \(\d+ elements\)", "MORE": r"( \(and \d+ more\))?",
     "REASON": r"(Operation not permitted|Permission denied|Read-only file system)",
 }
 CHECKED_ELSEWHERE = {  # rows checked by another test file (a torchrun job, a Megatron world), by row id
     "ckpt-overwritten": "test_checkpoint_integrity.py", "ckpt-truncated": "test_checkpoint_integrity.py",
     "ckpt-nan": "test_checkpoint_integrity.py", "ckpt-tp-change": "test_resharding.py",
+    "ckpt-lost-on-save": "test_balanced_resume.py",
     **{row: "test_resume_config.py" for row in ("resume-vocab", "resume-shape", "resume-muon-to-adam",
                                                  "resume-adam-to-muon")},
     "ckpt-upstream-muon": "test_migration.py", "ckpt-plugin-into-upstream": "test_migration.py",

@@ -36,11 +36,15 @@ def _check_invariants(items, layout, dp):
     for i, item in enumerate(items):
         if item.whole:
             assert layout.holder(i) is not None, f"item {i} is cut"
-    # per-bucket unpadded counts
+    # per bucket: its params' elements, and what a checkpoint keeps (megatron-core's
+    # per_bucket_numel_unpadded: up to the last param's end, or the tail of that param is lost)
     per_bucket = [0] * len(layout.buckets)
-    for i, (_, _, b) in enumerate(layout.ranges):
+    ends = [0] * len(layout.buckets)
+    for i, (_, e, b) in enumerate(layout.ranges):
         per_bucket[b] += items[i].numel
-    assert list(layout.numel_unpadded) == per_bucket
+        ends[b] = max(ends[b], e - layout.buckets[b][0])
+    assert list(layout.numel_params) == per_bucket
+    assert list(layout.numel_unpadded) == ends
 
 
 def _layer(hidden: int, ffn: int, ns=lambda n: n) -> list[LayoutItem]:

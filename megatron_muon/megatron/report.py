@@ -72,7 +72,9 @@ def buffer_layout(model_chunks, buffer_name: str = "buffers") -> str:
     if not buffers or not buffers[0].ddp_config.use_distributed_optimizer:
         return "no distributed optimizer (whole matrices on every DP rank)"
     name = "megatron" if all(_packed_in_backprop_order(b) for b in buffers) else "balanced"
-    padded, total = sum(b.numel - b.numel_unpadded for b in buffers), sum(b.numel for b in buffers)
+    # padding: what the buffer holds beyond its params (alignment gaps, shard and bucket ends)
+    total = sum(b.numel for b in buffers)
+    padded = total - sum(p.numel() for b in buffers for p in b.params)
     return f"{name} buffer layout (padding {100 * padded / total:.1f}%)"
 
 

@@ -475,7 +475,7 @@ def layout_rows(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None) -> d
     for name in LAYOUTS:
         full = full_layout(named, bucket_size, dp, tp, name)
         numel = sum(lay.bucket_indices[-1][1] for lay in full.layouts.values())
-        unpadded = sum(sum(lay.per_bucket_numel_unpadded) for lay in full.layouts.values())
+        unpadded = sum(p.numel() for lay in full.layouts.values() for p in lay.param_index_map)  # params only
         # Megatron's reduce-scatter of the grads and all-gather of the params, both in bf16:
         # each rank sends (DP − 1)/DP of every bucket in each.
         rs_ag = 2 * (dp - 1) / dp * numel * NS_BYTES
@@ -514,7 +514,7 @@ def alpha_sweep(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, alph
         named = model_params(spec, tp)
         full = full_layout(named, bucket_size, dp, tp, "balanced", cfg)
         numel = sum(lay.bucket_indices[-1][1] for lay in full.layouts.values())
-        unpadded = sum(sum(lay.per_bucket_numel_unpadded) for lay in full.layouts.values())
+        unpadded = sum(p.numel() for lay in full.layouts.values() for p in lay.param_index_map)  # params only
         layouts = ours_layouts(spec, tp, dp, bucket_size, dp_layout="balanced", muon_config=cfg)
         owners = plan_dp_owners(layouts, dp, STEPS)
         loads = [0.0] * dp

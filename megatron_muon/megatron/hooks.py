@@ -49,10 +49,13 @@ exit code 2); each exists because Megatron itself would do something else:
    validates with it instead of ``validate_args``, so none of the above would run; with
    ``--optimizer muon`` it is refused at startup, pointing at ``yaml_config``.
 7. ``megatron.training.training.save_checkpoint``: after a persistent synchronous save, the
-   checksum of every file (``integrity.write_checksums``).
+   checksum of every file (``integrity.write_checksums``). A balanced-layout optimizer is saved
+   ``fully_reshardable`` whatever was asked; the hook asks for it, so Megatron's own "Storing
+   distributed optimizer sharded state of type ..." line names the format written.
 8. ``megatron.training.training.load_checkpoint``: before the load the checksums are verified,
    a load Megatron refuses for a TP/PP change is explained in one line (``resharding.py``), and
-   after it the loaded main params and optimizer state are checked finite.
+   after it the loaded main params and optimizer state are checked finite and the main params
+   against the same checkpoint's model weights (``integrity.check_main_params_match_weights``).
    ``--muon-reset-optimizer-state`` (fresh optimizer state, the LR schedule kept) and
    ``--muon-load-upstream-optimizer`` (megatron-core Muon's state carried over) replace the
    optimizer part of the load (``reset_state.py``); a checkpoint of the other implementation

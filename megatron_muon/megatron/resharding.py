@@ -74,6 +74,6 @@ def tp_pp_refusal(saved_tp: int, saved_pp: int, run_tp: int, run_pp: int, kind: 
         f"{kind} format, which reshards DP only, so it cannot be loaded at {wanted} "
         f"(Megatron's hint, --ckpt-fully-parallel-save, is a deprecated no-op). Resume at {saved} "
         f"with {FULLY_RESHARDABLE_FLAG}, save once, and load that checkpoint at {wanted}; or load "
-        f"it without the optimizer state (--no-load-optim: momentum, Adam moments and the MuonBP "
-        f"phase start afresh). See docs/checkpoints.md"
+        f"it with fresh optimizer state (--muon-reset-optimizer-state: weights, iteration and LR schedule "
+        f"kept; momentum, Adam moments and the MuonBP phase start afresh). See docs/checkpoints.md"
     )

@@ -266,8 +266,8 @@ def check_optimizer_change(args, saved: Saved, *, plugin: bool) -> None:
     saved_by = f"by megatron-muon ({was})" if old == "megatron-muon" else f"with {was}"
     raise UserInputError(
         f"--optimizer {args.optimizer}: {saved.directory} was saved {saved_by}, whose state ({_state_words(old)}) "
-        f"{new} would read as its own; resume with {was}, or add --no-load-optim to load the weights only (the "
-        "optimizer state starts afresh)")
+        f"{new} would read as its own; resume with {was}, or add --muon-reset-optimizer-state to load the weights, "
+        "iteration and LR schedule with fresh optimizer state")
 
 
 def check_other_optimizer(args) -> None:

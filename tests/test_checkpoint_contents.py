@@ -6,9 +6,10 @@ each) and under Megatron-FSDP (``optim_grads_params``). Each run trains 2 steps,
 more (the uninterrupted run), then a model built from another init seed loads the checkpoint
 and trains the same 2 steps:
 
-* **save vs live** (ZeRO-1): the checkpoint is read back in the test process by torch's own DCP
-  reader, not by Megatron's loader, and every tensor of it (model weights, fp32 main params,
-  Muon momentum under ``exp_avg``, Adam moments) equals the live state at the save bitwise;
+* **save vs live**: the checkpoint is read back in the test process by torch's own DCP reader,
+  not by Megatron's loader, and every tensor of it (ZeRO-1: model weights, fp32 main params, Muon
+  momentum under ``exp_avg``, Adam moments; Megatron-FSDP at TP1: the optimizer state) equals the
+  live state at the save bitwise;
 * **load**: right after the load, the optimizer state equals the live state at the save bitwise
   (ZeRO-1 and Megatron-FSDP);
 * **resume**: after 2 more steps, the resumed run equals the uninterrupted one bitwise.
@@ -196,6 +197,40 @@ def test_saved_state_equals_live(runs, case, tmp_path):
             _assert_equal(stored, value, f"{_ids(case)}: {part} of {name}")
             compared += 1
     assert compared == 4 * len(live)
+
+
+def _plain(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[2] == "fsdp" and c[0] == 1], ids=_ids)
+def test_fsdp_saved_state_equals_live(runs, case, tmp_path):
+    """Megatron-FSDP's ``fsdp_dtensor`` save, read back by torch's DCP reader: every optimizer
+    state tensor is the live one bitwise (Muon's momentum under ``exp_avg``; the SwiGLU fc1 saved
+    as its gate and up halves, ``weight_w`` / ``weight_v``). At TP1, where a DP-gathered local
+    tensor is the whole one."""
+    root, results = runs
+    live = results[case][0]["live"]
+    saved = {}
+    for key, value in read_offline(str(root / _ids(case)), str(tmp_path / "ckpt.pt")).items():
+        if key.startswith("optimizer/state/"):
+            name, part = key[len("optimizer/state/"):].rsplit("/", 1)
+            saved[(_plain(name), part)] = value
+    compared = 0
+    for key, value in live.items():
+        if key == "muon_steps" or key.endswith(".step"):
+            continue
+        name, part = key.rsplit(".", 1)
+        name, part = _plain(name), "exp_avg" if part == "momentum_buffer" else part
+        if (name, part) in saved:
+            stored = saved[(name, part)]
+        else:  # the gated fc1: [gate; up] saved as two halves
+            stored = torch.cat([saved[(name + "_w", part)], saved[(name + "_v", part)]])
+        _assert_equal(stored, value, f"{_ids(case)}: {part} of {name}")
+        compared += 1
+    assert compared >= 15, compared
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)

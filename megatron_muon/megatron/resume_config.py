@@ -262,6 +262,14 @@ def check_optimizer_change(args, saved: Saved, *, plugin: bool) -> None:
         if message:
             raise UserInputError(message)
         return
+    if old == "megatron-muon" and "muon" in args.optimizer:  # megatron-core's own Muon (validate_args
+        # has made --optimizer dist_muon into muon with the layer-wise optimizer); the load hook's line
+        name = "dist_muon" if getattr(args, "use_layer_wise_distributed_optimizer", False) else args.optimizer
+        raise UserInputError(
+            f"--load {saved.directory.parent}: written by megatron-muon (--optimizer muon with the plugin), whose "
+            f"optimizer state megatron-core's --optimizer {name} cannot read; add --muon-reset-optimizer-state "
+            "(weights, iteration and LR schedule; fresh optimizer state) or resume with megatron-muon; "
+            "docs/checkpoints.md")
     was = f"--optimizer {saved.get('optimizer', 'adam')}"
     saved_by = f"by megatron-muon ({was})" if old == "megatron-muon" else f"with {was}"
     raise UserInputError(

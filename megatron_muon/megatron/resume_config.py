@@ -82,6 +82,16 @@ _HYPERPARAMETERS: tuple[tuple[str, str], ...] = (
 )
 """Muon settings a resume may change on purpose: the next steps use the new value (reported)."""
 
+_DEFAULT_OF_NONE = {"muon_dp_layout": "balanced", "muonbp_block_lr_mult": 1.0, "muon_tp_mode": "owner"}
+"""flags whose parser default is None (not given; refused where they would be ignored): the value
+None stands for (``cli.muon_config_from_args``), so a checkpoint of either version compares alike."""
+
+
+def _setting(run, name: str):
+    """``run``'s value of ``name`` (saved args or this command line), None read as its default."""
+    value = getattr(run, name, None)
+    return _DEFAULT_OF_NONE.get(name) if value is None else value
+
 _EXACT_TP_MODES = ("owner", "duplicated", "distributed", "auto")
 
 PLUGIN = "megatron_muon"  # hooks.ACTIVE: recorded in the saved args (True: megatron-muon ran the run)
@@ -329,11 +339,11 @@ def _changes(saved: Saved, args, padded: int | None) -> list[str]:
     size("tensor_model_parallel_size", "TP", f"resharded exactly (only the order of sums changes){vocab}")
     size("pipeline_model_parallel_size", "PP", "resharded exactly")
     size("data_parallel_size", "DP", "resharded exactly (only the order of sums changes)")
-    old_layout, new_layout = saved.get("muon_dp_layout", "balanced"), getattr(args, "muon_dp_layout", "balanced")
+    old_layout, new_layout = _setting(saved.args, "muon_dp_layout"), _setting(args, "muon_dp_layout")
     if old_layout != new_layout:
         lines.append(f"--muon-dp-layout {old_layout} -> {new_layout}: another buffer layout, the same update (the "
                      "state is read per param)")
-    old_mode, new_mode = saved.get("muon_tp_mode", "owner"), getattr(args, "muon_tp_mode", "owner")
+    old_mode, new_mode = _setting(saved.args, "muon_tp_mode"), _setting(args, "muon_tp_mode")
     if old_mode != new_mode:
         same = old_mode in _EXACT_TP_MODES and new_mode in _EXACT_TP_MODES
         lines.append(f"--muon-tp-mode {old_mode} -> {new_mode}: " + (
@@ -346,8 +356,8 @@ def _changes(saved: Saved, args, padded: int | None) -> list[str]:
         lines.append(f"--muonbp-period {'off' if old_period is None else old_period} -> "
                      f"{'off' if new_period is None else new_period}: from the checkpoint's step count t on, {now}")
     for name, flag in _HYPERPARAMETERS:
-        if hasattr(saved.args, name) and getattr(saved.args, name) != getattr(args, name, None):
-            lines.append(f"{flag} ({name}) {getattr(saved.args, name)} -> {getattr(args, name, None)}: used from "
+        if hasattr(saved.args, name) and _setting(saved.args, name) != _setting(args, name):
+            lines.append(f"{flag} ({name}) {_setting(saved.args, name)} -> {_setting(args, name)}: used from "
                          "the next step on")
     return lines
 

@@ -14,9 +14,9 @@ import re
 
 import pytest
 import torch
+from bad_inputs_table import expected_line
 from dist_harness import run_world
 from megatron_harness import build_tiny_gpt, destroy_megatron, init_megatron
-from test_bad_inputs import expected_line
 
 from megatron_muon.config import MuonConfig
 from megatron_muon.core.newton_schulz import COEFFICIENT_SETS

@@ -11,7 +11,6 @@ this table (``expected_line``).
 
 from __future__ import annotations
 
-import re
 import shlex
 import subprocess
 import sys
@@ -19,15 +18,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from bad_inputs_table import expected_line, rows
 
 REPO = Path(__file__).resolve().parents[1]
-DOC = REPO / "docs" / "bad_inputs.md"
-ROW = re.compile(r"^\| `(?P<id>[a-z0-9-]+)` \| (?P<kind>\w+) \| (?P<input>.*?) \| `(?P<line>.*)` \|$")
-PLACEHOLDERS = {  # the table's placeholders (besides TMP and CONFIG), as regular expressions
-    "HALF": r"\d+", "FULL": r"\d+", "THIRD": r"\d+", "SIZE": r"\d+", "FILE": r"\S+\.distcp",
-    "TENSOR": r"\S+ \(\w+\)", "PARAM": r"\S+ \(\d+ elements\)", "MORE": r"( \(and \d+ more\))?",
-    "REASON": r"(Operation not permitted|Permission denied|Read-only file system)",
-}
 CHECKED_ELSEWHERE = {  # rows checked by another test file (a torchrun job, a Megatron world), by row id
     "ckpt-overwritten": "test_checkpoint_integrity.py", "ckpt-truncated": "test_checkpoint_integrity.py",
     "ckpt-nan": "test_checkpoint_integrity.py", "ckpt-tp-change": "test_resharding.py",
@@ -40,26 +33,6 @@ CHECKED_ELSEWHERE = {  # rows checked by another test file (a torchrun job, a Me
                                               "api-negative-lr", "api-qk-clip-mla-cache")},
     # scripts/run.sh main's own argument checks (before the venv and the data)
     **{row: "test_preflight.py" for row in ("run-sh-directory", "run-sh-missing", "run-sh-not-yaml")}}
-
-
-def rows() -> dict[str, dict]:
-    found = {}
-    for text in DOC.read_text().splitlines():
-        if match := ROW.match(text):
-            assert match["id"] not in found, f"row {match['id']} twice"
-            found[match["id"]] = match.groupdict()
-    return found
-
-
-def expected_line(row_id: str, **paths: str) -> re.Pattern:
-    """The table's line for ``row_id`` as a regex: ``paths`` (TMP=..., CONFIG=...) substituted
-    literally, the other placeholders by their patterns."""
-    pattern = re.escape(rows()[row_id]["line"])
-    for name, value in paths.items():
-        pattern = pattern.replace(name, re.escape(value))
-    for name, value in PLACEHOLDERS.items():
-        pattern = pattern.replace(name, value)
-    return re.compile(pattern)
 
 
 def test_table_has_enough_rows_and_every_row_is_tested():
@@ -86,21 +59,6 @@ def world(tmp_path_factory) -> Path:
                   save=str(tmp / "ckpt"), load=str(tmp / "ckpt"))
     (tmp / "tiny.yaml").write_text(yaml.safe_dump(config))
     return tmp
-
-
-@pytest.fixture
-def hooks_restored(monkeypatch):
-    """check_command_line installs the hooks into megatron.training; put everything back after."""
-    from megatron.training import arguments, training, yaml_arguments
-
-    for module, names in ((arguments, ("add_megatron_arguments", "validate_args")),
-                          (yaml_arguments, ("validate_yaml",)),
-                          (training, ("get_megatron_optimizer", "training_log", "clip_qk", "wrap_model_chunks_with_ddp",
-                                      "save_checkpoint", "load_checkpoint"))):
-        for name in names:
-            monkeypatch.setattr(module, name, getattr(module, name))
-    monkeypatch.setattr(sys, "excepthook", sys.excepthook)
-    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as scripts/run.sh exports it
 
 
 def _rejection(config: Path, extra: list[str]) -> str:

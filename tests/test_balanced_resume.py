@@ -23,9 +23,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from bad_inputs_table import expected_line
 from checkpoint_harness import read_offline
-from test_bad_inputs import expected_line
-from test_pretrain import ENTRY, TINY, _free_port
+from entry_harness import ENTRY, TINY, free_port
 
 OLD_ENTRY = Path(__file__).resolve().parent / "old_layout_entry.py"
 RUN = ["--train-iters", "20", "--log-interval", "5", "--save-interval", "10", "--lr-decay-iters", "20",
@@ -53,7 +53,7 @@ def _torchrun(nproc: int, tp: int, args: list[str], cwd: Path, data: list[str],
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(_free_port()), str(entry), *[a for a in TINY if a != "--mock-data"],
+           "127.0.0.1", "--master-port", str(free_port()), str(entry), *[a for a in TINY if a != "--mock-data"],
            *data, "--tensor-model-parallel-size", str(tp), *RUN, *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
 

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_bad_inputs import expected_line
-from test_pretrain import ENTRY, TINY, _free_port, _torchrun
+from bad_inputs_table import expected_line
+from entry_harness import ENTRY, TINY, free_port, torchrun
 
 from megatron_muon.megatron.integrity import CHECKSUMS, digest
 
@@ -43,14 +43,14 @@ def _run(args: list[str], cwd: Path):
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(ENTRY), *TINY, *args]
+           "--master-port", str(free_port()), str(ENTRY), *TINY, *args]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("integrity")
-    out = _torchrun([*SAVE_ITERS, "--save", str(root / "ckpt")], root)
+    out = torchrun([*SAVE_ITERS, "--save", str(root / "ckpt")], root)
     assert re.search(r"megatron-muon: checksums of \d+ files \([0-9.]+ MB\) written to \S+iter_0000003 in", out), \
         out[-3000:]
     return root / "ckpt"
@@ -85,7 +85,7 @@ def test_checksum_file_lists_every_file(saved):
 
 def test_intact_checkpoint_resumes_verified(saved, tmp_path):
     ckpt, _ = _copy(saved, tmp_path)
-    out = _torchrun([*RESUME, "--load", str(ckpt), "--save", str(ckpt)], tmp_path)
+    out = torchrun([*RESUME, "--load", str(ckpt), "--save", str(ckpt)], tmp_path)
     assert re.search(r"megatron-muon: checksums of \d+ files in \S+iter_0000003 verified in", out), out[-3000:]
     assert "iteration        4/" in out
 

@@ -29,9 +29,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_bad_inputs import expected_line
-from test_pretrain import TINY, _free_port
-from test_reset_optimizer_state import RESUME, _rows
+from bad_inputs_table import expected_line
+from entry_harness import RESUME, TINY, free_port, logged_rows
 
 REPO = Path(__file__).resolve().parents[1]
 UPSTREAM_ENTRY = REPO / "tests" / "upstream_entry.py"
@@ -48,7 +47,7 @@ def _run(entry: Path, args: list[str], cwd: Path, upstream: str | None = None, t
     if upstream:
         env["UPSTREAM"] = upstream
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(entry), *tiny, *args]
+           "--master-port", str(free_port()), str(entry), *tiny, *args]
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
     return proc.returncode, proc.stdout + proc.stderr
 
@@ -81,7 +80,7 @@ def upstream_ckpt(tmp_path_factory):
     out = _ok(_run(UPSTREAM_ENTRY, [*SAME_MUON, "--train-iters", "6", "--log-interval", "1", "--save",
                                     str(root / "ckpt"), "--save-interval", "4"], root, "ddp", tiny))
     assert "megatron-muon: Muon on" not in out  # megatron-core's optimizer, not the plugin's
-    resumed = _rows(_ok(_run(UPSTREAM_ENTRY, [*SAME_MUON, *RESUME, "--load", str(root / "ckpt")], root, "ddp",
+    resumed = logged_rows(_ok(_run(UPSTREAM_ENTRY, [*SAME_MUON, *RESUME, "--load", str(root / "ckpt")], root, "ddp",
                              tiny)))
     assert sorted(resumed) == [5, 6]
     return root, resumed
@@ -101,7 +100,7 @@ def test_upstream_checkpoint_resumed_with_its_momentum(upstream_ckpt, tmp_path):
     assert re.search(r"megatron-core Muon's state carried over from \S+iter_0000004 \(this rank: 8 Muon momentum "
                      r"buffers, 7 Adam moment pairs, 0 fp32 main params, step 4\); Muon settings as saved", out), \
         out[-3000:]
-    plugin = _rows(out)
+    plugin = logged_rows(out)
     # Equal as printed (7 digits): measured bitwise at this precision. Owner mode runs the same
     # fp32 Newton-Schulz on the same whole matrices as upstream's duplicated mode.
     assert plugin == upstream, (plugin, upstream)
@@ -109,7 +108,7 @@ def test_upstream_checkpoint_resumed_with_its_momentum(upstream_ckpt, tmp_path):
 
 def test_plugin_checkpoint_into_upstream_layer_wise(tmp_path):
     ckpt = tmp_path / "ckpt"
-    saved = _rows(_ok(_run(PLUGIN_ENTRY, ["--train-iters", "6", "--log-interval", "1", "--save", str(ckpt),
+    saved = logged_rows(_ok(_run(PLUGIN_ENTRY, ["--train-iters", "6", "--log-interval", "1", "--save", str(ckpt),
                                           "--save-interval", "4"], tmp_path)))
     upstream = ["--optimizer", "dist_muon", "--muon-tp-mode", "duplicated", "--no-use-layer-wise-param-layout",
                 *RESUME, "--load", str(ckpt)]
@@ -117,5 +116,5 @@ def test_plugin_checkpoint_into_upstream_layer_wise(tmp_path):
     assert expected_line("ckpt-plugin-into-upstream", TMP=str(tmp_path)).fullmatch(line), line
     out = _ok(_run(UPSTREAM_ENTRY, [*upstream, "--muon-reset-optimizer-state"], tmp_path, "layer_wise"))
     assert "Using LayerWiseDistributedOptimizer" in out or "megatron-muon: Muon on" not in out
-    rows = _rows(out)
+    rows = logged_rows(out)
     assert sorted(rows) == [5, 6] and all(rows[it][0] == saved[it][0] for it in (5, 6)), (rows, saved)

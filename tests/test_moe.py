@@ -31,6 +31,8 @@ import os
 
 import pytest
 import torch
+from checkpoint_harness import load_torch_dist as _load
+from checkpoint_harness import save_torch_dist as _save
 from dist_harness import run_world
 from megatron_harness import (
     build_tiny_gpt,
@@ -42,7 +44,6 @@ from megatron_harness import (
     make_batch,
     reference_param_groups,
 )
-from test_checkpoint import _load, _save
 from test_megatron_optimizer import MUON, _optimizer_config, _scheduler, clip_like_megatron
 
 K = 3

@@ -30,10 +30,10 @@ import time
 import megatron_harness
 import pytest
 import torch
+from checkpoint_harness import load_torch_dist as _load
 from checkpoint_harness import unwrap as _unwrap
 from dist_harness import run_world
 from megatron_harness import destroy_megatron, gather_full_params, init_megatron, is_expert, unshard
-from test_checkpoint import _load
 from test_moe import CLIP, MOE
 from test_moe import _build as _build_moe
 from test_resharding import _max_diff, _save, _step

@@ -21,8 +21,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_bad_inputs import expected_line
-from test_pretrain import ENTRY, TINY, _free_port
+from bad_inputs_table import expected_line
+from entry_harness import ENTRY, TINY, free_port
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1")
@@ -50,7 +50,7 @@ def test_run_sh_refuses_a_load_typo_before_starting(tmp_path):
 def test_run_sh_refuses_a_config_that_is_no_yaml_file(row_id, tmp_path):
     """The rows of docs/bad_inputs.md of kind launcher: a bash test each, no Python started (so no
     venv is built and no dataset written, wherever the checkout is)."""
-    from test_bad_inputs import rows
+    from bad_inputs_table import rows
 
     command = shlex.split(rows()[row_id]["input"].split("`")[1])
     env = dict(ENV, MEGATRON_MUON_VENV=str(tmp_path / "no-venv"))  # refused before the venv is looked at
@@ -91,7 +91,7 @@ def test_preflight_prints_the_job_arguments(tmp_path):
 
 def test_a_job_without_the_launchers_refuses_the_same_load(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(ENTRY), *TINY, "--train-iters", "3", "--save-interval", "3",
+           "--master-port", str(free_port()), str(ENTRY), *TINY, "--train-iters", "3", "--save-interval", "3",
            "--load", str(tmp_path / "tiny_cpu"), "--save", str(tmp_path / "ckpt")]
     proc = subprocess.run(cmd, cwd=tmp_path, env=dict(ENV, PYTHONWARNINGS="ignore"), capture_output=True, text=True,
                           timeout=300)

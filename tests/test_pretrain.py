@@ -9,61 +9,10 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-ENTRY = REPO / "scripts" / "pretrain_gpt.py"
-
-TINY = [
-    "--distributed-backend", "gloo", "--tensor-model-parallel-size", "2",
-    "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-    "--seq-length", "64", "--max-position-embeddings", "64",
-    "--micro-batch-size", "2", "--global-batch-size", "4",
-    "--lr", "0.02", "--min-lr", "0.002", "--lr-decay-style", "cosine",
-    "--lr-warmup-iters", "2", "--lr-decay-iters", "20",
-    "--optimizer", "muon", "--muon-tp-mode", "owner", "--use-distributed-optimizer",
-    "--muon-log-stats",
-    "--transformer-impl", "local", "--use-cpu-initialization", "--no-gradient-accumulation-fusion",
-    "--no-masked-softmax-fusion", "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion",
-    "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
-    "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-    "--untie-embeddings-and-output-weights", "--disable-bias-linear",
-    "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "257",
-    "--eval-iters", "0", "--eval-interval", "1000",
-    "--ckpt-format", "torch_dist",
-]
-
-# Megatron's iteration line (training_log), with megatron-muon's stats appended (--muon-log-stats).
-ITERATION = re.compile(
-    r"iteration\s+(\d+)/\s*(\d+) \|.*?learning rate: ([0-9.E+-]+) \|.*?"
-    r"lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|.*?"
-    r" muon step: (\w+) \| muon bytes sent: ([0-9.]+) MB \| muon orthogonalize: ([0-9.]+) ms \(host clock\) \|"
-)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(args: list[str], cwd: Path) -> str:
-    env = dict(os.environ)
-    env.update(
-        CUDA_VISIBLE_DEVICES="",  # the CPU path (and its patches) wherever the test runs
-        CUDA_DEVICE_MAX_CONNECTIONS="1",  # what Megatron asks for with TP > 1 before Blackwell
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-    )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), str(ENTRY), *TINY, *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"pretrain_gpt.py failed (rc={proc.returncode}):\n{out[-6000:]}"
-    return out
+from entry_harness import ENTRY, ITERATION, REPO, free_port, torchrun
 
 
 def _iterations(out: str) -> list[tuple]:
@@ -74,7 +23,7 @@ def _iterations(out: str) -> list[tuple]:
 def test_pretrain_saves_and_resumes(tmp_path):
     ckpt = tmp_path / "ckpt"
 
-    out = _torchrun(["--train-iters", "6", "--log-interval", "3", "--save", str(ckpt),
+    out = torchrun(["--train-iters", "6", "--log-interval", "3", "--save", str(ckpt),
                      "--save-interval", "6"], tmp_path)
     assert "cpu_patches applied" in out
     # The startup report, once (global rank 0): routing by name pattern, the mode, the plan.
@@ -94,7 +43,7 @@ def test_pretrain_saves_and_resumes(tmp_path):
     assert (saved / "metadata.json").is_file() and list(saved.glob("*.distcp")), list(saved.iterdir())
 
     # Resume: more iterations, the scheduler extended to them (--override-opt-param-scheduler).
-    out = _torchrun(["--train-iters", "8", "--log-interval", "1", "--load", str(ckpt),
+    out = torchrun(["--train-iters", "8", "--log-interval", "1", "--load", str(ckpt),
                      "--save", str(ckpt), "--save-interval", "100",
                      "--override-opt-param-scheduler"], tmp_path)
     assert re.search(r"loading distributed checkpoint from \S+ at iteration 6", out), out[-4000:]
@@ -112,7 +61,7 @@ def test_pretrain_with_virtual_pipeline_stages(tmp_path):
     read from the wrong iterator would fail on ``next(None)``: Megatron builds no dataset there).
     The optimizer's math under VPP is tests/test_virtual_pipeline.py; this is the entry script.
     """
-    out = _torchrun(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+    out = torchrun(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
                      "--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2",
                      "--train-iters", "6", "--log-interval", "1"], tmp_path)
     assert "Number of virtual stages per pipeline stage: 2" in out, out[-4000:]
@@ -131,7 +80,7 @@ def test_pretrain_with_qk_clip(tmp_path):
     """--qk-clip through Megatron's loop without Transformer Engine (the local attention's logit,
     megatron-muon's clip inside the step, upstream's clip_qk a no-op), on the log line with
     --muon-log-stats. τ is below this model's logits (about 0.1), so heads clip."""
-    out = _torchrun(["--qk-clip", "--qk-clip-threshold", "0.05", "--log-max-attention-logit",
+    out = torchrun(["--qk-clip", "--qk-clip-threshold", "0.05", "--log-max-attention-logit",
                      "--train-iters", "4", "--log-interval", "2"], tmp_path)
     rows = [(int(m[1]), int(m[2]), int(m[3]), float(m[4]), float(m[5])) for m in QK_CLIP.finditer(out)]
     assert [it for it, *_ in rows] == [1, 2, 4], out[-4000:]  # Megatron logs the first iteration too
@@ -157,7 +106,7 @@ def test_moe_demo_config_trains_and_resumes(tmp_path):
 
     def run(*extra: str) -> str:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), str(ENTRY), *config, "--save", ckpt, "--load", ckpt, *extra]
+               "--master-port", str(free_port()), str(ENTRY), *config, "--save", ckpt, "--load", ckpt, *extra]
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-6000:]
@@ -197,7 +146,7 @@ def test_fsdp_demo_config_trains_and_resumes(tmp_path):
 
     def run(*extra: str) -> str:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(_free_port()), str(ENTRY), *config, "--save", ckpt, "--load", ckpt, *extra]
+               "--master-port", str(free_port()), str(ENTRY), *config, "--save", ckpt, "--load", ckpt, *extra]
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
         out = proc.stdout + proc.stderr
         assert proc.returncode == 0, out[-6000:]
@@ -230,7 +179,7 @@ def test_fsdp2_demo_config_trains(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
     env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(ENTRY), *config, "--train-iters", "30", "--log-interval", "3",
+           "--master-port", str(free_port()), str(ENTRY), *config, "--train-iters", "30", "--log-interval", "3",
            "--eval-iters", "0"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     out = proc.stdout + proc.stderr

@@ -43,8 +43,11 @@ import types
 import megatron_harness
 import pytest
 import torch
+from bad_inputs_table import expected_line
+from checkpoint_harness import load_torch_dist as _load
 from checkpoint_harness import unwrap as _unwrap
 from dist_harness import run_world
+from entry_harness import ENTRY, TINY, free_port
 from megatron_harness import (
     HEADS,
     build_tiny_gpt,
@@ -55,9 +58,7 @@ from megatron_harness import (
     make_batch,
     unshard,
 )
-from test_bad_inputs import expected_line, hooks_restored  # noqa: F401 (a fixture)
-from test_checkpoint import LR, MUON, SMALL_BUCKET, WD, _load, _optimizer_config
-from test_pretrain import ENTRY, TINY, _free_port
+from test_checkpoint import LR, MUON, SMALL_BUCKET, WD, _optimizer_config
 
 from megatron_muon.megatron.resharding import FULLY_RESHARDABLE_FLAG, explain_load_error
 
@@ -351,7 +352,7 @@ def _pretrain(tmp_path, tp: int, *args: str) -> tuple[int, str]:
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
                PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(_free_port()), str(driver), str(ENTRY), str(tmp_path), *TINY,
+           "--master-port", str(free_port()), str(driver), str(ENTRY), str(tmp_path), *TINY,
            "--tensor-model-parallel-size", str(tp), "--muon-dp-layout", "megatron",
            # 257 tokens pad to 512 rows at TP2 and TP1 alike (the default 128 gives 384 at TP1: refused)
            "--make-vocab-size-divisible-by", "256",

@@ -22,9 +22,9 @@ import re
 import types
 
 import pytest
+from bad_inputs_table import expected_line
+from entry_harness import TINY
 from megatron_harness import run_entry
-from test_bad_inputs import expected_line, hooks_restored  # noqa: F401 (a fixture)
-from test_pretrain import TINY
 
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]  # iteration losses comparable across runs
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|")

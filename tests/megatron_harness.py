@@ -413,6 +413,16 @@ def reference_param_groups(chunk) -> tuple[list[dict], list, list]:
             decay.append(p)
     return muon_groups, decay, no_decay
 
+GLOBAL_BATCH = 4
+"""sequences per step of the runs that split a batch over DP ranks (``dp_slice``; DP4: one each)."""
+
+
+def dp_slice(batch: dict, dp_rank: int, dp: int) -> dict:
+    """DP rank ``dp_rank``'s equal share of ``batch`` (every tensor cut along dim 0)."""
+    n = batch["tokens"].shape[0] // dp
+    return {k: v[dp_rank * n:(dp_rank + 1) * n] for k, v in batch.items()}
+
+
 def make_batch(seed: int, micro_batch_size: int = 2, seq_len: int = SEQ, vocab: int = VOCAB,
                dp_rank: int | None = None) -> dict:
     """A deterministic batch: ``tokens``, ``labels`` (next tokens), ``position_ids``, all [b, s].

@@ -27,22 +27,18 @@ from checkpoint_harness import load_fsdp_dtensor as _load_fsdp
 from checkpoint_harness import save_fsdp_dtensor as _save_fsdp
 from dist_harness import run_world
 from megatron_harness import (
+    GLOBAL_BATCH,
     build_tiny_gpt,
     destroy_megatron,
+    dp_slice,
     forward_backward,
     gather_full_params,
     init_megatron,
     make_batch,
 )
-from test_megatron_optimizer import ATOL, MUON, K, _optimizer_config, _scheduler, train_reference
+from training_harness import ATOL, MUON, K, _optimizer_config, _scheduler, train_reference
 
-GLOBAL_BATCH = 4  # sequences per step, split over the DP ranks (DP4: one each)
 TIMEOUT = 1800
-
-
-def _my_slice(batch: dict, dp_rank: int, dp: int) -> dict:
-    n = batch["tokens"].shape[0] // dp
-    return {k: v[dp_rank * n:(dp_rank + 1) * n] for k, v in batch.items()}
 
 
 def train_fsdp(rank: int, world: int, runs: list[dict]) -> list[dict]:
@@ -69,7 +65,7 @@ def train_fsdp(rank: int, world: int, runs: list[dict]) -> list[dict]:
             get_model_config(model[0]).no_sync_func = model[0].no_sync
         optimizer = get_megatron_muon_optimizer(_optimizer_config(True), model, muon_config)
         scheduler = _scheduler(optimizer)
-        batch = _my_slice(make_batch(7, micro_batch_size=GLOBAL_BATCH), dp_rank, dp)
+        batch = dp_slice(make_batch(7, micro_batch_size=GLOBAL_BATCH), dp_rank, dp)
         sent = []
         for _ in range(K):
             forward_backward(model, batch, pp=1, num_microbatches=run.get("microbatches", 1), optimizer=optimizer,
@@ -194,7 +190,7 @@ def checkpoint_runs(rank: int, world: int, path: str, strategy: str) -> dict:
     def train(model, optimizer, scheduler, first_step):
         for step in range(first_step, first_step + CKPT_STEPS):
             dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-            batch = _my_slice(make_batch(20 + step, micro_batch_size=GLOBAL_BATCH), dp_rank, dp)
+            batch = dp_slice(make_batch(20 + step, micro_batch_size=GLOBAL_BATCH), dp_rank, dp)
             forward_backward(model, batch, pp=1, optimizer=optimizer, use_schedule=True)
             ok, _, _ = optimizer.step()
             assert ok

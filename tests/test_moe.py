@@ -44,7 +44,7 @@ from megatron_harness import (
     make_batch,
     reference_param_groups,
 )
-from test_megatron_optimizer import MUON, _optimizer_config, _scheduler, clip_like_megatron
+from training_harness import MUON, _optimizer_config, _scheduler, clip_like_megatron
 
 K = 3
 # fp32 throughout. The distributed runs sum the same products in another order (TP2's

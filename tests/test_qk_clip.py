@@ -32,7 +32,7 @@ from megatron_harness import (
     make_batch,
     reference_param_groups,
 )
-from test_megatron_optimizer import BETAS, EPS, LR, MUON, WD, _optimizer_config, _scheduler
+from training_harness import BETAS, EPS, LR, MUON, WD, _optimizer_config, _scheduler
 
 from megatron_muon.core.qk_clip import group_eta, qkv_row_scale, scale_rows_, scale_rows_flat_
 

@@ -19,15 +19,16 @@ import pytest
 import torch
 from dist_harness import run_world
 from megatron_harness import (
+    GLOBAL_BATCH,
     build_tiny_gpt,
     destroy_megatron,
+    dp_slice,
     forward_backward,
     gather_full_params,
     init_megatron,
     make_batch,
 )
-from test_megatron_fsdp import GLOBAL_BATCH, TIMEOUT, _my_slice
-from test_megatron_optimizer import (
+from training_harness import (
     ATOL,
     ATOL_CLIP,
     BF16_DISTANCE,
@@ -36,6 +37,7 @@ from test_megatron_optimizer import (
     CLIP,
     MUON,
     NORM_RTOL,
+    TIMEOUT,
     K,
     _optimizer_config,
     _scheduler,
@@ -66,7 +68,7 @@ def train_fsdp2(rank: int, world: int, runs: list[dict]) -> list[dict]:
         optimizer = get_megatron_muon_optimizer(_optimizer_config(False, bf16=bf16, clip_grad=run.get("clip", 0.0)),
                                                 model, MuonConfig(tp_mode=run["tp_mode"], **muon))
         scheduler = _scheduler(optimizer)
-        batch = _my_slice(make_batch(7, micro_batch_size=GLOBAL_BATCH), dp_rank, dp)
+        batch = dp_slice(make_batch(7, micro_batch_size=GLOBAL_BATCH), dp_rank, dp)
         sent, grad_norms = [], []
         for _ in range(K):
             forward_backward(model, batch, pp=1, num_microbatches=run.get("microbatches", 1), optimizer=optimizer,

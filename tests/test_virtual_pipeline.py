@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from dist_harness import run_world
-from test_megatron_optimizer import train_reference, train_runs
+from training_harness import train_reference, train_runs
 
 LAYERS_VPP = 4  # PP2 x VPP2: one layer per virtual stage
 # The interleaved schedule needs at least PP micro-batches (microbatch_group_size_per_vp_stage

@@ -16,8 +16,24 @@ import torch
 import torch.distributed as dist
 from megatron_harness import gather_fsdp_rows, global_name, unshard
 
-__all__ = ["fsdp_optimizer_state", "load_fsdp_dtensor", "load_torch_dist", "read_offline", "save_fsdp_dtensor",
-           "save_torch_dist", "torch_dist_keys", "unwrap", "zero1_full_state"]
+__all__ = ["LR", "MUON", "SMALL_BUCKET", "WD", "adam_config", "fsdp_optimizer_state", "load_fsdp_dtensor",
+           "load_torch_dist", "read_offline", "save_fsdp_dtensor", "save_torch_dist", "torch_dist_keys", "unwrap",
+           "zero1_full_state"]
+
+
+LR, WD, BETAS, EPS = 0.02, 0.1, (0.9, 0.95), 1e-8
+MUON = dict(tp_mode="owner", momentum=0.9, nesterov=True, scale_mode="spectral", extra_scale_factor=0.2,
+            fp32_matmul_prec="highest", coefficient_type="quintic", num_ns_steps=5)
+SMALL_BUCKET = 4000  # elements: DP ranges cut matrices mid-way, several buckets
+
+
+def adam_config(dist_opt: bool, bf16: bool):
+    """Megatron's OptimizerConfig of the checkpoint tests (Adam's settings for the AdamW params)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR, weight_decay=WD, adam_beta1=BETAS[0],
+                           adam_beta2=BETAS[1], adam_eps=EPS, bf16=bf16, clip_grad=0.0,
+                           use_distributed_optimizer=dist_opt)
 
 
 def unwrap(module):

@@ -24,15 +24,13 @@ import os
 
 import pytest
 import torch
+from checkpoint_harness import LR, MUON, SMALL_BUCKET, WD
+from checkpoint_harness import adam_config as _optimizer_config
 from checkpoint_harness import load_torch_dist as _load
 from checkpoint_harness import save_torch_dist as _save
 from dist_harness import ChildError, run_world
 from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
 
-LR, WD, BETAS, EPS = 0.02, 0.1, (0.9, 0.95), 1e-8
-MUON = dict(tp_mode="owner", momentum=0.9, nesterov=True, scale_mode="spectral", extra_scale_factor=0.2,
-            fp32_matmul_prec="highest", coefficient_type="quintic", num_ns_steps=5)
-SMALL_BUCKET = 4000  # elements: DP ranges cut matrices mid-way, several buckets
 TP = 2
 SEED, OTHER_SEED = 1234, 999
 # DP resharding: the continued step runs at DP1 instead of DP2. Every rank sees the same batch and
@@ -55,14 +53,6 @@ CROSS_LAYOUT = [("distopt-fully_reshardable", "balanced"), ("distopt-balanced-fu
                 ("distopt-balanced-dp_reshardable", "megatron")]
 """(checkpoint saved in one --muon-dp-layout, the layout it is loaded into)."""
 CHECKPOINTS = [f"{kind}-{sharding}" for kind, shardings in SHARDINGS.items() for sharding in shardings]
-
-
-def _optimizer_config(dist_opt: bool, bf16: bool):
-    from megatron.core.optimizer import OptimizerConfig
-
-    return OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR, weight_decay=WD, adam_beta1=BETAS[0],
-                           adam_beta2=BETAS[1], adam_eps=EPS, bf16=bf16, clip_grad=0.0,
-                           use_distributed_optimizer=dist_opt)
 
 
 def _layout(kind: str) -> str:

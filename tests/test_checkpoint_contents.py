@@ -28,6 +28,10 @@ import os
 import pytest
 import torch
 from checkpoint_harness import (
+    LR,
+    MUON,
+    WD,
+    adam_config,
     fsdp_optimizer_state,
     load_fsdp_dtensor,
     load_torch_dist,
@@ -39,9 +43,6 @@ from checkpoint_harness import (
 from dist_harness import run_world
 from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
 
-LR, WD = 0.02, 0.1
-MUON = dict(tp_mode="owner", momentum=0.9, nesterov=True, scale_mode="spectral", extra_scale_factor=0.2,
-            fp32_matmul_prec="highest", coefficient_type="quintic", num_ns_steps=5)
 BUCKET = 6000  # elements: 2 or more buckets per buffer (the balanced layout keeps >= 2 x DP matrices in one)
 STEPS = 2  # steps before the save, and after it
 SEED, OTHER_SEED = 1234, 999
@@ -52,13 +53,6 @@ VARIANTS = ("balanced", "megatron", "fsdp")
 balanced layout always writes), Megatron-FSDP ``optim_grads_params`` (``fsdp_dtensor``)."""
 CASES = [(tp, world // tp, variant) for world, tps in WORLDS.items() for tp in tps for variant in VARIANTS]
 TIMEOUT = 1800  # a world of 8 ranks on 2 cores: minutes, more when other jobs share them
-
-
-def _config(bf16: bool):
-    from megatron.core.optimizer import OptimizerConfig
-
-    return OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR, weight_decay=WD, adam_beta1=0.9, adam_beta2=0.95,
-                           adam_eps=1e-8, bf16=bf16, clip_grad=0.0, use_distributed_optimizer=True)
 
 
 def _build(tp: int, variant: str, seed: int):
@@ -77,7 +71,7 @@ def _build(tp: int, variant: str, seed: int):
     else:
         model = build_tiny_gpt(tp, use_distributed_optimizer=True, layout_bucket_size=BUCKET, seed=seed,
                                dp_layout=variant, muon_config=muon_config)
-    optimizer = get_megatron_muon_optimizer(_config(bf16=fsdp), model, muon_config)
+    optimizer = get_megatron_muon_optimizer(adam_config(True, bf16=fsdp), model, muon_config)
     scheduler = OptimizerParamScheduler(optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0,
                                         lr_decay_steps=100, lr_decay_style="constant", start_wd=WD, end_wd=WD,
                                         wd_incr_steps=100, wd_incr_style="constant")

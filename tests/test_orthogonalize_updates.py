@@ -13,61 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_world
+from matrix_harness import FP32_ATOL, expected_local, global_matrix, layouts, tp_local
 
-from megatron_muon import comm_stats, newton_schulz, ns_flops
-from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
-from megatron_muon.core.scaling import muon_scale
+from megatron_muon import comm_stats, ns_flops
 from megatron_muon.parallel.orthogonalize import orthogonalize_updates, plan_dp_owners
-
-# name, TP-local shape, partition_dim, row split (groups, sizes) or None
-PARAMS = [
-    ("qkv", (2 * 12, 16), 0, (2, (8, 2, 2))),  # 2 local query groups of [q 8; k 2; v 2] rows
-    ("proj", (16, 8), 1, None),
-    ("fc1", (2 * 10, 16), 0, (1, (10, 10))),  # [gate; up]
-    ("fc2", (16, 10), 1, None),
-    ("router", (6, 16), None, None),  # not TP-split: every TP rank holds all of it
-]
-FP32_ATOL = 1e-5  # fp32 NS; only summation order differs (see test_tp_modes.FP32_ATOL)
-
-
-def layouts(tp: int, dp: int, cut: bool) -> list[MatrixLayout]:
-    """Megatron-style DP ranges: params back to back, the buffer cut in dp equal parts."""
-    sizes = [r * c for _, (r, c), *_ in PARAMS]
-    total = sum(sizes)
-    shard = -(-total // dp)
-    out, offset = [], 0
-    for (name, shape, pdim, split), n in zip(PARAMS, sizes):
-        ranges = None
-        if cut:
-            spans = [(max(offset, d * shard), min(offset + n, (d + 1) * shard)) for d in range(dp)]
-            ranges = tuple((lo - offset, hi - offset) if hi > lo else (0, 0) for lo, hi in spans)
-        out.append(MatrixLayout(name, shape, pdim, tp, RowSplit(split[0], split[1]) if split else None, ranges))
-        offset += n
-    return out
-
-
-def global_matrix(i: int, tp: int) -> torch.Tensor:
-    """The full (all TP ranks) update of param i, seeded by index."""
-    _, (r, c), pdim, _ = PARAMS[i]
-    shape = (r * tp, c) if pdim == 0 else (r, c * tp) if pdim == 1 else (r, c)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(50 + i))
-
-
-def tp_local(full: torch.Tensor, pdim, tp: int, tp_rank: int) -> torch.Tensor:
-    return full if pdim is None else full.chunk(tp, dim=pdim)[tp_rank]
-
-
-def expected_local(i: int, layout: MatrixLayout, tp: int, tp_rank: int, scale_mode="spectral") -> torch.Tensor:
-    """NS of each global sub-matrix, scaled by its global shape, cut back to this TP rank."""
-    full = global_matrix(i, tp)
-    pdim = layout.partition_dim
-    locals_ = [layout.split_rows(tp_local(full, pdim, tp, r)) for r in range(tp)]
-    subs = []
-    for k, (rows, cols) in enumerate(layout.sub_global_shapes()):
-        sub = locals_[0][k] if pdim is None else torch.cat([parts[k] for parts in locals_], dim=pdim)
-        ns = newton_schulz(sub, 5, "jordan") * muon_scale(rows, cols, scale_mode)
-        subs.append(tp_local(ns, pdim, tp, tp_rank))
-    return layout.join_rows(subs)
 
 
 def _worker(rank: int, world: int, tp: int) -> dict:

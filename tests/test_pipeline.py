@@ -18,8 +18,8 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_world
-from test_orthogonalize_updates import FP32_ATOL, expected_local, global_matrix, tp_local
-from test_orthogonalize_updates import layouts as whole_layouts
+from matrix_harness import FP32_ATOL, expected_local, global_matrix, tp_local
+from matrix_harness import layouts as whole_layouts
 
 from megatron_muon.parallel import comm, orthogonalize, owner_exchange, owner_mode
 from megatron_muon.parallel.orthogonalize import orthogonalize_updates

@@ -44,6 +44,8 @@ import megatron_harness
 import pytest
 import torch
 from bad_inputs_table import expected_line
+from checkpoint_harness import LR, MUON, SMALL_BUCKET, WD
+from checkpoint_harness import adam_config as _optimizer_config
 from checkpoint_harness import load_torch_dist as _load
 from checkpoint_harness import unwrap as _unwrap
 from dist_harness import run_world
@@ -58,7 +60,6 @@ from megatron_harness import (
     make_batch,
     unshard,
 )
-from test_checkpoint import LR, MUON, SMALL_BUCKET, WD, _optimizer_config
 
 from megatron_muon.megatron.resharding import FULLY_RESHARDABLE_FLAG, explain_load_error
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_world
-from test_orthogonalize_updates import global_matrix, layouts, tp_local
+from matrix_harness import global_matrix, layouts, tp_local
 
 from megatron_muon import comm_stats
 from megatron_muon.parallel.orthogonalize import orthogonalize_updates, plan_dp_owners

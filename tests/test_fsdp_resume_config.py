@@ -124,7 +124,8 @@ def test_what_megatron_would_fail_on_is_refused(saved, fsdp_env):
     line = _refusal(root, "--tensor-model-parallel-size", "2")
     assert line.startswith("--tensor-model-parallel-size 2 with --make-vocab-size-divisible-by 128: the padded "
                            "vocabulary would be 512 rows, but ") and line.endswith(
-        "pass --make-vocab-size-divisible-by 64 (TP2 x 64 pads it to 384 rows again)"), line
+        "padded to 384 (Megatron-FSDP's load would fail on a size mismatch on every rank); pass "
+        "--make-vocab-size-divisible-by 64 (TP2 x 64 pads it to 384 rows again)"), line
     line = _refusal(root, "--no-load-optim")
     assert expected_line("resume-fsdp-no-optim").fullmatch(line), line
     assert _refusal(root, "--finetune").startswith("--finetune with --use-megatron-fsdp: "), line

@@ -240,9 +240,12 @@ def _vocab_refusal(saved: Saved, args) -> tuple[str | None, int | None]:
         fix = f"pass --make-vocab-size-divisible-by {keep[0]} (TP{tp} x {keep[0]} pads it to {old} rows again)"
     else:
         fix = f"no --make-vocab-size-divisible-by pads it to {old} rows at TP{tp}; resume at a TP size dividing {old}"
+    megatron = ("Megatron-FSDP's load would fail on a size mismatch on every rank" if _is_fsdp_dtensor(saved) else
+                "Megatron would load the embedding and output layer with rows dropped or left as initialized, "
+                "without a word")
     return (f"--tensor-model-parallel-size {tp} with --make-vocab-size-divisible-by {divisor}: the padded vocabulary "
-            f"would be {got} rows, but {saved.directory} was saved at {saved_at}, padded to {old} (Megatron would load "
-            f"the embedding and output layer with rows dropped or left as initialized, without a word); {fix}"), None
+            f"would be {got} rows, but {saved.directory} was saved at {saved_at}, padded to {old} ({megatron}); "
+            f"{fix}"), None
 
 
 def _dp_reshardable_refusal(saved: Saved, args) -> str | None:

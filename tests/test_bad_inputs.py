@@ -28,6 +28,7 @@ CHECKED_ELSEWHERE = {  # rows checked by another test file (a torchrun job, a Me
     **{row: "test_resume_config.py" for row in ("resume-vocab", "resume-shape", "resume-muon-to-adam",
                                                  "resume-adam-to-muon")},
     "ckpt-upstream-muon": "test_migration.py", "ckpt-plugin-into-upstream": "test_migration.py",
+    "resume-fsdp-no-optim": "test_fsdp_resume_config.py",
     # Python API rows: raised by the factory (in a Megatron world) or by MuonWithAdamW itself
     **{row: "test_api_inputs.py" for row in ("api-muon-config-type", "api-tp-mode", "api-3d-muon", "api-algorithm",
                                               "api-negative-lr", "api-qk-clip-mla-cache")},

@@ -26,9 +26,18 @@ CPU demo, docs/checkpoints.md "The changed-configuration table"):
   an exact ``--muon-tp-mode``) and what the user changes on purpose (``--muonbp-period``, another
   Muon hyperparameter) is allowed, and the startup report (``report.py``) lists it.
 
+* **Megatron-FSDP** (``fsdp_dtensor``, one DTensor per param, resharded by torch's distributed
+  checkpoint): TP (with the equal padded vocabulary), DP and ``--data-parallel-sharding-strategy``
+  reshard exactly (reported). Without the padded vocabulary's size Megatron fails at load
+  (``ValueError: Size mismatch``, refused as above); a load without the optimizer state in bf16
+  fails in Megatron-FSDP (``NotImplementedError``, refused); ``no_shard`` with ``--swiglu`` cannot
+  save or load at all (``startup_checks``).
+
 Only metadata is read: the common state of a ``torch_dist`` checkpoint (one small pickled object
-in the DCP files, ``dist_checkpointing.load_common_state_dict``), or the ``args`` of a ``torch``
-checkpoint through a memory map (its tensors are not read). Called from the ``validate_args``
+in the DCP files, ``dist_checkpointing.load_common_state_dict``), the ``args`` item of an
+``fsdp_dtensor`` checkpoint (``torch.distributed.checkpoint.load`` of that key alone, as Megatron's
+``load_args_from_checkpoint`` reads it), or the ``args`` of a ``torch`` checkpoint through a memory
+map (its tensors are not read). Called from the ``validate_args``
 hook on every rank and so by the preflight (``check_resume_config``).
 """
 
@@ -132,7 +141,7 @@ def report_lines() -> list[str] | None:
 def read_saved(directory: str | Path) -> Saved | None:
     """The saved ``args`` (and the optimizer format's metadata) of the checkpoint in ``directory``
     (an ``iter_N`` or ``release`` directory), reading no tensor; None when it records none or is
-    in a format read otherwise (``fsdp_dtensor``: the load itself checks it)."""
+    in another format."""
     directory = Path(directory)
     if (directory / "metadata.json").is_file():  # torch_dist
         from megatron.core import dist_checkpointing
@@ -143,6 +152,8 @@ def read_saved(directory: str | Path) -> Saved | None:
         if not isinstance(common, dict) or common.get("args") is None:
             return None
         return Saved(directory, common["args"], dict(common.get("content_metadata") or {}))
+    if (directory / ".metadata").is_file():  # fsdp_dtensor: one torch DCP checkpoint for all ranks
+        return _read_dcp(directory)
     legacy = sorted(directory.glob("mp_rank_*/model_optim_rng.pt"))
     if legacy:  # torch: one pickle per rank; mmap maps the tensors without reading them
         import torch
@@ -150,6 +161,28 @@ def read_saved(directory: str | Path) -> Saved | None:
         state = torch.load(legacy[0], map_location="cpu", mmap=True, weights_only=False)
         return Saved(directory, state["args"]) if state.get("args") is not None else None
     return None
+
+
+def _read_dcp(directory: Path) -> Saved | None:
+    """The ``args`` of a torch DCP checkpoint (``fsdp_dtensor``): a pickled non-tensor item of its
+    own, read as Megatron's ``load_args_from_checkpoint`` reads it (``_load_base_checkpoint`` with
+    ``rank0``: ``torch.distributed.checkpoint.load`` of ``{'args': None}``), which reads that item's
+    bytes only (the planner asks for the keys given). Without collectives (``no_dist``): every rank
+    of the job reads it on its own, and the preflight has no process group."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    state = {"args": None}
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+        warnings.simplefilter("ignore")
+        try:
+            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
+        except Exception:  # noqa: BLE001 (no args item, or not a DCP checkpoint: Megatron's load reports it)
+            return None
+    if state["args"] is None:
+        return None
+    return Saved(directory, state["args"], {"distrib_optim_sharding_type": "fsdp_dtensor"})
 
 
 def padded_vocab(vocab: int, divisor: int, tp: int) -> int:
@@ -207,9 +240,12 @@ def _vocab_refusal(saved: Saved, args) -> tuple[str | None, int | None]:
         fix = f"pass --make-vocab-size-divisible-by {keep[0]} (TP{tp} x {keep[0]} pads it to {old} rows again)"
     else:
         fix = f"no --make-vocab-size-divisible-by pads it to {old} rows at TP{tp}; resume at a TP size dividing {old}"
+    megatron = ("Megatron-FSDP's load would fail on a size mismatch on every rank" if _is_fsdp_dtensor(saved) else
+                "Megatron would load the embedding and output layer with rows dropped or left as initialized, "
+                "without a word")
     return (f"--tensor-model-parallel-size {tp} with --make-vocab-size-divisible-by {divisor}: the padded vocabulary "
-            f"would be {got} rows, but {saved.directory} was saved at {saved_at}, padded to {old} (Megatron would load "
-            f"the embedding and output layer with rows dropped or left as initialized, without a word); {fix}"), None
+            f"would be {got} rows, but {saved.directory} was saved at {saved_at}, padded to {old} ({megatron}); "
+            f"{fix}"), None
 
 
 def _dp_reshardable_refusal(saved: Saved, args) -> str | None:
@@ -233,6 +269,26 @@ def _loads_optimizer(args, saved: Saved | None = None) -> bool:
     if getattr(args, "muon_reset_optimizer_state", False) or getattr(args, "muon_load_upstream_optimizer", False):
         return False  # reset_state.py: fresh state, or megatron-core Muon's state converted on purpose
     return saved is None or saved.directory.name != "release"
+
+
+def _is_fsdp_dtensor(saved: Saved) -> bool:
+    return saved.content_metadata.get("distrib_optim_sharding_type") == "fsdp_dtensor"
+
+
+def _fsdp_without_optimizer_refusal(saved: Saved, args) -> str | None:
+    """An ``fsdp_dtensor`` checkpoint loaded without its optimizer state in bf16/fp16: Megatron's
+    load then copies the loaded model weights into the main weights (``reload_model_params``),
+    which Megatron-FSDP does not implement (``NotImplementedError`` at load, on every rank)."""
+    if not _is_fsdp_dtensor(saved) or _loads_optimizer(args, saved) or not (
+            getattr(args, "bf16", False) or getattr(args, "fp16", False)):
+        return None
+    if getattr(args, "muon_reset_optimizer_state", False) or getattr(args, "muon_load_upstream_optimizer", False):
+        return None  # refused by check_load_flags (fsdp_dtensor), with its own line
+    how = ("--no-load-optim" if getattr(args, "no_load_optim", False) else "--finetune"
+           if getattr(args, "finetune", False) else f"--load {saved.directory} (a release checkpoint)")
+    return (f"{how} with --use-megatron-fsdp: megatron-core 0.19.2 loads an fsdp_dtensor checkpoint without its "
+            "optimizer state by copying the 16-bit weights into the main weights, which Megatron-FSDP does not "
+            "implement (NotImplementedError at load); resume with the optimizer state, or start a new run")
 
 
 def _kind(optimizer: str, plugin) -> str:
@@ -282,10 +338,13 @@ def check_optimizer_change(args, saved: Saved, *, plugin: bool) -> None:
             "docs/checkpoints.md")
     was = f"--optimizer {saved.get('optimizer', 'adam')}"
     saved_by = f"by megatron-muon ({was})" if old == "megatron-muon" else f"with {was}"
+    fix = (f"resume with {was} (an fsdp_dtensor checkpoint loads only with its optimizer state: neither "
+           "--muon-reset-optimizer-state nor --no-load-optim reads one)" if _is_fsdp_dtensor(saved) else
+           f"resume with {was}, or add --muon-reset-optimizer-state to load the weights, iteration and LR schedule "
+           "with fresh optimizer state")
     raise UserInputError(
         f"--optimizer {args.optimizer}: {saved.directory} was saved {saved_by}, whose state ({_state_words(old)}) "
-        f"{new} would read as its own; resume with {was}, or add --muon-reset-optimizer-state to load the weights, "
-        "iteration and LR schedule with fresh optimizer state")
+        f"{new} would read as its own; {fix}")
 
 
 def check_other_optimizer(args) -> None:
@@ -339,6 +398,12 @@ def _changes(saved: Saved, args, padded: int | None) -> list[str]:
     size("tensor_model_parallel_size", "TP", f"resharded exactly (only the order of sums changes){vocab}")
     size("pipeline_model_parallel_size", "PP", "resharded exactly")
     size("data_parallel_size", "DP", "resharded exactly (only the order of sums changes)")
+    if _is_fsdp_dtensor(saved) and getattr(args, "use_megatron_fsdp", False):
+        old_s = saved.get("data_parallel_sharding_strategy")
+        new_s = getattr(args, "data_parallel_sharding_strategy", None)
+        if old_s != new_s:
+            lines.append(f"--data-parallel-sharding-strategy {old_s} -> {new_s}: resharded exactly (one DTensor per "
+                         "param in the checkpoint; only the order of sums changes)")
     old_layout, new_layout = _setting(saved.args, "muon_dp_layout"), _setting(args, "muon_dp_layout")
     if old_layout != new_layout:
         lines.append(f"--muon-dp-layout {old_layout} -> {new_layout}: another buffer layout, the same update (the "
@@ -383,7 +448,7 @@ def check_resume_config(args, directory: str | Path | None) -> None:
             raise UserInputError(message)
     else:
         check_optimizer_change(args, saved, plugin=True)
-    message = _shape_refusal(saved, args)
+    message = _shape_refusal(saved, args) or _fsdp_without_optimizer_refusal(saved, args)
     if message:
         raise UserInputError(message)
     message = _dp_reshardable_refusal(saved, args)

@@ -224,6 +224,12 @@ def _megatron_fsdp_rejections(args) -> list[tuple[bool, str]]:
         (getattr(args, "swiglu", False) and not (args.bf16 or args.fp16) and getattr(args, "save", None),
          "--use-megatron-fsdp with --swiglu in fp32: megatron-core 0.19.2's fsdp_dtensor save looks the fc1 "
          "weights up through the --bf16 wrapper (Float16Module) and fails without it; add --bf16"),
+        (getattr(args, "data_parallel_sharding_strategy", None) == "no_shard" and getattr(args, "swiglu", False)
+         and (getattr(args, "save", None) or getattr(args, "load", None)),
+         "--data-parallel-sharding-strategy no_shard with --swiglu and --save / --load: megatron-core 0.19.2's "
+         "fsdp_dtensor save and load split fc1 into gate and up through Megatron-FSDP's shard slice, which "
+         "no_shard's params lack (an AttributeError at the first save or at the load); use optim, optim_grads or "
+         "optim_grads_params (a checkpoint of one resumes under another)"),
     ]
 
 

@@ -24,9 +24,9 @@ import subprocess
 import sys
 
 import pytest
+from bad_inputs_table import expected_line
+from entry_harness import ENTRY, REPO
 from megatron_harness import free_port
-from test_bad_inputs import expected_line, hooks_restored  # noqa: F401 (a fixture)
-from test_pretrain import ENTRY, REPO
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|")
 CONFIG = REPO / "configs" / "tiny-cpu-fsdp.yaml"
@@ -88,7 +88,7 @@ def _refusal(root, *extra: str) -> str:
 
 
 @pytest.fixture
-def fsdp_env(hooks_restored, monkeypatch):  # noqa: F811
+def fsdp_env(hooks_restored, monkeypatch):
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
 
 

@@ -362,7 +362,7 @@ def _pretrain(tmp_path, tp: int, *args: str) -> tuple[int, str]:
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def test_tp_change_through_megatron_training(tmp_path, hooks_restored):  # noqa: F811
+def test_tp_change_through_megatron_training(tmp_path, hooks_restored):
     """Saved at TP2 in Megatron's default optimizer format (dp_reshardable: --muon-dp-layout
     megatron), a load at TP1 is refused by Megatron with advice that does not help;
     ``explain_load_error`` names the fix, and the fix works: resume at TP2 with

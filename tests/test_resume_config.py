@@ -77,12 +77,12 @@ def _refusal(root, *extra: str, **kw) -> str:
     return str(info.value)
 
 
-def test_same_settings_pass_and_the_report_says_so(saved, hooks_restored):  # noqa: F811
+def test_same_settings_pass_and_the_report_says_so(saved, hooks_restored):
     root, _ = saved
     assert _preflight(root) == [f"  resume from {root}/ckpt/iter_0000003: same settings as the checkpoint"]
 
 
-def test_tp_change_with_unequal_padding_is_refused(saved, hooks_restored):  # noqa: F811
+def test_tp_change_with_unequal_padding_is_refused(saved, hooks_restored):
     root, _ = saved
     line = _refusal(root, "--tensor-model-parallel-size", "1")
     assert expected_line("resume-vocab", TMP=str(root)).fullmatch(line), line
@@ -91,7 +91,7 @@ def test_tp_change_with_unequal_padding_is_refused(saved, hooks_restored):  # no
     assert "would be 384 rows" in line and "pass --make-vocab-size-divisible-by 128 (TP2 x 128" in line, line
 
 
-def test_honoured_changes_are_listed(saved, hooks_restored):  # noqa: F811
+def test_honoured_changes_are_listed(saved, hooks_restored):
     root, _ = saved
     lines = _preflight(root, "--tensor-model-parallel-size", "1", "--make-vocab-size-divisible-by", "256")
     assert lines[1:] == ["    TP 2 -> 1: resharded exactly (only the order of sums changes); the padded vocabulary is "
@@ -111,7 +111,7 @@ def test_honoured_changes_are_listed(saved, hooks_restored):  # noqa: F811
 
 @pytest.mark.parametrize("flag,value", [("--ffn-hidden-size", "256"), ("--hidden-size", "128"),
                                         ("--num-layers", "4"), ("--num-attention-heads", "8")])
-def test_model_shape_change_is_refused(saved, hooks_restored, flag, value):  # noqa: F811
+def test_model_shape_change_is_refused(saved, hooks_restored, flag, value):
     root, _ = saved
     line = _refusal(root, flag, value)
     if flag == "--ffn-hidden-size":
@@ -121,7 +121,7 @@ def test_model_shape_change_is_refused(saved, hooks_restored, flag, value):  # n
                            f"with {name} = "), line
 
 
-def test_optimizer_change_is_refused_unless_the_state_is_not_loaded(saved, adam_saved, hooks_restored):  # noqa: F811
+def test_optimizer_change_is_refused_unless_the_state_is_not_loaded(saved, adam_saved, hooks_restored):
     root, _ = saved
     line = _refusal(root, "--optimizer", "adam")
     assert expected_line("resume-muon-to-adam", TMP=str(root)).fullmatch(line), line

@@ -20,3 +20,10 @@ def hooks_restored(monkeypatch):
             monkeypatch.setattr(module, name, getattr(module, name))
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as scripts/run.sh exports it
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The pooled ranks of dist_harness end with the session, not at interpreter exit."""
+    harness = sys.modules.get("dist_harness")
+    if harness is not None:
+        harness.shutdown_pools()

@@ -45,6 +45,7 @@ def init_megatron(tp: int, pp: int = 1, seed: int = 1234, vpp: int | None = None
     from megatron_muon.megatron.cpu_patches import apply_cpu_patches
 
     apply_cpu_patches()
+    _freeze_imports()
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vpp, expert_model_parallel_size=ep,
                                  expert_tensor_parallel_size=etp)
@@ -52,6 +53,22 @@ def init_megatron(tp: int, pp: int = 1, seed: int = 1234, vpp: int | None = None
     model_parallel_cuda_manual_seed(seed)
     torch.manual_seed(seed)  # spawned ranks start with different CPU RNG states
     return ProcessGroupCollection.use_mpu_process_groups()
+
+
+_FROZEN = False
+
+
+def _freeze_imports() -> None:
+    """Once per process, before the first run: move what is alive now (torch, megatron-core and
+    the patches, about a million objects) out of the collector's reach. Every teardown runs
+    ``gc.collect`` (see ``destroy_megatron``), and on the unfrozen heap each call took 0.34 s of a
+    0.5 s tiny-GPT run (measured, one process); frozen, it scans only what runs created. Only
+    once: a later freeze could pin a previous run's DDP and its gloo groups for good."""
+    global _FROZEN
+    if not _FROZEN:
+        gc.collect()
+        gc.freeze()
+        _FROZEN = True
 
 
 def destroy_megatron(release_groups: bool = True) -> None:

@@ -39,7 +39,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-__all__ = ["ChildError", "run_world", "shutdown_pools"]
+__all__ = ["ChildError", "WorldsOnDemand", "run_world", "shutdown_pools"]
 
 # A rank past this many threads after a job retires its pool: gloo keeps a few threads per live
 # group, so a count this high means groups that outlived their job, and every later collective
@@ -254,3 +254,16 @@ def run_world(world_size: int, fn, *args, timeout: float = 600.0, fresh: bool = 
     if errors:
         raise ChildError(f"run_world({world_size}, {fn.__name__}) failed:\n" + "\n".join(errors))
     return [collected[r] for r in range(world_size)]
+
+
+class WorldsOnDemand(dict):
+    """world size -> ``start(world size)``, computed on first lookup and kept: a module fixture that
+    returns one trains only the worlds its selected tests read (``-k w2`` trains world 2 alone)."""
+
+    def __init__(self, start):
+        super().__init__()
+        self._start = start
+
+    def __missing__(self, world: int):
+        self[world] = value = self._start(world)
+        return value

@@ -25,7 +25,7 @@ import torch
 from checkpoint_harness import fsdp_optimizer_state as _optimizer_state
 from checkpoint_harness import load_fsdp_dtensor as _load_fsdp
 from checkpoint_harness import save_fsdp_dtensor as _save_fsdp
-from dist_harness import run_world
+from dist_harness import WorldsOnDemand, run_world
 from megatron_harness import (
     GLOBAL_BATCH,
     build_tiny_gpt,
@@ -116,7 +116,7 @@ def reference():
 
 @pytest.fixture(scope="module")
 def trained():
-    return {world: run_world(world, train_fsdp, runs, timeout=TIMEOUT) for world, runs in RUNS.items()}
+    return WorldsOnDemand(lambda world: run_world(world, train_fsdp, RUNS[world], timeout=TIMEOUT))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
@@ -156,7 +156,7 @@ def test_dp_replicas_see_the_same_model(trained, case):
 def test_matrices_are_cut_and_travel(trained):
     """The tiny model's layers are cut between DP ranks: QKV at DP2 (each layer one bucket of
     ~45,000 elements, halved inside QKV), more at DP4; a cut matrix's rows travel every step."""
-    for world, results in trained.items():
+    for world, results in ((w, trained[w]) for w in RUNS):
         for index, run in enumerate(RUNS[world]):
             if run["fsdp"] in ("optim_grads_params", "optim_grads", "optim"):
                 assert results[0][index]["cut"] > 0, (world, run)

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_harness import run_world
+from dist_harness import WorldsOnDemand, run_world
 from training_harness import (
     ATOL,
     ATOL_CLIP,
@@ -73,7 +73,7 @@ def references():
 
 @pytest.fixture(scope="module")
 def trained():
-    return {world: run_world(world, train_runs, runs, timeout=TIMEOUT) for world, runs in RUNS.items()}
+    return WorldsOnDemand(lambda world: run_world(world, train_runs, RUNS[world], timeout=TIMEOUT))
 
 
 def _run_id(world: int, run: dict) -> str:

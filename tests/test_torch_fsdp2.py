@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dist_harness import run_world
+from dist_harness import WorldsOnDemand, run_world
 from megatron_harness import (
     GLOBAL_BATCH,
     build_tiny_gpt,
@@ -121,7 +121,7 @@ def references():
 
 @pytest.fixture(scope="module")
 def trained():
-    return {world: run_world(world, train_fsdp2, runs, timeout=TIMEOUT) for world, runs in RUNS.items()}
+    return WorldsOnDemand(lambda world: run_world(world, train_fsdp2, RUNS[world], timeout=TIMEOUT))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
@@ -173,7 +173,7 @@ def test_dp_replicas_see_the_same_model(trained, case):
 def test_every_matrix_is_cut_and_travels(trained):
     """FSDP2 shards every param by rows over DP: at DP ≥ 2 each Muon matrix is cut between ranks
     (its rows ≥ DP here), and the cut rows travel to their owner every step."""
-    for world, results in trained.items():
+    for world, results in ((w, trained[w]) for w in RUNS):
         for index, run in enumerate(RUNS[world]):
             assert results[0][index]["matrices"] > 0
             assert results[0][index]["cut"] == results[0][index]["matrices"], (world, run)

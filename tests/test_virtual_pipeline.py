@@ -12,7 +12,7 @@ with the same two micro-batches accumulated in the same order, with and without 
 from __future__ import annotations
 
 import pytest
-from dist_harness import run_world
+from dist_harness import WorldsOnDemand, run_world
 from training_harness import train_reference, train_runs
 
 LAYERS_VPP = 4  # PP2 x VPP2: one layer per virtual stage
@@ -48,7 +48,7 @@ def references():
 
 @pytest.fixture(scope="module")
 def trained():
-    return {world: run_world(world, train_runs, runs) for world, runs in RUNS.items()}
+    return WorldsOnDemand(lambda world: run_world(world, train_runs, RUNS[world]))
 
 
 def _cases():

@@ -1,6 +1,6 @@
 """megatron-muon: exact, load-balanced Muon for Megatron-LM under tensor and data parallelism.
 
-Three layers, each importing only the ones below it (``tests/test_layers.py`` enforces it):
+Three layers, each importing only the ones below it (``tests/unit/test_layers.py`` enforces it):
 
     core/      the math on plain tensors: Newton–Schulz, update scaling, the single-process
                ``Muon`` reference, shard/full shape arithmetic, model shapes, matrix layouts

@@ -344,7 +344,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             return
         beta1, beta2 = group["betas"]
         # torch.optim.AdamW's own foreach path. On CPU fp32 it is bitwise the single-tensor path
-        # the tests' torch.optim.AdamW reference takes (checked: tests/test_optimizer.py); on
+        # the tests' torch.optim.AdamW reference takes (checked: tests/unit/test_optimizer.py); on
         # CUDA it is what torch.optim.AdamW itself defaults to.
         functional_adam(
             params, grads, exp_avgs, exp_avg_sqs, [], steps,

@@ -16,7 +16,7 @@
   a matrix passing None) at TP2 x DP2 on transformer-shaped matrices cut into Megatron-style DP
   ranges, against Newton–Schulz of each whole matrix on one device. On CUDA this is the device
   rule on real CUDA tensors (the exchange buffers, the empty pieces). Megatron's own wrappers
-  around the optimizer are not in it (tests/test_megatron_optimizer.py covers them on CPU).
+  around the optimizer are not in it (tests/megatron/test_megatron_optimizer.py covers them on CPU).
 * ``ns``: Newton–Schulz in bf16 on Llama-3-8B's matrix shapes, batched as the optimizer batches
   them: TFLOP/s and the fraction of the GPU's dense bf16 peak; and one layer's matrices at TP8 as
   the owner mode runs them (each rank: its owned matrices) against duplicated (each rank: all of
@@ -61,7 +61,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible here (use --device cpu for a rehearsal)")
     if "train" in args.parts and args.device != "cuda":
-        parser.error("--parts train needs --device cuda (the CPU training path is tests/test_pretrain.py)")
+        parser.error("--parts train needs --device cuda (the CPU training path is tests/e2e/test_pretrain.py)")
     for flag in ("train_iters", "scale", "repeats"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
@@ -206,7 +206,7 @@ def run_equivalence(args) -> dict:
     ranks = launch(4, _equivalence_body, args.device, tag="gpu-check")  # 4 ranks, 1 GPU: gloo
     worst = {mode: max(r["max_abs_error"][mode] for r in ranks) for mode in ranks[0]["max_abs_error"]}
     # fp32 NS; only the summation order differs from the one-device reference (see
-    # tests/test_tp_modes.FP32_ATOL for the derivation of this bound).
+    # tests/dist/test_tp_modes.py, FP32_ATOL, for the derivation of this bound).
     return dict(ok=all(v <= 1e-5 for v in worst.values()), tolerance=1e-5, max_abs_error=worst,
                 devices=sorted({r["device"] for r in ranks}), wall_s=time.perf_counter() - started)
 

@@ -7,7 +7,10 @@
 #                                        #   CONFIG given, e.g. configs/tiny-cpu-fsdp.yaml,
 #                                        #   configs/tiny-cpu-fsdp2.yaml or configs/moe-tiny-cpu.yaml): byte-level data from the stdlib, then
 #                                        #   Megatron's own training loop with --optimizer muon on 2 processes
-#   bash scripts/run.sh test [ARGS...]   # the test suite (pytest), ARGS passed through
+#   bash scripts/run.sh test [ARGS...]   # the test suite (pytest, every tier), ARGS passed through
+#   bash scripts/run.sh test-fast [ARGS...]
+#                                        # the fast tier: the same pytest with -m "not megatron and not e2e"
+#                                        #   (tests/unit and tests/dist: no Megatron world, no training job)
 #   bash scripts/run.sh bench [ARGS...]  # the TP-mode benchmark (python -m scripts.bench.bench_tp_modes)
 #   bash scripts/run.sh dry-run ARGS...  # the real step at production scale on the meta device
 #                                        #   (scripts/dry_run.py --model llama3-405b --tp 8 --pp 16 --dp 64)
@@ -67,16 +70,16 @@ PY
 }
 
 ensure_slurm() {
-    # tests/test_slurm.py runs the sbatch scripts under a real one-node Slurm. Install it once
+    # tests/e2e/test_slurm.py runs the sbatch scripts under a real one-node Slurm. Install it once
     # (root with apt-get: this project's machines and CI); elsewhere that test skips, saying why.
     if command -v sbatch >/dev/null && command -v slurmctld >/dev/null && command -v munged >/dev/null; then
         return 0
     fi
     if [[ "$(id -u)" != 0 ]] || ! command -v apt-get >/dev/null; then
-        echo "[run.sh] Slurm is not installed and cannot be (needs root and apt-get): tests/test_slurm.py will skip" >&2
+        echo "[run.sh] Slurm is not installed and cannot be (needs root and apt-get): tests/e2e/test_slurm.py will skip" >&2
         return 0
     fi
-    echo "[run.sh] installing slurm-wlm and munge for tests/test_slurm.py" >&2
+    echo "[run.sh] installing slurm-wlm and munge for tests/e2e/test_slurm.py" >&2
     DEBIAN_FRONTEND=noninteractive apt-get update -qq
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
 }
@@ -190,8 +193,14 @@ case "$cmd" in
         cd "$repo"
         exec "$venv/bin/python" -m pytest "$@"
         ;;
+    test-fast)
+        # No Slurm: its only test (tests/e2e/test_slurm.py) is not in this tier.
+        ensure_venv
+        cd "$repo"
+        exec "$venv/bin/python" -m pytest -m "not megatron and not e2e" "$@"
+        ;;
     *)
-        echo "usage: bash scripts/run.sh {main|test|bench|dry-run|perf|compare} [ARGS...]" >&2
+        echo "usage: bash scripts/run.sh {main|test|test-fast|bench|dry-run|perf|compare} [ARGS...]" >&2
         exit 2
         ;;
 esac

@@ -1,10 +1,40 @@
-"""Fixtures shared by several test modules (a test module never imports another)."""
+"""Fixtures shared by several test modules (a test module never imports another), and the tiers.
+
+Every test file lives in one tier's directory, and each of its tests is marked with that tier's
+name (the markers are registered in pyproject.toml): ``unit`` (no process group: Megatron at most
+imported, and at most a quick helper process such as the linters), ``dist`` (gloo worlds of
+``dist_harness.run_world`` whose ranks never initialize Megatron), ``megatron`` (run_world ranks
+that initialize Megatron) and ``e2e`` (subprocesses: torchrun jobs, scripts, the dry run, Slurm).
+The fast tier, ``bash scripts/run.sh test-fast``, is ``-m "not megatron and not e2e"``.
+"""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
+
+TIERS = ("unit", "dist", "megatron", "e2e")
+TESTS = Path(__file__).resolve().parent
+
+
+def _tier(path: Path) -> str | None:
+    try:
+        parts = path.resolve().relative_to(TESTS).parts
+    except ValueError:  # not under tests/
+        return None
+    return parts[0] if len(parts) > 1 and parts[0] in TIERS else None
+
+
+def pytest_collection_modifyitems(config, items):
+    """Mark each test with its directory's tier. A test outside the tier directories is an error:
+    unmarked, it would run in every selection, the fast tier's included."""
+    for item in items:
+        tier = _tier(item.path)
+        if tier is None:
+            raise pytest.UsageError(f"{item.nodeid}: a test file belongs in one of tests/{{{','.join(TIERS)}}}/")
+        item.add_marker(getattr(pytest.mark, tier))
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """``scripts/pretrain_gpt.py`` with the balanced layout's bucket extents computed as megatron-muon
-computed them before its fix, for ``tests/test_balanced_resume.py``.
+computed them before its fix, for ``tests/e2e/test_balanced_resume.py``.
 
 The old arithmetic handed megatron-core, as each bucket's ``per_bucket_numel_unpadded``, the sum
 of its params' sizes; megatron-core keeps that many elements of a bucket in every checkpoint, so

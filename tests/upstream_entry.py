@@ -1,4 +1,4 @@
-"""``scripts/pretrain_gpt.py`` as megatron-core runs its own Muon on CPU, for tests/test_migration.py.
+"""``scripts/pretrain_gpt.py`` as megatron-core runs its own Muon on CPU, for tests/e2e/test_migration.py.
 
 ``UPSTREAM=ddp``: the plugin's hooks are not installed, so this is upstream Megatron-LM's
 ``pretrain_gpt.py`` (the same model provider and data) with the CPU patches: ``--optimizer muon``

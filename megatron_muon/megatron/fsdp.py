@@ -151,7 +151,7 @@ class MuonFSDPOptimizer(DistributedOptimizer):
         """Megatron's, with the canonical keys of ``sharded_param_state_fsdp_dtensor`` mapped back
         (``exp_avg`` is the momentum buffer, already loaded in place; the placeholder is dropped).
         The model's own load restores the weights the forward uses (checked by
-        ``tests/test_megatron_fsdp.py``'s resume from a differently initialized model)."""
+        ``tests/megatron/test_megatron_fsdp.py``'s resume from a differently initialized model)."""
         if "state" in state_dict and not self.is_stub_optimizer:
             muon = self._muon_param_names()
             state_dict = dict(state_dict)

@@ -172,7 +172,7 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
         so ``load_checkpoint`` reads it back the same way. Loading a ``dp_reshardable``
         checkpoint into such a layout is refused in one line. Without CUDA a ``fully_reshardable``
         save always gathers through gloo (as ``--distrib-optim-fully-reshardable-mem-efficient``
-        asks), since Megatron's default gather needs a CUDA device (``tests/test_resharding.py``)."""
+        asks), since Megatron's default gather needs a CUDA device (``tests/megatron/test_resharding.py``)."""
         if metadata is None:  # Megatron's deprecated sharding_type argument becomes metadata, as upstream reads it
             metadata = {} if sharding_type is None else {"distrib_optim_sharding_type": sharding_type}
         kind = metadata.get("distrib_optim_sharding_type")

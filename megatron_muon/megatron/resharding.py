@@ -15,7 +15,7 @@ Its advice is wrong for this Megatron: ``--ckpt-fully-parallel-save`` is depreca
 never chose the optimizer format. ``explain_load_error`` turns that error into the fix: save in
 ``fully_reshardable`` format (``--dist-ckpt-optim-fully-reshardable``), which keys every optimizer
 state tensor, Muon's momentum included (as ``exp_avg``, ``checkpoint.py``), by its model param's
-sharding, so any TP, PP or DP size loads it (``tests/test_resharding.py``). Without CUDA no second
+sharding, so any TP, PP or DP size loads it (``tests/megatron/test_resharding.py``). Without CUDA no second
 flag is needed: ``MuonDistributedOptimizer.sharded_state_dict`` gathers through gloo
 (``--distrib-optim-fully-reshardable-mem-efficient``) by itself. See docs/checkpoints.md.
 

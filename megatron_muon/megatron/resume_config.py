@@ -3,7 +3,7 @@
 Megatron saves the run's ``args`` in every checkpoint, and resumes with whatever the new command
 line says; only ``num_layers``, ``hidden_size`` and ``num_attention_heads`` are compared, after
 the whole checkpoint has been read. So a changed setting either reshards exactly, or loads
-something else without a word (measured on ``tests/test_resume_config.py``'s tiny GPT and the
+something else without a word (measured on ``tests/e2e/test_resume_config.py``'s tiny GPT and the
 CPU demo, docs/checkpoints.md "The changed-configuration table"):
 
 * **TP size and the padded vocabulary.** Megatron pads the vocabulary to a multiple of

@@ -235,7 +235,7 @@ def _megatron_fsdp_rejections(args) -> list[tuple[bool, str]]:
 
 def _torch_fsdp2_rejections(args) -> list[tuple[bool, str]]:
     """``--use-torch-fsdp2`` under ``--optimizer muon`` (``fsdp2.py``): training is exact (every
-    matrix cut by rows over DP, through the owner exchange; ``tests/test_torch_fsdp2.py``); what is
+    matrix cut by rows over DP, through the owner exchange; ``tests/megatron/test_torch_fsdp2.py``); what is
     not supported yet is refused here.
 
     Checkpoints: a torch_dist save under FSDP2 is written, and a resume restores the weights (the

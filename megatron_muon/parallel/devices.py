@@ -11,7 +11,7 @@ happens to hold nothing) only fails at scale. The rule, applied everywhere:
   device under NCCL, the CPU under gloo, ``meta`` under torch's fake process group (the dry run,
   where no data moves), the process's default device without torch.distributed.
 
-``tests/test_device_rule.py`` walks the package's source and fails on a device literal or a
+``tests/unit/test_device_rule.py`` walks the package's source and fails on a device literal or a
 ``torch.device(...)`` built anywhere but here (and in the CPU patches of Megatron).
 """
 

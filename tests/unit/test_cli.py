@@ -4,8 +4,9 @@
 choices kept, defaults and every flag translated by ``muon_config_from_args``; the plain-argparse
 fallback defines the same flags as Megatron. ``hooks.install()``: Megatron's own
 ``parse_args`` / ``validate_args`` keep ``--use-distributed-optimizer`` for ``--optimizer muon``,
-reject unsupported combinations naming the flag, and ``get_megatron_optimizer`` dispatches —
-last on a real one-rank GPT, with the config Megatron builds from the parsed args.
+reject unsupported combinations naming the flag, and ``get_megatron_optimizer`` dispatches. The
+same dispatch on a real one-rank GPT, with the config Megatron builds from the parsed args, is
+``tests/megatron/test_cli_real_optimizer.py`` (a Megatron world).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import argparse
 import sys
 
 import pytest
-from dist_harness import run_world
 
 from megatron_muon.config import MuonConfig
 from megatron_muon.megatron.cli import add_muon_args, muon_config_from_args
@@ -234,13 +234,13 @@ def test_install_is_idempotent(installed):
 
 REJECTED = [
     ("--optimizer muon --fp16", "--fp16"),
-    # Megatron-FSDP runs with Muon (tests/test_megatron_fsdp.py); what it cannot run yet is refused
+    # Megatron-FSDP runs with Muon (tests/megatron/test_megatron_fsdp.py); what it cannot run yet is refused
     ("--optimizer muon --use-megatron-fsdp --ckpt-format torch_dist", "--use-megatron-fsdp: --ckpt-format"),
     ("--optimizer muon --use-megatron-fsdp --ckpt-format fsdp_dtensor --distributed-backend gloo",
      "--use-megatron-fsdp with --distributed-backend gloo: add --no-gradient-reduce-div-fusion"),
     ("--optimizer muon --use-megatron-fsdp --ckpt-format fsdp_dtensor --num-experts 4",
      "--use-megatron-fsdp with --num-experts"),
-    # torch FSDP2 trains with Muon (tests/test_torch_fsdp2.py); its checkpoints and experts are refused
+    # torch FSDP2 trains with Muon (tests/megatron/test_torch_fsdp2.py); its checkpoints and experts are refused
     ("--optimizer muon --use-torch-fsdp2 --save x", "--use-torch-fsdp2 with --save / --load"),
     ("--optimizer muon --use-torch-fsdp2 --num-experts 4", "--use-torch-fsdp2 with --num-experts"),
     ("--optimizer muon --ckpt-format torch_dcp", "--ckpt-format"),
@@ -293,62 +293,6 @@ def test_dispatcher(megatron, monkeypatch):
     assert call("muon", megatron_muon=False)[0] == "upstream"  # --optimizer dist_muon: upstream's
     with pytest.raises(RuntimeError, match="install"):
         call("muon")  # validate_args hook never ran
-
-
-def _real_optimizer(rank: int, world: int) -> dict:
-    """Megatron's args → Megatron's OptimizerConfig → training.get_megatron_optimizer, one step."""
-    import contextlib
-    import io
-    import os
-
-    import torch
-
-    os.environ.update(WORLD_SIZE="1", RANK="0")
-    from megatron.training import arguments, global_vars, training
-    from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
-
-    from megatron_muon.megatron import hooks
-    from megatron_muon.megatron.optimizer import MuonDistributedOptimizer
-
-    hooks.install()
-    sys.argv = ["pretrain_gpt.py", *BASE, *"--optimizer muon --use-distributed-optimizer --muon-tp-mode owner "
-                "--muon-nesterov --clip-grad 0 --muonbp-period 2 --muon-log-stats --log-interval 1".split()]
-    args = arguments.parse_args()
-    arguments.validate_args(args)
-    global_vars.set_global_variables(args, build_tokenizer=False)  # args, timers, ... as training does
-    init_megatron(1)
-    model = build_tiny_gpt(1, use_distributed_optimizer=True)
-    config, overrides = training.get_megatron_optimizer_config(args)
-    optimizer = training.get_megatron_optimizer(config, model, config_overrides=overrides,
-                                                use_gloo_process_groups=args.use_gloo_process_groups,
-                                                dump_param_to_param_group_map=args.dump_param_to_param_group_map)
-    inner = optimizer.chained_optimizers[0]
-    before = {n: p.detach().clone() for n, p in model[0].named_parameters()}
-    forward_backward(model, make_batch(0), pp=1)
-    ok, _, _ = optimizer.step()
-    moved = sum(not torch.equal(before[n], p) for n, p in model[0].named_parameters())
-    # Megatron's own iteration log, through the training_log hook (--muon-log-stats).
-    args.padded_vocab_size = 128  # set by the tokenizer in a real run; read by the FLOPs estimate
-    global_vars.get_timers()("interval-time", log_level=0).start(barrier=True)  # as train() does
-    printed = io.StringIO()
-    with contextlib.redirect_stdout(printed):
-        training.training_log({"lm loss": torch.tensor(4.0)}, {}, 1e-3, 1, 1.0, False, 0, 1.0, None, None, None)
-    out = dict(log=printed.getvalue(), kind=type(inner).__name__, is_muon=isinstance(inner, MuonDistributedOptimizer),
-               ok=ok, tp_mode=inner.optimizer.config.tp_mode, nesterov=inner.optimizer.config.nesterov,
-               moved=moved, total=len(before))
-    destroy_megatron()
-    return out
-
-
-def test_get_megatron_optimizer_builds_muon_from_megatron_args():
-    (out,) = run_world(1, _real_optimizer)
-    assert out["is_muon"], out["kind"]
-    assert out["ok"] and (out["tp_mode"], out["nesterov"]) == ("owner", True)
-    assert out["moved"] == out["total"]
-    # MuonBP P=2: the first applied step (t = 0) is a full step, and the log line says so.
-    line = next(ln for ln in out["log"].splitlines() if " iteration " in ln)
-    assert "muon mode: owner | muon step: full |" in line, line
-    assert "muon bytes sent:" in line and "muon orthogonalize:" in line, line
 
 
 def test_messages_quote_the_value_the_user_gave(parser):

@@ -32,7 +32,7 @@ import pytest
 from bad_inputs_table import expected_line
 from entry_harness import RESUME, TINY, free_port, logged_rows
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 UPSTREAM_ENTRY = REPO / "tests" / "upstream_entry.py"
 PLUGIN_ENTRY = REPO / "scripts" / "pretrain_gpt.py"
 # The Muon settings both sides share (upstream's CLI defaults to momentum 0.9 and blockwise; fp32

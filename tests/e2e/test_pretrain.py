@@ -59,7 +59,7 @@ def test_pretrain_with_virtual_pipeline_stages(tmp_path):
     Each rank holds two model chunks; forward_step finds a chunk's stage through the DDP wrapper,
     so only chunk 0 of rank 0 reads tokens and only chunk 1 of rank 1 reads labels (a chunk that
     read from the wrong iterator would fail on ``next(None)``: Megatron builds no dataset there).
-    The optimizer's math under VPP is tests/test_virtual_pipeline.py; this is the entry script.
+    The optimizer's math under VPP is tests/megatron/test_virtual_pipeline.py; this is the entry script.
     """
     out = torchrun(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
                      "--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2",

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SLURM_DIR = REPO / "scripts" / "slurm"
 CLUSTER = SLURM_DIR / "local_cluster.sh"
 CONFIG = REPO / "configs" / "tiny-cpu.yaml"

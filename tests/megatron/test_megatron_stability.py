@@ -83,7 +83,7 @@ def _errors_worker(rank: int, world: int) -> dict:
     ddp = model[0].ddp_config
     # The flags below are read from DDP's config; setting them on the built model's config is
     # what Megatron's own arguments do before wrapping (the check runs before any use of it).
-    # Megatron-FSDP is supported (tests/test_megatron_fsdp.py), but not yet with experts: a
+    # Megatron-FSDP is supported (tests/megatron/test_megatron_fsdp.py), but not yet with experts: a
     # param Megatron marks expert-parallel (allreduce False) is refused under it.
     ddp.use_megatron_fsdp = True
     model[0].module.decoder.layers[0].mlp.linear_fc2.weight.allreduce = False
@@ -93,7 +93,7 @@ def _errors_worker(rank: int, world: int) -> dict:
     ddp.num_distributed_optimizer_instances = 2
     attempt("instances", lambda: get_megatron_muon_optimizer(_config(), model))
     ddp.num_distributed_optimizer_instances = 1
-    # Experts are supported (tests/test_moe.py); one tensor holding every local expert is not
+    # Experts are supported (tests/megatron/test_moe.py); one tensor holding every local expert is not
     # (TE's moe_single_grouped_weight): a 3-D weight, refused by name and shape.
     model[0].module.decoder.layers[0].mlp.register_parameter("grouped", torch.nn.Parameter(torch.zeros(2, 3, 4)))
     attempt("grouped_experts", lambda: get_megatron_muon_optimizer(_config(), model))

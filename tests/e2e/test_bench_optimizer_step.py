@@ -18,7 +18,7 @@ import pytest
 
 from megatron_muon.core.newton_schulz import ns_flops
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REPEATS = 2
 VOCAB = 128
 FP32 = 4  # bytes: NS runs in fp32 on the CPU, so the owner exchange moves fp32

@@ -17,7 +17,7 @@ from megatron_muon.parallel.cost_model import Hardware
 from scripts.bench import project_performance as pp
 from scripts.bench import validate_cost_model as vcm
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RECORDED = REPO / "docs" / "perf-results"
 
 

@@ -37,7 +37,7 @@ SEED, OTHER_SEED = 1234, 999
 # the 1/DP grad scaling is a power of two, so the DP-averaged gradients are the same numbers; yet
 # DP1 is a different program (no DP padding, no reduce-scatter / all-gather, Muon's owner exchange
 # on one rank), free to reassociate sums. Observed on CPU: 0.0 (bitwise) for both formats. The
-# bound is ``tests/test_megatron_optimizer.py``'s fp32 tolerance (2e-6: 2x margin over the worst
+# bound is ``tests/megatron/test_megatron_optimizer.py``'s fp32 tolerance (2e-6: 2x margin over the worst
 # TP2 reordering after 3 steps). Broken loads are far off (measured by breaking checkpoint.py):
 # momentum not restored 1.0e-2 (already in the bitwise load check), one step tensor shared by all
 # params (Megatron's own load) 5.6e-3 after the step.

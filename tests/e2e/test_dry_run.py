@@ -6,7 +6,7 @@ Each run builds megatron-core's GPTModel, DDP buffers and our ZeRO-1 optimizer f
 ranks and runs the inner step; a tensor on another device, or collectives whose sizes do not
 line up across the simulated ranks, make it exit 1. Before the device rule, the rank holding no
 piece of the first matrix (CPU exchange buffers) and the DP owner whose TP group owns nothing
-(a CPU shape-check header) both failed here; see tests/test_device_rule.py for the rule itself.
+(a CPU shape-check header) both failed here; see tests/unit/test_device_rule.py for the rule itself.
 ``--fsdp`` (issue 15) runs the same step under Megatron-FSDP's own wrapper and layout (about 30 s).
 """
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _dry_run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:

@@ -27,7 +27,7 @@ from bad_inputs_table import expected_line
 from checkpoint_harness import read_offline
 from entry_harness import ENTRY, TINY, free_port
 
-OLD_ENTRY = Path(__file__).resolve().parent / "old_layout_entry.py"
+OLD_ENTRY = Path(__file__).resolve().parents[1] / "old_layout_entry.py"
 RUN = ["--train-iters", "20", "--log-interval", "5", "--save-interval", "10", "--lr-decay-iters", "20",
        "--muon-dp-layout", "balanced", "--hidden-dropout", "0", "--attention-dropout", "0"]
 """no dropout: on the CPU one generator plays both Megatron's CPU and CUDA RNG (``cpu_patches``),

@@ -5,8 +5,8 @@ Rows of kind ``flags`` are run as written: the input is appended to the tiny CPU
 directory) and checked by ``preflight.check_command_line`` in this process, as rank 0 of 2 —
 the same parser, hooks and checks the job runs on every rank. Rows of the other kinds set up
 their scenario here, except the checkpoints, whose loads need a real torchrun job:
-``tests/test_checkpoint_integrity.py`` and ``tests/test_resharding.py`` check those rows against
-this table (``expected_line``).
+``tests/e2e/test_checkpoint_integrity.py`` and ``tests/e2e/test_resharding_training_loop.py`` check
+those rows against this table (``expected_line``).
 """
 
 from __future__ import annotations
@@ -20,20 +20,21 @@ import pytest
 import yaml
 from bad_inputs_table import expected_line, rows
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CHECKED_ELSEWHERE = {  # rows checked by another test file (a torchrun job, a Megatron world), by row id
-    "ckpt-overwritten": "test_checkpoint_integrity.py", "ckpt-truncated": "test_checkpoint_integrity.py",
-    "ckpt-nan": "test_checkpoint_integrity.py", "ckpt-tp-change": "test_resharding.py",
-    "ckpt-lost-on-save": "test_balanced_resume.py",
-    **{row: "test_resume_config.py" for row in ("resume-vocab", "resume-shape", "resume-muon-to-adam",
-                                                 "resume-adam-to-muon")},
-    "ckpt-upstream-muon": "test_migration.py", "ckpt-plugin-into-upstream": "test_migration.py",
-    "resume-fsdp-no-optim": "test_fsdp_resume_config.py",
+    # (each file by its path under tests/)
+    "ckpt-overwritten": "e2e/test_checkpoint_integrity.py", "ckpt-truncated": "e2e/test_checkpoint_integrity.py",
+    "ckpt-nan": "e2e/test_checkpoint_integrity.py", "ckpt-tp-change": "e2e/test_resharding_training_loop.py",
+    "ckpt-lost-on-save": "e2e/test_balanced_resume.py",
+    **{row: "e2e/test_resume_config.py" for row in ("resume-vocab", "resume-shape", "resume-muon-to-adam",
+                                                     "resume-adam-to-muon")},
+    "ckpt-upstream-muon": "e2e/test_migration.py", "ckpt-plugin-into-upstream": "e2e/test_migration.py",
+    "resume-fsdp-no-optim": "e2e/test_fsdp_resume_config.py",
     # Python API rows: raised by the factory (in a Megatron world) or by MuonWithAdamW itself
-    **{row: "test_api_inputs.py" for row in ("api-muon-config-type", "api-tp-mode", "api-3d-muon", "api-algorithm",
-                                              "api-negative-lr", "api-qk-clip-mla-cache")},
+    **{row: "megatron/test_api_inputs.py" for row in ("api-muon-config-type", "api-tp-mode", "api-3d-muon",
+                                                       "api-algorithm", "api-negative-lr", "api-qk-clip-mla-cache")},
     # scripts/run.sh main's own argument checks (before the venv and the data)
-    **{row: "test_preflight.py" for row in ("run-sh-directory", "run-sh-missing", "run-sh-not-yaml")}}
+    **{row: "e2e/test_preflight.py" for row in ("run-sh-directory", "run-sh-missing", "run-sh-not-yaml")}}
 
 
 def test_table_has_enough_rows_and_every_row_is_tested():

@@ -24,7 +24,7 @@ import pytest
 from bad_inputs_table import expected_line
 from entry_harness import ENTRY, TINY, free_port
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1")
 
 

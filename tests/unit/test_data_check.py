@@ -26,7 +26,7 @@ from megatron_muon.megatron.data_check import (
     read_index_header,
 )
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 HEADER_BYTES = 34  # magic 9 + version 8 + dtype code 1 + sequence count 8 + document count 8
 MISMATCH = f"(truncated or mismatched; {REBUILD_HINT})"
 

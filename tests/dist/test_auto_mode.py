@@ -39,7 +39,7 @@ H100 = GPU_PROFILES["h100-sxm"]
 # matrices, so one small call mixes all three exact modes.
 NO_LATENCY = dataclasses.replace(H100, name="no-latency", source="tests: h100-sxm without latencies",
                                  collective_latency_s=0.0, kernel_overhead_s=0.0)
-# Same tolerance and reasoning as tests/test_tp_modes.py's FP32_ATOL: the exact modes differ from
+# Same tolerance and reasoning as tests/dist/test_tp_modes.py's FP32_ATOL: the exact modes differ from
 # NS of the full matrix only in summation order (Gram sums over ranks, batched GEMMs); five
 # iterations turn a few fp32 ulps into ~1e-6; 1e-5 keeps a 10x margin and is far below the >1e-2
 # gap of any non-exact answer.

@@ -1,0 +1,29 @@
+"""scripts/gpu_check.py's CPU rehearsal, run as a process: the TP2 x DP2 equivalence over gloo
+with CPU tensors (the same code the GPU run uses with CUDA ones) and the Newton-Schulz timings.
+Its argument handling and report writer are checked in this process by
+``tests/unit/test_gpu_check.py``. The GPU run itself goes into docs/performance.md when a task
+is lent a GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_cpu_rehearsal_runs_the_gloo_equivalence(tmp_path):
+    out = tmp_path / "check"
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--device", "cpu", "--parts", "equivalence,ns",
+                           "--scale", "64", "--repeats", "1", "--out", str(out)],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((out / "gpu_check.json").read_text())
+    eq = report["equivalence"]
+    assert eq["ok"] and eq["devices"] == ["cpu"] and set(eq["max_abs_error"]) == {"owner", "duplicated", "distributed",
+                                                                        "optimizer (owner)"}
+    assert all(0 <= err <= eq["tolerance"] for err in eq["max_abs_error"].values())
+    assert len(report["ns"]["rows"]) == 5 and report["ns"]["rows"][0]["fraction_of_peak"] is None  # no CPU peak
+    assert (out / "gpu_check.md").read_text().rstrip("\n") == proc.stdout.rstrip("\n")

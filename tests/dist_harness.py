@@ -31,6 +31,7 @@ import atexit
 import io
 import itertools
 import os
+import pickle
 import queue
 import sys
 import tempfile
@@ -105,7 +106,15 @@ def _worker(rank, world_size, jobs, results):
     torch.set_num_threads(1)  # N ranks share 2 cores; oversubscription only adds noise
     rng, environ, argv, dtype = torch.get_rng_state(), dict(os.environ), list(sys.argv), torch.get_default_dtype()
     while (job := jobs.get()) is not None:
-        job_id, init_file, fn, args = job
+        job_id, init_file, path, payload = job
+        # The parent's sys.path at submission: pytest adds each test directory as it collects,
+        # after this rank started, and ``fn`` is imported by name from one of them.
+        sys.path[:0] = [p for p in path if p not in sys.path]
+        try:
+            fn, args = pickle.loads(payload)
+        except BaseException:  # noqa: BLE001 - an fn this rank cannot import fails its job, not the rank
+            results.put((job_id, rank, False, traceback.format_exc(), None))
+            continue
         torch.set_rng_state(rng)  # unseeded draws give what a fresh process gives
         before = _global_state()
         ok, payload = _run_job(rank, world_size, init_file, fn, args)
@@ -199,13 +208,20 @@ def _collect(results, world_size: int, name: str, timeout: float, alive, job_id=
     return collected, errors, retire
 
 
+def _job(job_id: int, init_file: str, fn, args) -> tuple:
+    """What a rank receives: ``fn`` and ``args`` pickled here, unpickled by the rank after it has
+    taken this process's sys.path."""
+    return job_id, init_file, list(sys.path), pickle.dumps((fn, args))
+
+
 def _run_fresh(world_size: int, fn, args, timeout: float) -> list:
     ctx = mp.get_context("spawn")
     jobs = [ctx.Queue() for _ in range(world_size)]
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="mm-rdzv-") as tmp:
+        job = _job(0, os.path.join(tmp, "rendezvous"), fn, args)
         for q in jobs:
-            q.put((0, os.path.join(tmp, "rendezvous"), fn, args))
+            q.put(job)
             q.put(None)
         procs = [ctx.Process(target=_worker, args=(r, world_size, jobs[r], results), daemon=False)
                  for r in range(world_size)]
@@ -237,8 +253,9 @@ def run_world(world_size: int, fn, *args, timeout: float = 600.0, fresh: bool = 
         pool = _POOLS[world_size] = _Pool(world_size)
     job_id = next(_JOB_IDS)
     with tempfile.TemporaryDirectory(prefix="mm-rdzv-") as tmp:
+        job = _job(job_id, os.path.join(tmp, "rendezvous"), fn, args)
         for q in pool.jobs:
-            q.put((job_id, os.path.join(tmp, "rendezvous"), fn, args))
+            q.put(job)
         try:
             collected, errors, retire = _collect(pool.results, world_size, fn.__name__, timeout,
                                                  lambda r: pool.procs[r].is_alive(), job_id=job_id)

@@ -6,15 +6,18 @@ optimizer, then scheduler). ``save_fsdp_dtensor`` / ``load_fsdp_dtensor``: Megat
 ``--ckpt-format fsdp_dtensor``. ``read_offline``: every tensor of a saved checkpoint, whole, in one
 process without a process group (torch's DCP reader), so a test can compare what a save wrote with
 the live state without trusting the loader that wrote it. ``zero1_full_state``: that live state.
+``train_step``, ``save_fully_reshardable`` and ``max_state_diff``: the resharding tests' step, save
+(``--dist-ckpt-optim-fully-reshardable``) and comparison, shared by the dense and MoE ones.
 """
 
 from __future__ import annotations
 
 import re
+import types
 
 import torch
 import torch.distributed as dist
-from megatron_harness import gather_fsdp_rows, global_name, unshard
+from megatron_harness import forward_backward, gather_fsdp_rows, global_name, make_batch, unshard
 
 __all__ = ["LR", "MUON", "SMALL_BUCKET", "WD", "adam_config", "fsdp_optimizer_state", "load_fsdp_dtensor",
            "load_torch_dist", "read_offline", "save_fsdp_dtensor", "save_torch_dist", "torch_dist_keys", "unwrap",
@@ -238,3 +241,46 @@ def fsdp_optimizer_state(optimizer) -> dict:
                 else:
                     out[f"{name}.{key}"] = value.detach().clone()
     return out
+
+
+def train_step(model, optimizer, scheduler, step: int, pp: int) -> str:
+    """One training step ``step`` (1-based; its own batch, the same on every rank); the MuonBP kind."""
+    forward_backward(model, make_batch(100 + step), pp=pp, optimizer=optimizer)
+    ok, _, _ = optimizer.step()
+    assert ok
+    scheduler.step(1)
+    return optimizer.chained_optimizers[0].optimizer.last_step_kind
+
+
+def save_fully_reshardable(ckpt_dir: str, model, optimizer, scheduler) -> None:
+    """As ``save_checkpoint`` writes model, optimizer and scheduler, with the metadata
+    megatron.training builds for ``--dist-ckpt-optim-fully-reshardable`` alone."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+    from megatron.training.checkpointing import _build_sharded_state_dict_metadata
+
+    args = types.SimpleNamespace(use_distributed_optimizer=True, ckpt_format="torch_dist",
+                                 dist_ckpt_optim_fully_reshardable=True,
+                                 distrib_optim_fully_reshardable_mem_efficient=False)
+    metadata = _build_sharded_state_dict_metadata(args, dp_cp_group=ps.get_data_parallel_group(
+        with_context_parallel=True))
+    assert metadata["distrib_optim_fully_reshardable_mem_efficient"] is False
+    state = {"model": unwrap(model[0]).sharded_state_dict(metadata=metadata)}
+    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
+    # No CUDA: the optimizer switched to the gloo gather (Megatron's CUDA one would have raised).
+    assert metadata["distrib_optim_fully_reshardable_mem_efficient"] is True
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    dist_checkpointing.save(state, ckpt_dir, content_metadata=_clean_metadata_for_serialization(metadata))
+
+
+def max_state_diff(a: dict, b: dict) -> tuple[float, str]:
+    """The largest |a - b| over every tensor of two full states (name -> key -> tensor), and where."""
+    assert a.keys() == b.keys()
+    worst = (0.0, "")
+    for name in a:
+        assert a[name].keys() == b[name].keys(), name
+        for k in a[name]:
+            d = (a[name][k] - b[name][k]).abs().max().item()
+            worst = max(worst, (d, f"{name} {k}"))
+    return worst

@@ -68,6 +68,9 @@ BF16_NORM_RATIO = 0.02  # |ratio - 1|; measured max 0.0073 (2.7x margin)
 BF16_MIN_COSINE = 0.98  # measured min 0.9913 (1 - cos: 0.0087 vs 0.02, 2.3x margin)
 BF16_DISTANCE = 0.2  # measured max 0.132 (1.5x margin)
 
+MOE = dict(experts=4, topk=2)
+"""The MoE runs' experts: 4 experts, top-2 routing (``build_tiny_gpt(moe=...)``)."""
+
 
 def _optimizer_config(dist_opt: bool, bf16: bool = False, clip_grad: float = 0.0):
     from megatron.core.optimizer import OptimizerConfig
@@ -199,3 +202,18 @@ def train_reference(rank: int, world: int, configs: list[dict]) -> list[tuple]:
         destroy_megatron()
         out.append((full, initial, grad_norms))
     return out
+
+
+def build_moe(run: dict, seed: int = 1234):
+    """The tiny GPT with ``run["moe"]`` experts at ``run["tp"]`` (EP and expert-TP come from the
+    parallel state), its Muon optimizer (``tp_mode``: owner unless given; ``clip``; ``dist_opt``)
+    and scheduler."""
+    from megatron_muon.config import MuonConfig
+    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
+
+    muon_config = MuonConfig(**dict(MUON, tp_mode=run.get("tp_mode", "owner")))
+    model = build_tiny_gpt(run["tp"], use_distributed_optimizer=run["dist_opt"], moe=run["moe"], seed=seed,
+                           num_layers=run.get("layers", 2))
+    optimizer = get_megatron_muon_optimizer(_optimizer_config(run["dist_opt"], clip_grad=run.get("clip", 0.0)),
+                                            model, muon_config)
+    return model, optimizer, _scheduler(optimizer)

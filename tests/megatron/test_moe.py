@@ -44,7 +44,8 @@ from megatron_harness import (
     make_batch,
     reference_param_groups,
 )
-from training_harness import MUON, _optimizer_config, _scheduler, clip_like_megatron
+from training_harness import MOE, MUON, clip_like_megatron
+from training_harness import build_moe as _build
 
 K = 3
 # fp32 throughout. The distributed runs sum the same products in another order (TP2's
@@ -67,7 +68,6 @@ ATOL_ADAMW = 1e-4
 NORM_RTOL = 1e-6
 CLIP = 1.0
 TIMEOUT = 1800
-MOE = dict(experts=4, topk=2)
 SHARED = dict(MOE, shared=32)
 CUT = dict(experts=6, topk=2)
 """6 experts, 1 layer: 3 local experts per EP rank, so the expert-DP halfway point falls inside
@@ -101,18 +101,6 @@ def _run_id(run: dict) -> str:
     tags = [f"tp{run['tp']}", f"ep{run['ep']}", f"etp{run.get('etp', run['tp'])}",
             "distopt" if run["dist_opt"] else "ddp", run.get("tp_mode", "owner"), _reference_key(run)]
     return "-".join(tags)
-
-
-def _build(run: dict, seed: int = 1234):
-    from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
-
-    muon_config = MuonConfig(**dict(MUON, tp_mode=run.get("tp_mode", "owner")))
-    model = build_tiny_gpt(run["tp"], use_distributed_optimizer=run["dist_opt"], moe=run["moe"], seed=seed,
-                           num_layers=run.get("layers", 2))
-    optimizer = get_megatron_muon_optimizer(_optimizer_config(run["dist_opt"], clip_grad=run.get("clip", 0.0)),
-                                            model, muon_config)
-    return model, optimizer, _scheduler(optimizer)
 
 
 def _steps(model, optimizer, scheduler, count: int) -> list[float]:

@@ -31,12 +31,14 @@ import megatron_harness
 import pytest
 import torch
 from checkpoint_harness import load_torch_dist as _load
+from checkpoint_harness import max_state_diff as _max_diff
+from checkpoint_harness import save_fully_reshardable as _save
+from checkpoint_harness import train_step as _step
 from checkpoint_harness import unwrap as _unwrap
 from dist_harness import run_world
 from megatron_harness import destroy_megatron, gather_full_params, init_megatron, is_expert, unshard
-from test_moe import CLIP, MOE
-from test_moe import _build as _build_moe
-from test_resharding import _max_diff, _save, _step
+from training_harness import CLIP, MOE
+from training_harness import build_moe as _build_moe
 
 SEED, OTHER_SEED = 1234, 999
 SAVED_AFTER, LAST = 2, 4

@@ -34,7 +34,6 @@ refusal of a TP change and the fix it names: ``tests/e2e/test_resharding_trainin
 from __future__ import annotations
 
 import os
-import types
 
 import megatron_harness
 import pytest
@@ -42,16 +41,17 @@ import torch
 from checkpoint_harness import LR, MUON, SMALL_BUCKET, WD
 from checkpoint_harness import adam_config as _optimizer_config
 from checkpoint_harness import load_torch_dist as _load
+from checkpoint_harness import max_state_diff as _max_diff
+from checkpoint_harness import save_fully_reshardable as _save
+from checkpoint_harness import train_step as _step
 from checkpoint_harness import unwrap as _unwrap
 from dist_harness import run_world
 from megatron_harness import (
     HEADS,
     build_tiny_gpt,
     destroy_megatron,
-    forward_backward,
     gather_full_params,
     init_megatron,
-    make_batch,
     unshard,
 )
 
@@ -107,37 +107,6 @@ def _build(tp: int, pp: int, seed: int):
                                         lr_decay_steps=100, lr_decay_style="constant", start_wd=WD, end_wd=WD,
                                         wd_incr_steps=100, wd_incr_style="constant")
     return model, optimizer, scheduler
-
-
-def _step(model, optimizer, scheduler, step: int, pp: int) -> str:
-    """Train step ``step`` (1-based; its own batch, the same on every rank); the MuonBP kind."""
-    forward_backward(model, make_batch(100 + step), pp=pp, optimizer=optimizer)
-    ok, _, _ = optimizer.step()
-    assert ok
-    scheduler.step(1)
-    return optimizer.chained_optimizers[0].optimizer.last_step_kind
-
-
-def _save(ckpt_dir: str, model, optimizer, scheduler) -> None:
-    """As ``save_checkpoint`` writes model, optimizer and scheduler, with the metadata
-    megatron.training builds for ``--dist-ckpt-optim-fully-reshardable`` alone."""
-    from megatron.core import dist_checkpointing
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
-    from megatron.training.checkpointing import _build_sharded_state_dict_metadata
-
-    args = types.SimpleNamespace(use_distributed_optimizer=True, ckpt_format="torch_dist",
-                                 dist_ckpt_optim_fully_reshardable=True,
-                                 distrib_optim_fully_reshardable_mem_efficient=False)
-    metadata = _build_sharded_state_dict_metadata(args, dp_cp_group=ps.get_data_parallel_group(
-        with_context_parallel=True))
-    assert metadata["distrib_optim_fully_reshardable_mem_efficient"] is False
-    state = {"model": _unwrap(model[0]).sharded_state_dict(metadata=metadata)}
-    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
-    # No CUDA: the optimizer switched to the gloo gather (Megatron's CUDA one would have raised).
-    assert metadata["distrib_optim_fully_reshardable_mem_efficient"] is True
-    state["opt_param_scheduler"] = scheduler.state_dict()
-    dist_checkpointing.save(state, ckpt_dir, content_metadata=_clean_metadata_for_serialization(metadata))
 
 
 def _full_state(model, optimizer, pp: int) -> dict:
@@ -255,18 +224,6 @@ def _ok(result, what: str):
     if isinstance(result, str):
         pytest.fail(f"{what} raised:\n{result}", pytrace=False)
     return result
-
-
-def _max_diff(a: dict, b: dict) -> tuple[float, str]:
-    """The largest |a - b| over every tensor of two ``_full_state``s, and where."""
-    assert a.keys() == b.keys()
-    worst = (0.0, "")
-    for name in a:
-        assert a[name].keys() == b[name].keys(), name
-        for k in a[name]:
-            d = (a[name][k] - b[name][k]).abs().max().item()
-            worst = max(worst, (d, f"{name} {k}"))
-    return worst
 
 
 def test_saving_runs_take_muonbp_kinds(runs):

@@ -11,11 +11,12 @@ pytest session, one pool per world size: importing torch and megatron-core and a
 patches (about 5 s a rank on 2 cores) is paid once per size, not once per call. Every job gets a
 new default group and its own rendezvous, so a job sees a world exactly as a fresh one, with these
 invariants kept between jobs:
-- the torch CPU generator is reset to the state the process started with, and the environment,
-  ``sys.argv``, the default dtype and the thread count are put back;
+- the torch CPU generator is reset to the state the rank started with (every job of a pool draws
+  the same unseeded values), and the environment, ``sys.argv``, ``sys.excepthook`` (which every
+  ``init_process_group`` replaces), the default dtype and the thread count are put back;
 - a job that changed process-wide state the harness cannot put back (Megatron's global args,
-  hooks installed into ``megatron.training``, ``sys.excepthook``) retires its pool after it
-  returns, and so does a rank whose thread count grew past ``MAX_THREADS``;
+  hooks installed into ``megatron.training``) retires its pool after it returns, and so does a
+  rank whose thread count grew past ``MAX_THREADS``;
 - a job that fails or hangs tears its pool down; the next call starts a fresh one, so a failure
   never leaks into the next test.
 ``fresh=True`` runs one call in processes of its own, as before the pool.
@@ -62,8 +63,9 @@ def _thread_count() -> int:
 
 
 def _global_state() -> tuple:
-    """What a job may change in this process that the worker cannot restore: compared before and
-    after each job; a difference retires the pool after the job's results are returned."""
+    """What a job may change in this process that the worker cannot restore (Megatron's global args,
+    the functions hooks replace): compared before and after each job; a difference retires the pool
+    after the job's results are returned."""
     training = sys.modules.get("megatron.training.training")
     arguments = sys.modules.get("megatron.training.arguments")
     global_vars = sys.modules.get("megatron.training.global_vars")
@@ -77,7 +79,7 @@ def _global_state() -> tuple:
         if module is not None for name in names
     )
     args = getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars is not None else None
-    return functions, id(args) if args is not None else None, id(sys.excepthook)
+    return functions, id(args) if args is not None else None
 
 
 def _run_job(rank, world_size, init_file, fn, args):
@@ -105,6 +107,7 @@ def _worker(rank, world_size, jobs, results):
 
     torch.set_num_threads(1)  # N ranks share 2 cores; oversubscription only adds noise
     rng, environ, argv, dtype = torch.get_rng_state(), dict(os.environ), list(sys.argv), torch.get_default_dtype()
+    excepthook = sys.excepthook
     while (job := jobs.get()) is not None:
         job_id, init_file, path, payload = job
         # The parent's sys.path at submission: pytest adds each test directory as it collects,
@@ -121,6 +124,7 @@ def _worker(rank, world_size, jobs, results):
         os.environ.clear()
         os.environ.update(environ)
         sys.argv[:] = argv
+        sys.excepthook = excepthook
         torch.set_default_dtype(dtype)
         torch.set_num_threads(1)
         gc.collect()
@@ -130,7 +134,7 @@ def _worker(rank, world_size, jobs, results):
         gc.freeze()
         retire = None
         if _global_state() != before:
-            retire = f"{fn.__name__} changed process-wide state (Megatron args, hooks or excepthook)"
+            retire = f"{fn.__name__} changed process-wide state (Megatron's global args or hooks)"
         elif (threads := _thread_count()) > MAX_THREADS:
             retire = f"{threads} threads after {fn.__name__} (limit {MAX_THREADS})"
         results.put((job_id, rank, ok, payload, retire))

@@ -1,0 +1,77 @@
+"""The pooled worlds of ``dist_harness``: every job of a pool starts from the same process state, and
+a job that fails or changes state the pool cannot restore never reaches the next one."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from dist_harness import ChildError, run_world
+
+
+def _draw(rank: int, world: int) -> torch.Tensor:
+    return torch.randn(4)  # unseeded: the process's starting generator state
+
+
+def _pid(rank: int, world: int) -> int:
+    return os.getpid()
+
+
+def _fail_on_rank_1(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("planted failure")
+    return os.getpid()
+
+
+def _replace_excepthook(rank: int, world: int) -> int:
+    sys.excepthook = _planted_hook
+    return os.getpid()
+
+
+def _planted_hook(*exc) -> None:
+    pass
+
+
+def _excepthook_name(rank: int, world: int) -> str:
+    return sys.excepthook.__name__
+
+
+def _set_megatron_args(rank: int, world: int) -> int:
+    import argparse
+
+    from megatron.training import global_vars
+
+    global_vars._GLOBAL_ARGS = argparse.Namespace()  # as set_global_variables leaves it
+    return os.getpid()
+
+
+def test_unseeded_draws_repeat_in_every_job():
+    first, second = run_world(2, _draw), run_world(2, _draw)
+    assert run_world(2, _pid) == run_world(2, _pid)  # the same ranks drew both
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
+def test_pool_is_reused_between_jobs():
+    assert run_world(2, _pid) == run_world(2, _pid)
+
+
+def test_failed_job_reports_its_rank_and_retires_the_pool():
+    before = run_world(2, _pid)
+    with pytest.raises(ChildError, match=r"(?s)rank 1.*planted failure"):
+        run_world(2, _fail_on_rank_1)
+    after = run_world(2, _pid)
+    assert set(after).isdisjoint(before)  # fresh ranks, none of the failed job's
+
+
+def test_excepthook_is_put_back_and_the_pool_kept():
+    ranks = run_world(2, _replace_excepthook)
+    # the next job sees torch's own hook (init_process_group installs it), not the planted one
+    assert run_world(2, _excepthook_name) == ["_distributed_excepthook"] * 2
+    assert run_world(2, _pid) == ranks
+
+
+def test_job_that_sets_megatron_args_retires_the_pool():
+    ranks = run_world(2, _set_megatron_args)  # its results still come back
+    assert set(run_world(2, _pid)).isdisjoint(ranks)

@@ -10,6 +10,7 @@ The fast tier, ``bash scripts/run.sh test-fast``, is ``-m "not megatron and not 
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -53,7 +54,25 @@ def hooks_restored(monkeypatch):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    """The pooled ranks of dist_harness end with the session, not at interpreter exit."""
+    """The pooled ranks of dist_harness and the warm entry of entry_harness end with the session,
+    not at interpreter exit."""
     harness = sys.modules.get("dist_harness")
     if harness is not None:
         harness.shutdown_pools()
+    entries = sys.modules.get("entry_harness")
+    if entries is not None:
+        entries.shutdown_warm_entry()
+
+
+@pytest.fixture(scope="session")
+def demo_data(tmp_path_factory) -> Path:
+    """The demo's byte-level indexed dataset, built once per session: ``scripts/prepare_data.py``
+    over 300 KB of the stdlib's sources, ``train_text_document`` and ``valid_text_document`` in
+    the returned directory. A test that runs a config naming ``data/...`` links it there
+    (``(job / "data").symlink_to(demo_data)``). Read-only for the tests; Megatron's index caches
+    go where each test's ``--data-cache-path`` says, or beside the data (the same for every run of
+    one config, so a later run reads what an earlier one wrote)."""
+    out = tmp_path_factory.mktemp("demo") / "data"
+    subprocess.run([sys.executable, str(TESTS.parent / "scripts" / "prepare_data.py"), "--out", str(out),
+                    "--max-bytes", "300000"], check=True, capture_output=True, timeout=300)
+    return out

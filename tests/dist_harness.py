@@ -11,9 +11,11 @@ pytest session, one pool per world size: importing torch and megatron-core and a
 patches (about 5 s a rank on 2 cores) is paid once per size, not once per call. Every job gets a
 new default group and its own rendezvous, so a job sees a world exactly as a fresh one, with these
 invariants kept between jobs:
-- the torch CPU generator is reset to the state the rank started with (every job of a pool draws
-  the same unseeded values), and the environment, ``sys.argv``, ``sys.excepthook`` (which every
-  ``init_process_group`` replaces), the default dtype and the thread count are put back;
+- the job runs in the submitting process's environment (``os.environ`` at ``run_world``), as a
+  spawned rank would; afterwards the rank's own environment, ``sys.argv``, ``sys.excepthook``
+  (which every ``init_process_group`` replaces), the default dtype and the thread count are put
+  back, and the torch CPU generator is reset to the state the rank started with (every job of a
+  pool draws the same unseeded values);
 - a job that changed process-wide state the harness cannot put back (Megatron's global args,
   hooks installed into ``megatron.training``) retires its pool after it returns, and so does a
   rank whose thread count grew past ``MAX_THREADS``;
@@ -109,10 +111,12 @@ def _worker(rank, world_size, jobs, results):
     rng, environ, argv, dtype = torch.get_rng_state(), dict(os.environ), list(sys.argv), torch.get_default_dtype()
     excepthook = sys.excepthook
     while (job := jobs.get()) is not None:
-        job_id, init_file, path, payload = job
+        job_id, init_file, path, job_env, payload = job
         # The parent's sys.path at submission: pytest adds each test directory as it collects,
         # after this rank started, and ``fn`` is imported by name from one of them.
         sys.path[:0] = [p for p in path if p not in sys.path]
+        os.environ.clear()
+        os.environ.update(job_env)
         try:
             fn, args = pickle.loads(payload)
         except BaseException:  # noqa: BLE001 - an fn this rank cannot import fails its job, not the rank
@@ -213,9 +217,9 @@ def _collect(results, world_size: int, name: str, timeout: float, alive, job_id=
 
 
 def _job(job_id: int, init_file: str, fn, args) -> tuple:
-    """What a rank receives: ``fn`` and ``args`` pickled here, unpickled by the rank after it has
-    taken this process's sys.path."""
-    return job_id, init_file, list(sys.path), pickle.dumps((fn, args))
+    """What a rank receives: this process's sys.path and environment, and ``fn`` and ``args``
+    pickled here, unpickled by the rank after it has taken the sys.path."""
+    return job_id, init_file, list(sys.path), dict(os.environ), pickle.dumps((fn, args))
 
 
 def _run_fresh(world_size: int, fn, args, timeout: float) -> list:

@@ -1,21 +1,34 @@
-"""Megatron's own training loop as a test runs it: ``scripts/pretrain_gpt.py`` under torchrun.
+"""Megatron's own training loop as a test runs it: ``scripts/pretrain_gpt.py`` on gloo ranks.
 
 ``TINY``: the tiny GPT's flags (2 gloo ranks, TP2, mock data, ``--optimizer muon``, owner mode,
-the distributed optimizer, the CPU's ``--no-*`` fusions). ``torchrun(args, cwd)`` runs 2 ranks
-on it with ``args`` appended and returns stdout + stderr (failing the test on a non-zero exit);
-``free_port`` picks a loopback port for a rendezvous.
+the distributed optimizer, the CPU's ``--no-*`` fusions). ``launch(args, cwd, ...)`` runs a job
+and returns its ``Job`` (exit code per rank, the ranks' output); ``run_tiny(args, cwd)`` runs 2
+ranks on ``TINY + args`` and returns the output, failing the test on a non-zero exit.
+
+Two launchers, one job: ``scripts/pretrain_gpt.py`` (``ENTRY``) runs by fork from a warm
+interpreter (``tests/warm_entry.py``: the imports done once per session, then torchrun's
+environment per rank); any other entry, or ``MEGATRON_MUON_TEST_TORCHRUN=1``, runs under
+``python -m torch.distributed.run``. Megatron's loop, the plugin and the gloo world are the same
+either way; the launcher is not what these tests check (``test_pretrain_saves_and_resumes``,
+the Slurm and the preflight tests run the real launchers).
 """
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["ENTRY", "ITERATION", "REPO", "RESUME", "TINY", "free_port", "logged_rows", "torchrun"]
+__all__ = ["BASE_ENV", "ENTRY", "ITERATION", "Job", "REPO", "RESUME", "TINY", "free_port", "launch", "logged_rows",
+           "run_tiny"]
 
 REPO = Path(__file__).resolve().parents[1]
 ENTRY = REPO / "scripts" / "pretrain_gpt.py"
@@ -53,20 +66,113 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(args: list[str], cwd: Path) -> str:
-    env = dict(os.environ)
-    env.update(
-        CUDA_VISIBLE_DEVICES="",  # the CPU path (and its patches) wherever the test runs
-        CUDA_DEVICE_MAX_CONNECTIONS="1",  # what Megatron asks for with TP > 1 before Blackwell
-        OMP_NUM_THREADS="1",
-        PYTHONWARNINGS="ignore",
-    )
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ENTRY), *TINY, *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"pretrain_gpt.py failed (rc={proc.returncode}):\n{out[-6000:]}"
-    return out
+BASE_ENV = dict(
+    CUDA_VISIBLE_DEVICES="",  # the CPU path (and its patches) wherever the test runs
+    CUDA_DEVICE_MAX_CONNECTIONS="1",  # what Megatron asks for with TP > 1 before Blackwell
+    OMP_NUM_THREADS="1",
+    PYTHONWARNINGS="ignore",
+)
+# What a forked rank may change: variables read while the job runs. Anything else (PYTHONPATH,
+# the thread count, ...) takes effect at interpreter start, so such a job gets a fresh torchrun.
+_RUNTIME_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN"}
+
+
+@dataclass(frozen=True)
+class Job:
+    """A finished job: ``returncode`` (0, or the first failing rank's code), ``rank_codes``
+    (per rank; ``None`` under torchrun, which reports only the job's) and ``out`` (stdout and
+    stderr of every rank)."""
+
+    returncode: int
+    rank_codes: tuple[int, ...] | None
+    out: str
+
+
+def launch(args: list[str], cwd, *, nproc: int = 2, entry: Path = ENTRY, env: dict | None = None,
+           timeout: int = 300, torchrun: bool = False) -> Job:
+    """Run ``entry args`` on ``nproc`` gloo ranks in ``cwd`` with ``BASE_ENV`` updated by ``env``
+    (a ``None`` value unsets the variable): the full command line, no ``TINY`` added here.
+    ``torchrun``: under ``python -m torch.distributed.run`` whatever the entry."""
+    env = dict(env or {})
+    warm = entry == ENTRY and set(env) <= _RUNTIME_ENV and os.environ.get("MEGATRON_MUON_TEST_TORCHRUN") != "1"
+    if warm and not torchrun:
+        return _warm().run(args, Path(cwd), nproc, env, timeout)
+    full_env = dict(os.environ, **BASE_ENV)
+    for key, value in env.items():
+        if value is None:
+            full_env.pop(key, None)
+        else:
+            full_env[key] = value
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(entry), *args]
+    proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
+    return Job(proc.returncode, None, proc.stdout + proc.stderr)
+
+
+def run_tiny(args: list[str], cwd: Path, torchrun: bool = False) -> str:
+    job = launch([*TINY, *args], cwd, timeout=240, torchrun=torchrun)
+    assert job.returncode == 0, f"pretrain_gpt.py failed (rc={job.returncode}):\n{job.out[-6000:]}"
+    return job.out
+
+
+class _WarmEntry:
+    """The session's ``tests/warm_entry.py`` process; jobs run one at a time."""
+
+    def __init__(self):
+        env = dict(os.environ, **BASE_ENV)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("warm_entry.py")), str(ENTRY)], env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
+        )
+        ready = self.proc.stdout.readline()
+        assert ready, "tests/warm_entry.py died while importing scripts/pretrain_gpt.py"
+        threads = json.loads(ready)["threads"]
+        assert threads == 1, f"the warm entry runs {threads} threads: a fork would copy their held locks"
+
+    def run(self, args, cwd: Path, nproc: int, env: dict, timeout: int) -> Job:
+        outdir = tempfile.mkdtemp(prefix="warm_entry_")
+        try:
+            job = dict(args=[str(a) for a in args], cwd=str(cwd), nproc=nproc, env=env, port=free_port(),
+                       timeout=timeout, outdir=outdir)
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+            line = self.proc.stdout.readline()
+            assert line, "tests/warm_entry.py died"
+            reply = json.loads(line)
+            out = "".join(Path(outdir, f"rank{r}.log").read_text(errors="replace") for r in range(nproc)
+                          if Path(outdir, f"rank{r}.log").exists())
+        finally:
+            shutil.rmtree(outdir, ignore_errors=True)
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired(["warm_entry", *job["args"]], timeout, output=out)
+        codes = tuple(reply["codes"])
+        return Job(next((c for c in codes if c != 0), 0), codes, out)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+
+
+_WARM: _WarmEntry | None = None
+
+
+def _warm() -> _WarmEntry:
+    global _WARM
+    if _WARM is None or _WARM.proc.poll() is not None:
+        _WARM = _WarmEntry()
+    return _WARM
+
+
+@atexit.register
+def shutdown_warm_entry() -> None:
+    global _WARM
+    if _WARM is not None:
+        _WARM.close()
+        _WARM = None
 
 
 ROW = re.compile(r"iteration\s+(\d+)/\s*(\d+) \|.*?learning rate: ([0-9.E+-]+) \|.*?lm loss: ([0-9.E+-]+) \|"

@@ -616,28 +616,3 @@ def gather_full_params(model_chunks: list, tp_group, pp: int) -> dict[str, torch
         dist.all_gather_object(stages, full, group=ps.get_pipeline_model_parallel_group())
         full = {k: v for stage in stages for k, v in stage.items()}
     return full
-
-
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 now (torchrun's --master-port)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_entry(args: list[str], cwd, nproc: int = 2, timeout: int = 300):
-    """``scripts/pretrain_gpt.py`` under torchrun on ``nproc`` gloo ranks, CUDA hidden (the CPU path
-    and its patches wherever the test runs): the ``subprocess.CompletedProcess`` (text output)."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    entry = Path(__file__).resolve().parents[1] / "scripts" / "pretrain_gpt.py"
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), str(entry), *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

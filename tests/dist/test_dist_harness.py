@@ -47,6 +47,19 @@ def _set_megatron_args(rank: int, world: int) -> int:
     return os.getpid()
 
 
+def _read_and_set_env(rank: int, world: int) -> tuple:
+    seen = os.environ.get("DIST_HARNESS_PROBE"), os.environ.get("DIST_HARNESS_LEFT_BEHIND")
+    os.environ["DIST_HARNESS_LEFT_BEHIND"] = "set by a job"
+    return seen
+
+
+def test_job_sees_the_submitters_environment_and_leaves_none_behind(monkeypatch):
+    monkeypatch.setenv("DIST_HARNESS_PROBE", "from the test")
+    assert run_world(2, _read_and_set_env) == [("from the test", None)] * 2
+    monkeypatch.delenv("DIST_HARNESS_PROBE")
+    assert run_world(2, _read_and_set_env) == [(None, None)] * 2
+
+
 def test_unseeded_draws_repeat_in_every_job():
     first, second = run_world(2, _draw), run_world(2, _draw)
     assert run_world(2, _pid) == run_world(2, _pid)  # the same ranks drew both

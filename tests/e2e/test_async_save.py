@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 
 import torch
-from entry_harness import torchrun
+from entry_harness import run_tiny
 
 ASYNC = ["--async-save", "--use-persistent-ckpt-worker", "--async-strategy", "mcore"]
 # No dropout: on the CPU the dropout masks come from the CPU generator, whose state after a
@@ -55,14 +55,14 @@ def _tensors(checkpoint_dir, out_file) -> dict[str, torch.Tensor]:
 def test_async_save_writes_what_a_sync_save_writes_and_resumes(tmp_path):
     saved_async, saved_sync = tmp_path / "async", tmp_path / "sync"
 
-    out = torchrun(["--train-iters", "4", "--log-interval", "1", "--save", str(saved_async),
+    out = run_tiny(["--train-iters", "4", "--log-interval", "1", "--save", str(saved_async),
                      "--save-interval", "2", *NO_DROPOUT, *ASYNC], tmp_path)
     for iteration in (2, 4):
         assert re.search(rf"scheduled an async checkpoint save at iteration\s+{iteration} ", out), out[-4000:]
         assert re.search(rf"successfully saved checkpoint from iteration\s+{iteration} ", out), out[-4000:]
     assert (saved_async / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
 
-    out = torchrun(["--train-iters", "4", "--log-interval", "1", "--load", str(saved_async), "--ckpt-step", "2",
+    out = run_tiny(["--train-iters", "4", "--log-interval", "1", "--load", str(saved_async), "--ckpt-step", "2",
                      "--save", str(saved_sync), "--save-interval", "100", *NO_DROPOUT], tmp_path)
     assert re.search(r"loading distributed checkpoint from \S+ at iteration 2", out), out[-4000:]
     assert re.findall(r"iteration\s+(\d+)/\s*4 \|", out) == ["3", "4"], out[-4000:]

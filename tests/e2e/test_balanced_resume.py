@@ -16,16 +16,13 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from bad_inputs_table import expected_line
 from checkpoint_harness import read_offline
-from entry_harness import ENTRY, TINY, free_port
+from entry_harness import ENTRY, TINY, Job, launch
 
 OLD_ENTRY = Path(__file__).resolve().parents[1] / "old_layout_entry.py"
 RUN = ["--train-iters", "20", "--log-interval", "5", "--save-interval", "10", "--lr-decay-iters", "20",
@@ -37,38 +34,29 @@ on GPUs Megatron restores the CUDA RNG tracker states."""
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory) -> list[str]:
+def data(tmp_path_factory, demo_data) -> list[str]:
     """The demo's byte-level indexed dataset (``scripts/prepare_data.py``), as Megatron flags. Not
     ``--mock-data``: a resume of Megatron's mock dataset does not continue its sample order (the
     resumed run saw other tokens from iteration 11 on, whatever the optimizer)."""
-    out = tmp_path_factory.mktemp("data")
-    subprocess.run([sys.executable, str(ENTRY.parent / "prepare_data.py"), "--out", str(out), "--max-bytes",
-                    "2000000"], check=True, capture_output=True, timeout=300)
-    return ["--train-data-path", str(out / "train_text_document"), "--valid-data-path",
-            str(out / "valid_text_document"), "--data-cache-path", str(out / "cache")]
+    return ["--train-data-path", str(demo_data / "train_text_document"), "--valid-data-path",
+            str(demo_data / "valid_text_document"), "--data-cache-path", str(tmp_path_factory.mktemp("cache"))]
 
 
-def _torchrun(nproc: int, tp: int, args: list[str], cwd: Path, data: list[str],
-              entry: Path = ENTRY) -> subprocess.CompletedProcess:
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-           "127.0.0.1", "--master-port", str(free_port()), str(entry), *[a for a in TINY if a != "--mock-data"],
-           *data, "--tensor-model-parallel-size", str(tp), *RUN, *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+def _job(nproc: int, tp: int, args: list[str], cwd: Path, data: list[str], entry: Path = ENTRY) -> Job:
+    return launch([*[a for a in TINY if a != "--mock-data"], *data, "--tensor-model-parallel-size", str(tp), *RUN,
+                   *args], cwd, nproc=nproc, entry=entry, timeout=600)
 
 
-def _ok(proc: subprocess.CompletedProcess) -> str:
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, f"pretrain_gpt.py failed (rc={proc.returncode}):\n{out[-6000:]}"
-    return out
+def _ok(job: Job) -> str:
+    assert job.returncode == 0, f"pretrain_gpt.py failed (rc={job.returncode}):\n{job.out[-6000:]}"
+    return job.out
 
 
 @pytest.mark.parametrize("tp", [1, 2], ids=["tp1-dp2", "tp2-dp2"])
 def test_resume_is_bitwise(tmp_path, tp, data):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    _ok(_torchrun(2 * tp, tp, ["--save", str(straight)], tmp_path, data))
-    out = _ok(_torchrun(2 * tp, tp, ["--load", str(straight), "--ckpt-step", "10", "--save", str(resumed)],
+    _ok(_job(2 * tp, tp, ["--save", str(straight)], tmp_path, data))
+    out = _ok(_job(2 * tp, tp, ["--load", str(straight), "--ckpt-step", "10", "--save", str(resumed)],
                         tmp_path, data))
     assert "iteration       15/      20" in out, out[-3000:]
     a = read_offline(str(straight / "iter_0000020"), str(tmp_path / "a.pt"))
@@ -82,7 +70,7 @@ def test_resume_is_bitwise(tmp_path, tp, data):
 
 def test_checkpoint_of_the_old_arithmetic_is_refused(tmp_path, data):
     old = tmp_path / "old"
-    _ok(_torchrun(2, 1, ["--save", str(old), "--exit-interval", "10"], tmp_path, data, entry=OLD_ENTRY))
+    _ok(_job(2, 1, ["--save", str(old), "--exit-interval", "10"], tmp_path, data, entry=OLD_ENTRY))
     saved = read_offline(str(old / "iter_0000010"), str(tmp_path / "old.pt"))
     # what the old arithmetic did: the main param and the momentum of one matrix end in zeros
     # while the same checkpoint's model weights do not
@@ -90,12 +78,12 @@ def test_checkpoint_of_the_old_arithmetic_is_refused(tmp_path, data):
                and not torch.equal(saved[key], saved[key.removeprefix("optimizer.state.param.")])]
     assert damaged, "the old arithmetic lost nothing on this model: the test would prove nothing"
 
-    refused = _torchrun(2, 1, ["--load", str(old), "--save", str(old)], tmp_path, data)
-    lines = [line for line in (refused.stdout + refused.stderr).splitlines()
+    refused = _job(2, 1, ["--load", str(old), "--save", str(old)], tmp_path, data)
+    lines = [line for line in refused.out.splitlines()
              if "refused: its fp32 main params" in line]
-    assert refused.returncode != 0 and lines, (refused.stdout + refused.stderr)[-4000:]
+    assert refused.returncode != 0 and lines, refused.out[-4000:]
     assert expected_line("ckpt-lost-on-save", TMP=str(tmp_path)).search(lines[0]), lines[0]
 
-    out = _ok(_torchrun(2, 1, ["--load", str(old), "--save", str(tmp_path / "new"), "--exit-interval", "12",
+    out = _ok(_job(2, 1, ["--load", str(old), "--save", str(tmp_path / "new"), "--exit-interval", "12",
                                "--log-interval", "1", "--muon-reset-optimizer-state"], tmp_path, data))
     assert "iteration       11/      20" in out and "iteration       10/      20" not in out, out[-3000:]

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from bad_inputs_table import expected_line
-from entry_harness import ENTRY, TINY, free_port, torchrun
+from entry_harness import TINY, launch, run_tiny
 
 from megatron_muon.megatron.integrity import CHECKSUMS, digest
 
@@ -35,22 +35,12 @@ RESUME = ["--train-iters", "4", "--log-interval", "1", "--save-interval", "100",
 ERROR = re.compile(r"^megatron-muon: error: (.*)$", re.MULTILINE)
 
 
-def _run(args: list[str], cwd: Path):
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(ENTRY), *TINY, *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("integrity")
-    out = torchrun([*SAVE_ITERS, "--save", str(root / "ckpt")], root)
+    out = run_tiny([*SAVE_ITERS, "--save", str(root / "ckpt")], root)
     assert re.search(r"megatron-muon: checksums of \d+ files \([0-9.]+ MB\) written to \S+iter_0000003 in", out), \
         out[-3000:]
     return root / "ckpt"
@@ -63,9 +53,9 @@ def _copy(saved: Path, tmp_path: Path) -> tuple[Path, Path]:
 
 
 def _refused(ckpt: Path, cwd: Path) -> str:
-    proc = _run([*RESUME, "--load", str(ckpt), "--save", str(ckpt)], cwd)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
+    job = launch([*TINY, *RESUME, "--load", str(ckpt), "--save", str(ckpt)], cwd, timeout=240)
+    out = job.out
+    assert job.returncode != 0, out[-3000:]
     errors = ERROR.findall(out)
     assert errors, out[-3000:]
     assert "iteration        4/" not in out, "it trained before refusing"
@@ -85,7 +75,7 @@ def test_checksum_file_lists_every_file(saved):
 
 def test_intact_checkpoint_resumes_verified(saved, tmp_path):
     ckpt, _ = _copy(saved, tmp_path)
-    out = torchrun([*RESUME, "--load", str(ckpt), "--save", str(ckpt)], tmp_path)
+    out = run_tiny([*RESUME, "--load", str(ckpt), "--save", str(ckpt)], tmp_path)
     assert re.search(r"megatron-muon: checksums of \d+ files in \S+iter_0000003 verified in", out), out[-3000:]
     assert "iteration        4/" in out
 

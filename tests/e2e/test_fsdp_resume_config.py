@@ -18,15 +18,11 @@ About 40 s on 2 cores (two torchrun jobs).
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 from bad_inputs_table import expected_line
-from entry_harness import ENTRY, REPO
-from megatron_harness import free_port
+from entry_harness import REPO, launch
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|")
 CONFIG = REPO / "configs" / "tiny-cpu-fsdp.yaml"
@@ -48,14 +44,10 @@ def _config() -> list[str]:
 
 
 def _job(root, *extra: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}  # Megatron-FSDP refuses it
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(ENTRY), *_config(), *_common(root), *extra]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
-    return out
+    job = launch([*_config(), *_common(root), *extra], root,
+                 env=dict(CUDA_DEVICE_MAX_CONNECTIONS=None))  # Megatron-FSDP refuses it
+    assert job.returncode == 0, job.out[-4000:]
+    return job.out
 
 
 def _rows(out: str) -> dict[int, tuple[float, float]]:
@@ -63,11 +55,10 @@ def _rows(out: str) -> dict[int, tuple[float, float]]:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def saved(tmp_path_factory, demo_data):
     """(root, the uninterrupted run's {iteration: (loss, grad norm)}); the checkpoint in root/ckpt."""
     root = tmp_path_factory.mktemp("fsdp_resume_config")
-    subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--out", str(root / "data"),
-                    "--max-bytes", "200000"], check=True, capture_output=True)
+    (root / "data").symlink_to(demo_data)
     out = _job(root, "--save", str(root / "ckpt"), "--save-interval", "3")
     assert "in fsdp_dtensor format" in out and "resume from" not in out
     return root, _rows(out)

@@ -22,19 +22,16 @@ About 3 minutes on 2 cores.
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from bad_inputs_table import expected_line
-from entry_harness import RESUME, TINY, free_port, logged_rows
+from entry_harness import ENTRY, RESUME, TINY, launch, logged_rows
 
 REPO = Path(__file__).resolve().parents[2]
 UPSTREAM_ENTRY = REPO / "tests" / "upstream_entry.py"
-PLUGIN_ENTRY = REPO / "scripts" / "pretrain_gpt.py"
+PLUGIN_ENTRY = ENTRY
 # The Muon settings both sides share (upstream's CLI defaults to momentum 0.9 and blockwise; fp32
 # Newton-Schulz so that neither side's bf16 rounding is compared).
 SAME_MUON = ["--muon-momentum", "0.95", "--muon-fp32-matmul-prec", "high"]
@@ -42,14 +39,8 @@ ERROR = re.compile(r"^megatron-muon: error: (.*)$", re.MULTILINE)
 
 
 def _run(entry: Path, args: list[str], cwd: Path, upstream: str | None = None, tiny=TINY):
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
-    if upstream:
-        env["UPSTREAM"] = upstream
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(entry), *tiny, *args]
-    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    return proc.returncode, proc.stdout + proc.stderr
+    job = launch([*tiny, *args], cwd, entry=entry, env=dict(UPSTREAM=upstream) if upstream else None)
+    return job.returncode, job.out
 
 
 def _ok(result) -> str:

@@ -7,12 +7,9 @@ Two gloo ranks under torchrun (TP=2, the CPU patches, CUDA hidden), a tiny GPT o
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
 
-from entry_harness import ENTRY, ITERATION, REPO, free_port, torchrun
+from entry_harness import ITERATION, REPO, launch, run_tiny
 
 
 def _iterations(out: str) -> list[tuple]:
@@ -23,8 +20,9 @@ def _iterations(out: str) -> list[tuple]:
 def test_pretrain_saves_and_resumes(tmp_path):
     ckpt = tmp_path / "ckpt"
 
-    out = torchrun(["--train-iters", "6", "--log-interval", "3", "--save", str(ckpt),
-                     "--save-interval", "6"], tmp_path)
+    # Under torchrun itself: the launcher a user runs (every other job here is forked warm).
+    out = run_tiny(["--train-iters", "6", "--log-interval", "3", "--save", str(ckpt),
+                    "--save-interval", "6"], tmp_path, torchrun=True)
     assert "cpu_patches applied" in out
     # The startup report, once (global rank 0): routing by name pattern, the mode, the plan.
     assert out.count("megatron-muon: Muon on 8 matrices, AdamW on") == 1, out[-6000:]
@@ -43,7 +41,7 @@ def test_pretrain_saves_and_resumes(tmp_path):
     assert (saved / "metadata.json").is_file() and list(saved.glob("*.distcp")), list(saved.iterdir())
 
     # Resume: more iterations, the scheduler extended to them (--override-opt-param-scheduler).
-    out = torchrun(["--train-iters", "8", "--log-interval", "1", "--load", str(ckpt),
+    out = run_tiny(["--train-iters", "8", "--log-interval", "1", "--load", str(ckpt),
                      "--save", str(ckpt), "--save-interval", "100",
                      "--override-opt-param-scheduler"], tmp_path)
     assert re.search(r"loading distributed checkpoint from \S+ at iteration 6", out), out[-4000:]
@@ -61,7 +59,7 @@ def test_pretrain_with_virtual_pipeline_stages(tmp_path):
     read from the wrong iterator would fail on ``next(None)``: Megatron builds no dataset there).
     The optimizer's math under VPP is tests/megatron/test_virtual_pipeline.py; this is the entry script.
     """
-    out = torchrun(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
+    out = run_tiny(["--tensor-model-parallel-size", "1", "--pipeline-model-parallel-size", "2",
                      "--num-layers", "4", "--num-virtual-stages-per-pipeline-rank", "2",
                      "--train-iters", "6", "--log-interval", "1"], tmp_path)
     assert "Number of virtual stages per pipeline stage: 2" in out, out[-4000:]
@@ -80,7 +78,7 @@ def test_pretrain_with_qk_clip(tmp_path):
     """--qk-clip through Megatron's loop without Transformer Engine (the local attention's logit,
     megatron-muon's clip inside the step, upstream's clip_qk a no-op), on the log line with
     --muon-log-stats. τ is below this model's logits (about 0.1), so heads clip."""
-    out = torchrun(["--qk-clip", "--qk-clip-threshold", "0.05", "--log-max-attention-logit",
+    out = run_tiny(["--qk-clip", "--qk-clip-threshold", "0.05", "--log-max-attention-logit",
                      "--train-iters", "4", "--log-interval", "2"], tmp_path)
     rows = [(int(m[1]), int(m[2]), int(m[3]), float(m[4]), float(m[5])) for m in QK_CLIP.finditer(out)]
     assert [it for it, *_ in rows] == [1, 2, 4], out[-4000:]  # Megatron logs the first iteration too
@@ -90,27 +88,21 @@ def test_pretrain_with_qk_clip(tmp_path):
     assert len(_iterations(out)) == 3, "the iteration line lost the muon stats"
 
 
-def test_moe_demo_config_trains_and_resumes(tmp_path):
+def test_moe_demo_config_trains_and_resumes(tmp_path, demo_data):
     """configs/moe-tiny-cpu.yaml as a user runs it (the YAML loader's argv into the entry script):
     EP2 over 2 ranks, 4 experts top-2, QK-clip on, on the demo's byte-level data. 30 iterations
     with a save, then a resume for 3 more through Megatron's loop (both optimizers of the chain,
     the expert one's state in its own buffers)."""
     from megatron_muon.megatron.yaml_config import load_yaml_args
 
-    subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--out", str(tmp_path / "data"),
-                    "--max-bytes", "300000"], check=True, capture_output=True)
+    (tmp_path / "data").symlink_to(demo_data)
     config = load_yaml_args(REPO / "configs" / "moe-tiny-cpu.yaml")
     ckpt = str(tmp_path / "ckpt")
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
 
     def run(*extra: str) -> str:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), str(ENTRY), *config, "--save", ckpt, "--load", ckpt, *extra]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, out[-6000:]
-        return out
+        job = launch([*config, "--save", ckpt, "--load", ckpt, *extra], tmp_path, timeout=400)
+        assert job.returncode == 0, job.out[-6000:]
+        return job.out
 
     # tau 0.2 (the config's 1.0 is for its 200 iterations): this model's logits start near 0.1
     # and pass 0.2 within these 30 steps, so the clip has to act
@@ -129,28 +121,23 @@ def test_moe_demo_config_trains_and_resumes(tmp_path):
     assert [int(m) for m in re.findall(r"iteration\s+(\d+)/\s*33", out)] == [31, 32, 33]
 
 
-def test_fsdp_demo_config_trains_and_resumes(tmp_path):
+def test_fsdp_demo_config_trains_and_resumes(tmp_path, demo_data):
     """configs/tiny-cpu-fsdp.yaml as a user runs it: Megatron-FSDP (optim_grads_params) over 2
     ranks, bf16, its own checkpoint format (fsdp_dtensor). 30 iterations with a save, the loss
     falling (6.02 -> 3.64 measured), a QKV of each layer cut between the ranks (the startup
     report), then a resume for 3 more through Megatron's loop."""
     from megatron_muon.megatron.yaml_config import load_yaml_args
 
-    subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--out", str(tmp_path / "data"),
-                    "--max-bytes", "300000"], check=True, capture_output=True)
+    (tmp_path / "data").symlink_to(demo_data)
     config = load_yaml_args(REPO / "configs" / "tiny-cpu-fsdp.yaml")
     ckpt = str(tmp_path / "ckpt")
-    # no CUDA_DEVICE_MAX_CONNECTIONS=1: Megatron-FSDP refuses it
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
     def run(*extra: str) -> str:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(free_port()), str(ENTRY), *config, "--save", ckpt, "--load", ckpt, *extra]
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
-        out = proc.stdout + proc.stderr
-        assert proc.returncode == 0, out[-6000:]
-        return out
+        # no CUDA_DEVICE_MAX_CONNECTIONS=1: Megatron-FSDP refuses it
+        job = launch([*config, "--save", ckpt, "--load", ckpt, *extra], tmp_path,
+                     env=dict(CUDA_DEVICE_MAX_CONNECTIONS=None), timeout=400)
+        assert job.returncode == 0, job.out[-6000:]
+        return job.out
 
     out = run("--train-iters", "30", "--log-interval", "3", "--save-interval", "30", "--eval-iters", "0")
     assert "Megatron-FSDP optim_grads_params layout" in out and "2 of 8 matrices cut across DP ranks" in out
@@ -164,7 +151,7 @@ def test_fsdp_demo_config_trains_and_resumes(tmp_path):
     assert [int(m) for m in re.findall(r"iteration\s+(\d+)/\s*33", out)] == [31, 32, 33]
 
 
-def test_fsdp2_demo_config_trains(tmp_path):
+def test_fsdp2_demo_config_trains(tmp_path, demo_data):
     """configs/tiny-cpu-fsdp2.yaml as a user runs it: torch FSDP2 over 2 ranks (Megatron's
     ``TorchFullyShardedDataParallel``, its non-distributed bf16 optimizer over the DTensor shards),
     30 iterations through Megatron's loop: the loss falling (6.00 -> 3.23 measured), every matrix
@@ -172,18 +159,13 @@ def test_fsdp2_demo_config_trains(tmp_path):
     with --save / --load is refused at startup (docs/bad_inputs.md, fsdp2-checkpoint)."""
     from megatron_muon.megatron.yaml_config import load_yaml_args
 
-    subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--out", str(tmp_path / "data"),
-                    "--max-bytes", "300000"], check=True, capture_output=True)
+    (tmp_path / "data").symlink_to(demo_data)
     config = load_yaml_args(REPO / "configs" / "tiny-cpu-fsdp2.yaml")
     # no CUDA_DEVICE_MAX_CONNECTIONS=1: Megatron refuses it with FSDP2
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
-    env.update(CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(ENTRY), *config, "--train-iters", "30", "--log-interval", "3",
-           "--eval-iters", "0"]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-6000:]
+    job = launch([*config, "--train-iters", "30", "--log-interval", "3", "--eval-iters", "0"], tmp_path,
+                 env=dict(CUDA_DEVICE_MAX_CONNECTIONS=None), timeout=400)
+    out = job.out
+    assert job.returncode == 0, out[-6000:]
     assert "torch FSDP2 layout" in out and "8 of 8 matrices cut across DP ranks" in out
     losses = [float(m) for m in re.findall(r"lm loss: ([0-9.E+-]+)", out)]
     assert len(losses) == 11 and losses[-1] < losses[0] - 1.0, losses

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from entry_harness import RESUME, logged_rows, torchrun
+from entry_harness import RESUME, logged_rows, run_tiny
 
 from megatron_muon.megatron.integrity import CHECKSUMS
 
@@ -75,7 +75,7 @@ def _fresh_state(fqn: str, obj):
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     root = tmp_path_factory.mktemp("reset")
-    out = torchrun(["--train-iters", "6", "--log-interval", "1", "--save", str(root / "ckpt"),
+    out = run_tiny(["--train-iters", "6", "--log-interval", "1", "--save", str(root / "ckpt"),
                      "--save-interval", "4"], root)
     rows = logged_rows(out)
     assert sorted(rows) == [1, 2, 3, 4, 5, 6], out[-3000:]
@@ -84,7 +84,7 @@ def saved(tmp_path_factory):
 
 def test_reset_keeps_schedule_and_starts_the_optimizer_afresh(saved, tmp_path):
     root, uninterrupted = saved
-    out = torchrun([*RESUME, "--load", str(root / "ckpt"), "--muon-reset-optimizer-state"], tmp_path)
+    out = run_tiny([*RESUME, "--load", str(root / "ckpt"), "--muon-reset-optimizer-state"], tmp_path)
     assert re.search(r"megatron-muon: --muon-reset-optimizer-state: weights, iteration and LR/WD schedule from "
                      r"\S+iter_0000004; optimizer state fresh", out), out[-3000:]
     reset = logged_rows(out)
@@ -96,8 +96,8 @@ def test_reset_keeps_schedule_and_starts_the_optimizer_afresh(saved, tmp_path):
     shutil.copytree(root / "ckpt", zeroed)
     (zeroed / "iter_0000004" / CHECKSUMS).unlink()  # rewritten on purpose: nothing to verify
     assert _rewrite_items(zeroed / "iter_0000004", _fresh_state) >= 19  # 9 params x 2 moments + the common state
-    reference = logged_rows(torchrun([*RESUME, "--load", str(zeroed)], tmp_path))
-    plain = logged_rows(torchrun([*RESUME, "--load", str(root / "ckpt")], tmp_path))
+    reference = logged_rows(run_tiny([*RESUME, "--load", str(zeroed)], tmp_path))
+    plain = logged_rows(run_tiny([*RESUME, "--load", str(root / "ckpt")], tmp_path))
     assert reference == reset, (reference, reset)  # the same update from zeroed state: fresh state
     assert plain[5] == reset[5]  # iteration 5's loss and grad norm come before any step: same weights
     assert plain[6][1] != reset[6][1], (plain, reset)  # the saved momentum changes iteration 6
@@ -105,6 +105,6 @@ def test_reset_keeps_schedule_and_starts_the_optimizer_afresh(saved, tmp_path):
 
 def test_no_load_optim_restarts_the_lr_schedule(saved, tmp_path):
     root, uninterrupted = saved
-    rows = logged_rows(torchrun([*RESUME, "--load", str(root / "ckpt"), "--no-load-optim"], tmp_path))
+    rows = logged_rows(run_tiny([*RESUME, "--load", str(root / "ckpt"), "--no-load-optim"], tmp_path))
     assert sorted(rows) == [5, 6]
     assert rows[5][0] == uninterrupted[1][0] != uninterrupted[5][0], (rows, uninterrupted)  # warmup again

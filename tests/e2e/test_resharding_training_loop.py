@@ -10,12 +10,10 @@ from __future__ import annotations
 import os
 import pickle
 import re
-import subprocess
-import sys
 
 import pytest
 from bad_inputs_table import expected_line
-from entry_harness import ENTRY, TINY, free_port
+from entry_harness import ENTRY, TINY, launch
 
 from megatron_muon.megatron.resharding import FULLY_RESHARDABLE_FLAG, explain_load_error
 
@@ -47,16 +45,13 @@ def _pretrain(tmp_path, tp: int, *args: str) -> tuple[int, str]:
     """scripts/pretrain_gpt.py on 2 gloo ranks at ``tp`` (DP = 2 / tp): (exit code, output)."""
     driver = tmp_path / "driver.py"
     driver.write_text(_RECORDING_DRIVER)
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", CUDA_DEVICE_MAX_CONNECTIONS="1", OMP_NUM_THREADS="1",
-               PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(driver), str(ENTRY), str(tmp_path), *TINY,
-           "--tensor-model-parallel-size", str(tp), "--muon-dp-layout", "megatron",
-           # 257 tokens pad to 512 rows at TP2 and TP1 alike (the default 128 gives 384 at TP1: refused)
-           "--make-vocab-size-divisible-by", "256",
-           "--muonbp-period", str(PERIOD), "--log-interval", "1", *args]
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    return proc.returncode, proc.stdout + proc.stderr
+    # A driver of its own, so a fresh torchrun: it wraps Megatron's load before the plugin's hook does.
+    job = launch([str(ENTRY), str(tmp_path), *TINY, "--tensor-model-parallel-size", str(tp),
+                  "--muon-dp-layout", "megatron",
+                  # 257 tokens pad to 512 rows at TP2 and TP1 alike (the default 128 gives 384 at TP1: refused)
+                  "--make-vocab-size-divisible-by", "256",
+                  "--muonbp-period", str(PERIOD), "--log-interval", "1", *args], tmp_path, entry=driver)
+    return job.returncode, job.out
 
 
 def test_tp_change_through_megatron_training(tmp_path, hooks_restored):

@@ -23,8 +23,7 @@ import types
 
 import pytest
 from bad_inputs_table import expected_line
-from entry_harness import TINY
-from megatron_harness import run_entry
+from entry_harness import TINY, launch
 
 NO_DROPOUT = ["--attention-dropout", "0", "--hidden-dropout", "0"]  # iteration losses comparable across runs
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|")
@@ -39,10 +38,10 @@ def _rows(out: str) -> dict[int, tuple[float, float]]:
 def saved(tmp_path_factory):
     """(root, the uninterrupted run's {iteration: (loss, grad norm)})."""
     root = tmp_path_factory.mktemp("resume_config")
-    proc = run_entry([*TINY, *NO_DROPOUT, "--train-iters", "5", "--log-interval", "1", "--save-interval", "3",
-                      "--save", str(root / "ckpt")], root)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    job = launch([*TINY, *NO_DROPOUT, "--train-iters", "5", "--log-interval", "1", "--save-interval", "3",
+                  "--save", str(root / "ckpt")], root)
+    out = job.out
+    assert job.returncode == 0, out[-4000:]
     assert "resume from" not in out  # a fresh run: nothing to compare
     (root / "tiny.yaml").write_text("distributed_backend: gloo\n")  # the preflight's config; TINY comes after
     return root, _rows(out)
@@ -51,9 +50,9 @@ def saved(tmp_path_factory):
 @pytest.fixture(scope="module")
 def adam_saved(saved):
     root = saved[0]
-    proc = run_entry([*TINY, *NO_DROPOUT, "--optimizer", "adam", "--train-iters", "1", "--save-interval", "1",
-                      "--save", str(root / "adam")], root)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    job = launch([*TINY, *NO_DROPOUT, "--optimizer", "adam", "--train-iters", "1", "--save-interval", "1",
+                  "--save", str(root / "adam")], root)
+    assert job.returncode == 0, job.out[-4000:]
     return root / "adam"
 
 
@@ -149,9 +148,9 @@ def test_upstream_muon_checkpoint_points_at_the_migration(saved):
 
 def test_tp_change_with_equal_padding_is_exact_in_the_job(saved):
     root, uninterrupted = saved
-    proc = run_entry(_resume(root, "--tensor-model-parallel-size", "1", "--make-vocab-size-divisible-by", "256"), root)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 0, out[-4000:]
+    job = launch(_resume(root, "--tensor-model-parallel-size", "1", "--make-vocab-size-divisible-by", "256"), root)
+    out = job.out
+    assert job.returncode == 0, out[-4000:]
     assert "TP 2 -> 1: resharded exactly" in out and "DP 1 -> 2: resharded exactly" in out, out[-4000:]
     rows = _rows(out)
     assert sorted(rows) == [4, 5], out[-4000:]
@@ -164,9 +163,10 @@ def test_tp_change_with_equal_padding_is_exact_in_the_job(saved):
 
 def test_tp_change_with_unequal_padding_is_refused_in_the_job(saved):
     root, _ = saved
-    proc = run_entry(_resume(root, "--tensor-model-parallel-size", "1"), root)
-    out = proc.stdout + proc.stderr
+    job = launch(_resume(root, "--tensor-model-parallel-size", "1"), root)
+    out = job.out
     errors = ERROR.findall(out)
-    assert proc.returncode != 0 and len(errors) == 1, out[-4000:]  # rank 0's line only
+    assert job.returncode != 0 and len(errors) == 1, out[-4000:]  # rank 0's line only
     assert expected_line("resume-vocab", TMP=str(root)).fullmatch(errors[0]), errors
-    assert "exitcode  : 2" in out and not _rows(out)
+    # Exit code 2 on rank 0, the rank that prints (the launcher stops the others, which wait for it)
+    assert (job.rank_codes[0] == 2 if job.rank_codes else "exitcode  : 2" in out) and not _rows(out), out[-4000:]

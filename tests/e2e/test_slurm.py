@@ -99,20 +99,17 @@ def _wait(env: dict, job: str, log: Path) -> str:
     return text
 
 
-def test_sbatch_cpu_demo_trains_saves_and_resumes(slurm_cluster, tmp_path):
+def test_sbatch_cpu_demo_trains_saves_and_resumes(slurm_cluster, tmp_path, demo_data):
     env = dict(slurm_cluster, MEGATRON_MUON_ROOT=str(REPO), MEGATRON_MUON_PYTHON=sys.executable,
                NPROC_PER_NODE="2", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
 
-    data = tmp_path / "data"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--out", str(data),
-                           "--max-bytes", "300000"], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    data = demo_data
 
     ckpt = tmp_path / "ckpt"
     common = ["--lr-warmup-iters", "2", "--eval-iters", "1", "--log-interval", "1",
               "--save", str(ckpt), "--train-data-path", str(data / "train_text_document"),
               "--valid-data-path", str(data / "valid_text_document"),
-              "--data-cache-path", str(data / "cache")]
+              "--data-cache-path", str(tmp_path / "cache")]
 
     # 1. the single-node script: 6 iterations from scratch, checkpoints at 3 and 6.
     log1 = tmp_path / "single-node.out"

@@ -6,11 +6,12 @@ parallel test runs cannot collide) and returns the per-rank results in rank orde
 exception is re-raised in the parent with that rank's traceback; a rank that hangs or dies is
 reported with its rank instead of hanging pytest.
 
-**One world per size per session.** The ranks are a pool of spawned processes kept alive for the
-pytest session, one pool per world size: importing torch and megatron-core and applying the CPU
-patches (about 5 s a rank on 2 cores) is paid once per size, not once per call. Every job gets a
-new default group and its own rendezvous, so a job sees a world exactly as a fresh one, with these
-invariants kept between jobs:
+**One world per size per session.** The ranks are a pool of processes kept alive for the pytest
+session, one pool per world size, each rank forked from multiprocessing's fork server, which
+imports torch, megatron-core and megatron.training once (``PRELOAD``): a spawned rank paid those
+imports itself, about 5-10 s a rank on 2 cores, so a world of 8 took about a minute to start.
+Every job gets a new default group and its own rendezvous, so a job sees a world exactly as a
+fresh one, with these invariants kept between jobs:
 - the job runs in the submitting process's environment (``os.environ`` at ``run_world``), as a
   spawned rank would; afterwards the rank's own environment, ``sys.argv``, ``sys.excepthook``
   (which every ``init_process_group`` replaces), the default dtype and the thread count are put
@@ -21,7 +22,13 @@ invariants kept between jobs:
   rank whose thread count grew past ``MAX_THREADS``;
 - a job that fails or hangs tears its pool down; the next call starts a fresh one, so a failure
   never leaks into the next test.
-``fresh=True`` runs one call in processes of its own, as before the pool.
+``fresh=True`` runs one call in processes of its own, forked from the same server.
+
+The fork server never runs a job: it only imports, in one thread (a fork copies only the forking
+thread). The CPU patches, applied by each job (``init_megatron``), retarget functions in place
+(their ``__code__``) or module attributes looked up at call time, so it does not matter that the
+modules were imported before them, as in ``scripts/pretrain_gpt.py``, whose ``megatron.training``
+imports come before the patches too.
 
 ``fn`` must be importable by name (a module-level function in a test module or a harness), and
 the results must pickle. Megatron's parallel state is the job's to build and tear down
@@ -49,6 +56,16 @@ __all__ = ["ChildError", "WorldsOnDemand", "run_world", "shutdown_pools"]
 # group, so a count this high means groups that outlived their job, and every later collective
 # on the machine slows down (measured: a MoE world once reached about 1,150 threads per rank).
 MAX_THREADS = 400
+PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state", "megatron.core.models.gpt",
+           "megatron.core.distributed", "megatron.core.optimizer", "megatron.training",
+           "megatron.training.training", "megatron_muon.megatron.optimizer"]
+"""What the fork server imports before it forks any rank."""
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, i.e. at the first rank
+    return ctx
 
 
 class ChildError(RuntimeError):
@@ -148,7 +165,7 @@ class _Pool:
     """``size`` pooled ranks and their queues."""
 
     def __init__(self, size: int):
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.size = size
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(size)]
@@ -223,7 +240,7 @@ def _job(job_id: int, init_file: str, fn, args) -> tuple:
 
 
 def _run_fresh(world_size: int, fn, args, timeout: float) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     jobs = [ctx.Queue() for _ in range(world_size)]
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="mm-rdzv-") as tmp:

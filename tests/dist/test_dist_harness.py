@@ -53,6 +53,15 @@ def _read_and_set_env(rank: int, world: int) -> tuple:
     return seen
 
 
+def _megatron_imported(rank: int, world: int) -> bool:
+    return "megatron.core.parallel_state" in sys.modules
+
+
+def test_ranks_fork_from_the_preloaded_server():
+    assert run_world(2, _megatron_imported) == [True, True]
+    assert run_world(2, _megatron_imported, fresh=True) == [True, True]
+
+
 def test_job_sees_the_submitters_environment_and_leaves_none_behind(monkeypatch):
     monkeypatch.setenv("DIST_HARNESS_PROBE", "from the test")
     assert run_world(2, _read_and_set_env) == [("from the test", None)] * 2

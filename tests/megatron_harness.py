@@ -88,7 +88,29 @@ def destroy_megatron(release_groups: bool = True) -> None:
         for group in list(c10d._world.pg_map):
             if group is not c10d.GroupMember.WORLD:
                 dist.destroy_process_group(group)
+        _drop_dispatcher_graphs()
         gc.collect()  # a gloo group's threads end with its last reference (DDP, optimizer: in cycles)
+
+
+def _drop_dispatcher_graphs() -> None:
+    """Detach the autograd graph that megatron-core's MoE token dispatchers keep after a step.
+
+    ``MoEAllGatherTokenDispatcher.dispatch_postprocess`` (megatron/core/transformer/moe/
+    token_dispatcher.py:328) keeps ``self.local_probs``, the router probs with their ``grad_fn``,
+    after backward. That graph reaches the params' ``AccumulateGrad`` nodes, whose post hooks
+    (DDP's ``_make_backward_post_hook``) close over the DDP wrapper, which owns the MoE layer and
+    its dispatcher: a cycle ``gc`` cannot break, because it does not follow a tensor's C++
+    ``grad_fn`` edge. The DDP and its process groups (gloo threads) would outlive the run (57
+    threads per TP1 x EP2 run at world 4). The dispatchers are only reachable through that cycle
+    once the model is deleted, so they are found among ``gc``'s tracked objects.
+    """
+    from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+    for obj in gc.get_objects():
+        if isinstance(obj, MoETokenDispatcher):
+            for name, value in list(vars(obj).items()):
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    setattr(obj, name, None)
 
 
 def _unwrap(module):

@@ -77,7 +77,7 @@ def destroy_megatron(release_groups: bool = True) -> None:
     ``release_groups`` (default): also destroy every process group but the default one. Megatron's
     ``destroy_model_parallel`` only forgets its groups; c10d keeps them, with their gloo threads,
     until they are destroyed, so a world that re-initializes for run after run accumulates
-    threads (measured on a TP1 x DP4 rank: 60 more per run, 9 with this) and, at a few thousand,
+    threads (measured on a TP1 x DP4 rank: 60 more per run, none with this) and, at a few thousand,
     slows every later run and the machine.
     """
     from megatron.core import parallel_state as ps
@@ -88,7 +88,54 @@ def destroy_megatron(release_groups: bool = True) -> None:
         for group in list(c10d._world.pg_map):
             if group is not c10d.GroupMember.WORLD:
                 dist.destroy_process_group(group)
+        _drop_dispatcher_graphs()
+        _forget_cached_groups()
         gc.collect()  # a gloo group's threads end with its last reference (DDP, optimizer: in cycles)
+
+
+def _drop_dispatcher_graphs() -> None:
+    """Detach the autograd graph that megatron-core's MoE token dispatchers keep after a step.
+
+    ``MoEAllGatherTokenDispatcher.dispatch_postprocess`` (megatron/core/transformer/moe/
+    token_dispatcher.py:328) keeps ``self.local_probs``, the router probs with their ``grad_fn``,
+    after backward. That graph reaches the params' ``AccumulateGrad`` nodes, whose post hooks
+    (DDP's ``_make_backward_post_hook``) close over the DDP wrapper, which owns the MoE layer and
+    its dispatcher: a cycle ``gc`` cannot break, because it does not follow a tensor's C++
+    ``grad_fn`` edge. The DDP and its process groups (gloo threads) would outlive the run (57
+    threads per TP1 x EP2 run at world 4). The dispatchers are only reachable through that cycle
+    once the model is deleted, so they are found among ``gc``'s tracked objects.
+    """
+    from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+
+    for obj in gc.get_objects():
+        if isinstance(obj, MoETokenDispatcher):
+            for name, value in list(vars(obj).items()):
+                if isinstance(value, torch.Tensor) and value.grad_fn is not None:
+                    setattr(obj, name, None)
+
+
+def _forget_cached_groups() -> None:
+    """Drop the references to destroyed groups that outlive ``destroy_model_parallel``.
+
+    Each pins a gloo group (and its threads) past the run that made it: parallel_state's
+    ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP(_GLOO)``, which ``destroy_model_parallel`` does
+    not reset; the ``lru_cache`` on ``RotaryEmbedding.forward`` (megatron/core/models/common/
+    embeddings/rotary_pos_embedding.py:177), whose keys hold the module and so its ``cp_group``;
+    and megatron_muon's plan caches ``owner_mode.owner_groups`` and ``orthogonalize._plan``, keyed
+    on the group they exchange over (a training process keeps its groups for its whole life, so
+    only a process that re-initializes, as these tests do, sees stale entries).
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from megatron_muon.parallel import orthogonalize, owner_mode
+
+    for name, value in list(vars(ps).items()):
+        if isinstance(value, dist.ProcessGroup):
+            setattr(ps, name, None)
+    RotaryEmbedding.forward.cache_clear()
+    owner_mode.owner_groups.cache_clear()
+    orthogonalize._plan.cache_clear()
 
 
 def _unwrap(module):

@@ -62,6 +62,9 @@ PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state", "megatr
 """What the fork server imports before it forks any rank."""
 
 
+HARNESS_MODULES = ("megatron_harness", "training_harness", "checkpoint_harness")
+
+
 def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)  # read when the server starts, i.e. at the first rank
@@ -83,8 +86,8 @@ def _thread_count() -> int:
 
 def _global_state() -> tuple:
     """What a job may change in this process that the worker cannot restore (Megatron's global args,
-    the functions hooks replace): compared before and after each job; a difference retires the pool
-    after the job's results are returned."""
+    the functions hooks replace, the harness modules' constants): compared before and after each
+    job; a difference retires the pool after the job's results are returned."""
     training = sys.modules.get("megatron.training.training")
     arguments = sys.modules.get("megatron.training.arguments")
     global_vars = sys.modules.get("megatron.training.global_vars")
@@ -98,7 +101,11 @@ def _global_state() -> tuple:
         if module is not None for name in names
     )
     args = getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars is not None else None
-    return functions, id(args) if args is not None else None
+    # The harness modules' constants (the tiny GPT's sizes, the tolerances): a job that sets one
+    # for its own runs would hand its model to the next job.
+    constants = tuple((module, name, repr(value)) for module in HARNESS_MODULES if module in sys.modules
+                      for name, value in sorted(vars(sys.modules[module]).items()) if name.isupper())
+    return functions, id(args) if args is not None else None, constants
 
 
 def _run_job(rank, world_size, init_file, fn, args):
@@ -107,8 +114,14 @@ def _run_job(rank, world_size, init_file, fn, args):
 
     try:
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        # Gloo's connectFullMesh can return on one rank while its peer still reads the handshake;
+        # a rank that then tore its group down (a job without collectives) failed the peer's
+        # init with "Connection closed by peer" (seen in about 1 of 8 short jobs). The barriers
+        # hold every rank until all are connected, and again until all are done.
+        dist.barrier()
         try:
             out = fn(rank, world_size, *args)
+            dist.barrier()
         finally:
             dist.destroy_process_group()
         # Tensors are serialized to plain bytes: torch's queue would share their storage

@@ -94,6 +94,21 @@ def test_excepthook_is_put_back_and_the_pool_kept():
     assert run_world(2, _pid) == ranks
 
 
+def _set_harness_constant(rank: int, world: int) -> int:
+    import megatron_harness
+
+    megatron_harness.GROUPS = 4  # as a test of MHA might, for its own runs
+    return os.getpid()
+
+
+def test_job_that_changes_a_harness_constant_retires_the_pool():
+    import megatron_harness
+
+    ranks = run_world(2, _set_harness_constant)
+    assert set(run_world(2, _pid)).isdisjoint(ranks)
+    assert megatron_harness.GROUPS == 2  # this process's copy was never the job's
+
+
 def test_job_that_sets_megatron_args_retires_the_pool():
     ranks = run_world(2, _set_megatron_args)  # its results still come back
     assert set(run_world(2, _pid)).isdisjoint(ranks)

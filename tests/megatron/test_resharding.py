@@ -24,8 +24,9 @@ TP4: the harness model has 2 query groups. At TP4 Megatron would run its num_que
 mode (a KV head computed on several TP ranks), which ``build_tiny_gpt`` refuses (``GROUPS % tp``)
 and megatron-muon's TP modes, written for disjoint TP shards of one matrix, are not tested with.
 The TP4 scenario therefore runs the same model with 4 query groups (MHA:
-``megatron_harness.GROUPS`` set to 4 in this test's ranks only; ``_build`` checks the model got
-them), saved at TP2 x DP2.
+``megatron_harness.GROUPS`` set to 4 during this test's job only, and put back after it: the
+ranks are pooled, and the next job's model must have 2; ``_build`` checks the model got them),
+saved at TP2 x DP2.
 
 Through Megatron's own training loop (``scripts/pretrain_gpt.py``, 2 ranks), the default format's
 refusal of a TP change and the fix it names: ``tests/e2e/test_resharding_training_loop.py``.
@@ -173,13 +174,21 @@ def _snapshot(model, optimizer, pp: int, rank: int) -> dict:
 
 def _world(rank: int, world: int, root: str) -> dict:
     """Every saving run, then every load; a load that raises is reported to its own test."""
+    groups = megatron_harness.GROUPS
+    try:
+        return _saves_and_loads(rank, root)
+    finally:
+        megatron_harness.GROUPS = groups  # a pooled rank runs other tests' jobs next
+
+
+def _saves_and_loads(rank: int, root: str) -> dict:
     import traceback
 
     from megatron.core import parallel_state as ps
 
     out = {}
     for name, run in SAVES.items():
-        megatron_harness.GROUPS = run["groups"]  # this rank's copy of the harness: see the module docstring
+        megatron_harness.GROUPS = run["groups"]  # see the module docstring
         init_megatron(run["tp"], run["pp"])
         model, optimizer, scheduler = _build(run["tp"], run["pp"], SEED)
         snaps, kinds = {}, {}

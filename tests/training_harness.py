@@ -274,7 +274,7 @@ class Trace:
     local: dict = field(default_factory=dict)
     """this rank's params, ``chunk<c>.<name>`` (the local rows of a DTensor)."""
     buckets: int = 0
-    """DDP buckets over every chunk's buffers."""
+    """DDP buckets over every chunk's buffers (0 under an FSDP wrap)."""
     layouts: tuple = ()
     """the dense optimizer's Muon matrix layouts, in its order."""
     expert_layouts: tuple = ()
@@ -407,9 +407,17 @@ def steps(run: Run, model, optimizer, scheduler, first: int = 0, count: int | No
 
 
 def local_params(model) -> dict:
-    """This rank's params by ``chunk<c>.<name>``, detached copies (a DTensor's local rows)."""
-    return {f"chunk{c}.{n}": getattr(p, "_local_tensor", p).detach().clone()
-            for c, chunk in enumerate(model) for n, p in chunk.named_parameters()}
+    """This rank's params by ``chunk<c>.<name>``, detached copies (a DTensor's local rows). Under
+    Megatron-FSDP its DTensor main weights: the module's own params are unsharded copies whose
+    storage it releases between forwards (reading one then faults)."""
+    out = {}
+    for c, chunk in enumerate(model):
+        if getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False):
+            named = chunk.param_and_grad_buffer.optimizer_named_parameters
+        else:
+            named = chunk.named_parameters()
+        out.update({f"chunk{c}.{n}": getattr(p, "_local_tensor", p).detach().clone() for n, p in named})
+    return out
 
 
 def trace(run: Run, model, optimizer, done: list[Step]) -> Trace:
@@ -432,7 +440,7 @@ def trace(run: Run, model, optimizer, done: list[Step]) -> Trace:
     rank = dist.get_rank()
     return Trace(
         run=run, full=full if rank == 0 else None, steps=tuple(done), local=local_params(model),
-        buckets=sum(len(buffer.buckets) for chunk in model for buffer in getattr(chunk, "buffers", ())),
+        buckets=sum(len(buffer.buckets) for chunk in model for buffer in chunk.buffers) if run.wrap == "ddp" else 0,
         layouts=tuple(m.layout for m in chain[0].optimizer.matrices()),
         expert_layouts=tuple(m.layout for m in chain[1].optimizer.matrices()) if len(chain) > 1 else (),
         chained=len(chain), loss=loss, qk_log=qk_log,

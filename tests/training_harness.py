@@ -210,6 +210,8 @@ class Run:
     what it returns is that ``Step.probe``."""
     expect_cut: bool = False
     """for the test: some Muon matrix is expected to be cut across DP ranks."""
+    resume: bool = False
+    """for the test: the run is also saved, rebuilt, loaded and resumed."""
 
     def __post_init__(self):
         object.__setattr__(self, "muon", _settings(self.muon, MUON_KEYS, "muon"))
@@ -625,105 +627,3 @@ def build_moe(run: dict, seed: int = 1234):
     and scheduler: ``build`` of that ``Run``."""
     return build(Run(tp=run["tp"], dist_opt=run["dist_opt"], moe=run["moe"], tp_mode=run.get("tp_mode", "owner"),
                      clip=run.get("clip", 0.0), layers=run.get("layers", 2), seed=seed))
-
-
-# ----------------------------------------------------------------------------- until every module is ported
-
-
-def train_runs(rank: int, world: int, runs: list[dict]) -> list[dict]:
-    """Train each run in this world (re-initializing Megatron's parallel state per run).
-
-    A run: ``tp``, ``pp`` (1), ``vpp`` (None: no virtual stages), ``layers`` (``LAYERS``),
-    ``microbatches`` (1), ``clip`` (0.0: Megatron's ``clip_grad``), ``dist_opt``, ``tp_mode``,
-    ``bf16``, ``layout``, ``muon`` (MuonConfig overrides), ``overlap`` (``--overlap-grad-reduce``
-    and ``--overlap-param-gather``) and ``bucket_size`` (DDP's, in elements). Returns, per run, the full weights
-    (rank 0), this rank's params, the bytes sent and the grad norm ``step`` returned, per step.
-    """
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-
-    from megatron_muon import comm_stats
-    from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
-
-    out = []
-    for run in runs:
-        tp, pp, vpp = run["tp"], run.get("pp", 1), run.get("vpp")
-        init_megatron(tp, pp, vpp=vpp)
-        muon_config = MuonConfig(tp_mode=run["tp_mode"], **dict(MUON, **run.get("muon", {})))
-        model = build_tiny_gpt(tp, pp, use_distributed_optimizer=run["dist_opt"], bf16=run.get("bf16", False),
-                               dp_layout=run.get("layout", "megatron"), muon_config=muon_config,
-                               num_layers=run.get("layers", LAYERS), vpp=vpp, overlap=run.get("overlap", False),
-                               bucket_size=run.get("bucket_size"))
-        optimizer = get_megatron_muon_optimizer(
-            _optimizer_config(run["dist_opt"], bf16=run.get("bf16", False), clip_grad=run.get("clip", 0.0)),
-            model, muon_config,
-        )
-        scheduler = _scheduler(optimizer)
-        inner = optimizer.chained_optimizers[0].optimizer
-        layouts = [m.layout for m in inner.matrices()]
-        batch = make_batch(7)
-        stats_per_step, grad_norms = [], []
-        for _ in range(K):
-            microbatches = run.get("microbatches", 1)
-            forward_backward(model, batch, pp=pp, num_microbatches=microbatches, optimizer=optimizer,
-                             use_schedule=pp > 1 or microbatches > 1)
-            with comm_stats() as stats:
-                ok, grad_norm, _ = optimizer.step()
-            assert ok
-            scheduler.step(1)
-            stats_per_step.append(dict(stats.bytes_by_primitive))
-            grad_norms.append(grad_norm)
-        if run.get("overlap") and run["dist_opt"]:
-            for chunk in model:  # the last step's param all-gather, which the next forward would start
-                chunk.disable_forward_pre_hook(param_sync=True)
-        full = gather_full_params(model, ps.get_tensor_model_parallel_group(), pp)
-        local = {f"chunk{c}.{n}": p.detach().clone() for c, chunk in enumerate(model)
-                 for n, p in chunk.named_parameters()}
-        buckets = sum(len(buffer.buckets) for chunk in model for buffer in chunk.buffers)
-        out.append(dict(run=run, full=full if rank == 0 else None, local=local, stats=stats_per_step, buckets=buckets,
-                        grad_norms=grad_norms, layouts=layouts, dp_size=ps.get_data_parallel_world_size(),
-                        tp_rank=ps.get_tensor_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
-                        pp_rank=ps.get_pipeline_model_parallel_rank(), world=dist.get_world_size()))
-        destroy_megatron()
-    return out
-
-
-def train_reference(rank: int, world: int, configs: list[dict]) -> list[tuple]:
-    """TP=1, one process: megatron_muon.Muon on the matrices, torch AdamW on the rest.
-
-    One reference per config: ``batch`` (2: the sequences of ``make_batch(7)``, the global batch),
-    ``clip`` (0.0: none; else as ``clip_like_megatron``), ``layers``
-    (``LAYERS``), ``microbatches`` (1: one direct call; more: Megatron's no-pipelining schedule
-    over that many slices, accumulating the grads in the order a pipeline does). Returns, per
-    config, (full weights after K steps, initial weights, the grad norm before clipping per step).
-    """
-    from megatron.core import parallel_state as ps
-
-    from megatron_muon import Muon
-
-    out = []
-    for config in configs:
-        init_megatron(1, 1)
-        model = build_tiny_gpt(1, 1, num_layers=config.get("layers", LAYERS))
-        initial = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
-        muon_groups, decay, no_decay = reference_param_groups(model[0])
-        muon = Muon(muon_groups, lr=LR, weight_decay=WD, momentum=MUON["momentum"], nesterov=MUON["nesterov"],
-                    ns_dtype=torch.float32, coefficients=MUON["coefficient_type"], scale_mode=MUON["scale_mode"],
-                    extra_scale_factor=MUON["extra_scale_factor"])
-        adamw = torch.optim.AdamW([dict(params=decay, weight_decay=WD), dict(params=no_decay, weight_decay=0.0)],
-                                  lr=LR, betas=BETAS, eps=EPS)
-        batch = make_batch(7, micro_batch_size=config.get("batch", 2))
-        microbatches = config.get("microbatches", 1)
-        grad_norms = []
-        for _ in range(K):
-            forward_backward(model, batch, pp=1, num_microbatches=microbatches, use_schedule=microbatches > 1)
-            for p in model[0].parameters():
-                p.grad = p.main_grad
-            grad_norms.append(clip_like_megatron(model[0].parameters(), config.get("clip", 0.0)))
-            muon.step()
-            adamw.step()
-        full = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
-        destroy_megatron()
-        out.append((full, initial, grad_norms))
-    return out

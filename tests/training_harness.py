@@ -1,26 +1,51 @@
 """The Megatron training loop of the optimizer tests, and its one-process reference.
 
-``train_runs(rank, world, runs)`` trains each run (a dict: ``tp``, ``pp``, ``dist_opt``,
-``tp_mode``, ``bf16``, ``layout``, ``clip``, ...; see its docstring) in a ``dist_harness`` world
-with ``get_megatron_muon_optimizer`` and returns the gathered full weights;
-``train_reference(rank, world, configs)`` trains the same model at TP1 on one process with
-``megatron_muon.Muon`` and ``torch.optim.AdamW``. The hyper-parameters (``LR``, ``WD``,
-``MUON``, ...) and the tolerances the tests compare with live here, each with its reason.
+A test module declares its runs as ``Run`` values (typed and frozen, every field with its
+default, so a misspelt setting is a TypeError when the module is imported) and asserts on the
+``Trace`` each run leaves:
+
+* ``train_all(rank, world, runs)``, for ``dist_harness.run_world``: ``train(run)`` for each run in
+  that world: ``start`` (Megatron's parallel state), ``build`` (the tiny GPT of
+  ``megatron_harness`` wrapped as ``Run.wrap`` says, ``get_megatron_muon_optimizer``, Megatron's
+  LR scheduler), ``steps`` (the one loop: forward/backward, ``optimizer.step``, the scheduler),
+  ``trace`` (the gathered full weights, this rank's params, per-step grad norms and bytes, the
+  layouts, the parallel ranks). A run that differs (an FSDP wrap, QK-clip, experts, a NaN grad)
+  says so in its fields; ``Run.probe`` is the one hook, called after every step.
+* ``references(runs)``, in the pytest process: each run's one-process TP1 reference
+  (``reference``: the same model with ``megatron_muon.Muon`` on the matrices and
+  ``torch.optim.AdamW`` on the rest), computed once per session for each distinct
+  ``Run.reference_run``, whichever module asks first.
+
+A flow that is not a plain K-step run (save, rebuild, load, resume) calls ``start`` / ``build`` /
+``steps`` itself. The hyper-parameters (``LR``, ``WD``, ``MUON``, ...) and the tolerances the tests
+compare with live here, each with its reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
 import torch
 from megatron_harness import (
+    GROUPS,
+    HEADS,
+    HIDDEN,
     LAYERS,
+    MLA,
     build_tiny_gpt,
     destroy_megatron,
+    dp_slice,
     forward_backward,
     gather_full_params,
     init_megatron,
+    is_expert,
     make_batch,
     reference_param_groups,
 )
+
+from megatron_muon.config import MuonConfig
 
 K = 3
 LR, WD, BETAS, EPS = 0.02, 0.1, (0.9, 0.95), 1e-8
@@ -72,12 +97,14 @@ MOE = dict(experts=4, topk=2)
 """The MoE runs' experts: 4 experts, top-2 routing (``build_tiny_gpt(moe=...)``)."""
 
 
-def _optimizer_config(dist_opt: bool, bf16: bool = False, clip_grad: float = 0.0):
+
+
+def _optimizer_config(dist_opt: bool, bf16: bool = False, clip_grad: float = 0.0, loss_scale: float | None = None):
     from megatron.core.optimizer import OptimizerConfig
 
     return OptimizerConfig(optimizer="adam", lr=LR, min_lr=LR, weight_decay=WD, adam_beta1=BETAS[0],
                            adam_beta2=BETAS[1], adam_eps=EPS, bf16=bf16, clip_grad=clip_grad,
-                           use_distributed_optimizer=dist_opt)
+                           use_distributed_optimizer=dist_opt, loss_scale=loss_scale)
 
 
 def _scheduler(optimizer):
@@ -89,63 +116,364 @@ def _scheduler(optimizer):
                                    wd_incr_steps=100, wd_incr_style="constant")
 
 
-def train_runs(rank: int, world: int, runs: list[dict]) -> list[dict]:
-    """Train each run in this world (re-initializing Megatron's parallel state per run).
+# ----------------------------------------------------------------------------- a run
 
-    A run: ``tp``, ``pp`` (1), ``vpp`` (None: no virtual stages), ``layers`` (``LAYERS``),
-    ``microbatches`` (1), ``clip`` (0.0: Megatron's ``clip_grad``), ``dist_opt``, ``tp_mode``,
-    ``bf16``, ``layout``, ``muon`` (MuonConfig overrides), ``overlap`` (``--overlap-grad-reduce``
-    and ``--overlap-param-gather``) and ``bucket_size`` (DDP's, in elements). Returns, per run, the full weights
-    (rank 0), this rank's params, the bytes sent and the grad norm ``step`` returned, per step.
-    """
+WRAPS = ("ddp", "megatron_fsdp", "fsdp2")
+SHARDINGS = ("optim_grads_params", "optim_grads", "optim", "no_shard")
+LAYOUTS = ("megatron", "balanced")
+MOE_KEYS = ("experts", "topk", "ffn", "shared", "dispatcher")  # build_tiny_gpt's moe
+MUON_KEYS = tuple(f.name for f in dataclasses.fields(MuonConfig) if f.name != "tp_mode")
+
+Settings = tuple[tuple[str, object], ...]
+"""A mapping kept as sorted (key, value) pairs: hashable, so a ``Run`` is."""
+
+
+def _settings(value, allowed: tuple[str, ...], what: str) -> Settings | None:
+    if value is None:
+        return None
+    pairs = tuple(sorted(dict(value).items()))
+    unknown = [k for k, _ in pairs if k not in allowed]
+    if unknown:
+        raise TypeError(f"Run.{what}: unknown key(s) {unknown}; expected some of {allowed}")
+    return pairs
+
+
+@dataclass(frozen=True, repr=False)
+class Run:
+    """One training run's settings. ``muon``, ``moe`` and ``mla`` take a dict (their keys checked
+    here) and keep it as ``Settings``; a Run is hashable (the reference cache's key)."""
+
+    tp: int = 1
+    """tensor-parallel size; the rest of the world is data parallelism."""
+    pp: int = 1
+    """pipeline-parallel size."""
+    vpp: int | None = None
+    """virtual pipeline stages per PP rank (None: none): ``vpp`` model chunks, the interleaved schedule."""
+    ep: int = 1
+    """expert-parallel size (MoE)."""
+    etp: int | None = None
+    """expert-TP size (None: Megatron's default, the TP size)."""
+    layers: int = LAYERS
+    """transformer layers."""
+    seed: int = 1234
+    """the initial weights' seed (``init_megatron`` and ``build_tiny_gpt``)."""
+    steps: int = K
+    """training steps."""
+    batch: int = 2
+    """sequences of ``make_batch`` per step: every DP rank's batch, or the global one (``split_batch``)."""
+    split_batch: bool = False
+    """each DP rank trains on its own ``dp_slice`` of the batch (False: every rank on all of it)."""
+    data_seed: int = 7
+    """``make_batch``'s seed."""
+    fresh_batches: bool = False
+    """step s draws ``make_batch(data_seed + s)`` (False: one batch for every step)."""
+    microbatches: int = 1
+    """micro-batches per step."""
+    schedule: bool | None = None
+    """Megatron's ``get_forward_backward_func`` schedule (None: when ``pp > 1`` or ``microbatches > 1``;
+    otherwise one direct forward and backward)."""
+    clip: float = 0.0
+    """Megatron's ``clip_grad`` (0.0: none)."""
+    dist_opt: bool = False
+    """``--use-distributed-optimizer`` (ZeRO-1; implied by Megatron-FSDP)."""
+    tp_mode: str = "owner"
+    """``MuonConfig.tp_mode``."""
+    bf16: bool = False
+    """bf16 params in ``Float16Module``, fp32 main params."""
+    loss_scale: float | None = None
+    """Megatron's constant ``loss_scale`` (None: none); a scale makes Megatron check grads for inf/NaN."""
+    layout: str = "megatron"
+    """``--muon-dp-layout`` with the distributed optimizer: ``megatron`` or ``balanced``."""
+    layout_bucket_size: int | None = None
+    """the distributed optimizer's layout in buckets of about this many elements (``build_tiny_gpt``)."""
+    muon: Settings = ()
+    """``MuonConfig`` settings over ``MUON``."""
+    overlap: bool = False
+    """``--overlap-grad-reduce`` and, with the distributed optimizer, ``--overlap-param-gather``."""
+    bucket_size: int | None = None
+    """DDP's bucket size in elements (honoured with ``overlap``)."""
+    wrap: str = "ddp"
+    """the data-parallel wrapper: ``ddp`` (Megatron's DDP), ``megatron_fsdp`` or ``fsdp2`` (torch's)."""
+    sharding: str | None = None
+    """Megatron-FSDP's ``--data-parallel-sharding-strategy`` (with ``wrap="megatron_fsdp"`` only)."""
+    moe: Settings | None = None
+    """a mixture of experts in every layer (``build_tiny_gpt``'s ``moe``)."""
+    mla: Settings | None = None
+    """multi-latent attention in every layer (``build_tiny_gpt``'s ``mla``)."""
+    qk_clip: tuple[float, float] | None = None
+    """(τ, α): ``--qk-clip`` with ``--qk-clip-threshold`` τ and ``--qk-clip-alpha`` α."""
+    nan_step: int | None = None
+    """at this step rank 1 sets one entry of its first param's main grad to NaN; the loop then
+    asserts no step's success (the test does)."""
+    probe: Callable | None = None
+    """``probe(model, optimizer)`` after every step (a module-level function: it travels by name);
+    what it returns is that ``Step.probe``."""
+    expect_cut: bool = False
+    """for the test: some Muon matrix is expected to be cut across DP ranks."""
+    resume: bool = False
+    """for the test: the run is also saved, rebuilt, loaded and resumed."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "muon", _settings(self.muon, MUON_KEYS, "muon"))
+        object.__setattr__(self, "moe", _settings(self.moe, MOE_KEYS, "moe"))
+        object.__setattr__(self, "mla", _settings(self.mla, tuple(MLA), "mla"))
+        if self.wrap not in WRAPS:
+            raise TypeError(f"Run.wrap: expected one of {WRAPS}, got {self.wrap!r}")
+        if (self.wrap == "megatron_fsdp") != (self.sharding is not None) or self.sharding not in (None, *SHARDINGS):
+            raise TypeError(f"Run.sharding: one of {SHARDINGS} with wrap='megatron_fsdp' only, got {self.sharding!r}")
+        if self.wrap == "megatron_fsdp" and not self.dist_opt:
+            raise TypeError("Run: Megatron-FSDP implies dist_opt=True")
+        if self.layout not in LAYOUTS:
+            raise TypeError(f"Run.layout: expected one of {LAYOUTS}, got {self.layout!r}")
+
+    def __repr__(self) -> str:  # the settings that differ from the defaults
+        changed = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                   if getattr(self, f.name) != f.default]
+        return f"Run({', '.join(changed)})"
+
+    @property
+    def reference_run(self) -> Run:
+        """What the one-process reference depends on: the model, the data, the clip and the steps."""
+        return Run(**{name: getattr(self, name) for name in REFERENCE_FIELDS})
+
+
+REFERENCE_FIELDS = ("layers", "seed", "steps", "batch", "data_seed", "fresh_batches", "microbatches", "clip", "moe",
+                    "mla", "qk_clip")
+"""The fields ``reference`` reads; the others describe how a distributed run gets there."""
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a run."""
+
+    ok: bool = True
+    """the step was taken (Megatron's found-inf check)."""
+    grad_norm: float | None = None
+    """the grad norm ``step`` returned (the reference: before clipping, as ``clip_like_megatron``)."""
+    sent: int = 0
+    """bytes this rank's Muon step sent."""
+    by_primitive: dict = field(default_factory=dict)
+    """those bytes by collective."""
+    logits: torch.Tensor | None = None
+    """QK-clip: the max logit per head (a run: this TP rank's heads after the MAX over DP;
+    the reference: ``[layers, heads]``)."""
+    heads_over: int | None = None
+    """QK-clip: heads over τ (this TP rank's)."""
+    probe: object = None
+    """what ``Run.probe`` returned."""
+
+
+@dataclass(frozen=True)
+class Trace:
+    """What a run leaves on one rank (a reference: on its one process)."""
+
+    run: Run
+    full: dict | None
+    """{global name: full fp32 weight} after the last step (rank 0 and the reference; None elsewhere)."""
+    steps: tuple[Step, ...] = ()
+    initial: dict | None = None
+    """the reference: the full weights before the first step."""
+    local: dict = field(default_factory=dict)
+    """this rank's params, ``chunk<c>.<name>`` (the local rows of a DTensor)."""
+    buckets: int = 0
+    """DDP buckets over every chunk's buffers (0 under an FSDP wrap)."""
+    layouts: tuple = ()
+    """the dense optimizer's Muon matrix layouts, in its order."""
+    expert_layouts: tuple = ()
+    """the expert optimizer's (MoE)."""
+    chained: int = 0
+    """optimizers in the chain (2 with expert-parallel params)."""
+    loss: float | None = None
+    """FSDP wraps: this rank's loss on a batch every rank shares, after the last step."""
+    qk_log: tuple | None = None
+    """QK-clip: ``log_values()`` (max logit, heads over τ, heads) after the last step."""
+    qk_weights: tuple[int, ...] = ()
+    """QK-clip: per attention, the weights it clips."""
+    world: int = 1
+    dp_size: int = 1
+    expert_dp: int = 1
+    tp_rank: int = 0
+    dp_rank: int = 0
+    pp_rank: int = 0
+    ep_rank: int = 0
+    etp_rank: int = 0
+
+    @property
+    def grad_norms(self) -> list:
+        return [s.grad_norm for s in self.steps]
+
+    @property
+    def oks(self) -> list[bool]:
+        return [s.ok for s in self.steps]
+
+    @property
+    def sent(self) -> list[int]:
+        return [s.sent for s in self.steps]
+
+    @property
+    def by_primitive(self) -> list[dict]:
+        return [s.by_primitive for s in self.steps]
+
+    @property
+    def logits(self) -> list:
+        return [s.logits for s in self.steps]
+
+    @property
+    def heads_over(self) -> list:
+        return [s.heads_over for s in self.steps]
+
+    @property
+    def probes(self) -> list:
+        return [s.probe for s in self.steps]
+
+    @property
+    def cut(self) -> int:
+        """Muon matrices cut across DP ranks (their pieces travel to one owner every step)."""
+        return sum(1 for lay in self.layouts if lay.dp_ranges is not None and len(lay.holders(self.dp_size)) > 1)
+
+
+# ----------------------------------------------------------------------------- the loop
+
+
+def start(run: Run):
+    """Megatron's parallel state for ``run`` (in an initialized default group)."""
+    return init_megatron(run.tp, run.pp, seed=run.seed, vpp=run.vpp, ep=run.ep, etp=run.etp)
+
+
+def _dict(settings: Settings | None) -> dict | None:
+    return None if settings is None else dict(settings)
+
+
+def build(run: Run):
+    """After ``start(run)``: (model chunks, ``get_megatron_muon_optimizer``, scheduler)."""
+    from megatron.core.utils import get_model_config
+
+    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
+
+    muon_config = MuonConfig(tp_mode=run.tp_mode, **dict(MUON, **dict(run.muon)))
+    model = build_tiny_gpt(run.tp, run.pp, bf16=run.bf16, use_distributed_optimizer=run.dist_opt,
+                           bucket_size=run.bucket_size, seed=run.seed, num_layers=run.layers, dp_layout=run.layout,
+                           muon_config=muon_config, vpp=run.vpp, overlap=run.overlap,
+                           layout_bucket_size=run.layout_bucket_size, moe=_dict(run.moe), fsdp=run.sharding,
+                           mla=_dict(run.mla), fsdp2=run.wrap == "fsdp2")
+    if run.overlap:  # megatron.training hands the schedule no_sync only with --overlap-grad-reduce
+        no_sync = [chunk.no_sync for chunk in model]
+        get_model_config(model[0]).no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if run.qk_clip is not None:
+        config = model[0].config
+        config.qk_clip, (config.qk_clip_threshold, config.qk_clip_alpha) = True, run.qk_clip
+    optimizer = get_megatron_muon_optimizer(
+        _optimizer_config(run.dist_opt, bf16=run.bf16, clip_grad=run.clip, loss_scale=run.loss_scale),
+        model, muon_config)
+    return model, optimizer, _scheduler(optimizer)
+
+
+def _batch(run: Run, step: int) -> dict:
+    """Step ``step``'s whole batch (``run.batch`` sequences)."""
+    return make_batch(run.data_seed + step if run.fresh_batches else run.data_seed, micro_batch_size=run.batch)
+
+
+def steps(run: Run, model, optimizer, scheduler, first: int = 0, count: int | None = None) -> list[Step]:
+    """The training loop: steps ``first`` .. ``first + count - 1`` (``count``: ``run.steps``), each as
+    ``train_step`` runs it: forward/backward, ``optimizer.step()`` (its bytes counted), then the
+    scheduler if the step was taken."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_muon import comm_stats
-    from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
 
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    schedule = run.schedule if run.schedule is not None else run.pp > 1 or run.microbatches > 1
+    clip = optimizer.chained_optimizers[0].qk_clip
     out = []
-    for run in runs:
-        tp, pp, vpp = run["tp"], run.get("pp", 1), run.get("vpp")
-        init_megatron(tp, pp, vpp=vpp)
-        muon_config = MuonConfig(tp_mode=run["tp_mode"], **dict(MUON, **run.get("muon", {})))
-        model = build_tiny_gpt(tp, pp, use_distributed_optimizer=run["dist_opt"], bf16=run.get("bf16", False),
-                               dp_layout=run.get("layout", "megatron"), muon_config=muon_config,
-                               num_layers=run.get("layers", LAYERS), vpp=vpp, overlap=run.get("overlap", False),
-                               bucket_size=run.get("bucket_size"))
-        optimizer = get_megatron_muon_optimizer(
-            _optimizer_config(run["dist_opt"], bf16=run.get("bf16", False), clip_grad=run.get("clip", 0.0)),
-            model, muon_config,
-        )
-        scheduler = _scheduler(optimizer)
-        inner = optimizer.chained_optimizers[0].optimizer
-        layouts = [m.layout for m in inner.matrices()]
-        batch = make_batch(7)
-        stats_per_step, grad_norms = [], []
-        for _ in range(K):
-            microbatches = run.get("microbatches", 1)
-            forward_backward(model, batch, pp=pp, num_microbatches=microbatches, optimizer=optimizer,
-                             use_schedule=pp > 1 or microbatches > 1)
-            with comm_stats() as stats:
-                ok, grad_norm, _ = optimizer.step()
-            assert ok
+    for step in range(first, first + (run.steps if count is None else count)):
+        batch = _batch(run, step)
+        if run.split_batch:
+            batch = dp_slice(batch, dp_rank, dp)
+        forward_backward(model, batch, pp=run.pp, num_microbatches=run.microbatches, optimizer=optimizer,
+                         use_schedule=schedule)
+        if step == run.nan_step and dist.get_rank() == 1:
+            next(model[0].parameters()).main_grad.view(-1)[0] = float("nan")
+        with comm_stats() as stats:
+            ok, grad_norm, _ = optimizer.step()
+        assert ok or run.nan_step is not None, f"{run}: step {step} was skipped"
+        if ok:
             scheduler.step(1)
-            stats_per_step.append(dict(stats.bytes_by_primitive))
-            grad_norms.append(grad_norm)
-        if run.get("overlap") and run["dist_opt"]:
-            for chunk in model:  # the last step's param all-gather, which the next forward would start
-                chunk.disable_forward_pre_hook(param_sync=True)
-        full = gather_full_params(model, ps.get_tensor_model_parallel_group(), pp)
-        local = {f"chunk{c}.{n}": p.detach().clone() for c, chunk in enumerate(model)
-                 for n, p in chunk.named_parameters()}
-        buckets = sum(len(buffer.buckets) for chunk in model for buffer in chunk.buffers)
-        out.append(dict(run=run, full=full if rank == 0 else None, local=local, stats=stats_per_step, buckets=buckets,
-                        grad_norms=grad_norms, layouts=layouts, dp_size=ps.get_data_parallel_world_size(),
-                        tp_rank=ps.get_tensor_model_parallel_rank(), dp_rank=ps.get_data_parallel_rank(),
-                        pp_rank=ps.get_pipeline_model_parallel_rank(), world=dist.get_world_size()))
-        destroy_megatron()
+        tracked = clip is not None and clip.last_logits is not None
+        out.append(Step(ok=ok, grad_norm=None if grad_norm is None else float(grad_norm), sent=stats.bytes_sent,
+                        by_primitive=dict(stats.bytes_by_primitive),
+                        logits=clip.last_logits.clone() if tracked else None,
+                        heads_over=int(clip.last_heads_over) if tracked else None,
+                        probe=run.probe(model, optimizer) if run.probe is not None else None))
     return out
+
+
+def local_params(model) -> dict:
+    """This rank's params by ``chunk<c>.<name>``, detached copies (a DTensor's local rows). Under
+    Megatron-FSDP its DTensor main weights: the module's own params are unsharded copies whose
+    storage it releases between forwards (reading one then faults)."""
+    out = {}
+    for c, chunk in enumerate(model):
+        if getattr(getattr(chunk, "ddp_config", None), "use_megatron_fsdp", False):
+            named = chunk.param_and_grad_buffer.optimizer_named_parameters
+        else:
+            named = chunk.named_parameters()
+        out.update({f"chunk{c}.{n}": getattr(p, "_local_tensor", p).detach().clone() for n, p in named})
+    return out
+
+
+def trace(run: Run, model, optimizer, done: list[Step]) -> Trace:
+    """The ``Trace`` of a run trained by ``steps``."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    chain = optimizer.chained_optimizers
+    clip = chain[0].qk_clip
+    qk_log = clip.log_values() if clip is not None else None
+    if run.overlap and run.dist_opt and run.wrap == "ddp":
+        for chunk in model:  # the last step's param all-gather, which the next forward would start
+            chunk.disable_forward_pre_hook(param_sync=True)
+    full = gather_full_params(model, ps.get_tensor_model_parallel_group(), run.pp)
+    loss = None
+    if run.wrap != "ddp":  # the weights an FSDP wrap all-gathers for a forward, on every DP rank
+        with torch.no_grad():
+            shared = make_batch(11)
+            loss = float(model[0](shared["tokens"], shared["position_ids"], None, labels=shared["labels"]).mean())
+    rank = dist.get_rank()
+    return Trace(
+        run=run, full=full if rank == 0 else None, steps=tuple(done), local=local_params(model),
+        buckets=sum(len(buffer.buckets) for chunk in model for buffer in chunk.buffers) if run.wrap == "ddp" else 0,
+        layouts=tuple(m.layout for m in chain[0].optimizer.matrices()),
+        expert_layouts=tuple(m.layout for m in chain[1].optimizer.matrices()) if len(chain) > 1 else (),
+        chained=len(chain), loss=loss, qk_log=qk_log,
+        qk_weights=tuple(len(a.weights) for a in clip.attentions) if clip is not None else (),
+        world=dist.get_world_size(), dp_size=ps.get_data_parallel_world_size(),
+        expert_dp=ps.get_expert_data_parallel_world_size(), tp_rank=ps.get_tensor_model_parallel_rank(),
+        dp_rank=ps.get_data_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+        ep_rank=ps.get_expert_model_parallel_rank(), etp_rank=ps.get_expert_tensor_parallel_rank())
+
+
+def _train(run: Run) -> Trace:
+    model, optimizer, scheduler = build(run)
+    return trace(run, model, optimizer, steps(run, model, optimizer, scheduler))
+
+
+def train(run: Run) -> Trace:
+    """``run`` in this (initialized) world, from Megatron's parallel state to its teardown."""
+    start(run)
+    result = _train(run)  # the model and optimizer end with its frame, before destroy releases their groups
+    # FSDP2: the groups stay alive, as torch caches the DeviceMesh it builds from the DP group and a
+    # later run's mesh would name a destroyed group
+    destroy_megatron(release_groups=run.wrap != "fsdp2")
+    return result
+
+
+def train_all(rank: int, world: int, runs: list[Run]) -> list[Trace]:
+    """``train`` for each run, in this world (``run_world(world, train_all, runs)``)."""
+    return [train(run) for run in runs]
+
+
+# ----------------------------------------------------------------------------- the reference
 
 
 def clip_like_megatron(params, clip_grad: float) -> float:
@@ -164,56 +492,138 @@ def clip_like_megatron(params, clip_grad: float) -> float:
     return total_norm
 
 
-def train_reference(rank: int, world: int, configs: list[dict]) -> list[tuple]:
-    """TP=1, one process: megatron_muon.Muon on the matrices, torch AdamW on the rest.
+def upstream_qkv_clip(weight: torch.Tensor, head_max: torch.Tensor, groups: int, tau: float, alpha: float):
+    """megatron-core 0.19.2's ``SelfAttention._clip_linear_qkv`` rule, written out on a copy:
+    η per group from the group's largest head, q rows × η^α, k rows × η^(1−α)."""
+    head_dim = HIDDEN // HEADS
+    out = weight.clone()
+    per_group = out.view(groups, -1, out.shape[1])
+    q_rows = per_group.shape[1] - 2 * head_dim
+    m = head_max.view(groups, -1).max(dim=1).values
+    eta = torch.where(m > tau, tau / m, torch.ones_like(m))
+    per_group[:, :q_rows] *= eta.pow(alpha)[:, None, None]
+    per_group[:, q_rows:q_rows + head_dim] *= eta.pow(1 - alpha)[:, None, None]
+    return out
 
-    One reference per config: ``batch`` (2: the sequences of ``make_batch(7)``, the global batch),
-    ``clip`` (0.0: none; else as ``clip_like_megatron``), ``layers``
-    (``LAYERS``), ``microbatches`` (1: one direct call; more: Megatron's no-pipelining schedule
-    over that many slices, accumulating the grads in the order a pipeline does). Returns, per
-    config, (full weights after K steps, initial weights, the grad norm before clipping per step).
-    """
+
+def _track_logits(core, args) -> None:
+    """Forward pre-hook on a local core attention: the max logit per head from q and k themselves."""
+    query, key = args[0], args[1]  # [s, b, heads, d], [s, b, groups, d]
+    key = key.repeat_interleave(query.shape[2] // key.shape[2], dim=2)
+    scores = torch.einsum("sbhd,tbhd->bhst", query.float(), key.float()) * core.softmax_scale
+    s = scores.shape[-1]
+    causal = torch.ones(s, s, dtype=torch.bool).triu(diagonal=1)
+    head_max = scores.masked_fill(causal, float("-inf")).amax(dim=(0, 2, 3)).detach()
+    previous = getattr(core, "reference_max", None)
+    core.reference_max = head_max if previous is None else torch.maximum(previous, head_max)
+
+
+def mla_layers(chunk) -> list:
+    """The ``MLASelfAttention`` layers of a model chunk."""
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    return [m for m in chunk.modules() if isinstance(m, MLASelfAttention)]
+
+
+class _ReferenceClip:
+    """QK-clip in the reference, whole matrices, upstream's rule, on this process's own logits:
+    GQA (the local ``DotProductAttention`` keeps none): from q and k by a pre-hook, then
+    ``upstream_qkv_clip``; MLA: ``MLACoreAttention``'s, then upstream's ``MLASelfAttention.clip_qk``."""
+
+    def __init__(self, chunk, run: Run):
+        self.tau, self.alpha = run.qk_clip
+        self.mla = run.mla is not None
+        if self.mla:
+            config = chunk.config
+            config.qk_clip, config.qk_clip_threshold, config.qk_clip_alpha = True, self.tau, self.alpha
+            self.layers = mla_layers(chunk)
+        else:
+            self.layers = [m for m in chunk.modules() if getattr(m, "linear_qkv", None) is not None]
+            for layer in self.layers:
+                layer.core_attention.register_forward_pre_hook(_track_logits)
+
+    @torch.no_grad()
+    def after_step(self) -> torch.Tensor:
+        """Clip every layer by the max logits of the step's forwards and reset them: ``[layers, heads]``."""
+        step_logits = []
+        for layer in self.layers:
+            if self.mla:
+                step_logits.append(layer.core_attention.current_max_attn_logits)
+                layer.clip_qk()  # reads the tracked logits, resets them
+                layer.core_attention.current_max_attn_logits = None
+            else:
+                head_max, layer.core_attention.reference_max = layer.core_attention.reference_max, None
+                step_logits.append(head_max)
+                weight = layer.linear_qkv.weight
+                weight.copy_(upstream_qkv_clip(weight, head_max, GROUPS, self.tau, self.alpha))
+        return torch.stack(step_logits)
+
+
+def _reference(run: Run) -> Trace:
     from megatron.core import parallel_state as ps
 
     from megatron_muon import Muon
 
+    model = build_tiny_gpt(1, 1, seed=run.seed, num_layers=run.layers, moe=_dict(run.moe), mla=_dict(run.mla))
+    assert not any(is_expert(p) for p in model[0].parameters())  # one process: every expert is local
+    initial = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
+    qk_clip = _ReferenceClip(model[0], run) if run.qk_clip is not None else None
+    muon_groups, decay, no_decay = reference_param_groups(model[0])
+    muon = Muon(muon_groups, lr=LR, weight_decay=WD, momentum=MUON["momentum"], nesterov=MUON["nesterov"],
+                ns_dtype=torch.float32, coefficients=MUON["coefficient_type"], scale_mode=MUON["scale_mode"],
+                extra_scale_factor=MUON["extra_scale_factor"])
+    adamw = torch.optim.AdamW([dict(params=decay, weight_decay=WD), dict(params=no_decay, weight_decay=0.0)],
+                              lr=LR, betas=BETAS, eps=EPS)
     out = []
-    for config in configs:
-        init_megatron(1, 1)
-        model = build_tiny_gpt(1, 1, num_layers=config.get("layers", LAYERS))
-        initial = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
-        muon_groups, decay, no_decay = reference_param_groups(model[0])
-        muon = Muon(muon_groups, lr=LR, weight_decay=WD, momentum=MUON["momentum"], nesterov=MUON["nesterov"],
-                    ns_dtype=torch.float32, coefficients=MUON["coefficient_type"], scale_mode=MUON["scale_mode"],
-                    extra_scale_factor=MUON["extra_scale_factor"])
-        adamw = torch.optim.AdamW([dict(params=decay, weight_decay=WD), dict(params=no_decay, weight_decay=0.0)],
-                                  lr=LR, betas=BETAS, eps=EPS)
-        batch = make_batch(7, micro_batch_size=config.get("batch", 2))
-        microbatches = config.get("microbatches", 1)
-        grad_norms = []
-        for _ in range(K):
-            forward_backward(model, batch, pp=1, num_microbatches=microbatches, use_schedule=microbatches > 1)
-            for p in model[0].parameters():
-                p.grad = p.main_grad
-            grad_norms.append(clip_like_megatron(model[0].parameters(), config.get("clip", 0.0)))
-            muon.step()
-            adamw.step()
-        full = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
-        destroy_megatron()
-        out.append((full, initial, grad_norms))
-    return out
+    for step in range(run.steps):
+        forward_backward(model, _batch(run, step), pp=1, num_microbatches=run.microbatches,
+                         use_schedule=run.microbatches > 1)
+        for p in model[0].parameters():
+            p.grad = p.main_grad
+        norm = clip_like_megatron(model[0].parameters(), run.clip)
+        muon.step()
+        adamw.step()
+        out.append(Step(grad_norm=norm, logits=qk_clip.after_step() if qk_clip is not None else None))
+    full = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
+    return Trace(run=run, full=full, steps=tuple(out), initial=initial)
+
+
+def reference(run: Run) -> Trace:
+    """``run.reference_run`` at TP1 on one process, on the whole batch: megatron_muon.Muon on the
+    matrices (QKV split per query group, fc1 into gate and up, Megatron's scale rule), torch AdamW
+    on the rest, the grads clipped as ``clip_like_megatron``; ``microbatches`` > 1: Megatron's
+    no-pipelining schedule over that many slices, accumulating the grads in the order a pipeline
+    does; ``qk_clip``: upstream's rule after every step (``_ReferenceClip``)."""
+    run = run.reference_run
+    start(run)
+    result = _reference(run)
+    destroy_megatron()
+    return result
+
+
+def reference_all(rank: int, world: int, runs: list[Run]) -> list[Trace]:
+    return [reference(run) for run in runs]
+
+
+_REFERENCES: dict[Run, Trace] = {}
+"""This pytest session's references, by ``Run.reference_run``."""
+
+
+def references(runs, timeout: float = TIMEOUT) -> dict[Run, Trace]:
+    """{run: its reference} for each of ``runs``, in the pytest process: the references not yet
+    computed in this session are computed in one ``run_world(1, ...)`` job, and kept."""
+    from dist_harness import run_world
+
+    runs = list(runs)
+    missing = [r for r in dict.fromkeys(run.reference_run for run in runs) if r not in _REFERENCES]
+    if missing:
+        _REFERENCES.update(zip(missing, run_world(1, reference_all, missing, timeout=timeout)[0]))
+    return {run: _REFERENCES[run.reference_run] for run in runs}
 
 
 def build_moe(run: dict, seed: int = 1234):
     """The tiny GPT with ``run["moe"]`` experts at ``run["tp"]`` (EP and expert-TP come from the
     parallel state), its Muon optimizer (``tp_mode``: owner unless given; ``clip``; ``dist_opt``)
-    and scheduler."""
-    from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
-
-    muon_config = MuonConfig(**dict(MUON, tp_mode=run.get("tp_mode", "owner")))
-    model = build_tiny_gpt(run["tp"], use_distributed_optimizer=run["dist_opt"], moe=run["moe"], seed=seed,
-                           num_layers=run.get("layers", 2))
-    optimizer = get_megatron_muon_optimizer(_optimizer_config(run["dist_opt"], clip_grad=run.get("clip", 0.0)),
-                                            model, muon_config)
-    return model, optimizer, _scheduler(optimizer)
+    and scheduler: ``build`` of that ``Run``."""
+    return build(Run(tp=run["tp"], dist_opt=run["dist_opt"], moe=run["moe"], tp_mode=run.get("tp_mode", "owner"),
+                     clip=run.get("clip", 0.0), layers=run.get("layers", 2), seed=seed))

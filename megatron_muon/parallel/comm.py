@@ -75,7 +75,9 @@ def comm_stats() -> Iterator[CommStats]:
     try:
         yield stats
     finally:
-        _active.remove(stats)
+        # by identity: CommStats compare by value, and a context opened inside this one holds the
+        # same counts until one of them records something the other does not
+        del _active[next(i for i, s in enumerate(_active) if s is stats)]
 
 
 def _record(primitive: str, nbytes: int) -> None:

@@ -23,8 +23,9 @@ from training_harness import (
     NORM_RTOL,
     TIMEOUT,
     K,
-    train_reference,
-    train_runs,
+    Run,
+    references,
+    train_all,
 )
 
 # bf16 params with fp32 main params, NS in bf16 (upstream's "medium"): Megatron's usual path.
@@ -60,30 +61,28 @@ OVERLAP = dict(overlap=True, bucket_size=20_000)
 RUNS_4 += [dict(tp=t, dist_opt=True, tp_mode="owner", expect_cut=True, **OVERLAP) for t in (1, 2)]
 RUNS_4 += [dict(tp=2, dist_opt=False, tp_mode="owner", **OVERLAP)]
 RUNS_4 += [dict(tp=2, tp_mode="owner", **BALANCED, **OVERLAP)]
-RUNS = {world: [dict(run, clip=clip) for run in runs for clip in (0.0, CLIP)]
+RUNS = {world: [Run(**run, clip=clip) for run in runs for clip in (0.0, CLIP)]
         for world, runs in ((1, RUNS_1), (2, RUNS_2), (4, RUNS_4))}
 
 
 @pytest.fixture(scope="module")
-def references():
-    """{clip: (full weights after K steps, initial weights, grad norm per step)}."""
-    clips = (0.0, CLIP)
-    return dict(zip(clips, run_world(1, train_reference, [dict(clip=c) for c in clips])[0]))
+def reference():
+    """{run: its one-process reference} (one per clip; shared with every module asking for it)."""
+    return references(run for runs in RUNS.values() for run in runs)
 
 
 @pytest.fixture(scope="module")
 def trained():
-    return WorldsOnDemand(lambda world: run_world(world, train_runs, RUNS[world], timeout=TIMEOUT))
+    return WorldsOnDemand(lambda world: run_world(world, train_all, RUNS[world], timeout=TIMEOUT))
 
 
-def _run_id(world: int, run: dict) -> str:
-    tags = [f"w{world}", f"tp{run['tp']}", f"pp{run.get('pp', 1)}", "distopt" if run["dist_opt"] else "ddp",
-            run["tp_mode"]]
-    tags += ["bf16"] * bool(run.get("bf16"))
-    tags += [run["layout"]] if run.get("layout") else []
-    tags += [run.get("muon", {}).get("dp_mode", "")] if run.get("muon", {}).get("dp_mode") else []
-    tags += ["overlap"] if run.get("overlap") else []
-    tags += [f"clip{run['clip']:g}"] if run.get("clip") else []
+def _run_id(world: int, run: Run) -> str:
+    tags = [f"w{world}", f"tp{run.tp}", f"pp{run.pp}", "distopt" if run.dist_opt else "ddp", run.tp_mode]
+    tags += ["bf16"] * run.bf16
+    tags += [run.layout] if run.layout != "megatron" else []
+    tags += [dict(run.muon)["dp_mode"]] if dict(run.muon).get("dp_mode") else []
+    tags += ["overlap"] if run.overlap else []
+    tags += [f"clip{run.clip:g}"] if run.clip else []
     return "-".join(tags)
 
 
@@ -94,21 +93,22 @@ def _cases():
 
 
 @pytest.mark.parametrize("world, index", list(_cases()))
-def test_matches_single_process_reference(trained, references, world, index):
+def test_matches_single_process_reference(trained, reference, world, index):
     result = trained[world][0][index]
-    run = result["run"]
-    reference, initial, reference_norms = references[run["clip"]]
-    assert set(result["full"]) == set(reference)
-    if run["clip"]:
+    run = result.run
+    ref = reference[run]
+    reference, initial, reference_norms = ref.full, ref.initial, ref.grad_norms
+    assert set(result.full) == set(reference)
+    if run.clip:
         # Clipping must have happened: Megatron clips when the norm its step returns exceeds clip_grad.
-        assert all(n > run["clip"] for n in result["grad_norms"]), f"{run}: no clipping, norms {result['grad_norms']}"
-    if not run.get("bf16") and run["tp_mode"] != "blockwise":
+        assert all(n > run.clip for n in result.grad_norms), f"{run}: no clipping, norms {result.grad_norms}"
+    if not run.bf16 and run.tp_mode != "blockwise":
         # Megatron's norm over the layout's shards is the full model's: nothing missed, nothing
         # counted twice (TP-duplicated norm weights, DP shards, PP stages).
-        for step, (got, want) in enumerate(zip(result["grad_norms"], reference_norms)):
+        for step, (got, want) in enumerate(zip(result.grad_norms, reference_norms)):
             assert abs(got - want) <= NORM_RTOL * want, f"{run} step {step}: grad norm {got} vs {want}"
-    worst = max(((result["full"][n] - reference[n]).abs().max().item(), n) for n in reference)
-    if run.get("bf16"):
+    worst = max(((result.full[n] - reference[n]).abs().max().item(), n) for n in reference)
+    if run.bf16:
         # bf16 activations change the gradient in its 3rd significant digit, and NS maps every
         # singular value to ~1, so the small (noisy) directions of the gradient change the
         # update visibly; an entry-wise bound would be meaningless. The bf16 update must still
@@ -117,18 +117,18 @@ def test_matches_single_process_reference(trained, references, world, index):
             if reference[n].dim() != 2 or "embedding" in n or "output_layer" in n:
                 continue  # AdamW moves entries by ~±lr whatever the gradient's size
             want = (reference[n] - initial[n]).flatten()
-            got = (result["full"][n].float() - initial[n]).flatten()
+            got = (result.full[n].float() - initial[n]).flatten()
             ratio = (got.norm() / want.norm()).item()
             cosine = (torch.dot(got, want) / (got.norm() * want.norm())).item()
             distance = ((got - want).norm() / want.norm()).item()
             assert abs(ratio - 1) <= BF16_NORM_RATIO, f"{run}: {n} update's size is {ratio:.4f}x the reference's"
             assert cosine >= BF16_MIN_COSINE, f"{run}: {n} update's cosine to the reference is {cosine:.4f}"
             assert distance <= BF16_DISTANCE, f"{run}: {n} update off by {distance:.3f} of its size"
-    elif run["tp_mode"] == "blockwise":
+    elif run.tp_mode == "blockwise":
         # BlockMuon is a different algorithm: the matrices must NOT match the reference.
         assert worst[0] > 1e-3, f"blockwise unexpectedly matched the reference (max diff {worst[0]:.2e})"
     else:
-        atol = ATOL_CLIP if run["clip"] else ATOL
+        atol = ATOL_CLIP if run.clip else ATOL
         assert worst[0] <= atol, f"{run}: {worst[1]} off by {worst[0]:.2e}"
 
 
@@ -139,9 +139,9 @@ def test_dp_replicas_bitwise_identical(trained, world):
         ranks = [r[index] for r in trained[world]]
         for r in ranks:
             for q in ranks:
-                if (q["tp_rank"], q["pp_rank"]) == (r["tp_rank"], r["pp_rank"]):
-                    for name, t in r["local"].items():
-                        assert torch.equal(t, q["local"][name]), f"{r['run']}: {name} differs across DP"
+                if (q.tp_rank, q.pp_rank) == (r.tp_rank, r.pp_rank):
+                    for name, t in r.local.items():
+                        assert torch.equal(t, q.local[name]), f"{r.run}: {name} differs across DP"
 
 
 def test_only_cut_or_moved_matrices_travel_across_dp(trained):
@@ -152,23 +152,23 @@ def test_only_cut_or_moved_matrices_travel_across_dp(trained):
     checked = 0
     for world, runs in RUNS.items():
         for index, run in enumerate(runs):
-            if not run["dist_opt"] or run["tp"] != 1 or run.get("bf16") or world == 1:
+            if not run.dist_opt or run.tp != 1 or run.bf16 or world == 1:
                 continue
             ranks = [r[index] for r in trained[world]]
             cut = []
-            for pp_rank in {r["pp_rank"] for r in ranks}:
-                stage = [r for r in ranks if r["pp_rank"] == pp_rank]
-                layouts, dp = stage[0]["layouts"], stage[0]["dp_size"]
+            for pp_rank in {r.pp_rank for r in ranks}:
+                stage = [r for r in ranks if r.pp_rank == pp_rank]
+                layouts, dp = stage[0].layouts, stage[0].dp_size
                 if dp == 1:
                     continue
                 owners = plan_dp_owners(layouts, dp)
                 moved = sum(2 * (e - s) * 4 for lay, o in zip(layouts, owners)
                             for d, (s, e) in enumerate(lay.dp_ranges) if d != o)
                 for step in range(K):
-                    sent = sum(r["stats"][step].get("all_to_all", 0) for r in stage)
+                    sent = sum(r.by_primitive[step].get("all_to_all", 0) for r in stage)
                     assert sent == moved, f"{_run_id(world, run)} step {step}: {sent} bytes, expected {moved}"
                 cut += [lay.name for lay in layouts if len(lay.holders(dp)) > 1]
-            if run.get("expect_cut"):
+            if run.expect_cut:
                 assert cut, f"{_run_id(world, run)}: some matrix should be cut across DP ranks"
             checked += 1
     assert checked >= 3
@@ -179,21 +179,21 @@ def test_overlap_runs_have_several_buckets(trained):
     megatron-core lays the buffer out. (The balanced layout keeps a bucket open until it holds
     a few times DP x its largest matrix, which is this whole tiny model: one bucket, by design;
     that run checks the overlapped grad reduce and param gather on our layout.)"""
-    overlap = [i for i, run in enumerate(RUNS[4]) if run.get("overlap")]
+    overlap = [i for i, run in enumerate(RUNS[4]) if run.overlap]
     assert len(overlap) == 8  # 4 layouts, with and without clipping
     for index in overlap:
-        if RUNS[4][index].get("layout") != "balanced":
-            assert trained[4][0][index]["buckets"] >= 3, (RUNS[4][index], trained[4][0][index]["buckets"])
-    plain = next(i for i, run in enumerate(RUNS[4]) if run["dist_opt"] and not run.get("overlap"))
-    assert trained[4][0][plain]["buckets"] == 1  # without overlap DDP ignores bucket_size
+        if RUNS[4][index].layout != "balanced":
+            assert trained[4][0][index].buckets >= 3, (RUNS[4][index], trained[4][0][index].buckets)
+    plain = next(i for i, run in enumerate(RUNS[4]) if run.dist_opt and not run.overlap)
+    assert trained[4][0][plain].buckets == 1  # without overlap DDP ignores bucket_size
 
 
 def test_redundant_dp_mode_moves_nothing_across_dp(trained):
-    indices = [i for i, r in enumerate(RUNS[2]) if r.get("muon", {}).get("dp_mode") == "redundant"]
+    indices = [i for i, r in enumerate(RUNS[2]) if dict(r.muon).get("dp_mode") == "redundant"]
     assert len(indices) == 2  # with and without clipping
     for r in trained[2]:
         for index in indices:
-            assert all(step.get("all_to_all", 0) == 0 for step in r[index]["stats"])
+            assert all(step.get("all_to_all", 0) == 0 for step in r[index].by_primitive)
 
 
 def test_balanced_layout_cuts_no_matrix_and_moves_nothing_across_dp(trained):
@@ -202,14 +202,14 @@ def test_balanced_layout_cuts_no_matrix_and_moves_nothing_across_dp(trained):
     checked = 0
     for world, runs in RUNS.items():
         for index, run in enumerate(runs):
-            if run.get("layout") != "balanced":
+            if run.layout != "balanced":
                 continue
             for r in trained[world]:
                 result = r[index]
-                dp = result["dp_size"]
-                assert all(len(lay.holders(dp)) == 1 for lay in result["layouts"]), \
+                dp = result.dp_size
+                assert all(len(lay.holders(dp)) == 1 for lay in result.layouts), \
                     f"{_run_id(world, run)}: a matrix is cut across DP ranks"
-                if run["tp"] == 1:
-                    assert all(step.get("all_to_all", 0) == 0 for step in result["stats"]), _run_id(world, run)
+                if run.tp == 1:
+                    assert all(step.get("all_to_all", 0) == 0 for step in result.by_primitive), _run_id(world, run)
             checked += 1
     assert checked >= 9

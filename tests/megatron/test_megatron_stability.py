@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import run_world
-from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
+from megatron_harness import build_tiny_gpt, destroy_megatron, init_megatron
+from training_harness import Run, train_all
 
 
 def _config(**kw):
@@ -15,52 +16,33 @@ def _config(**kw):
     return OptimizerConfig(**{**base, **kw})
 
 
-def _snapshot(optimizer) -> dict:
+def _snapshot(model, optimizer) -> dict:
+    """A ``Run.probe``: the inner optimizer's params, state and step counter."""
     inner = optimizer.chained_optimizers[0].optimizer
     params = {id(p): p.detach().clone() for g in inner.param_groups for p in g["params"]}
     state = {id(p): {k: v.clone() for k, v in s.items()} for p, s in inner.state.items()}
     return dict(params=params, state=state, muon_steps=inner.muon_steps)
 
 
-def _nan_worker(rank: int, world: int, dist_opt: bool, bf16: bool) -> dict:
-    from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
-
-    init_megatron(2, 1)
-    model = build_tiny_gpt(2, 1, use_distributed_optimizer=dist_opt, bf16=bf16)
-    # A loss scale is what makes Megatron check grads for inf/NaN (ConstantGradScaler); Megatron's
-    # plain fp32 optimizer (no distributed optimizer, no bf16) has no such check at all.
-    optimizer = get_megatron_muon_optimizer(
-        _config(use_distributed_optimizer=dist_opt, loss_scale=1.0, bf16=bf16), model,
-        MuonConfig(tp_mode="owner", fp32_matmul_prec="highest"),
-    )
-    batch = make_batch(3)
-    forward_backward(model, batch, pp=1, optimizer=optimizer)
-    assert optimizer.step()[0]
-    before = _snapshot(optimizer)
-    forward_backward(model, batch, pp=1, optimizer=optimizer)
-    if rank == 1:  # one rank's one gradient entry: found-inf is all-reduced, so all ranks skip
-        next(model[0].parameters()).main_grad.view(-1)[0] = float("nan")
-    ok, grad_norm, _ = optimizer.step()
-    after = _snapshot(optimizer)
-    forward_backward(model, batch, pp=1, optimizer=optimizer)
-    ok_again = optimizer.step()[0]
-    destroy_megatron()
-    same_params = all(torch.equal(before["params"][k], after["params"][k]) for k in before["params"])
-    same_state = all(
-        torch.equal(v, after["state"][k][name]) for k, s in before["state"].items() for name, v in s.items()
-    )
-    return dict(ok=ok, same_params=same_params, same_state=same_state, ok_again=ok_again,
-                steps=(before["muon_steps"], after["muon_steps"]))
+# TP2 x DP1. A loss scale is what makes Megatron check grads for inf/NaN (ConstantGradScaler);
+# Megatron's plain fp32 optimizer (no distributed optimizer, no bf16) has no such check at all.
+# At the second step one rank's one gradient entry is NaN: found-inf is all-reduced, so all ranks skip.
+NAN = dict(tp=2, loss_scale=1.0, nan_step=1, probe=_snapshot)
 
 
 @pytest.mark.parametrize("dist_opt, bf16", [(False, True), (True, False)], ids=["ddp-bf16", "distopt-fp32"])
 def test_nan_step_is_skipped_and_changes_nothing(dist_opt, bf16):
-    for r in run_world(2, _nan_worker, dist_opt, bf16):
-        assert r["ok"] is False, "Megatron's found-inf check should reject the step"
-        assert r["same_params"] and r["same_state"], "a skipped step touched params or momentum"
-        assert r["steps"][0] == r["steps"][1], "the step counter moved on a skipped step"
-        assert r["ok_again"], "training must resume after a skipped step"
+    for (r,) in run_world(2, train_all, [Run(dist_opt=dist_opt, bf16=bf16, **NAN)]):
+        assert r.oks[0], "the first step must be taken"
+        assert r.oks[1] is False, "Megatron's found-inf check should reject the step"
+        before, after = r.probes[0], r.probes[1]
+        same_params = all(torch.equal(before["params"][k], after["params"][k]) for k in before["params"])
+        same_state = all(
+            torch.equal(v, after["state"][k][name]) for k, s in before["state"].items() for name, v in s.items()
+        )
+        assert same_params and same_state, "a skipped step touched params or momentum"
+        assert before["muon_steps"] == after["muon_steps"], "the step counter moved on a skipped step"
+        assert r.oks[2], "training must resume after a skipped step"
 
 
 def _errors_worker(rank: int, world: int) -> dict:

@@ -27,6 +27,7 @@ expert-TP shards) must NOT match the reference, so the comparison can fail.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -34,20 +35,9 @@ import torch
 from checkpoint_harness import load_torch_dist as _load
 from checkpoint_harness import save_torch_dist as _save
 from dist_harness import run_world
-from megatron_harness import (
-    build_tiny_gpt,
-    destroy_megatron,
-    forward_backward,
-    gather_full_params,
-    init_megatron,
-    is_expert,
-    make_batch,
-    reference_param_groups,
-)
-from training_harness import MOE, MUON, clip_like_megatron
-from training_harness import build_moe as _build
+from megatron_harness import destroy_megatron
+from training_harness import MOE, K, Run, build, local_params, references, start, steps, train
 
-K = 3
 # fp32 throughout. The distributed runs sum the same products in another order (TP2's
 # RowParallel all-reduces and vocab-parallel cross entropy, the sequence-parallel reduce-scatters,
 # the allgather dispatcher's token order per expert), so grads differ in the last bits.
@@ -74,118 +64,59 @@ CUT = dict(experts=6, topk=2)
 an expert's fc1 (with 2 local experts per layer it falls between experts)."""
 
 RUNS = [
-    dict(tp=1, ep=2, dist_opt=True, moe=MOE, resume=True),
-    dict(tp=1, ep=2, dist_opt=True, moe=SHARED),
-    dict(tp=1, ep=2, dist_opt=False, moe=SHARED),
-    dict(tp=1, ep=2, dist_opt=True, moe=MOE, clip=CLIP),
-    dict(tp=1, ep=2, dist_opt=True, moe=CUT, layers=1, expect_cut=True),
-    dict(tp=2, ep=2, dist_opt=True, moe=SHARED, resume=True),
-    dict(tp=2, ep=2, dist_opt=False, moe=SHARED),
-    dict(tp=2, ep=2, dist_opt=True, moe=SHARED, tp_mode="distributed"),
-    dict(tp=2, ep=2, dist_opt=True, moe=MOE, tp_mode="duplicated"),
-    dict(tp=2, ep=2, dist_opt=True, moe=SHARED, tp_mode="blockwise"),
-    dict(tp=2, ep=2, etp=1, dist_opt=True, moe=SHARED),
-    dict(tp=2, ep=2, etp=1, dist_opt=True, moe=MOE, clip=CLIP),
+    Run(tp=1, ep=2, dist_opt=True, moe=MOE, resume=True),
+    Run(tp=1, ep=2, dist_opt=True, moe=SHARED),
+    Run(tp=1, ep=2, dist_opt=False, moe=SHARED),
+    Run(tp=1, ep=2, dist_opt=True, moe=MOE, clip=CLIP),
+    Run(tp=1, ep=2, dist_opt=True, moe=CUT, layers=1, expect_cut=True),
+    Run(tp=2, ep=2, dist_opt=True, moe=SHARED, resume=True),
+    Run(tp=2, ep=2, dist_opt=False, moe=SHARED),
+    Run(tp=2, ep=2, dist_opt=True, moe=SHARED, tp_mode="distributed"),
+    Run(tp=2, ep=2, dist_opt=True, moe=MOE, tp_mode="duplicated"),
+    Run(tp=2, ep=2, dist_opt=True, moe=SHARED, tp_mode="blockwise"),
+    Run(tp=2, ep=2, etp=1, dist_opt=True, moe=SHARED),
+    Run(tp=2, ep=2, etp=1, dist_opt=True, moe=MOE, clip=CLIP),
 ]
-REFERENCES = {"moe": dict(moe=MOE), "shared": dict(moe=SHARED), "moe-clip": dict(moe=MOE, clip=CLIP),
-              "cut": dict(moe=CUT, layers=1)}
+REFERENCES = {"moe": Run(moe=MOE), "shared": Run(moe=SHARED), "moe-clip": Run(moe=MOE, clip=CLIP),
+              "cut": Run(moe=CUT, layers=1)}
 
 
-def _reference_key(run: dict) -> str:
-    return next(k for k, ref in REFERENCES.items()
-                if ref["moe"] == run["moe"] and ref.get("clip", 0.0) == run.get("clip", 0.0)
-                and ref.get("layers", 2) == run.get("layers", 2))
+def _reference_key(run: Run) -> str:
+    return next(k for k, ref in REFERENCES.items() if ref.reference_run == run.reference_run)
 
 
-def _run_id(run: dict) -> str:
-    tags = [f"tp{run['tp']}", f"ep{run['ep']}", f"etp{run.get('etp', run['tp'])}",
-            "distopt" if run["dist_opt"] else "ddp", run.get("tp_mode", "owner"), _reference_key(run)]
+def _run_id(run: Run) -> str:
+    tags = [f"tp{run.tp}", f"ep{run.ep}", f"etp{run.tp if run.etp is None else run.etp}",
+            "distopt" if run.dist_opt else "ddp", run.tp_mode, _reference_key(run)]
     return "-".join(tags)
 
 
-def _steps(model, optimizer, scheduler, count: int) -> list[float]:
-    norms = []
-    for _ in range(count):
-        forward_backward(model, make_batch(7), pp=1, optimizer=optimizer)
-        ok, norm, _ = optimizer.step()
-        assert ok
-        scheduler.step(1)
-        norms.append(norm)
-    return norms
-
-
-def _local(model) -> dict:
-    return {n: p.detach().clone() for n, p in model[0].named_parameters()}
-
-
-def train_runs(rank: int, world: int, root: str) -> list[dict]:
-    """Every run of ``RUNS`` in this world; the first also saves after 2 steps and resumes."""
-    from megatron.core import parallel_state as ps
-
+def train_runs(rank: int, world: int, root: str) -> list[tuple]:
+    """Every run of ``RUNS`` in this world: (its ``Trace``, and for a ``resume`` run, per sharding
+    type, the params after 2 steps, a save, a rebuild from other initial weights, a load and one
+    more step)."""
     out = []
     for index, run in enumerate(RUNS):
-        init_megatron(run["tp"], ep=run["ep"], etp=run.get("etp"))
-        model, optimizer, scheduler = _build(run)
-        chain = optimizer.chained_optimizers
-        expert = chain[1] if len(chain) > 1 else None
-        layouts = [m.layout for m in expert.optimizer.matrices()] if expert else []
-        norms = _steps(model, optimizer, scheduler, K)
-        full = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
-        result = dict(run=run, full=full if rank == 0 else None, local=_local(model), norms=norms,
-                      chained=len(chain), expert_layouts=layouts, expert_dp=ps.get_expert_data_parallel_world_size(),
-                      ranks=(ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(),
-                             ps.get_expert_tensor_parallel_rank()))
-        del model, optimizer, scheduler, chain, expert  # their process groups' gloo threads end with them
-        destroy_megatron()
-        if run.get("resume"):  # EP2 x expert-DP2 and TP2 x EP2 (expert-TP2): save, rebuild, load, step
-            result["resumed"] = {}
+        result, resumed = train(run), None
+        if run.resume:  # EP2 x expert-DP2 and TP2 x EP2 (expert-TP2): save, rebuild, load, step
+            resumed = {}
             for sharding in ("dp_reshardable", "fully_reshardable"):
                 path = os.path.join(root, f"run{index}-{sharding}")
                 os.makedirs(path, exist_ok=True)
-                init_megatron(run["tp"], ep=run["ep"], etp=run.get("etp"))
-                model, optimizer, scheduler = _build(run)
-                _steps(model, optimizer, scheduler, K - 1)
+                start(run)
+                model, optimizer, scheduler = build(run)
+                steps(run, model, optimizer, scheduler, count=K - 1)
                 _save(path, model, optimizer, scheduler, sharding)
-                del model, optimizer, scheduler
+                del model, optimizer, scheduler  # their process groups' gloo threads end with them
                 destroy_megatron()
-                init_megatron(run["tp"], ep=run["ep"], etp=run.get("etp"))
-                model, optimizer, scheduler = _build(run, seed=999)
+                start(run)
+                model, optimizer, scheduler = build(dataclasses.replace(run, seed=999))
                 _load(path, model, optimizer, scheduler)
-                _steps(model, optimizer, scheduler, 1)
-                result["resumed"][sharding] = _local(model)
+                steps(run, model, optimizer, scheduler, first=K - 1, count=1)
+                resumed[sharding] = local_params(model)
                 del model, optimizer, scheduler
                 destroy_megatron()
-        out.append(result)
-    return out
-
-
-def train_reference(rank: int, world: int) -> dict:
-    """{reference key: (full weights after K steps, grad norm per step)}: one process, TP1, EP1."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_muon import Muon
-
-    out = {}
-    for key, config in REFERENCES.items():
-        init_megatron(1)
-        model = build_tiny_gpt(1, moe=config["moe"], num_layers=config.get("layers", 2))
-        assert not any(is_expert(p) for p in model[0].parameters())  # one process: every expert is local
-        muon_groups, decay, no_decay = reference_param_groups(model[0])
-        muon = Muon(muon_groups, lr=0.02, weight_decay=0.1, momentum=MUON["momentum"], nesterov=MUON["nesterov"],
-                    ns_dtype=torch.float32, coefficients=MUON["coefficient_type"], scale_mode=MUON["scale_mode"],
-                    extra_scale_factor=MUON["extra_scale_factor"])
-        adamw = torch.optim.AdamW([dict(params=decay, weight_decay=0.1), dict(params=no_decay, weight_decay=0.0)],
-                                  lr=0.02, betas=(0.9, 0.95), eps=1e-8)
-        norms = []
-        for _ in range(K):
-            forward_backward(model, make_batch(7), pp=1)
-            for p in model[0].parameters():
-                p.grad = p.main_grad
-            norms.append(clip_like_megatron(model[0].parameters(), config.get("clip", 0.0)))
-            muon.step()
-            adamw.step()
-        out[key] = (gather_full_params(model, ps.get_tensor_model_parallel_group(), 1), norms)
-        destroy_megatron()
+        out.append((result, resumed))
     return out
 
 
@@ -195,7 +126,8 @@ def _is_muon(name: str, tensor: torch.Tensor) -> bool:
 
 @pytest.fixture(scope="module")
 def reference():
-    return run_world(1, train_reference)[0]
+    """{run: one process, TP1, EP1}."""
+    return references(RUNS, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -205,26 +137,26 @@ def trained(tmp_path_factory):
 
 @pytest.mark.parametrize("index", range(len(RUNS)), ids=[_run_id(r) for r in RUNS])
 def test_matches_single_process_reference(trained, reference, index):
-    result = trained[0][index]
-    run = result["run"]
-    want, want_norms = reference[_reference_key(run)]
-    assert result["chained"] == 2, "the experts must have their own optimizer (expert-parallel params)"
-    assert set(result["full"]) == set(want)
+    result = trained[0][index][0]
+    run = result.run
+    want, want_norms = reference[run].full, reference[run].grad_norms
+    assert result.chained == 2, "the experts must have their own optimizer (expert-parallel params)"
+    assert set(result.full) == set(want)
     assert any(".local_experts.3." in n for n in want)
-    if run.get("etp") == 1:  # whole experts; the expert-DP group is not the dense DP group's size here
-        assert result["expert_dp"] == 2 and result["ranks"][2] == 0
-    diffs = {n: (result["full"][n] - want[n]).abs().max().item() for n in want}
+    if run.etp == 1:  # whole experts; the expert-DP group is not the dense DP group's size here
+        assert result.expert_dp == 2 and result.etp_rank == 0
+    diffs = {n: (result.full[n] - want[n]).abs().max().item() for n in want}
     muon = max((d, n) for n, d in diffs.items() if _is_muon(n, want[n]))
     adamw = max((d, n) for n, d in diffs.items() if not _is_muon(n, want[n]))
     print(f"MEASURED {_run_id(run)}: Muon matrices {muon[0]:.3e} ({muon[1]}), AdamW {adamw[0]:.3e} ({adamw[1]}); "
-          f"grad norms rel. {max(abs(a - b) / b for a, b in zip(result['norms'], want_norms)):.2e}")
-    if run.get("tp_mode") == "blockwise":
+          f"grad norms rel. {max(abs(a - b) / b for a, b in zip(result.grad_norms, want_norms)):.2e}")
+    if run.tp_mode == "blockwise":
         # BlockMuon orthogonalizes each expert-TP shard on its own: a different update.
         assert muon[0] > 1e-3, f"blockwise unexpectedly matched the reference ({muon[0]:.2e})"
         return
     assert muon[0] <= ATOL_MUON, f"{_run_id(run)}: {muon[1]} off by {muon[0]:.2e}"
     assert adamw[0] <= ATOL_ADAMW, f"{_run_id(run)}: {adamw[1]} off by {adamw[0]:.2e}"
-    for step, (got, norm) in enumerate(zip(result["norms"], want_norms)):
+    for step, (got, norm) in enumerate(zip(result.grad_norms, want_norms)):
         assert abs(got - norm) <= NORM_RTOL * norm, f"{_run_id(run)} step {step}: grad norm {got} vs {norm}"
 
 
@@ -232,32 +164,33 @@ def test_dp_replicas_bitwise_identical(trained):
     """Ranks with the same TP rank (dense) / the same EP and expert-TP rank (experts) hold
     the same params bitwise."""
     for index in range(len(RUNS)):
-        ranks = [r[index] for r in trained]
+        ranks = [r[index][0] for r in trained]
         for a in ranks:
             for b in ranks:
-                for name, t in a["local"].items():
+                for name, t in a.local.items():
                     expert = ".local_experts." in name
-                    same = a["ranks"][1:] == b["ranks"][1:] if expert else a["ranks"][0] == b["ranks"][0]
+                    same = (a.ep_rank, a.etp_rank) == (b.ep_rank, b.etp_rank) if expert else a.tp_rank == b.tp_rank
                     if same:
-                        assert torch.equal(t, b["local"][name]), f"{_run_id(a['run'])}: {name} differs across DP"
+                        assert torch.equal(t, b.local[name]), f"{_run_id(a.run)}: {name} differs across DP"
 
 
 def test_expert_matrix_cut_across_expert_dp(trained):
     """The 6-expert run's ZeRO-1 ranges cut an expert matrix, so the exact result above went
     through the owner exchange over the expert-DP group."""
-    index = next(i for i, r in enumerate(RUNS) if r.get("expect_cut"))
-    result = trained[0][index]
-    assert result["expert_dp"] == 2
-    cut = [lay.name for lay in result["expert_layouts"] if len(lay.holders(2)) > 1]
+    index = next(i for i, r in enumerate(RUNS) if r.expect_cut)
+    result = trained[0][index][0]
+    assert result.expert_dp == 2
+    cut = [lay.name for lay in result.expert_layouts if len(lay.holders(2)) > 1]
     assert cut, "no expert matrix is cut across the expert-DP ranks"
 
 
 @pytest.mark.parametrize("sharding", ["dp_reshardable", "fully_reshardable"])
 def test_bitwise_resume(trained, sharding):
-    resumes = [i for i, run in enumerate(RUNS) if run.get("resume")]
+    resumes = [i for i, run in enumerate(RUNS) if run.resume]
     assert len(resumes) == 2
     for r in trained:
         for index in resumes:
-            resumed = r[index]["resumed"][sharding]
-            for name, t in r[index]["local"].items():
+            result, resumed = r[index]
+            resumed = resumed[sharding]
+            for name, t in result.local.items():
                 assert torch.equal(resumed[name], t), f"{_run_id(RUNS[index])} {sharding}: {name} differs"

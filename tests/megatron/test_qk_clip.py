@@ -9,34 +9,23 @@ Gloo: the tiny GPT of ``megatron_harness`` (local spec, GQA 4 heads / 2 groups) 
 matrix cut between DP ranks), without it, and under Megatron-FSDP (a QKV matrix's rows split
 between DP ranks), each DP rank on its own half of the batch; against one
 process at TP1 on the whole batch that tracks the max logit its own way (from q and k, with a
-causal mask) and clips whole matrices by upstream's rule, written out here.
+causal mask) and clips whole matrices by upstream's rule, written out
+(``training_harness.reference``, ``upstream_qkv_clip``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 import torch
 from dist_harness import run_world
-from megatron_harness import (
-    GROUPS,
-    HEADS,
-    HIDDEN,
-    LAYERS,
-    build_tiny_gpt,
-    destroy_megatron,
-    forward_backward,
-    gather_full_params,
-    init_megatron,
-    make_batch,
-    reference_param_groups,
-)
-from training_harness import BETAS, EPS, LR, MUON, WD, _optimizer_config, _scheduler
+from megatron_harness import GROUPS, HEADS, HIDDEN, LAYERS
+from training_harness import K, Run, references, train_all, upstream_qkv_clip
 
 from megatron_muon.core.qk_clip import group_eta, qkv_row_scale, scale_rows_, scale_rows_flat_
 
-K = 3
 HEAD_DIM = HIDDEN // HEADS
 TAU = 0.09  # crossed by some heads, not all, at every step (asserted from the reference)
 ALPHA = 0.5
@@ -48,19 +37,6 @@ CUT_QKV_BUCKET = 5000
 TIMEOUT = 900
 
 # ----------------------------------------------------------------------------- the pure rule
-
-
-def _upstream_style_clip(weight: torch.Tensor, head_max: torch.Tensor, groups: int, tau: float, alpha: float):
-    """megatron-core 0.19.2's ``SelfAttention._clip_linear_qkv`` rule, written out on a copy:
-    η per group from the group's largest head, q rows × η^α, k rows × η^(1−α)."""
-    out = weight.clone()
-    per_group = out.view(groups, -1, out.shape[1])
-    q_rows = per_group.shape[1] - 2 * HEAD_DIM
-    m = head_max.view(groups, -1).max(dim=1).values
-    eta = torch.where(m > tau, tau / m, torch.ones_like(m))
-    per_group[:, :q_rows] *= eta.pow(alpha)[:, None, None]
-    per_group[:, q_rows:q_rows + HEAD_DIM] *= eta.pow(1 - alpha)[:, None, None]
-    return out
 
 
 def _qkv(groups=GROUPS, heads=HEADS, seed=0):
@@ -83,7 +59,7 @@ def test_row_scale_maps_gqa_rows_like_upstream(alpha):
     ours = weight.clone()
     scale_rows_(ours, qkv_row_scale(group_eta(head_max, GROUPS, 0.3), alpha, HEADS // GROUPS * HEAD_DIM, HEAD_DIM))
     # × by the same fp32 factor: bitwise equal
-    assert torch.equal(ours, _upstream_style_clip(weight, head_max, GROUPS, 0.3, alpha))
+    assert torch.equal(ours, upstream_qkv_clip(weight, head_max, GROUPS, 0.3, alpha))
     per_group = ours.view(GROUPS, -1, HIDDEN)
     original = weight.view(GROUPS, -1, HIDDEN)
     assert torch.equal(per_group[1], original[1])  # the group under τ: untouched
@@ -137,13 +113,10 @@ def test_bad_shapes_are_refused():
 # ----------------------------------------------------------------------------- the tiny GPT
 
 
-def _dp_slice(batch: dict, dp_rank: int, dp_size: int) -> dict:
-    size = BATCH // dp_size
-    return {k: v[dp_rank * size:(dp_rank + 1) * size] for k, v in batch.items()}
-
-
-def _main_mismatches(optimizer) -> tuple[int, int]:
-    """(params whose model copy is not its main param rounded to the model's dtype, params checked)."""
+def _main_mismatches(model, optimizer) -> tuple[int, int]:
+    """A ``Run.probe``: (params whose model copy is not its main param rounded to the model's
+    dtype, params checked)."""
+    optimizer = optimizer.chained_optimizers[0]
     if hasattr(optimizer, "shard_fp32_from_float16_groups"):  # Megatron's DistributedOptimizer
         pairs = []
         for models, mains in zip(optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups):
@@ -154,104 +127,6 @@ def _main_mismatches(optimizer) -> tuple[int, int]:
         pairs = [(m.detach(), f) for ms, fs in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups)
                  for m, f in zip(ms, fs)]
     return sum(not torch.equal(m, f.to(m.dtype)) for m, f in pairs), len(pairs)
-
-
-def train_runs(rank: int, world: int, runs: list[dict]) -> list[dict]:
-    """Each run: ``dist_opt``, ``bf16``; TP2 over the world's DP ranks, qk-clip on (τ = TAU)."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
-
-    out = []
-    for run in runs:
-        init_megatron(2, 1)
-        muon_config = MuonConfig(tp_mode="owner", **dict(MUON, **run.get("muon", {})))
-        model = build_tiny_gpt(2, 1, use_distributed_optimizer=run["dist_opt"], bf16=run.get("bf16", False),
-                               layout_bucket_size=CUT_QKV_BUCKET if run["dist_opt"] and not run.get("fsdp") else None,
-                               fsdp=run.get("fsdp"))
-        model[0].config.qk_clip, model[0].config.qk_clip_threshold, model[0].config.qk_clip_alpha = True, TAU, ALPHA
-        optimizer = get_megatron_muon_optimizer(_optimizer_config(run["dist_opt"], bf16=run.get("bf16", False)),
-                                                model, muon_config)
-        scheduler = _scheduler(optimizer)
-        wrapper = optimizer.chained_optimizers[0]
-        clip = wrapper.qk_clip
-        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        batch = _dp_slice(make_batch(7, micro_batch_size=BATCH), dp_rank, dp_size)
-        logits, over, mismatches = [], [], []
-        for _ in range(K):
-            forward_backward(model, batch, pp=1, optimizer=optimizer)
-            ok, _, _ = optimizer.step()
-            assert ok
-            scheduler.step(1)
-            logits.append(clip.last_logits.clone())
-            over.append(int(clip.last_heads_over))
-            mismatches.append(_main_mismatches(wrapper) if run.get("bf16") else (0, 0))
-        full = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
-        cut = [len(m.layout.holders(dp_size)) for m in wrapper.optimizer.matrices() if "linear_qkv" in m.layout.name]
-        local = {n: p.detach().clone() for n, p in model[0].named_parameters()}
-        out.append(dict(run=run, full=full if rank == 0 else None, local=local, logits=logits, over=over,
-                        mismatches=mismatches, qkv_holders=cut, log=clip.log_values(),
-                        tp_rank=ps.get_tensor_model_parallel_rank(), dp_rank=dp_rank))
-        destroy_megatron()
-    return out
-
-
-def _reference_logits(core, args) -> None:
-    """Forward pre-hook on a local core attention: the max logit per head from q and k themselves."""
-    query, key = args[0], args[1]  # [s, b, heads, d], [s, b, groups, d]
-    key = key.repeat_interleave(query.shape[2] // key.shape[2], dim=2)
-    scores = torch.einsum("sbhd,tbhd->bhst", query.float(), key.float()) * core.softmax_scale
-    s = scores.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool).triu(diagonal=1)
-    head_max = scores.masked_fill(causal, float("-inf")).amax(dim=(0, 2, 3)).detach()
-    previous = getattr(core, "reference_max", None)
-    core.reference_max = head_max if previous is None else torch.maximum(previous, head_max)
-
-
-def train_reference(rank: int, world: int, configs: list[dict]) -> list[dict]:
-    """TP1, one process, the whole batch: megatron_muon.Muon + AdamW as ``test_megatron_optimizer``'s
-    reference, then (``clip``) upstream's rule on the whole QKV matrices with this process's own logits."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_muon import Muon
-
-    out = []
-    for config in configs:
-        init_megatron(1, 1)
-        model = build_tiny_gpt(1, 1)
-        muon_groups, decay, no_decay = reference_param_groups(model[0])
-        layers = []
-        for module in model[0].modules():
-            if getattr(module, "linear_qkv", None) is not None:
-                module.core_attention.register_forward_pre_hook(_reference_logits)
-                layers.append(module)
-        muon = Muon(muon_groups, lr=LR, weight_decay=WD, momentum=MUON["momentum"], nesterov=MUON["nesterov"],
-                    ns_dtype=torch.float32, coefficients=MUON["coefficient_type"], scale_mode=MUON["scale_mode"],
-                    extra_scale_factor=MUON["extra_scale_factor"])
-        adamw = torch.optim.AdamW([dict(params=decay, weight_decay=WD), dict(params=no_decay, weight_decay=0.0)],
-                                  lr=LR, betas=BETAS, eps=EPS)
-        batch = make_batch(7, micro_batch_size=BATCH)
-        logits = []
-        for _ in range(K):
-            forward_backward(model, batch, pp=1)
-            for p in model[0].parameters():
-                p.grad = p.main_grad
-            muon.step()
-            adamw.step()
-            step_logits = []
-            with torch.no_grad():
-                for layer in layers:
-                    head_max, layer.core_attention.reference_max = layer.core_attention.reference_max, None
-                    step_logits.append(head_max)
-                    if config["clip"]:
-                        weight = layer.linear_qkv.weight
-                        weight.copy_(_upstream_style_clip(weight, head_max, GROUPS, TAU, ALPHA))
-            logits.append(torch.stack(step_logits))  # [layers, heads]
-        full = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
-        destroy_megatron()
-        out.append(dict(full=full, logits=logits))
-    return out
 
 
 # fp32 runs against the clipped reference after K = 3 steps: measured max |run - reference|
@@ -270,84 +145,97 @@ LOGIT_RTOL = 4e-6
 # (test_megatron_optimizer.py does that); their check is the model copy = main rounded.
 BF16_LOGIT_RTOL = 5e-2
 
-RUNS = [dict(dist_opt=True), dict(dist_opt=False), dict(dist_opt=True, bf16=True, muon=dict(fp32_matmul_prec="medium")),
-        dict(dist_opt=False, bf16=True, muon=dict(fp32_matmul_prec="medium")),
+# TP2 over the world's DP ranks, qk-clip on (τ = TAU), each DP rank on its half of the batch;
+# with the distributed optimizer, its layout in buckets that cut a QKV matrix
+CLIPPED = dict(tp=2, qk_clip=(TAU, ALPHA), batch=BATCH, split_batch=True)
+BF16 = dict(bf16=True, muon=dict(fp32_matmul_prec="medium"), probe=_main_mismatches)
+RUNS = [Run(dist_opt=True, layout_bucket_size=CUT_QKV_BUCKET, **CLIPPED), Run(dist_opt=False, **CLIPPED),
+        Run(dist_opt=True, layout_bucket_size=CUT_QKV_BUCKET, **BF16, **CLIPPED),
+        Run(dist_opt=False, **BF16, **CLIPPED),
         # Megatron-FSDP (optim: one bucket for the model, halved over DP2 inside layer 1's QKV,
         # 35 and 29 of its 64 TP-local rows; asserted): the clip scales this rank's rows of the
         # DTensor main weight
-        dict(dist_opt=True, fsdp="optim")]
+        Run(dist_opt=True, wrap="megatron_fsdp", sharding="optim", **CLIPPED)]
 
 
 @pytest.fixture(scope="module")
-def references():
-    clipped, unclipped = run_world(1, train_reference, [dict(clip=True), dict(clip=False)], timeout=TIMEOUT)[0]
-    return clipped, unclipped
+def reference():
+    """(clipped, unclipped): one process at TP1 on the whole batch, with and without upstream's clip."""
+    clipped = RUNS[0].reference_run
+    unclipped = dataclasses.replace(clipped, qk_clip=None)
+    refs = references([clipped, unclipped], timeout=TIMEOUT)
+    return refs[clipped], refs[unclipped]
 
 
 @pytest.fixture(scope="module")
 def trained():
-    return run_world(4, train_runs, RUNS, timeout=TIMEOUT)
+    return run_world(4, train_all, RUNS, timeout=TIMEOUT)
 
 
-def test_reference_clips_some_heads_and_not_others(references):
-    clipped, unclipped = references
-    for step, head_max in enumerate(clipped["logits"]):
+def _qkv_holders(result) -> list[int]:
+    """Per QKV matrix, the DP ranks that hold a piece of it."""
+    return [len(lay.holders(result.dp_size)) for lay in result.layouts if "linear_qkv" in lay.name]
+
+
+def test_reference_clips_some_heads_and_not_others(reference):
+    clipped, unclipped = reference
+    for step, head_max in enumerate(clipped.logits):
         over = int((head_max > TAU).sum())
         assert 0 < over < head_max.numel(), f"step {step}: {over} of {head_max.numel()} heads over {TAU}: {head_max}"
-    worst = max((clipped["full"][n] - unclipped["full"][n]).abs().max().item() for n in clipped["full"])
+    worst = max((clipped.full[n] - unclipped.full[n]).abs().max().item() for n in clipped.full)
     assert worst > 100 * ATOL, f"clipping moves the weights by only {worst:.2e}: the test could not fail"
 
 
 @pytest.mark.parametrize("index", range(len(RUNS)))
-def test_logits_are_tracked_and_reduced_over_dp(trained, references, index):
+def test_logits_are_tracked_and_reduced_over_dp(trained, reference, index):
     """Each TP rank holds heads [2r, 2r + 2) of every layer; after the MAX over DP its logits are
     the whole batch's (the reference's, computed from q and k)."""
-    reference = references[0]["logits"]
-    bf16 = RUNS[index].get("bf16", False)
+    reference = reference[0].logits
+    bf16 = RUNS[index].bf16
     for result in (ranks[index] for ranks in trained):
-        r = result["tp_rank"]
+        r = result.tp_rank
         for step in range(K):
             want = reference[step][:, 2 * r:2 * r + 2].reshape(-1)
-            got = result["logits"][step]
+            got = result.logits[step]
             if bf16:
                 torch.testing.assert_close(got, want, rtol=BF16_LOGIT_RTOL, atol=0)
             else:
                 torch.testing.assert_close(got, want, rtol=LOGIT_RTOL, atol=0)
-            assert result["over"][step] == int((got > TAU).sum())
+            assert result.heads_over[step] == int((got > TAU).sum())
 
 
-@pytest.mark.parametrize("index", [i for i, r in enumerate(RUNS) if not r.get("bf16")])
-def test_matches_single_process_reference(trained, references, index):
-    clipped, unclipped = references
+@pytest.mark.parametrize("index", [i for i, r in enumerate(RUNS) if not r.bf16])
+def test_matches_single_process_reference(trained, reference, index):
+    clipped, unclipped = reference
     result = trained[0][index]
-    worst = max(((result["full"][n] - clipped["full"][n]).abs().max().item(), n) for n in clipped["full"])
+    worst = max(((result.full[n] - clipped.full[n]).abs().max().item(), n) for n in clipped.full)
     print(f"\n{RUNS[index]}: max |run - reference| = {worst[0]:.3e} ({worst[1]})")
     assert worst[0] <= ATOL, f"{RUNS[index]}: {worst[1]} off by {worst[0]:.2e}"
-    if RUNS[index]["dist_opt"]:
-        assert any(h > 1 for ranks in trained for h in ranks[index]["qkv_holders"]), "no QKV matrix is cut across DP"
+    if RUNS[index].dist_opt:
+        assert any(h > 1 for ranks in trained for h in _qkv_holders(ranks[index])), "no QKV matrix is cut across DP"
 
 
-@pytest.mark.parametrize("index", [i for i, r in enumerate(RUNS) if r.get("bf16")])
+@pytest.mark.parametrize("index", [i for i, r in enumerate(RUNS) if r.bf16])
 def test_bf16_model_params_stay_their_main_params_rounded(trained, index):
     for result in (ranks[index] for ranks in trained):
-        for step, (bad, checked) in enumerate(result["mismatches"]):
+        for step, (bad, checked) in enumerate(result.probes):
             assert checked > 0 and bad == 0, f"{RUNS[index]} step {step}: {bad} of {checked} params off their main"
 
 
-@pytest.mark.parametrize("index", [i for i, r in enumerate(RUNS) if not r.get("fsdp")])  # FSDP: shards differ
+@pytest.mark.parametrize("index", [i for i, r in enumerate(RUNS) if r.wrap == "ddp"])  # FSDP: shards differ
 def test_dp_replicas_bitwise_identical(trained, index):
     for r in (ranks[index] for ranks in trained):
         for q in (ranks[index] for ranks in trained):
-            if q["tp_rank"] == r["tp_rank"]:
-                for name, t in r["local"].items():
-                    assert torch.equal(t, q["local"][name]), f"{RUNS[index]}: {name} differs across DP"
+            if q.tp_rank == r.tp_rank:
+                for name, t in r.local.items():
+                    assert torch.equal(t, q.local[name]), f"{RUNS[index]}: {name} differs across DP"
 
 
-def test_log_values_count_the_whole_model(trained, references):
+def test_log_values_count_the_whole_model(trained, reference):
     """``--muon-log-stats``' figures: max logit and heads over τ of all layers and TP ranks."""
-    last = references[0]["logits"][-1]
+    last = reference[0].logits[-1]
     for result in (ranks[0] for ranks in trained):
-        top, over, heads = result["log"]
+        top, over, heads = result.qk_log
         assert heads == LAYERS * HEADS
         assert over == int((last > TAU).sum())
         assert top == pytest.approx(last.max().item(), rel=LOGIT_RTOL)

@@ -10,7 +10,7 @@ Gloo: the tiny GPT of ``megatron_harness`` with MLA in every layer (local spec, 
 step, trained K steps with ``get_megatron_muon_optimizer`` at TP2 × DP2 (world 4), with the
 distributed optimizer (q and kv up-projections cut between DP ranks) and without, each DP rank on
 its own half of the batch; against one process at TP1 on the whole batch, Muon + AdamW at torch
-level, then upstream's ``clip_qk`` on every MLA layer (whole matrices).
+level, then upstream's ``clip_qk`` on every MLA layer (whole matrices; ``training_harness.reference``).
 
 TP2 needs ``MLACoreAttention``'s fix of megatron-core's rotary-key gradient at TP > 1 on the
 local spec (Megatron-LM issue #1699, ``tests/mla_attention.py``); without it TP2 and TP1 differ
@@ -19,27 +19,16 @@ by ~1e-2 after 3 steps whatever the clip does.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from dist_harness import run_world
-from megatron_harness import (
-    HEADS,
-    HIDDEN,
-    LAYERS,
-    MLA,
-    build_tiny_gpt,
-    destroy_megatron,
-    forward_backward,
-    gather_full_params,
-    init_megatron,
-    make_batch,
-    reference_param_groups,
-)
-from training_harness import BETAS, EPS, LR, MUON, WD, _optimizer_config, _scheduler
+from megatron_harness import HEADS, HIDDEN, LAYERS, MLA, build_tiny_gpt, destroy_megatron, init_megatron
+from training_harness import MUON, K, Run, _optimizer_config, mla_layers, references, train_all
 
 from megatron_muon.core.qk_clip import group_eta, mla_kv_row_scale, mla_q_row_scale, scale_rows_, scale_rows_flat_
 
-K = 3
 ALPHA = 0.5
 BATCH = 4  # the global batch: 2 sequences per DP rank at DP2
 NOPE, PE, V = MLA["qk_head_dim"], MLA["qk_pos_emb_head_dim"], MLA["v_head_dim"]
@@ -118,12 +107,6 @@ def test_mla_bad_alpha_is_refused():
 # ----------------------------------------------------------------------------- upstream's clip_qk
 
 
-def _mla_layers(chunk) -> list:
-    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
-
-    return [m for m in chunk.modules() if isinstance(m, MLASelfAttention)]
-
-
 def upstream_clip_cases(head_max: torch.Tensor, tau: float) -> dict:
     """In a one-rank Megatron world: for each q projection kind and α, a real ``MLASelfAttention``
     clipped by upstream's ``clip_qk`` (``current_max_attn_logits`` = ``head_max``) and by our row
@@ -133,7 +116,7 @@ def upstream_clip_cases(head_max: torch.Tensor, tau: float) -> dict:
         for alpha in (0.5, 0.3):
             init_megatron(1, 1)
             model = build_tiny_gpt(1, 1, mla=case["mla"])
-            layer = _mla_layers(model[0])[0]
+            layer = mla_layers(model[0])[0]
             layer.config.qk_clip, layer.config.qk_clip_threshold, layer.config.qk_clip_alpha = True, tau, alpha
             q_proj = layer.linear_q_proj if case["mla"]["q_lora_rank"] is None else layer.linear_q_up_proj
             before = q_proj.weight.detach().clone(), layer.linear_kv_up_proj.weight.detach().clone()
@@ -152,88 +135,11 @@ def upstream_clip_cases(head_max: torch.Tensor, tau: float) -> dict:
 # ----------------------------------------------------------------------------- the tiny MLA GPT
 
 
-def _dp_slice(batch: dict, dp_rank: int, dp_size: int) -> dict:
-    size = BATCH // dp_size
-    return {k: v[dp_rank * size:(dp_rank + 1) * size] for k, v in batch.items()}
-
-
-def train_runs(rank: int, world: int, runs: list[dict]) -> list[dict]:
-    """Each run: ``case`` (``CASES``), ``dist_opt``; TP2 over the world's DP ranks, qk-clip on."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
-
-    out = []
-    for run in runs:
-        case = CASES[run["case"]]
-        init_megatron(2, 1)
-        model = build_tiny_gpt(2, 1, use_distributed_optimizer=run["dist_opt"], mla=case["mla"],
-                               layout_bucket_size=case["bucket"] if run["dist_opt"] else None)
-        config = model[0].config
-        config.qk_clip, config.qk_clip_threshold, config.qk_clip_alpha = True, case["tau"], ALPHA
-        optimizer = get_megatron_muon_optimizer(_optimizer_config(run["dist_opt"]), model,
-                                                MuonConfig(tp_mode="owner", **MUON))
-        scheduler = _scheduler(optimizer)
-        wrapper = optimizer.chained_optimizers[0]
-        clip = wrapper.qk_clip
-        dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
-        batch = _dp_slice(make_batch(7, micro_batch_size=BATCH), dp_rank, dp_size)
-        logits, over = [], []
-        for _ in range(K):
-            forward_backward(model, batch, pp=1, optimizer=optimizer)
-            ok, _, _ = optimizer.step()
-            assert ok
-            scheduler.step(1)
-            logits.append(clip.last_logits.clone())
-            over.append(int(clip.last_heads_over))
-        full = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
-        cut = {m.layout.name: len(m.layout.holders(dp_size)) for m in wrapper.optimizer.matrices()
-               if "_up_proj" in m.layout.name or "linear_q_proj" in m.layout.name}
-        local = {n: p.detach().clone() for n, p in model[0].named_parameters()}
-        out.append(dict(run=run, full=full if rank == 0 else None, local=local, logits=logits, over=over,
-                        holders=cut, log=clip.log_values(), weights=[len(a.weights) for a in clip.attentions],
-                        tp_rank=ps.get_tensor_model_parallel_rank(), dp_rank=dp_rank))
-        destroy_megatron()
-    return out
-
-
-def train_reference(case: dict, clip: bool) -> dict:
-    """TP1, one process, the whole batch: megatron_muon.Muon + AdamW as ``test_megatron_optimizer``'s
-    reference, then (``clip``) upstream's ``MLASelfAttention.clip_qk`` on every layer, which reads
-    the max logits ``MLACoreAttention`` tracked over the whole batch and resets them."""
-    from megatron.core import parallel_state as ps
-
-    from megatron_muon import Muon
-
-    init_megatron(1, 1)
-    model = build_tiny_gpt(1, 1, mla=case["mla"])
-    config = model[0].config
-    config.qk_clip, config.qk_clip_threshold, config.qk_clip_alpha = True, case["tau"], ALPHA
-    muon_groups, decay, no_decay = reference_param_groups(model[0])
-    muon = Muon(muon_groups, lr=LR, weight_decay=WD, momentum=MUON["momentum"], nesterov=MUON["nesterov"],
-                ns_dtype=torch.float32, coefficients=MUON["coefficient_type"], scale_mode=MUON["scale_mode"],
-                extra_scale_factor=MUON["extra_scale_factor"])
-    adamw = torch.optim.AdamW([dict(params=decay, weight_decay=WD), dict(params=no_decay, weight_decay=0.0)],
-                              lr=LR, betas=BETAS, eps=EPS)
-    layers = _mla_layers(model[0])
-    batch = make_batch(7, micro_batch_size=BATCH)
-    logits = []
-    for _ in range(K):
-        forward_backward(model, batch, pp=1)
-        for p in model[0].parameters():
-            p.grad = p.main_grad
-        muon.step()
-        adamw.step()
-        logits.append(torch.stack([layer.core_attention.current_max_attn_logits for layer in layers]))
-        with torch.no_grad():
-            for layer in layers:
-                if clip:
-                    layer.clip_qk()
-                layer.core_attention.current_max_attn_logits = None
-    full = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
-    destroy_megatron()
-    return dict(full=full, logits=logits)  # logits: per step [layers, heads]
+def _run(name: str, dist_opt: bool) -> Run:
+    """``CASES[name]`` at TP2 over the world's DP ranks, qk-clip on, each DP rank on its half of the batch."""
+    case = CASES[name]
+    return Run(tp=2, dist_opt=dist_opt, mla=case["mla"], qk_clip=(case["tau"], ALPHA), batch=BATCH, split_batch=True,
+               layout_bucket_size=case["bucket"] if dist_opt else None)
 
 
 UPSTREAM_TAU = 0.3
@@ -248,7 +154,7 @@ def untracked_refusal() -> str:
     init_megatron(1, 1)
     model = build_tiny_gpt(1, 1, mla=CASES["q_proj"]["mla"])
     model[0].config.log_max_attention_logit = True
-    for layer in _mla_layers(model[0]):
+    for layer in mla_layers(model[0]):
         del layer.core_attention.current_max_attn_logits
     try:
         get_megatron_muon_optimizer(_optimizer_config(False), model, MuonConfig(tp_mode="owner", **MUON))
@@ -260,12 +166,11 @@ def untracked_refusal() -> str:
 
 
 def one_process(rank: int, world: int) -> dict:
-    references = {(name, clip): train_reference(CASES[name], clip) for name in CASES for clip in (True, False)}
-    return dict(upstream=upstream_clip_cases(UPSTREAM_HEAD_MAX, UPSTREAM_TAU), untracked=untracked_refusal(),
-                references=references)
+    return dict(upstream=upstream_clip_cases(UPSTREAM_HEAD_MAX, UPSTREAM_TAU), untracked=untracked_refusal())
 
 
-RUNS = [dict(case=c, dist_opt=d) for c in CASES for d in (True, False)]
+NAMES = [c for c in CASES for _ in (True, False)]
+RUNS = [_run(c, d) for c in CASES for d in (True, False)]
 
 
 @pytest.fixture(scope="module")
@@ -274,8 +179,23 @@ def single():
 
 
 @pytest.fixture(scope="module")
+def reference():
+    """{(case, clip): one process at TP1 on the whole batch, with (clip True) and without upstream's clip_qk}."""
+    keys = {(name, clip): _run(name, True).reference_run for name in CASES for clip in (True, False)}
+    keys = {k: run if k[1] else dataclasses.replace(run, qk_clip=None) for k, run in keys.items()}
+    refs = references(keys.values(), timeout=TIMEOUT)
+    return {k: refs[run] for k, run in keys.items()}
+
+
+@pytest.fixture(scope="module")
 def trained():
-    return run_world(4, train_runs, RUNS, timeout=TIMEOUT)
+    return run_world(4, train_all, RUNS, timeout=TIMEOUT)
+
+
+def _holders(result) -> dict[str, int]:
+    """Per q / kv up-projection (and ``linear_q_proj``), the DP ranks that hold a piece of it."""
+    return {lay.name: len(lay.holders(result.dp_size)) for lay in result.layouts
+            if "_up_proj" in lay.name or "linear_q_proj" in lay.name}
 
 
 @pytest.mark.parametrize("key", [(k, a) for k in CASES for a in (0.5, 0.3)], ids=lambda key: f"{key[0]}-{key[1]}")
@@ -312,50 +232,50 @@ LOGIT_RTOL = 4e-6
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_reference_clips_some_heads_and_not_others(single, name):
-    clipped, unclipped = single["references"][(name, True)], single["references"][(name, False)]
+def test_reference_clips_some_heads_and_not_others(reference, name):
+    clipped, unclipped = reference[(name, True)], reference[(name, False)]
     tau = CASES[name]["tau"]
-    for step, head_max in enumerate(clipped["logits"]):
+    for step, head_max in enumerate(clipped.logits):
         over = int((head_max > tau).sum())
         assert 0 < over < head_max.numel(), f"{name} step {step}: {over} of {head_max.numel()} heads over {tau}"
-    worst = max((clipped["full"][n] - unclipped["full"][n]).abs().max().item() for n in clipped["full"])
+    worst = max((clipped.full[n] - unclipped.full[n]).abs().max().item() for n in clipped.full)
     assert worst > 100 * ATOL, f"{name}: clipping moves the weights by only {worst:.2e}: the test could not fail"
 
 
 @pytest.mark.parametrize("index", range(len(RUNS)))
 def test_every_layer_clips_its_q_and_kv_up_projections(trained, index):
     for result in (ranks[index] for ranks in trained):
-        assert result["weights"] == [2] * LAYERS
+        assert list(result.qk_weights) == [2] * LAYERS
 
 
 @pytest.mark.parametrize("index", range(len(RUNS)))
-def test_logits_are_tracked_and_reduced_over_dp(trained, single, index):
+def test_logits_are_tracked_and_reduced_over_dp(trained, reference, index):
     """Each TP rank holds heads [2r, 2r + 2) of every layer; after the MAX over DP its logits are
     the whole batch's."""
-    name = RUNS[index]["case"]
-    reference = single["references"][(name, True)]["logits"]
+    name = NAMES[index]
+    reference = reference[(name, True)].logits
     for result in (ranks[index] for ranks in trained):
-        r = result["tp_rank"]
+        r = result.tp_rank
         for step in range(K):
-            got = result["logits"][step]
+            got = result.logits[step]
             torch.testing.assert_close(got, reference[step][:, 2 * r:2 * r + 2].reshape(-1), rtol=LOGIT_RTOL, atol=0)
-            assert result["over"][step] == int((got > CASES[name]["tau"]).sum())
+            assert result.heads_over[step] == int((got > CASES[name]["tau"]).sum())
 
 
 @pytest.mark.parametrize("index", range(len(RUNS)))
-def test_matches_single_process_reference(trained, single, index):
+def test_matches_single_process_reference(trained, reference, index):
     run = RUNS[index]
-    clipped = single["references"][(run["case"], True)]
+    clipped = reference[(NAMES[index], True)]
     result = trained[0][index]
-    worst = max(((result["full"][n] - clipped["full"][n]).abs().max().item(), n) for n in clipped["full"])
+    worst = max(((result.full[n] - clipped.full[n]).abs().max().item(), n) for n in clipped.full)
     print(f"\n{run}: max |run - reference| = {worst[0]:.3e} ({worst[1]})")
     assert worst[0] <= ATOL, f"{run}: {worst[1]} off by {worst[0]:.2e}"
-    for n in clipped["full"]:
+    for n in clipped.full:
         if n.endswith(("linear_q_proj.weight", "_up_proj.weight")):
-            off = (result["full"][n] - clipped["full"][n]).abs().max().item()
+            off = (result.full[n] - clipped.full[n]).abs().max().item()
             assert off <= CLIPPED_ATOL, f"{run}: {n} off by {off:.2e}"
-    if run["dist_opt"]:
-        assert any(h > 1 for ranks in trained for h in ranks[index]["holders"].values()), \
+    if run.dist_opt:
+        assert any(h > 1 for ranks in trained for h in _holders(ranks[index]).values()), \
             f"{run}: no q / kv up-projection is cut across DP"
 
 
@@ -363,17 +283,17 @@ def test_matches_single_process_reference(trained, single, index):
 def test_dp_replicas_bitwise_identical(trained, index):
     for r in (ranks[index] for ranks in trained):
         for q in (ranks[index] for ranks in trained):
-            if q["tp_rank"] == r["tp_rank"]:
-                for name, t in r["local"].items():
-                    assert torch.equal(t, q["local"][name]), f"{RUNS[index]}: {name} differs across DP"
+            if q.tp_rank == r.tp_rank:
+                for name, t in r.local.items():
+                    assert torch.equal(t, q.local[name]), f"{RUNS[index]}: {name} differs across DP"
 
 
-def test_log_values_count_the_whole_model(trained, single):
+def test_log_values_count_the_whole_model(trained, reference):
     """``--muon-log-stats``' figures: max logit and heads over τ of all layers and TP ranks."""
-    for index, run in enumerate(RUNS):
-        last = single["references"][(run["case"], True)]["logits"][-1]
+    for index, name in enumerate(NAMES):
+        last = reference[(name, True)].logits[-1]
         for result in (ranks[index] for ranks in trained):
-            top, over, heads = result["log"]
+            top, over, heads = result.qk_log
             assert heads == LAYERS * HEADS
-            assert over == int((last > CASES[run["case"]]["tau"]).sum())
+            assert over == int((last > CASES[name]["tau"]).sum())
             assert top == pytest.approx(last.max().item(), rel=LOGIT_RTOL)

@@ -5,7 +5,7 @@ chunks, PP rank 0 holding layers 0 and 2, PP rank 1 layers 1 and 3, each chunk i
 and buffer, as ``megatron.training.get_model`` builds them. ``get_megatron_muon_optimizer`` gets
 both chunks (one optimizer over both buffers, as ``setup_model_and_optimizer`` passes them) and
 ``get_forward_backward_func`` runs the interleaved schedule over two micro-batches. The reference
-(``test_megatron_optimizer.train_reference``) is the same 4-layer model at TP=1 on one process
+(``training_harness.reference``) is the same 4-layer model at TP=1 on one process
 with the same two micro-batches accumulated in the same order, with and without grad clipping.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 from dist_harness import WorldsOnDemand, run_world
-from training_harness import train_reference, train_runs
+from training_harness import Run, references, train_all
 
 LAYERS_VPP = 4  # PP2 x VPP2: one layer per virtual stage
 # The interleaved schedule needs at least PP micro-batches (microbatch_group_size_per_vp_stage
@@ -33,63 +33,61 @@ VPP_ATOL = 1e-6
 # per rank, all-reduced) of grads that differ in the last bits after the first step; measured
 # relative difference at most 2.0e-7 (5x margin).
 NORM_RTOL = 1e-6
-RUNS_2 = [dict(VPP, dist_opt=d, clip=c) for d in (False, True) for c in (0.0, CLIP)]  # PP2 x VPP2 x DP1
-RUNS_4 = [dict(VPP, dist_opt=True, clip=CLIP)]  # x DP2: the owner exchange across both chunks' buffers
+RUNS_2 = [Run(**VPP, dist_opt=d, clip=c) for d in (False, True) for c in (0.0, CLIP)]  # PP2 x VPP2 x DP1
+RUNS_4 = [Run(**VPP, dist_opt=True, clip=CLIP)]  # x DP2: the owner exchange across both chunks' buffers
 RUNS = {2: RUNS_2, 4: RUNS_4}
 
 
 @pytest.fixture(scope="module")
-def references():
-    """{clip: (full weights, initial weights, grad norms per step)} for the 4-layer model."""
-    clips = (0.0, CLIP)
-    configs = [dict(layers=LAYERS_VPP, microbatches=MICROBATCHES, clip=c) for c in clips]
-    return dict(zip(clips, run_world(1, train_reference, configs)[0]))
+def reference():
+    """{run: the 4-layer model's reference, the same two micro-batches accumulated}."""
+    return references(RUNS_2 + RUNS_4)
 
 
 @pytest.fixture(scope="module")
 def trained():
-    return WorldsOnDemand(lambda world: run_world(world, train_runs, RUNS[world]))
+    return WorldsOnDemand(lambda world: run_world(world, train_all, RUNS[world]))
 
 
 def _cases():
     for world, runs in RUNS.items():
         for i, run in enumerate(runs):
-            tags = [f"w{world}", "distopt" if run["dist_opt"] else "ddp", f"clip{run['clip']:g}"]
+            tags = [f"w{world}", "distopt" if run.dist_opt else "ddp", f"clip{run.clip:g}"]
             yield pytest.param(world, i, id="-".join(tags))
 
 
 @pytest.mark.parametrize("world, index", list(_cases()))
-def test_vpp_matches_single_process_reference(trained, references, world, index):
+def test_vpp_matches_single_process_reference(trained, reference, world, index):
     result = trained[world][0][index]
-    run = result["run"]
-    reference, _, reference_norms = references[run["clip"]]
-    assert set(result["full"]) == set(reference)
+    run = result.run
+    reference, reference_norms = reference[run].full, reference[run].grad_norms
+    assert set(result.full) == set(reference)
     assert any(".layers.3." in n for n in reference), "the 4-layer model"
-    worst = max(((result["full"][n] - reference[n]).abs().max().item(), n) for n in reference)
+    worst = max(((result.full[n] - reference[n]).abs().max().item(), n) for n in reference)
     assert worst[0] <= VPP_ATOL, f"{run}: {worst[1]} off by {worst[0]:.2e}"
     # Megatron's grad norm (over both stages' chunks) is the reference's: every layer's grad
     # reached the optimizer, none twice.
-    for step, (got, want) in enumerate(zip(result["grad_norms"], reference_norms)):
+    for step, (got, want) in enumerate(zip(result.grad_norms, reference_norms)):
         assert abs(got - want) <= NORM_RTOL * want, f"{run} step {step}: grad norm {got} vs {want}"
-        if run["clip"]:
-            assert got > run["clip"], f"{run} step {step}: grad norm {got} <= clip {run['clip']}: no clipping"
+        if run.clip:
+            assert got > run.clip, f"{run} step {step}: grad norm {got} <= clip {run.clip}: no clipping"
 
 
 def test_vpp_runs_two_chunks_per_rank(trained):
     """Each PP rank holds two virtual stages, and the optimizer sees both chunks' matrices."""
     for world in RUNS:
         for result in trained[world][0]:
-            chunks = {n.split(".")[0] for n in result["local"]}
+            chunks = {n.split(".")[0] for n in result.local}
             assert chunks == {"chunk0", "chunk1"}, chunks
             # 4 matrices per layer (qkv, proj, fc1, fc2), 2 layers on this PP rank
-            assert len(result["layouts"]) == 8, [lay.name for lay in result["layouts"]]
+            assert len(result.layouts) == 8, [lay.name for lay in result.layouts]
 
 
 def test_vpp_dp2_cuts_a_matrix_in_each_chunk(trained):
     """At DP2 the 1/dp boundary of each chunk's buffer falls inside its fc1, so the DP owner
     exchange runs for both chunks' buffers in one step."""
     for result in trained[4][0]:
-        dp = result["dp_size"]
-        cut = {lay.name.split(".")[0] for lay in result["layouts"] if len(lay.holders(dp)) > 1}
+        dp = result.dp_size
+        cut = {lay.name.split(".")[0] for lay in result.layouts if len(lay.holders(dp)) > 1}
         assert cut == {"chunk0", "chunk1"}, cut
-        assert all(step.get("all_to_all", 0) > 0 for step in result["stats"])
+        assert all(step.get("all_to_all", 0) > 0 for step in result.by_primitive)

@@ -45,6 +45,7 @@ import pickle
 import queue
 import sys
 import tempfile
+import time
 import traceback
 
 import torch
@@ -56,6 +57,9 @@ __all__ = ["ChildError", "WorldsOnDemand", "run_world", "shutdown_pools"]
 # group, so a count this high means groups that outlived their job, and every later collective
 # on the machine slows down (measured: a MoE world once reached about 1,150 threads per rank).
 MAX_THREADS = 400
+POLL_S = 1.0  # how often the parent looks for a dead rank while it waits for reports
+DEAD_GRACE_S = 5.0  # a rank's report can still be in the queue's pipe when the rank has exited
+PEER_WAIT_S = 10.0  # after one rank's failure, how long the parent waits for its peers' reports
 PRELOAD = ["torch", "torch.distributed", "megatron.core.parallel_state", "megatron.core.models.gpt",
            "megatron.core.distributed", "megatron.core.optimizer", "megatron.training",
            "megatron.training.training", "megatron_muon.megatron.optimizer"]
@@ -217,23 +221,34 @@ atexit.register(shutdown_pools)  # before multiprocessing's own exit handler joi
 
 
 def _collect(results, world_size: int, name: str, timeout: float, alive, job_id=None):
-    """Wait for every rank's report; returns (results by rank, errors, retire reasons)."""
+    """Wait for every rank's report; returns (results by rank, errors, retire reasons).
+
+    A rank that dies (a segfault, the OOM killer) never reports: its death is noticed within
+    ``DEAD_GRACE_S`` instead of after the whole ``timeout``."""
     collected: dict[int, object] = {}
     errors: list[str] = []
     retire: list[str] = []
+    deadline = time.monotonic() + timeout
+    first_error_at = dead_since = None
     while len(collected) + len(errors) < world_size:
-        # Once a rank has failed, its peers fail soon after (a closed connection);
-        # wait briefly for their reports, since the first one is not always the cause.
-        wait = timeout if not errors else 10.0
         try:
-            report = results.get(timeout=wait)
+            report = results.get(timeout=POLL_S)
         except queue.Empty:
-            if errors:
+            now = time.monotonic()
+            # Once a rank has failed, its peers fail soon after (a closed connection); wait
+            # briefly for their reports, since the first one is not always the cause.
+            if first_error_at is not None and now - first_error_at > PEER_WAIT_S:
                 break
             dead = [r for r in range(world_size) if not alive(r) and r not in collected]
-            errors.append(f"run_world({world_size}, {name}): no result after {timeout:.0f}s; "
-                          f"ranks that exited without reporting: {dead}")
-            break
+            if dead:
+                dead_since = dead_since or now
+                if now - dead_since > DEAD_GRACE_S:
+                    errors.append(f"run_world({world_size}, {name}): ranks {dead} exited without reporting")
+                    break
+            if now > deadline:
+                errors.append(f"run_world({world_size}, {name}): no result after {timeout:.0f}s")
+                break
+            continue
         got_id, rank, ok, payload, reason = report
         if got_id != job_id:
             continue  # a late report of a job already given up on (its pool is gone)
@@ -242,6 +257,7 @@ def _collect(results, world_size: int, name: str, timeout: float, alive, job_id=
         if ok:
             collected[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         else:
+            first_error_at = first_error_at or time.monotonic()
             errors.append(f"--- rank {rank} ---\n{payload}")
     return collected, errors, retire
 

@@ -109,6 +109,17 @@ def test_job_that_changes_a_harness_constant_retires_the_pool():
     assert megatron_harness.GROUPS == 2  # this process's copy was never the job's
 
 
+def _die_on_rank_1(rank: int, world: int) -> int:
+    if rank == 1:
+        os._exit(3)  # no report, as a segfault or the OOM killer leaves it
+    return os.getpid()
+
+
+def test_a_dead_rank_is_reported_without_waiting_for_the_timeout():
+    with pytest.raises(ChildError, match=r"ranks \[1\] exited without reporting"):
+        run_world(2, _die_on_rank_1, timeout=600)  # within DEAD_GRACE_S + the peers' wait, not 600 s
+
+
 def test_job_that_sets_megatron_args_retires_the_pool():
     ranks = run_world(2, _set_megatron_args)  # its results still come back
     assert set(run_world(2, _pid)).isdisjoint(ranks)

@@ -5,12 +5,13 @@ the distributed optimizer, the CPU's ``--no-*`` fusions). ``launch(args, cwd, ..
 and returns its ``Job`` (exit code per rank, the ranks' output); ``run_tiny(args, cwd)`` runs 2
 ranks on ``TINY + args`` and returns the output, failing the test on a non-zero exit.
 
-Two launchers, one job: ``scripts/pretrain_gpt.py`` (``ENTRY``) runs by fork from a warm
-interpreter (``tests/warm_entry.py``: the imports done once per session, then torchrun's
-environment per rank); any other entry, or ``MEGATRON_MUON_TEST_TORCHRUN=1``, runs under
-``python -m torch.distributed.run``. Megatron's loop, the plugin and the gloo world are the same
-either way; the launcher is not what these tests check (``test_pretrain_saves_and_resumes``,
-the Slurm and the preflight tests run the real launchers).
+Two launchers, one job: an entry script (``scripts/pretrain_gpt.py``, or a test's wrapper of it)
+runs by fork from a warm interpreter (``tests/warm_entry.py``: torch's and megatron's imports done
+once per session, then torchrun's environment per rank); a job whose ``env`` sets what only
+interpreter start reads (``START_ENV``), ``torchrun=True``, or ``MEGATRON_MUON_TEST_TORCHRUN=1``
+runs under ``python -m torch.distributed.run``. Megatron's loop, the plugin and the gloo world
+are the same either way; the launcher is not what these tests check
+(``test_pretrain_saves_and_resumes``, the Slurm and the preflight tests run the real launchers).
 """
 
 from __future__ import annotations
@@ -72,9 +73,8 @@ BASE_ENV = dict(
     OMP_NUM_THREADS="1",
     PYTHONWARNINGS="ignore",
 )
-# What a forked rank may change: variables read while the job runs. Anything else (PYTHONPATH,
-# the thread count, ...) takes effect at interpreter start, so such a job gets a fresh torchrun.
-_RUNTIME_ENV = {"CUDA_DEVICE_MAX_CONNECTIONS", "NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN"}
+# What a forked rank cannot change: variables read at interpreter start or when torch loads.
+START_ENV = ("PYTHON", "OMP_", "MKL_", "LD_", "CUDA_VISIBLE_DEVICES", "TORCH_")
 
 
 @dataclass(frozen=True)
@@ -94,9 +94,9 @@ def launch(args: list[str], cwd, *, nproc: int = 2, entry: Path = ENTRY, env: di
     (a ``None`` value unsets the variable): the full command line, no ``TINY`` added here.
     ``torchrun``: under ``python -m torch.distributed.run`` whatever the entry."""
     env = dict(env or {})
-    warm = entry == ENTRY and set(env) <= _RUNTIME_ENV and os.environ.get("MEGATRON_MUON_TEST_TORCHRUN") != "1"
+    warm = not any(key.startswith(START_ENV) for key in env) and os.environ.get("MEGATRON_MUON_TEST_TORCHRUN") != "1"
     if warm and not torchrun:
-        return _warm().run(args, Path(cwd), nproc, env, timeout)
+        return _warm().run(Path(entry), args, Path(cwd), nproc, env, timeout)
     full_env = dict(os.environ, **BASE_ENV)
     for key, value in env.items():
         if value is None:
@@ -125,15 +125,15 @@ class _WarmEntry:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=REPO,
         )
         ready = self.proc.stdout.readline()
-        assert ready, "tests/warm_entry.py died while importing scripts/pretrain_gpt.py"
+        assert ready, "tests/warm_entry.py died while importing torch and megatron"
         threads = json.loads(ready)["threads"]
         assert threads == 1, f"the warm entry runs {threads} threads: a fork would copy their held locks"
 
-    def run(self, args, cwd: Path, nproc: int, env: dict, timeout: int) -> Job:
+    def run(self, entry: Path, args, cwd: Path, nproc: int, env: dict, timeout: int) -> Job:
         outdir = tempfile.mkdtemp(prefix="warm_entry_")
         try:
-            job = dict(args=[str(a) for a in args], cwd=str(cwd), nproc=nproc, env=env, port=free_port(),
-                       timeout=timeout, outdir=outdir)
+            job = dict(entry=str(entry), args=[str(a) for a in args], cwd=str(cwd), nproc=nproc, env=env,
+                       port=free_port(), timeout=timeout, outdir=outdir)
             self.proc.stdin.write(json.dumps(job) + "\n")
             self.proc.stdin.flush()
             line = self.proc.stdout.readline()

@@ -1,14 +1,17 @@
-"""A warm interpreter that launches ``scripts/pretrain_gpt.py`` jobs by fork, as torchrun would.
+"""A warm interpreter that launches Megatron entry scripts by fork, as torchrun would.
 
 Run by ``entry_harness`` as ``python tests/warm_entry.py ENTRY`` with the launch environment
-(``entry_harness.BASE_ENV``). It executes ENTRY's top level once, under another ``__name__``: the
-imports of torch, megatron-core and megatron.training, ``hooks.install()`` and the CPU patches, in
-the order a fresh rank runs them, and not ``main()``. Then it reads one job per line on stdin (JSON:
-``args``, ``cwd``, ``nproc``, ``env``, ``port``, ``timeout``, ``outdir``) and, per job, forks
-``nproc`` ranks. Each rank sets the variables torchrun sets for a one-node job, ``sys.argv`` and
-the job's ``env`` (a ``null`` value unsets), writes stdout and stderr to ``outdir/rank<i>.log`` and
-runs ENTRY as ``__main__`` again: the module-level steps repeat (both are idempotent) and Megatron
-starts from the state a fresh import leaves, as no job ever runs in this process itself.
+(``entry_harness.BASE_ENV``). It imports, once, the torch and megatron modules that ENTRY
+(``scripts/pretrain_gpt.py``) imports, and nothing of megatron_muon: no hook is installed and no
+patch applied here, so a job's script does both itself, in its own order, as in a fresh process
+(a driver may wrap a Megatron function before the plugin's hooks do, an entry may skip the
+hooks). Then it reads one job per line on stdin (JSON: ``entry``, ``args``, ``cwd``, ``nproc``,
+``env``, ``port``, ``timeout``, ``outdir``) and, per job, forks ``nproc`` ranks. Each rank sets the
+variables torchrun sets for a one-node job, ``sys.argv`` and the job's ``env`` (a ``null`` value
+unsets), writes stdout and stderr to ``outdir/rank<i>.log`` and runs the job's entry as
+``__main__``. No job ever runs in this process itself, so each starts from the state a fresh
+import leaves. The CPU patches retarget functions in place (their ``__code__``) or module
+attributes looked up at call time, so modules imported before them are patched all the same.
 
 The reply is one JSON line on the original stdout: each rank's exit code (torchrun's rule: the
 first rank that fails ends the job, the others get SIGTERM at once and SIGKILL ``GRACE_S`` later),
@@ -18,6 +21,8 @@ about 15 s of its 22 s importing (two ranks and the launcher, on 2 cores); forke
 
 from __future__ import annotations
 
+import ast
+import importlib
 import json
 import os
 import runpy
@@ -33,7 +38,7 @@ def _threads() -> int:
     return len(os.listdir("/proc/self/task"))
 
 
-def _rank(entry: str, job: dict, rank: int, reply_fd: int) -> None:
+def _rank(job: dict, rank: int, reply_fd: int) -> None:
     """In the forked child: become rank ``rank`` of the job and run the entry; never returns."""
     code = 1
     try:
@@ -57,7 +62,9 @@ def _rank(entry: str, job: dict, rank: int, reply_fd: int) -> None:
             else:
                 os.environ[key] = value
         os.chdir(job["cwd"])
+        entry = job["entry"]
         sys.argv = [entry, *job["args"]]
+        sys.path[0] = os.path.dirname(entry)  # where `python entry` looks first (this file's directory here)
         try:
             runpy.run_path(entry, run_name="__main__")
             code = 0
@@ -125,10 +132,20 @@ def _reap(pids: dict[int, int], codes: list) -> None:
         del pids[pid]
 
 
+def third_party_imports(entry: str) -> list[str]:
+    """The torch and megatron modules ``entry`` imports at its top level (megatron_muon's not)."""
+    tree = ast.parse(open(entry).read())
+    names = [alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names]
+    names += [node.module for node in tree.body if isinstance(node, ast.ImportFrom) and node.module]
+    return [n for n in names if n.split(".")[0] in ("torch", "megatron")]
+
+
 def serve(entry: str) -> None:
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # whatever the warm-up prints goes to stderr, never into the replies
-    runpy.run_path(entry, run_name="__warm__")
+    # megatron.training.training: what hooks.install() imports before it wraps its functions
+    for name in [*third_party_imports(entry), "megatron.training.training"]:
+        importlib.import_module(name)
     # A fork copies only the forking thread: another thread's locks would stay held in the ranks.
     ready = {"threads": _threads()}
     reply.write(json.dumps(ready) + "\n")
@@ -141,7 +158,7 @@ def serve(entry: str) -> None:
         for rank in range(job["nproc"]):
             pid = os.fork()
             if pid == 0:
-                _rank(entry, job, rank, reply.fileno())
+                _rank(job, rank, reply.fileno())
             pids[pid] = rank
         timed_out = _wait(pids, codes, job["timeout"])
         reply.write(json.dumps({"codes": codes, "timed_out": timed_out}) + "\n")

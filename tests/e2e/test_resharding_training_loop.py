@@ -45,7 +45,7 @@ def _pretrain(tmp_path, tp: int, *args: str) -> tuple[int, str]:
     """scripts/pretrain_gpt.py on 2 gloo ranks at ``tp`` (DP = 2 / tp): (exit code, output)."""
     driver = tmp_path / "driver.py"
     driver.write_text(_RECORDING_DRIVER)
-    # A driver of its own, so a fresh torchrun: it wraps Megatron's load before the plugin's hook does.
+    # A driver of its own: it wraps Megatron's load before the plugin's hook does.
     job = launch([str(ENTRY), str(tmp_path), *TINY, "--tensor-model-parallel-size", str(tp),
                   "--muon-dp-layout", "megatron",
                   # 257 tokens pad to 512 rows at TP2 and TP1 alike (the default 128 gives 384 at TP1: refused)

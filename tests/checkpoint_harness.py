@@ -6,7 +6,7 @@ optimizer, then scheduler). ``save_fsdp_dtensor`` / ``load_fsdp_dtensor``: Megat
 ``--ckpt-format fsdp_dtensor``. ``read_offline``: every tensor of a saved checkpoint, whole, in one
 process without a process group (torch's DCP reader), so a test can compare what a save wrote with
 the live state without trusting the loader that wrote it. ``zero1_full_state``: that live state.
-``train_step``, ``save_fully_reshardable`` and ``max_state_diff``: the resharding tests' step, save
+``save_fully_reshardable`` and ``max_state_diff``: the resharding tests' save
 (``--dist-ckpt-optim-fully-reshardable``) and comparison, shared by the dense and MoE ones.
 """
 
@@ -17,7 +17,7 @@ import types
 
 import torch
 import torch.distributed as dist
-from megatron_harness import forward_backward, gather_fsdp_rows, global_name, make_batch, unshard
+from megatron_harness import gather_fsdp_rows, global_name, unshard
 
 __all__ = ["LR", "MUON", "SMALL_BUCKET", "WD", "adam_config", "fsdp_optimizer_state", "load_fsdp_dtensor",
            "load_torch_dist", "read_offline", "save_fsdp_dtensor", "save_torch_dist", "torch_dist_keys", "unwrap",
@@ -241,15 +241,6 @@ def fsdp_optimizer_state(optimizer) -> dict:
                 else:
                     out[f"{name}.{key}"] = value.detach().clone()
     return out
-
-
-def train_step(model, optimizer, scheduler, step: int, pp: int) -> str:
-    """One training step ``step`` (1-based; its own batch, the same on every rank); the MuonBP kind."""
-    forward_backward(model, make_batch(100 + step), pp=pp, optimizer=optimizer)
-    ok, _, _ = optimizer.step()
-    assert ok
-    scheduler.step(1)
-    return optimizer.chained_optimizers[0].optimizer.last_step_kind
 
 
 def save_fully_reshardable(ckpt_dir: str, model, optimizer, scheduler) -> None:

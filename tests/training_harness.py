@@ -620,10 +620,3 @@ def references(runs, timeout: float = TIMEOUT) -> dict[Run, Trace]:
         _REFERENCES.update(zip(missing, run_world(1, reference_all, missing, timeout=timeout)[0]))
     return {run: _REFERENCES[run.reference_run] for run in runs}
 
-
-def build_moe(run: dict, seed: int = 1234):
-    """The tiny GPT with ``run["moe"]`` experts at ``run["tp"]`` (EP and expert-TP come from the
-    parallel state), its Muon optimizer (``tp_mode``: owner unless given; ``clip``; ``dist_opt``)
-    and scheduler: ``build`` of that ``Run``."""
-    return build(Run(tp=run["tp"], dist_opt=run["dist_opt"], moe=run["moe"], tp_mode=run.get("tp_mode", "owner"),
-                     clip=run.get("clip", 0.0), layers=run.get("layers", 2), seed=seed))

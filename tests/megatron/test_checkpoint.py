@@ -15,21 +15,24 @@ The tiny GPT of ``megatron_harness`` at TP2 x DP2 (4 gloo ranks), tp_mode owner,
   TP2 x DP1 (2 ranks); the loaded params and optimizer state equal the saved ones bitwise, and
   one more step matches the uninterrupted run's third step within ``ATOL``.
 
-Each run checks everything it can; a run that raises fails only its own tests.
+Each run is a ``training_harness.Run`` (``BASE``, ``_run``); the flows save, rebuild and load
+around its ``start`` / ``build`` / ``steps``. Each run checks everything it can; a run that
+raises fails only its own tests.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
-from checkpoint_harness import LR, MUON, SMALL_BUCKET, WD
-from checkpoint_harness import adam_config as _optimizer_config
+from checkpoint_harness import SMALL_BUCKET
 from checkpoint_harness import load_torch_dist as _load
 from checkpoint_harness import save_torch_dist as _save
 from dist_harness import ChildError, run_world
-from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
+from megatron_harness import destroy_megatron
+from training_harness import Run, build, start, steps
 
 TP = 2
 SEED, OTHER_SEED = 1234, 999
@@ -55,33 +58,21 @@ CROSS_LAYOUT = [("distopt-fully_reshardable", "balanced"), ("distopt-balanced-fu
 CHECKPOINTS = [f"{kind}-{sharding}" for kind, shardings in SHARDINGS.items() for sharding in shardings]
 
 
-def _layout(kind: str) -> str:
-    return "balanced" if kind.endswith("-balanced") else "megatron"
+BASE = Run(tp=TP, seed=SEED, bucket_size=SMALL_BUCKET, data_seed=100, fresh_batches=True, steps=4)
+"""Every run's settings: a different batch every step (``make_batch(100 + step)``), 4 steps uninterrupted."""
 
 
-def _build(dist_opt: bool, seed: int, bf16: bool = False, layout: str = "megatron"):
-    """A fresh model, optimizer and scheduler (after ``init_megatron``)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
-
-    muon_config = MuonConfig(**MUON, dp_layout=layout)
-    model = build_tiny_gpt(TP, 1, bf16=bf16, use_distributed_optimizer=dist_opt, bucket_size=SMALL_BUCKET,
-                           seed=seed, dp_layout=layout, muon_config=muon_config)
-    optimizer = get_megatron_muon_optimizer(_optimizer_config(dist_opt, bf16), model, muon_config)
-    scheduler = OptimizerParamScheduler(optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0,
-                                        lr_decay_steps=100, lr_decay_style="constant", start_wd=WD, end_wd=WD,
-                                        wd_incr_steps=100, wd_incr_style="constant")
-    return model, optimizer, scheduler
+def _run(kind: str, layout: str | None = None) -> Run:
+    """``kind``'s run (``KINDS``), in its --muon-dp-layout unless ``layout`` is given."""
+    dist_opt, bf16 = KINDS[kind]
+    layout = layout or ("balanced" if kind.endswith("-balanced") else "megatron")
+    return dataclasses.replace(BASE, dist_opt=dist_opt, bf16=bf16, layout=layout, muon=dict(dp_layout=layout))
 
 
-def _train(model, optimizer, scheduler, first: int, last: int) -> None:
-    for step in range(first, last):  # a different batch every step
-        forward_backward(model, make_batch(100 + step), pp=1, optimizer=optimizer)
-        ok, _, _ = optimizer.step()
-        assert ok
-        scheduler.step(1)
+def _build(run: Run, seed: int):
+    """``start(run)`` (the parallel state seeded with ``SEED``), then ``build`` with initial weights from ``seed``."""
+    start(run)
+    return build(dataclasses.replace(run, seed=seed))
 
 
 def _snapshot(model, optimizer) -> dict:
@@ -127,41 +118,34 @@ def _snapshot(model, optimizer) -> dict:
 
 def _resume_run(kind: str, root: str) -> dict:
     """One kind's runs on this rank: uninterrupted, saved, resumed (and optimizer-only)."""
-    dist_opt, bf16 = KINDS[kind]
-    layout = _layout(kind)
+    run = _run(kind)
     out = {}
-    # The uninterrupted run.
-    init_megatron(TP, 1)
-    model, optimizer, scheduler = _build(dist_opt, SEED, bf16, layout)
-    ref = {}
-    for step in range(4):
-        _train(model, optimizer, scheduler, step, step + 1)
-        ref[step + 1] = _snapshot(model, optimizer)
+    # The uninterrupted run, a snapshot after every step.
+    model, optimizer, scheduler = _build(run, SEED)
+    done = steps(dataclasses.replace(run, probe=_snapshot), model, optimizer, scheduler)
+    ref = {step + 1: s.probe for step, s in enumerate(done)}
     destroy_megatron()
 
     # 2 steps, save, rebuild from scratch (other init), load, 2 more steps.
-    init_megatron(TP, 1)
-    model, optimizer, scheduler = _build(dist_opt, SEED, bf16, layout)
-    _train(model, optimizer, scheduler, 0, 2)
+    model, optimizer, scheduler = _build(run, SEED)
+    steps(run, model, optimizer, scheduler, count=2)
     paths = {}
     for sharding in SHARDINGS[kind]:
         paths[sharding] = os.path.join(root, f"{kind}-{sharding}")
         _save(paths[sharding], model, optimizer, scheduler, sharding)
     destroy_megatron()
 
-    init_megatron(TP, 1)
-    model, optimizer, scheduler = _build(dist_opt, OTHER_SEED, bf16, layout)
+    model, optimizer, scheduler = _build(run, OTHER_SEED)
     fresh = {n: p.detach().clone() for n, p in model[0].named_parameters()}
     _load(paths[SHARDINGS[kind][0]], model, optimizer, scheduler)
     loaded = _snapshot(model, optimizer)
-    _train(model, optimizer, scheduler, 2, 4)
+    steps(run, model, optimizer, scheduler, first=2, count=2)
     resumed = _snapshot(model, optimizer)
     destroy_megatron()
     out[kind] = dict(ref=ref, fresh=fresh, loaded=loaded, resumed=resumed)
 
     if kind == "distopt":  # the optimizer alone into a fresh model: the post-load param sync
-        init_megatron(TP, 1)
-        model, optimizer, scheduler = _build(dist_opt, OTHER_SEED, bf16)
+        model, optimizer, scheduler = _build(run, OTHER_SEED)
         _load(paths["dp_reshardable"], model, optimizer, scheduler, load_model=False)
         out["optimizer_only"] = _snapshot(model, optimizer)
         destroy_megatron()
@@ -187,18 +171,18 @@ def _world4(rank: int, world: int, root: str) -> dict:
                 destroy_megatron()
     for source, layout in CROSS_LAYOUT:
         try:  # a checkpoint of one --muon-dp-layout loaded into the other, one more step
-            init_megatron(TP, 1)
-            model, optimizer, scheduler = _build(True, OTHER_SEED, layout=layout)
+            run = _run("distopt", layout)
+            model, optimizer, scheduler = _build(run, OTHER_SEED)
             _load(os.path.join(root, source), model, optimizer, scheduler)
             loaded = _snapshot(model, optimizer)
-            _train(model, optimizer, scheduler, 2, 3)
+            steps(run, model, optimizer, scheduler, first=2, count=1)
             out[f"{source}->{layout}"] = dict(loaded=loaded, continued=_snapshot(model, optimizer))
         except Exception:  # noqa: BLE001 - reported by the test of this pair
             out[f"{source}->{layout}"] = traceback.format_exc()
         if ps.model_parallel_is_initialized():
             destroy_megatron()
-    init_megatron(TP, 1)  # Megatron's dp_reshardable format cannot hold a balanced layout
-    model, optimizer, scheduler = _build(True, OTHER_SEED, layout="balanced")
+    # Megatron's dp_reshardable format cannot hold a balanced layout
+    model, optimizer, scheduler = _build(_run("distopt-balanced"), OTHER_SEED)
     try:
         _load(os.path.join(root, "distopt-dp_reshardable"), model, optimizer, scheduler)
         out["refused"] = None
@@ -217,11 +201,11 @@ def _world2(rank: int, world: int, root: str) -> dict:
     out = {}
     for sharding in SHARDINGS["distopt"]:
         try:
-            init_megatron(TP, 1)
-            model, optimizer, scheduler = _build(True, OTHER_SEED)
+            run = _run("distopt")
+            model, optimizer, scheduler = _build(run, OTHER_SEED)
             _load(os.path.join(root, f"distopt-{sharding}"), model, optimizer, scheduler)
             loaded = _snapshot(model, optimizer)
-            _train(model, optimizer, scheduler, 2, 3)
+            steps(run, model, optimizer, scheduler, first=2, count=1)
             out[sharding] = dict(loaded=loaded, continued=_snapshot(model, optimizer))
         except Exception:  # noqa: BLE001 - reported by the test of this sharding type
             out[sharding] = traceback.format_exc()

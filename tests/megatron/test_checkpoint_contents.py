@@ -23,15 +23,12 @@ these layouts are ones where the old count was short, so the tests above would h
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 import torch
 from checkpoint_harness import (
-    LR,
-    MUON,
-    WD,
-    adam_config,
     fsdp_optimizer_state,
     load_fsdp_dtensor,
     load_torch_dist,
@@ -41,7 +38,8 @@ from checkpoint_harness import (
     zero1_full_state,
 )
 from dist_harness import run_world
-from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
+from megatron_harness import destroy_megatron
+from training_harness import Run, build, start, steps
 
 BUCKET = 6000  # elements: 2 or more buckets per buffer (the balanced layout keeps >= 2 x DP matrices in one)
 STEPS = 2  # steps before the save, and after it
@@ -55,35 +53,15 @@ CASES = [(tp, world // tp, variant) for world, tps in WORLDS.items() for tp in t
 TIMEOUT = 1800  # a world of 8 ranks on 2 cores: minutes, more when other jobs share them
 
 
-def _build(tp: int, variant: str, seed: int):
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
-
-    init_megatron(tp, 1, seed=seed)
-    fsdp = variant == "fsdp"
-    # Megatron-FSDP: bf16 params, as megatron-core 0.19.2's fsdp_dtensor save of a SwiGLU model needs
-    muon_config = MuonConfig(**dict(MUON, fp32_matmul_prec="medium" if fsdp else "highest"),
-                             dp_layout="balanced" if fsdp else variant)  # (unused by Megatron-FSDP)
-    if fsdp:
-        model = build_tiny_gpt(tp, use_distributed_optimizer=True, fsdp="optim_grads_params", bf16=True, seed=seed)
-    else:
-        model = build_tiny_gpt(tp, use_distributed_optimizer=True, layout_bucket_size=BUCKET, seed=seed,
-                               dp_layout=variant, muon_config=muon_config)
-    optimizer = get_megatron_muon_optimizer(adam_config(True, bf16=fsdp), model, muon_config)
-    scheduler = OptimizerParamScheduler(optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0,
-                                        lr_decay_steps=100, lr_decay_style="constant", start_wd=WD, end_wd=WD,
-                                        wd_incr_steps=100, wd_incr_style="constant")
-    return model, optimizer, scheduler
-
-
-def _train(model, optimizer, scheduler, first: int, fsdp: bool) -> None:
-    for step in range(first, first + STEPS):  # every DP rank on the same batch: a different one each step
-        forward_backward(model, make_batch(100 + step), pp=1, optimizer=optimizer, use_schedule=fsdp)
-        ok, _, _ = optimizer.step()
-        assert ok
-        scheduler.step(1)
+def _run(tp: int, variant: str) -> Run:
+    """``variant``'s run at TP ``tp``: every DP rank on the same batch, a different one each step
+    (``make_batch(100 + step)``)."""
+    data = dict(tp=tp, seed=SEED, data_seed=100, fresh_batches=True, steps=STEPS)
+    if variant == "fsdp":
+        # bf16 params, as megatron-core 0.19.2's fsdp_dtensor save of a SwiGLU model needs
+        return Run(**data, wrap="megatron_fsdp", sharding="optim_grads_params", dist_opt=True, bf16=True,
+                   schedule=True, muon=dict(fp32_matmul_prec="medium"))
+    return Run(**data, dist_opt=True, layout=variant, layout_bucket_size=BUCKET, muon=dict(dp_layout=variant))
 
 
 def fsdp_wrapped(model) -> bool:
@@ -100,22 +78,26 @@ def _buckets(model) -> list[tuple[int, int]]:
     return out
 
 
-def _run(tp: int, variant: str, path: str) -> dict:
+def _train(tp: int, variant: str, path: str) -> dict:
     fsdp = variant == "fsdp"
     snapshot = (lambda model, optimizer: fsdp_optimizer_state(optimizer)) if fsdp else zero1_full_state
-    model, optimizer, scheduler = _build(tp, variant, SEED)
-    _train(model, optimizer, scheduler, 0, fsdp)
+    run = _run(tp, variant)
+    start(run)
+    model, optimizer, scheduler = build(run)
+    steps(run, model, optimizer, scheduler)
     if fsdp:
         save_fsdp_dtensor(path, model, optimizer)
     else:
         save_torch_dist(path, model, optimizer, scheduler, "fully_reshardable")
     live = snapshot(model, optimizer)  # a save changes nothing (Megatron-FSDP names its params at the first one)
     buckets = _buckets(model)
-    _train(model, optimizer, scheduler, STEPS, fsdp)
+    steps(run, model, optimizer, scheduler, first=STEPS)
     straight = snapshot(model, optimizer)
     destroy_megatron(release_groups=not fsdp)  # DTensor device meshes are cached by torch and keep naming them
 
-    model, optimizer, scheduler = _build(tp, variant, OTHER_SEED)
+    run = dataclasses.replace(run, seed=OTHER_SEED)
+    start(run)
+    model, optimizer, scheduler = build(run)
     if fsdp:
         load_fsdp_dtensor(path, model, optimizer)
         for _ in range(STEPS):
@@ -123,7 +105,7 @@ def _run(tp: int, variant: str, path: str) -> dict:
     else:
         load_torch_dist(path, model, optimizer, scheduler)
     loaded = snapshot(model, optimizer)
-    _train(model, optimizer, scheduler, STEPS, fsdp)
+    steps(run, model, optimizer, scheduler, first=STEPS)
     resumed = snapshot(model, optimizer)
     destroy_megatron()
     return dict(live=live, loaded=loaded, straight=straight, resumed=resumed, buckets=buckets)
@@ -134,7 +116,7 @@ def _world(rank: int, world: int, root: str) -> dict:
     for tp in WORLDS[world]:
         for variant in VARIANTS:
             path = os.path.join(root, f"tp{tp}-dp{world // tp}-{variant}")
-            result = _run(tp, variant, path)
+            result = _train(tp, variant, path)
             # ZeRO-1 snapshots are whole on every rank; FSDP's are TP-local: every rank's counts
             out[(tp, world // tp, variant)] = result if rank == 0 or variant == "fsdp" else None
     return out

@@ -24,6 +24,7 @@ The ``dp_reshardable`` format at the saving layout is ``test_moe.py::test_bitwis
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -33,12 +34,10 @@ import torch
 from checkpoint_harness import load_torch_dist as _load
 from checkpoint_harness import max_state_diff as _max_diff
 from checkpoint_harness import save_fully_reshardable as _save
-from checkpoint_harness import train_step as _step
 from checkpoint_harness import unwrap as _unwrap
 from dist_harness import run_world
-from megatron_harness import destroy_megatron, gather_full_params, init_megatron, is_expert, unshard
-from training_harness import CLIP, MOE
-from training_harness import build_moe as _build_moe
+from megatron_harness import destroy_megatron, gather_full_params, is_expert, unshard
+from training_harness import CLIP, MOE, Run, build, start, steps
 
 SEED, OTHER_SEED = 1234, 999
 SAVED_AFTER, LAST = 2, 4
@@ -60,9 +59,22 @@ ATOL = 2e-6
 TIMEOUT = 900
 
 
-def _build(layout: dict, seed: int):
-    """Model, chained optimizer and scheduler at ``layout`` (after ``init_megatron``)."""
-    return _build_moe(dict(layout, dist_opt=True, moe=MOE, clip=CLIP), seed=seed)
+def _run(layout: dict) -> Run:
+    """The run at ``layout``'s TP x EP; step ``s`` (1-based, as ``SAVED_AFTER`` and ``LAST`` count)
+    trains on ``make_batch(100 + s)``."""
+    return Run(tp=layout["tp"], ep=layout["ep"], seed=SEED, dist_opt=True, moe=MOE, clip=CLIP, data_seed=101,
+               fresh_batches=True)
+
+
+def _build(run: Run, seed: int):
+    """``start(run)``, then model, chained optimizer and scheduler with initial weights from ``seed``."""
+    start(run)
+    return build(dataclasses.replace(run, seed=seed))
+
+
+def _step(run: Run, model, optimizer, scheduler, step: int) -> None:
+    """Step ``step`` (1-based)."""
+    steps(run, model, optimizer, scheduler, first=step - 1, count=1)
 
 
 def _full_state(model, optimizer) -> dict:
@@ -147,12 +159,12 @@ def _world(rank: int, world: int, root: str) -> dict:
 
     from megatron.core import parallel_state as ps
 
-    start = time.perf_counter()
-    init_megatron(SAVE["tp"], ep=SAVE["ep"])
-    model, optimizer, scheduler = _build(SAVE, SEED)
+    began = time.perf_counter()
+    run = _run(SAVE)
+    model, optimizer, scheduler = _build(run, SEED)
     snaps = {}
     for step in range(1, LAST + 1):
-        _step(model, optimizer, scheduler, step, 1)
+        _step(run, model, optimizer, scheduler, step)
         if step >= SAVED_AFTER:
             snaps[step] = _snapshot(model, optimizer, rank)
         if step == SAVED_AFTER:
@@ -161,20 +173,20 @@ def _world(rank: int, world: int, root: str) -> dict:
     destroy_megatron()
     for name, layout in LOADS.items():
         try:
-            init_megatron(layout["tp"], ep=layout["ep"])
-            model, optimizer, scheduler = _build(layout, OTHER_SEED)
+            run = _run(layout)
+            model, optimizer, scheduler = _build(run, OTHER_SEED)
             fresh = _snapshot(model, optimizer, rank)["full"]
             _load(os.path.join(root, "saved"), model, optimizer, scheduler)
             snaps = {SAVED_AFTER: _snapshot(model, optimizer, rank)}
             for step in range(SAVED_AFTER + 1, LAST + 1):
-                _step(model, optimizer, scheduler, step, 1)
+                _step(run, model, optimizer, scheduler, step)
                 snaps[step] = _snapshot(model, optimizer, rank)
             out[name] = dict(fresh=fresh, snaps=snaps, sizes=_layout_sizes())
         except Exception:  # noqa: BLE001 - reported by this load's tests
             out[name] = traceback.format_exc()
         if ps.model_parallel_is_initialized():
             destroy_megatron()
-    out["seconds"] = time.perf_counter() - start
+    out["seconds"] = time.perf_counter() - began
     return out
 
 

@@ -1,7 +1,7 @@
 """Two MoE runs in one world leave no more threads than one (issue 22).
 
-A run (as ``test_moe.py``'s, TP1 x EP2 at world 4): ``init_megatron``, the tiny MoE GPT with its
-Muon optimizer, one forward/backward and step, ``destroy_megatron``. Every gloo group a run makes
+A run (``RUN``, as ``test_moe.py``'s, TP1 x EP2 at world 4): ``training_harness.start``, ``build``
+(the tiny MoE GPT with its Muon optimizer), one step of ``steps``, ``destroy_megatron``. Every gloo group a run makes
 keeps its threads until its last reference goes, so a run whose DDP wrapper or groups outlive it
 shows in the OS thread count of the next. Measured per rank: 5 threads after each run with
 ``destroy_megatron``'s workarounds; without dropping the MoE dispatchers' autograd graph, +57 per
@@ -15,11 +15,11 @@ import os
 import weakref
 
 from dist_harness import run_world
-from megatron_harness import destroy_megatron, forward_backward, init_megatron, make_batch
-from training_harness import MOE
-from training_harness import build_moe as _build
+from megatron_harness import destroy_megatron
+from training_harness import MOE, Run, build, start, steps
 
 RUNS = 2
+RUN = Run(ep=2, dist_opt=True, moe=MOE, steps=1)
 # Measured growth from the first run to the second: 0 on every rank. A leaked gloo group keeps
 # 3 threads (57 threads for the 19 groups of a run), so 2 lets a transient helper thread or two
 # through but not one leaked group.
@@ -34,11 +34,9 @@ def moe_runs(rank: int, world: int) -> tuple[list[int], list[bool]]:
     """The OS thread count before the first run and after each, and whether each run's DDP survived it."""
     counts, ddps = [_threads()], []
     for _ in range(RUNS):
-        init_megatron(1, ep=2)
-        model, optimizer, scheduler = _build(dict(tp=1, dist_opt=True, moe=MOE))
-        forward_backward(model, make_batch(7), pp=1, optimizer=optimizer)
-        ok, _, _ = optimizer.step()
-        assert ok
+        start(RUN)
+        model, optimizer, scheduler = build(RUN)
+        steps(RUN, model, optimizer, scheduler)
         ddps.append(weakref.ref(model[0]))
         del model, optimizer, scheduler
         destroy_megatron()

@@ -34,27 +34,20 @@ refusal of a TP change and the fix it names: ``tests/e2e/test_resharding_trainin
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import megatron_harness
 import pytest
 import torch
-from checkpoint_harness import LR, MUON, SMALL_BUCKET, WD
-from checkpoint_harness import adam_config as _optimizer_config
+from checkpoint_harness import SMALL_BUCKET
 from checkpoint_harness import load_torch_dist as _load
 from checkpoint_harness import max_state_diff as _max_diff
 from checkpoint_harness import save_fully_reshardable as _save
-from checkpoint_harness import train_step as _step
 from checkpoint_harness import unwrap as _unwrap
 from dist_harness import run_world
-from megatron_harness import (
-    HEADS,
-    build_tiny_gpt,
-    destroy_megatron,
-    gather_full_params,
-    init_megatron,
-    unshard,
-)
+from megatron_harness import HEADS, destroy_megatron, gather_full_params, unshard
+from training_harness import Run, build, start, steps
 
 from megatron_muon.megatron.resharding import FULLY_RESHARDABLE_FLAG, explain_load_error
 
@@ -87,27 +80,30 @@ STEPS_AFTER_LOAD = 2
 ATOL = 2e-6
 
 
-def _muon_config():
-    from megatron_muon.config import MuonConfig
+def _kind(model, optimizer) -> str:
+    """``Run.probe``: the MuonBP kind of the step just taken."""
+    return optimizer.chained_optimizers[0].optimizer.last_step_kind
 
-    return MuonConfig(**MUON, dp_layout="megatron", muonbp_period=PERIOD)
+
+def _run(layout: dict) -> Run:
+    """The run at ``layout``'s TP x PP: megatron-core's buffer layout, MuonBP period ``PERIOD``;
+    step ``s`` (1-based, as ``LAST`` and the saves count) trains on ``make_batch(100 + s)``."""
+    return Run(tp=layout["tp"], pp=layout["pp"], seed=SEED, dist_opt=True, bucket_size=SMALL_BUCKET, data_seed=101,
+               fresh_batches=True, muon=dict(dp_layout="megatron", muonbp_period=PERIOD), probe=_kind)
 
 
-def _build(tp: int, pp: int, seed: int):
-    """Model, optimizer and Megatron's scheduler at this TP x PP (after ``init_megatron``)."""
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-
-    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
-
-    muon_config = _muon_config()
-    model = build_tiny_gpt(tp, pp, use_distributed_optimizer=True, bucket_size=SMALL_BUCKET, seed=seed,
-                           muon_config=muon_config)
+def _build(run: Run, seed: int):
+    """``start(run)``, then model, optimizer and Megatron's scheduler with initial weights from ``seed``."""
+    start(run)
+    model, optimizer, scheduler = build(dataclasses.replace(run, seed=seed))
     assert _unwrap(model[0]).config.num_query_groups == megatron_harness.GROUPS
-    optimizer = get_megatron_muon_optimizer(_optimizer_config(True, False), model, muon_config)
-    scheduler = OptimizerParamScheduler(optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0,
-                                        lr_decay_steps=100, lr_decay_style="constant", start_wd=WD, end_wd=WD,
-                                        wd_incr_steps=100, wd_incr_style="constant")
     return model, optimizer, scheduler
+
+
+def _step(run: Run, model, optimizer, scheduler, step: int) -> str:
+    """Step ``step`` (1-based); its MuonBP kind."""
+    (done,) = steps(run, model, optimizer, scheduler, first=step - 1, count=1)
+    return done.probe
 
 
 def _full_state(model, optimizer, pp: int) -> dict:
@@ -187,31 +183,31 @@ def _saves_and_loads(rank: int, root: str) -> dict:
     from megatron.core import parallel_state as ps
 
     out = {}
-    for name, run in SAVES.items():
-        megatron_harness.GROUPS = run["groups"]  # see the module docstring
-        init_megatron(run["tp"], run["pp"])
-        model, optimizer, scheduler = _build(run["tp"], run["pp"], SEED)
+    for name, layout in SAVES.items():
+        megatron_harness.GROUPS = layout["groups"]  # see the module docstring
+        run = _run(layout)
+        model, optimizer, scheduler = _build(run, SEED)
         snaps, kinds = {}, {}
         for step in range(1, LAST + 1):
-            kinds[step] = _step(model, optimizer, scheduler, step, run["pp"])
+            kinds[step] = _step(run, model, optimizer, scheduler, step)
             if step >= 2:
-                snaps[step] = _snapshot(model, optimizer, run["pp"], rank)
+                snaps[step] = _snapshot(model, optimizer, run.pp, rank)
             if step in (2, 3):
                 _save(os.path.join(root, f"{name}@{step}"), model, optimizer, scheduler)
         destroy_megatron()
         out[name] = dict(snaps=snaps, kinds=kinds)
-    for name, (source, saved_after, run) in LOADS.items():
+    for name, (source, saved_after, layout) in LOADS.items():
         megatron_harness.GROUPS = SAVES[source]["groups"]
         try:
-            init_megatron(run["tp"], run["pp"])
-            model, optimizer, scheduler = _build(run["tp"], run["pp"], OTHER_SEED)
-            fresh = gather_full_params(model, ps.get_tensor_model_parallel_group(), run["pp"])
+            run = _run(layout)
+            model, optimizer, scheduler = _build(run, OTHER_SEED)
+            fresh = gather_full_params(model, ps.get_tensor_model_parallel_group(), run.pp)
             _load(os.path.join(root, f"{source}@{saved_after}"), model, optimizer, scheduler)
-            snaps = {saved_after: _snapshot(model, optimizer, run["pp"], rank)}
+            snaps = {saved_after: _snapshot(model, optimizer, run.pp, rank)}
             kinds = {}
             for step in range(saved_after + 1, saved_after + 1 + STEPS_AFTER_LOAD):
-                kinds[step] = _step(model, optimizer, scheduler, step, run["pp"])
-                snaps[step] = _snapshot(model, optimizer, run["pp"], rank)
+                kinds[step] = _step(run, model, optimizer, scheduler, step)
+                snaps[step] = _snapshot(model, optimizer, run.pp, rank)
             out[name] = dict(fresh=fresh, snaps=snaps, kinds=kinds)
         except Exception:  # noqa: BLE001 - reported by this load's test
             out[name] = traceback.format_exc()

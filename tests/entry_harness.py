@@ -80,12 +80,17 @@ START_ENV = ("PYTHON", "OMP_", "MKL_", "LD_", "CUDA_VISIBLE_DEVICES", "TORCH_")
 @dataclass(frozen=True)
 class Job:
     """A finished job: ``returncode`` (0, or the first failing rank's code), ``rank_codes``
-    (per rank; ``None`` under torchrun, which reports only the job's) and ``out`` (stdout and
-    stderr of every rank)."""
+    (per rank; ``None`` under torchrun, which reports only the job's), ``stdout`` and ``stderr``
+    (every rank's, rank by rank)."""
 
     returncode: int
     rank_codes: tuple[int, ...] | None
-    out: str
+    stdout: str
+    stderr: str
+
+    @property
+    def out(self) -> str:
+        return self.stdout + self.stderr
 
 
 def launch(args: list[str], cwd, *, nproc: int = 2, entry: Path = ENTRY, env: dict | None = None,
@@ -106,7 +111,7 @@ def launch(args: list[str], cwd, *, nproc: int = 2, entry: Path = ENTRY, env: di
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(entry), *args]
     proc = subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
-    return Job(proc.returncode, None, proc.stdout + proc.stderr)
+    return Job(proc.returncode, None, proc.stdout, proc.stderr)
 
 
 def run_tiny(args: list[str], cwd: Path, torchrun: bool = False) -> str:
@@ -139,14 +144,15 @@ class _WarmEntry:
             line = self.proc.stdout.readline()
             assert line, "tests/warm_entry.py died"
             reply = json.loads(line)
-            out = "".join(Path(outdir, f"rank{r}.log").read_text(errors="replace") for r in range(nproc)
-                          if Path(outdir, f"rank{r}.log").exists())
+            stdout, stderr = ("".join(Path(outdir, f"rank{r}.{stream}").read_text(errors="replace")
+                                      for r in range(nproc) if Path(outdir, f"rank{r}.{stream}").exists())
+                              for stream in ("out", "err"))
         finally:
             shutil.rmtree(outdir, ignore_errors=True)
         if reply["timed_out"]:
-            raise subprocess.TimeoutExpired(["warm_entry", *job["args"]], timeout, output=out)
+            raise subprocess.TimeoutExpired(["warm_entry", *job["args"]], timeout, output=stdout + stderr)
         codes = tuple(reply["codes"])
-        return Job(next((c for c in codes if c != 0), 0), codes, out)
+        return Job(next((c for c in codes if c != 0), 0), codes, stdout, stderr)
 
     def close(self):
         if self.proc.poll() is None:

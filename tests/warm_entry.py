@@ -8,7 +8,7 @@ patch applied here, so a job's script does both itself, in its own order, as in 
 hooks). Then it reads one job per line on stdin (JSON: ``entry``, ``args``, ``cwd``, ``nproc``,
 ``env``, ``port``, ``timeout``, ``outdir``) and, per job, forks ``nproc`` ranks. Each rank sets the
 variables torchrun sets for a one-node job, ``sys.argv`` and the job's ``env`` (a ``null`` value
-unsets), writes stdout and stderr to ``outdir/rank<i>.log`` and runs the job's entry as
+unsets), writes stdout and stderr to ``outdir/rank<i>.out`` and ``.err`` and runs the job's entry as
 ``__main__``. No job ever runs in this process itself, so each starts from the state a fresh
 import leaves. The CPU patches retarget functions in place (their ``__code__``) or module
 attributes looked up at call time, so modules imported before them are patched all the same.
@@ -46,9 +46,9 @@ def _rank(job: dict, rank: int, reply_fd: int) -> None:
         os.close(reply_fd)
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
-        log = os.open(os.path.join(job["outdir"], f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
+        for fd, stream in ((1, "out"), (2, "err")):
+            os.dup2(os.open(os.path.join(job["outdir"], f"rank{rank}.{stream}"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                    fd)
         nproc = job["nproc"]
         os.environ.update(
             RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank), ROLE_NAME="default",

@@ -14,19 +14,26 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from entry_harness import Job, launch
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _dry_run(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+DRY_RUN = REPO / "scripts" / "dry_run.py"
+
+
+def _script(*args: str) -> Job:
+    """``python scripts/dry_run.py args`` as one process, forked from the session's warm interpreter
+    (entry_harness): the script's own process, without paying torch's and megatron's imports again."""
+    return launch(list(args), REPO, nproc=1, entry=DRY_RUN, timeout=600)
+
+
+def _dry_run(tmp_path: Path, *args: str) -> tuple[Job, dict]:
     out = tmp_path / "dry.json"
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "dry_run.py"), *args, "--json", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = _script(*args, "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
 
@@ -94,17 +101,13 @@ def test_llama3_405b_at_tp8_pp16_dp64(tmp_path):
 
 
 def test_bad_arguments_are_named(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "dry_run.py"), "--model", "llama3-8b", "--tp", "0"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = _script("--model", "llama3-8b", "--tp", "0")
     assert proc.returncode == 2 and "--tp must be >= 1, got 0" in proc.stderr
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "dry_run.py"), "--model", "llama3-8b",
-                           "--ranks", "middle"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = _script("--model", "llama3-8b", "--ranks", "middle")
     assert proc.returncode != 0 and "unknown kind 'middle'" in proc.stderr
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "dry_run.py"), "--model", "llama3-8b", "--ep", "2"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = _script("--model", "llama3-8b", "--ep", "2")
     assert proc.returncode == 2 and "llama3-8b has no experts" in proc.stderr
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "dry_run.py"), "--model", "mixtral-8x7b", "--tp", "1",
-                           "--dp", "4", "--ep", "8"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = _script("--model", "mixtral-8x7b", "--tp", "1", "--dp", "4", "--ep", "8")
     assert proc.returncode == 2 and "must divide TP x DP = 4" in proc.stderr
 
 
@@ -186,14 +189,10 @@ def test_megatron_fsdp_step_matches_plan_and_planner(tmp_path):
         assert 0 < res["peak_extra_bytes"] < 4 * 2**30, rank
     assert report["cost_model"] is None  # the cost model knows DDP's layouts only
     # --fsdp and --dp-layout (DDP's buffer layout) exclude each other
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "dry_run.py"), "--model", "llama3-8b", "--fsdp",
-                           "optim_grads_params", "--dp-layout", "megatron"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = _script("--model", "llama3-8b", "--fsdp", "optim_grads_params", "--dp-layout", "megatron")
     assert proc.returncode == 2 and "not allowed with argument" in proc.stderr
     # megatron-core 0.19.2's Megatron-FSDP cannot be built with PP > 1 (its mesh is every rank of the job)
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "dry_run.py"), "--model", "llama3-405b", "--pp", "16",
-                           "--dp", "64", "--fsdp", "optim_grads_params"], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    proc = _script("--model", "llama3-405b", "--pp", "16", "--dp", "64", "--fsdp", "optim_grads_params")
     assert proc.returncode == 2 and "cannot be built with pipeline parallelism" in proc.stderr
 
 

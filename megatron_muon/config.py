@@ -12,14 +12,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .core.newton_schulz import COEFFICIENT_SETS, DEFAULT_COEFFICIENTS
+from .core.newton_schulz import COEFFICIENT_SETS, DEFAULT_COEFFICIENTS, NSOptions
 from .core.scaling import SCALE_MODES
-from .parallel.balanced_layout import DEFAULT_ALPHA
-from .parallel.orthogonalize import DP_MODES
-from .parallel.tp_modes import MODES
+from .plan.balanced_layout import DEFAULT_ALPHA
+from .plan.step_plan import DEFAULT_BUCKET_BYTES, DP_MODES, TP_MODES, PlanSettings
 
 if TYPE_CHECKING:
-    from .parallel.cost_model import Hardware
+    from .plan.cost_model import Hardware
 
 __all__ = ["DP_LAYOUTS", "MuonConfig", "NS_PRECISIONS"]
 
@@ -88,14 +87,14 @@ class MuonConfig:
     redundant (every DP rank computes everything; for comparison)."""
     dp_layout: str = "balanced"
     """with the distributed optimizer, the DDP buffer layout (--muon-dp-layout): ``balanced``
-    (every Muon matrix whole inside one DP rank's shard, placed by ``parallel.balanced_layout``:
+    (every Muon matrix whole inside one DP rank's shard, placed by ``plan.balanced_layout``:
     no DP exchange) or ``megatron`` (megatron-core's own layout, which cuts matrices at shard
     boundaries; the owner exchange reassembles them). Ignored without the distributed
     optimizer (every DP rank then holds every matrix whole)."""
     layout_alpha: float = DEFAULT_ALPHA
     """α of the balanced layout (--muon-layout-alpha): the weight of Newton–Schulz balance
     against padding when whole matrices are placed in DP shards (``balanced_layout``)."""
-    owner_bucket_bytes: int = 256 * 2**20
+    owner_bucket_bytes: int = DEFAULT_BUCKET_BYTES
     """cap on full-matrix bytes per micro-group of the owner pipeline, DP and TP level alike
     (--muon-owner-bucket-size-mb)."""
     muonbp_period: int | None = None
@@ -110,7 +109,7 @@ class MuonConfig:
 
     def __post_init__(self) -> None:
         checks = [
-            (self.tp_mode in MODES, "--muon-tp-mode", f"one of {MODES}", self.tp_mode),
+            (self.tp_mode in TP_MODES, "--muon-tp-mode", f"one of {TP_MODES}", self.tp_mode),
             (self.dp_mode in DP_MODES, "--muon-dp-mode", f"one of {DP_MODES}", self.dp_mode),
             (self.scale_mode in SCALE_MODES, "--muon-scale-mode", f"one of {SCALE_MODES}", self.scale_mode),
             (self.fp32_matmul_prec in NS_PRECISIONS, "--muon-fp32-matmul-prec", f"one of {sorted(NS_PRECISIONS)}",
@@ -146,7 +145,7 @@ class MuonConfig:
             # should not wait until someone switches to auto). ``detect`` waits for the optimizer:
             # asking CUDA for the device name before Megatron sets the device would open a context
             # on GPU 0 from every rank.
-            from .parallel.auto_mode import hardware_profile
+            from .plan.auto_mode import hardware_profile
 
             hardware_profile(self.auto_hardware)
 
@@ -162,13 +161,25 @@ class MuonConfig:
         """The cost model's constants for tp_mode auto (None for the other modes)."""
         if self.tp_mode != "auto":
             return None
-        from .parallel.auto_mode import hardware_profile
+        from .plan.auto_mode import hardware_profile
 
         return hardware_profile(self.auto_hardware)
 
     @property
     def ns_dtype(self) -> torch.dtype:
         return NS_PRECISIONS[self.fp32_matmul_prec]
+
+    @property
+    def ns(self) -> NSOptions:
+        """The Newton–Schulz settings, as one value."""
+        return NSOptions(self.num_ns_steps, self.coefficient_type, dtype=self.ns_dtype)
+
+    def plan_settings(self, tp_mode: str | None = None) -> PlanSettings:
+        """What a step plan needs from this config; ``tp_mode`` overrides the field (MuonBP's block
+        steps plan ``blockwise``). ``auto``'s hardware constants are resolved here, once."""
+        mode = self.tp_mode if tp_mode is None else tp_mode
+        return PlanSettings(mode, self.ns, self.dp_mode, self.scale_mode, self.extra_scale_factor,
+                            self.owner_bucket_bytes, self.hardware() if mode == "auto" else None)
 
     @classmethod
     def field_names(cls) -> list[str]:

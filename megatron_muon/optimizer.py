@@ -7,20 +7,22 @@ and found-inf skipping work unchanged: this class only implements ``step``.
 The parameters it updates are whatever Megatron hands an inner optimizer: full fp32 main params
 (no distributed optimizer), flat fp32 shard main params (distributed optimizer), or Megatron-FSDP's
 DTensor main params (``--use-megatron-fsdp``: each rank's rows of a matrix, possibly none). A
-DTensor is stepped through its local shard (``local``): the arithmetic is elementwise or runs
+DTensor is stepped through its local shard (``to_local``): the arithmetic is elementwise or runs
 on the plan's exchanged pieces, so it never needs DTensor's sharding propagation, and the
 state it creates (``zeros_like`` the param) is a DTensor sharded like it, which is what
 Megatron-FSDP's ``fsdp_dtensor`` checkpoint saves. Muon needs
 to know, for every matrix of the model — including those this rank holds nothing of — where
-its pieces live; the Megatron adapter describes that with ``attach`` (a ``MatrixLayout`` per
-matrix and the DP/TP groups). Without ``attach`` every Muon param is one whole local matrix,
+its pieces live; the Megatron adapter describes that with a ``MatrixCatalogue`` (a
+``MatrixLayout`` per matrix and the DP/TP groups), given at construction. The optimizer builds
+its step plans from it then, once (``plan.step_plan``; ``optimizer.plans``), and every step
+executes them. Without a catalogue every Muon param is one whole local matrix,
 which makes this a plain single-process Muon + AdamW.
 
 Per step, for the Muon matrices (upstream emerging-optimizers semantics):
     G ← G + wd·θ                           (only with decoupled_weight_decay False: L2)
     B ← B.lerp(G, 1 − μ);  U ← G.lerp(B, μ) if nesterov else B      (foreach, all params)
     θ ← θ·(1 − lr·wd)                      (decoupled weight decay, the default)
-    O ← orthogonalize_updates(U)           (exact per tp_mode; one call for all, pipelined)
+    O ← orthogonalize_updates(U, plan)     (exact per tp_mode; one call for all, pipelined)
     θ ← θ − lr·scale·O                     (as each micro-group's results arrive)
 and ``torch.optim.AdamW``'s own functional (foreach) step for the rest (``torch.optim.Adam``'s,
 L2 in the gradient, with decoupled_weight_decay False). The updates are applied
@@ -39,7 +41,6 @@ scheduled lr on every step, so it is the same as Muon's.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -47,30 +48,53 @@ from torch.optim.adam import adam as functional_adam
 
 from .config import MuonConfig, _finite
 from .core.matrix_layout import MatrixLayout
+from .parallel import comm
 from .parallel.comm import comm_stats
 from .parallel.devices import resolve_device
-from .parallel.orthogonalize import orthogonalize_updates
+from .parallel.orthogonalize import StepGroups, orthogonalize_updates
+from .plan.step_plan import StepPlan, build_step_plan
 
-__all__ = ["ALGORITHMS", "MuonMatrix", "MuonWithAdamW", "local"]
+__all__ = ["ALGORITHMS", "MatrixCatalogue", "MuonWithAdamW", "step_plans", "to_local"]
 
 ALGORITHMS = ("muon", "adamw")
 
 
-def local(tensor: torch.Tensor) -> torch.Tensor:
+def to_local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (Megatron-FSDP's params, grads and the state made like
     them): the tensor that holds its storage, so in-place updates reach the DTensor. Any other
     tensor is returned as it is."""
     return getattr(tensor, "_local_tensor", tensor)
 
 
-@dataclass
-class MuonMatrix:
-    """A model matrix as this rank's optimizer sees it."""
+@dataclass(frozen=True)
+class MatrixCatalogue:
+    """Every Muon matrix of one optimizer, described identically on every rank of its groups.
 
-    layout: MatrixLayout
-    """where its pieces live across TP and DP."""
-    param: torch.Tensor | None
-    """the tensor this rank updates (its DP range of the TP-local shard), or None if it holds none."""
+    The Megatron adapter builds it (``megatron.catalogue``: one ``describe`` per backend); a
+    plain single-process optimizer needs none (each Muon param is one whole matrix).
+    """
+
+    layouts: tuple[MatrixLayout, ...]
+    """per matrix, where its pieces live across TP and DP (same list, same order, on every rank)."""
+    params: tuple[torch.Tensor | None, ...]
+    """per matrix, the tensor this rank updates (its DP range of the TP-local shard), or None if
+    it holds none."""
+    dp_group: object = None
+    """the process group the pieces are cut over (None: one DP rank)."""
+    tp_group: object = None
+    """the process group the matrices are TP-sharded over (None: one TP rank)."""
+
+    def __post_init__(self) -> None:
+        if len(self.layouts) != len(self.params):
+            raise ValueError(f"MatrixCatalogue: {len(self.layouts)} layouts for {len(self.params)} params")
+
+
+def step_plans(config: MuonConfig, layouts, dp_size: int, tp_size: int) -> dict[str, StepPlan]:
+    """Per step kind, its plan: ``muon`` (MuonBP off), or MuonBP's ``full`` (the exact
+    ``tp_mode``) and ``block`` (``blockwise``: each TP shard on its own, no TP traffic)."""
+    kinds = {"muon": config.tp_mode} if config.muonbp_period is None else {"full": config.tp_mode, "block": "blockwise"}
+    return {kind: build_step_plan(layouts, dp_size=dp_size, tp_size=tp_size, settings=config.plan_settings(mode))
+            for kind, mode in kinds.items()}
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -101,6 +125,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         config: MuonConfig | None = None,
         decoupled_weight_decay: bool = True,
+        catalogue: MatrixCatalogue | None = None,
     ) -> None:
         if config is not None and not isinstance(config, MuonConfig):
             raise ValueError(f"MuonWithAdamW: config: expected a MuonConfig or None, got {type(config).__name__}")
@@ -130,18 +155,22 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 continue
             for i, p in enumerate(group["params"]):
                 # 1-D is allowed: a flat DP range of a matrix (the distributed optimizer's main
-                # shards, scripts/gpu_check.py), whose matrix ``attach`` describes; a 1-D param
+                # shards, scripts/gpu_check.py), whose matrix the catalogue describes; a 1-D param
                 # that is no matrix's range is refused there.
                 if p.dim() not in (1, 2):
                     raise ValueError(
                         f"MuonWithAdamW: param group {g} (algorithm 'muon') parameter {i} has shape "
                         f"{tuple(p.shape)}; Muon takes 2-D matrices (or a flat range of one) only (give "
                         f"biases, norms and embeddings to an 'adamw' group)")
-        self._matrices: list[MuonMatrix] | None = None
-        self._owners: list[int] | None = None
-        self._dp_group = self._tp_group = None
-        self._validated = False
-        self._hardware = self.config.hardware()  # tp_mode auto's cost-model constants, resolved once
+        if catalogue is not None and not isinstance(catalogue, MatrixCatalogue):
+            raise ValueError(f"MuonWithAdamW: catalogue: expected a MatrixCatalogue or None, "
+                             f"got {type(catalogue).__name__}")
+        self.catalogue = catalogue if catalogue is not None else self._whole_matrices()
+        """every Muon matrix and the groups it is cut over (``MatrixCatalogue``)."""
+        self._check_catalogue()
+        self.plans: dict[str, StepPlan] = self._build_plans()
+        """per step kind (``muon``, or MuonBP's ``full`` and ``block``), the plan of that step:
+        built here, once; the step executes it, the startup report and the dry run read it."""
         self.muon_steps = 0
         """optimizer steps applied (skipped steps never reach ``step``); MuonBP's phase."""
         self.last_step_kind: str | None = None
@@ -149,31 +178,45 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._last_stats: dict = {}
         self._timer: StepTimer | None = None
         self._device: torch.device | None = None
+        self._step_groups: StepGroups | None = None
         # muon_steps is MuonBP's phase: it travels in state_dict() so a resume keeps the schedule.
         self.register_state_dict_post_hook(_save_muon_steps)
         self.register_load_state_dict_pre_hook(_pop_muon_steps)
         self.register_load_state_dict_post_hook(_restore_muon_steps)
 
-    # ---- wiring ---------------------------------------------------------------------------
-    def attach(self, matrices: Sequence[MuonMatrix], *, dp_group=None, tp_group=None) -> None:
-        """Describe every Muon matrix of the model (same list, same order, on every rank)."""
-        mine = {id(p) for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]}
-        listed = {id(m.param) for m in matrices if m.param is not None}
-        if mine != listed:
+    # ---- the matrices and the plan ----------------------------------------------------------
+    def _muon_params(self) -> list[torch.Tensor]:
+        return [p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"]]
+
+    def _whole_matrices(self) -> MatrixCatalogue:
+        """One process: each Muon param is one whole matrix (a 1-D param cannot be one)."""
+        params = self._muon_params()
+        for i, p in enumerate(params):
+            if p.dim() != 2:
+                raise ValueError(f"MuonWithAdamW: muon parameter {i} has shape {tuple(p.shape)}: a flat range of a "
+                                 "matrix needs a catalogue saying which matrix (catalogue=MatrixCatalogue(...))")
+        return MatrixCatalogue(tuple(MatrixLayout(f"param {i}", tuple(p.shape), None, 1) for i, p in enumerate(params)),
+                               tuple(params))
+
+    def _check_catalogue(self) -> None:
+        mine = {id(p) for p in self._muon_params()}
+        listed = [id(p) for p in self.catalogue.params if p is not None]
+        if mine != set(listed) or len(listed) != len(set(listed)):
             raise ValueError(
-                f"MuonWithAdamW.attach: the matrices name {len(listed)} local params, the muon groups "
+                f"MuonWithAdamW: catalogue: its matrices name {len(set(listed))} local params, the muon groups "
                 f"hold {len(mine)}; every muon param must appear exactly once"
             )
-        self._matrices = list(matrices)
-        self._dp_group, self._tp_group = dp_group, tp_group
-        self._device = None  # re-resolved from the params on the next step
-        self._validated = False
-        # The DP owner plan depends only on the layouts: computed once here, not every step.
-        from .parallel import comm
-        from .parallel.orthogonalize import plan_dp_owners
 
-        self._owners = plan_dp_owners([m.layout for m in self._matrices], comm.group_size(dp_group),
-                                      self.config.num_ns_steps)
+    def _build_plans(self) -> dict[str, StepPlan]:
+        cat = self.catalogue
+        dp = comm.group_size(cat.dp_group) if cat.dp_group is not None else 1
+        tp = comm.group_size(cat.tp_group) if cat.tp_group is not None else 1
+        return step_plans(self.config, cat.layouts, dp, tp)
+
+    @property
+    def plan(self) -> StepPlan:
+        """The plan of a Muon step (MuonBP: of a full step)."""
+        return self.plans["muon" if "muon" in self.plans else "full"]
 
     @property
     def device(self) -> torch.device:
@@ -183,7 +226,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         of it, that matrix has no param here."""
         if self._device is None:
             params = [p for g in self.param_groups for p in g["params"]]
-            self._device = resolve_device(params, self._dp_group, what="MuonWithAdamW: params")
+            self._device = resolve_device(params, self.catalogue.dp_group, what="MuonWithAdamW: params")
         return self._device
 
     @property
@@ -195,14 +238,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if not self._last_stats:
             return {}
         return dict(self._last_stats, orthogonalize_ms=self._timer.elapsed_ms(), timing=self._timer.clock)
-
-    def matrices(self) -> list[MuonMatrix]:
-        if self._matrices is None:  # single process: each muon param is one whole matrix
-            self._matrices = [
-                MuonMatrix(MatrixLayout(f"param {i}", tuple(p.shape), None, 1), p)
-                for i, p in enumerate(p for g in self.param_groups if g["algorithm"] == "muon" for p in g["params"])
-            ]
-        return self._matrices
 
     def init_state(self) -> None:
         """Create every param's state now (Megatron's checkpointing reads state before step 1).
@@ -238,59 +273,41 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return {id(p): g for g in self.param_groups for p in g["params"]}
 
     def _muon_step(self) -> None:
-        matrices = self.matrices()
-        if not matrices:
+        params = self.catalogue.params
+        if not params:
             return
         cfg = self.config
         kind = cfg.step_kind(self.muon_steps)
-        tp_mode = "blockwise" if kind == "block" else cfg.tp_mode
         lr_mult = cfg.muonbp_block_lr_mult if kind == "block" else 1.0
         self.last_step_kind = kind
         group_of = self._group_of()
         device = self.device
-        live = [m.param for m in matrices if m.param is not None and m.param.grad is not None]
+        live = [p for p in params if p is not None and p.grad is not None]
         update_of = self._momentum_and_decay(live, group_of)
         # Every rank joins every collective: a missing grad contributes zeros (as KellerJordan/Muon
         # does), so the exchange sizes stay the plan's. A rank holding no piece of this matrix
         # (param None) still allocates on the optimizer's device.
-        pieces = [update_of.pop(id(m.param)) if m.param is not None and id(m.param) in update_of
-                  else torch.zeros(0 if m.param is None else local(m.param).numel(), device=device)
-                  for m in matrices]
-        step_lr = [-group_of[id(m.param)]["lr"] * lr_mult if m.param is not None else 0.0 for m in matrices]
+        pieces = [update_of.pop(id(p)) if p is not None and id(p) in update_of
+                  else torch.zeros(0 if p is None else to_local(p).numel(), device=device)
+                  for p in params]
+        step_lr = [-group_of[id(p)]["lr"] * lr_mult if p is not None else 0.0 for p in params]
 
         def apply(i: int, update: torch.Tensor, scale: float) -> None:
-            p = matrices[i].param
+            p = params[i]
             if p is None or p.grad is None:
                 return
             # θ ← θ − lr·(scale·O): the scalar scale rides in add_'s alpha instead of a scaled copy.
-            p = local(p)
+            p = to_local(p)
             p.add_(update.reshape_as(p), alpha=step_lr[i] * scale)
 
         if self._timer is None:  # built once: its CUDA events are recorded again every step
             self._timer = StepTimer(device)
+        if self._step_groups is None:
+            self._step_groups = StepGroups(self.catalogue.dp_group, self.catalogue.tp_group, device)
         self._timer.start()
         with comm_stats() as stats:
-            orthogonalize_updates(
-                pieces,
-                [m.layout for m in matrices],
-                tp_mode=tp_mode,
-                dp_group=self._dp_group,
-                tp_group=self._tp_group,
-                dp_mode=cfg.dp_mode,
-                owners=self._owners,
-                steps=cfg.num_ns_steps,
-                coefficients=cfg.coefficient_type,
-                ns_dtype=cfg.ns_dtype,
-                scale_mode=cfg.scale_mode,
-                extra_scale_factor=cfg.extra_scale_factor,
-                bucket_bytes=cfg.owner_bucket_bytes,
-                validate=not self._validated,
-                hardware=self._hardware,
-                device=device,
-                apply=apply,
-            )
+            orthogonalize_updates(pieces, self.plans[kind], self._step_groups, apply)
         self._timer.stop()
-        self._validated = True
         self._last_stats = dict(kind=kind, bytes_sent=stats.bytes_sent, ns_flops=stats.ns_flops)
 
     def _momentum_and_decay(self, live: list[torch.Tensor], group_of: dict[int, dict]) -> dict[int, torch.Tensor]:
@@ -313,11 +330,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if not live:
             return {}
-        params = [local(p) for p in live]
-        grads = [local(p.grad) for p in live]
+        params = [to_local(p) for p in live]
+        grads = [to_local(p.grad) for p in live]
         if not self.decoupled_weight_decay:
             grads = _with_l2(params, grads, [group_of[id(p)]["weight_decay"] for p in live])
-        bufs = [local(self.state[p]["momentum_buffer"]) for p in live]
+        bufs = [to_local(self.state[p]["momentum_buffer"]) for p in live]
         torch._foreach_add_([self.state[p]["step"] for p in live], 1.0)
         torch._foreach_lerp_(bufs, grads, 1 - cfg.momentum)
         updates = torch._foreach_lerp(grads, bufs, cfg.momentum) if cfg.nesterov else bufs
@@ -335,10 +352,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 state["step"] = torch.tensor(0.0)  # device-rule: host scalar, as torch's AdamW keeps it
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            params.append(local(p))
-            grads.append(local(p.grad))
-            exp_avgs.append(local(state["exp_avg"]))
-            exp_avg_sqs.append(local(state["exp_avg_sq"]))
+            params.append(to_local(p))
+            grads.append(to_local(p.grad))
+            exp_avgs.append(to_local(state["exp_avg"]))
+            exp_avg_sqs.append(to_local(state["exp_avg_sq"]))
             steps.append(state["step"])
         if not params:
             return

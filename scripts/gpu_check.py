@@ -241,7 +241,7 @@ def _timed(fn, device: torch.device, repeats: int) -> float:
 def run_ns(args) -> dict:
     from megatron_muon.core.models import LLAMA3
     from megatron_muon.core.newton_schulz import newton_schulz, ns_flops
-    from megatron_muon.parallel.planner import plan_owners
+    from megatron_muon.plan.owners import plan_owners
 
     device = torch.device(args.device) if args.device == "cpu" else torch.device("cuda", torch.cuda.current_device())
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"

@@ -55,6 +55,28 @@ class MatrixLayout:
     def numel(self) -> int:
         return self.local_shape[0] * self.local_shape[1]
 
+    @property
+    def full_shape(self) -> tuple[int, int]:
+        """shape of the whole weight across the TP group."""
+        return full_shape(self.local_shape, self.partition_dim, self.tp_size)
+
+    @property
+    def is_sharded(self) -> bool:
+        """cut across more than one TP rank."""
+        return self.partition_dim is not None and self.tp_size > 1
+
+    def sub_matrices(self) -> tuple[MatrixLayout, ...]:
+        """The independent matrices Newton–Schulz runs on: one per fused row block (itself when
+        there is none), each TP-sharded like the weight, with no DP ranges (the DP owner holds the
+        whole TP-local shard before it splits the rows)."""
+        if self.split is None and self.dp_ranges is None:
+            return (self,)
+        shapes = self.sub_local_shapes()
+        if len(shapes) == 1:
+            return (MatrixLayout(self.name, shapes[0], self.partition_dim, self.tp_size),)
+        return tuple(MatrixLayout(f"{self.name}[{k}]", shape, self.partition_dim, self.tp_size)
+                     for k, shape in enumerate(shapes))
+
     # ---- sub-matrices ----------------------------------------------------------------------
     def _sizes(self) -> tuple[int, tuple[int, ...]]:
         if self.split is None:

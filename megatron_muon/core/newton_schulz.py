@@ -11,11 +11,13 @@ orientation makes A = X·Xᵀ the smaller Gram matrix (and why the TP modes may 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from itertools import chain, cycle, islice, repeat
 
 import torch
 
 __all__ = [
+    "NSOptions",
     "COEFFICIENT_SETS",
     "DEFAULT_COEFFICIENTS",
     "Coefficients",
@@ -227,3 +229,41 @@ def ns_flops(rows: int, cols: int, steps: int = 5) -> int:
     """
     a, b = min(rows, cols), max(rows, cols)
     return steps * (4 * a * a * b + 2 * a * a * a)
+
+
+@dataclass(frozen=True)
+class NSOptions:
+    """How one Newton–Schulz call runs: the settings every layer passes as one value.
+
+    ``dtype`` is the compute dtype and, in the distributed step, the dtype of the exchanged
+    pieces (bf16 halves the bytes; NS would cast to it anyway). Hashable and compared by value:
+    a plan records the options it was made for. A later algorithm adds its settings here.
+    """
+
+    steps: int = 5
+    """iterations (>= 1)."""
+    coefficients: Coefficients = DEFAULT_COEFFICIENTS
+    """a set name from ``COEFFICIENT_SETS`` or (a, b, c) tuples (kept as a tuple of tuples)."""
+    eps: float = 1e-7
+    """floor on the Frobenius norm."""
+    dtype: torch.dtype = torch.bfloat16
+    """compute (and exchange) dtype."""
+
+    def __post_init__(self) -> None:
+        coefficient_schedule(self.coefficients, self.steps)  # one-line ValueError on bad steps / sets
+        if not isinstance(self.coefficients, str):
+            object.__setattr__(self, "coefficients", tuple(tuple(float(v) for v in t) for t in self.coefficients))
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise ValueError(f"newton_schulz: dtype must be a floating-point torch.dtype, got {self.dtype!r}")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """``newton_schulz`` of ``x`` (a matrix or a stack) with these settings, in ``x``'s dtype."""
+        return newton_schulz(x, self.steps, self.coefficients, eps=self.eps)
+
+    def flops(self, rows: int, cols: int) -> int:
+        """``ns_flops`` of one ``rows × cols`` matrix with these steps."""
+        return ns_flops(rows, cols, self.steps)
+
+    @property
+    def dtype_bytes(self) -> int:
+        return self.dtype.itemsize

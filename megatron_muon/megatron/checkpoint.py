@@ -50,9 +50,8 @@ each DP rank holds only its own main shards; ``MuonCheckpointMixin.load_state_di
 into the model param buffers and runs the param all-gather, so every DP replica holds the same,
 loaded, model params — whether or not the model state dict was loaded too.
 
-Use: ``MuonDistributedOptimizer`` inherits ``MuonCheckpointMixin`` and calls
-``prepare_for_checkpointing`` on its inner optimizer; the factory calls
-``prepare_for_checkpointing(inner)`` for the non-distributed wrappers.
+Use: ``MuonDistributedOptimizer`` inherits ``MuonCheckpointMixin``; the factory calls
+``prepare_for_checkpointing(inner)`` on every inner optimizer it builds.
 """
 
 from __future__ import annotations

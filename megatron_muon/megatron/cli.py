@@ -28,7 +28,7 @@ import argparse
 
 from ..config import MuonConfig
 from ..core.newton_schulz import COEFFICIENT_SETS, DEFAULT_COEFFICIENTS
-from ..parallel.balanced_layout import DEFAULT_ALPHA
+from ..plan.balanced_layout import DEFAULT_ALPHA
 
 __all__ = ["add_muon_args", "muon_config_from_args"]
 

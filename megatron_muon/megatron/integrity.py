@@ -198,11 +198,11 @@ def check_finite_state(optimizer, model_chunks, checkpoint_dir: str | Path) -> i
 
     Returns the number of tensors checked on this rank.
     """
-    from ..optimizer import local
+    from ..optimizer import to_local
 
     # Megatron-FSDP's params and state are DTensors: their local shards, some of them empty (inf
     # norm of nothing is undefined) on a rank that holds none of that matrix
-    named = [(n, local(t)) for n, t in _named_state(optimizer, main_param_names(optimizer, model_chunks))]
+    named = [(n, to_local(t)) for n, t in _named_state(optimizer, main_param_names(optimizer, model_chunks))]
     named = [(n, t) for n, t in named if t.numel() > 0]
     bad = []
     if named:

@@ -6,7 +6,7 @@ bounds); ``megatron.training.training.wrap_model_chunks_with_ddp`` computes one 
 (``DistributedOptimizer.compute_full_param_layout``, or the layer-wise optimizer's) and passes
 it in. ``balanced_full_param_layout`` computes ours instead, with the same buffer grouping
 (``group_params_for_buffers``), the same bucket size and the same alignment rules, from
-``parallel.balanced_layout``: every Muon matrix whole inside one DP shard.
+``plan.balanced_layout``: every Muon matrix whole inside one DP shard.
 
 The hook (``hooks.py``) hands ``wrap_model_chunks_with_ddp`` a DDP factory
 (``ddp_with_balanced_layout``) that builds this layout for its chunk; Megatron's distributed
@@ -27,9 +27,9 @@ from megatron.core.optimizer.param_layout import FullParamLayout, PerBufferParam
 from megatron.core.utils import get_pg_size
 
 from ..config import MuonConfig
-from ..parallel.balanced_layout import MAX_PADDING, PARAM_ALIGN, LayoutItem, balanced_layout
+from ..plan.balanced_layout import MAX_PADDING, PARAM_ALIGN, LayoutItem, balanced_layout
+from .catalogue import is_muon_matrix, layout_of, tag_qkv
 from .checkpoint import check_saved_extents
-from .optimizer import _layout, _tag_qkv, is_muon_matrix
 
 __all__ = ["balanced_buffer_layouts", "balanced_full_param_layout", "ddp_with_balanced_layout"]
 
@@ -65,7 +65,7 @@ def balanced_full_param_layout(
         max_padding: a bucket padding more than this with whole matrices is packed as
             megatron-core packs it (``balanced_layout``); 1.0 keeps every bucket whole-matrix.
     """
-    _tag_qkv([model_chunk], muon_config)
+    tag_qkv([model_chunk])
     named = [(n, p) for n, p in model_chunk.named_parameters() if p.requires_grad]
     layouts = balanced_buffer_layouts(named, bucket_size, dp_size, ddp_config, muon_config=muon_config,
                                       tp_size=tp_size, expert_dp_size=expert_dp_size, max_padding=max_padding)
@@ -78,7 +78,7 @@ def balanced_buffer_layouts(
 ) -> dict:
     """Per buffer (megatron-core's ``BufferKey``): ``(BufferLayout, PerBufferParamLayout)``.
 
-    ``named_params``: ``(name, param)`` in model order, QKV already tagged (``_tag_qkv``); the
+    ``named_params``: ``(name, param)`` in model order, QKV already tagged (``catalogue.tag_qkv``); the
     arguments are ``balanced_full_param_layout``'s. Planning tools call this on meta params.
     """
     names = {p: n for n, p in named_params}
@@ -87,7 +87,7 @@ def balanced_buffer_layouts(
     for key, (group, indices) in group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32).items():
         dp = (expert_dp_size or dp_size) if key.is_expert_parallel else dp_size
         items = [
-            LayoutItem(p.numel(), _layout(names[p], p, tp_size, muon_config).ns_cost(muon_config.num_ns_steps),
+            LayoutItem(p.numel(), layout_of(names[p], p, tp_size, muon_config).ns_cost(muon_config.num_ns_steps),
                        whole=True, own_bucket=getattr(p, "shared_embedding", False))
             if is_muon_matrix(p) else
             LayoutItem(p.numel(), own_bucket=getattr(p, "shared_embedding", False))

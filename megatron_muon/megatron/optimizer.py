@@ -6,14 +6,9 @@ Megatron's ``_get_param_groups`` (so the LR scheduler, weight-decay multipliers,
 and found-inf skipping work unchanged), wrapped in Megatron's ``DistributedOptimizer``
 (ZeRO-1: reduce-scatter, shard main params, param all-gather, all Megatron's) or in its
 ``Float16OptimizerWithFloat16Params`` / ``FP32Optimizer`` — with one inner
-``MuonWithAdamW`` instead of Adam, and one addition: every Muon matrix is described to the inner
-optimizer by a ``MatrixLayout`` naming where its DP pieces and TP shards live, so its step can
-orthogonalize whole matrices (``orthogonalize.py``).
-
-Routing reads the parameters' own attributes: a 2-D weight that is not
-``is_embedding_or_output_parameter`` is a Muon matrix, everything else AdamW. ``is_qkv`` (set
-here on attention ``linear_qkv`` weights, as upstream does) splits QKV per query group;
-``partition_stride == 2`` (set by Megatron on a gated fc1) splits it into gate and up.
+``MuonWithAdamW`` instead of Adam, built once on the wrapper's main params from the catalogue
+of every Muon matrix (``catalogue.py``: which params are Muon matrices and where each one's DP
+pieces and TP shards live), so its step can orthogonalize whole matrices (``parallel/orthogonalize.py``).
 """
 
 from __future__ import annotations
@@ -21,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.optimizer import (
     ChainedOptimizer,
     DistributedOptimizer,
@@ -30,134 +26,51 @@ from megatron.core.optimizer import (
     _get_param_groups_and_buffers,
     get_standard_config_overrides,
 )
-from megatron.core.optimizer.distrib_optimizer import Range
 from megatron.core.optimizer.grad_scaler import ConstantGradScaler
 from megatron.core.optimizer.optimizer_config import ParamKey, ParamPredicate
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.utils import get_pg_rank, get_pg_size
+from megatron.core.utils import get_pg_rank
 
 from ..config import MuonConfig
-from ..core.matrix_layout import MatrixLayout, RowSplit
-from ..optimizer import MuonMatrix, MuonWithAdamW
+from ..optimizer import MuonWithAdamW
+from .catalogue import (
+    describe_megatron_fsdp,
+    describe_whole,
+    describe_zero1,
+    is_expert_parallel,
+    is_muon_matrix,
+    packed_in_backprop_order,
+    param_names,
+    tag_grouped_experts,
+    tag_qkv,
+)
 from .checkpoint import MuonCheckpointMixin, check_saved_extents, prepare_for_checkpointing
 from .cli import muon_config_from_args
-from .fsdp2 import torch_fsdp2_ranges
+from .megatron_fsdp import MuonFSDPOptimizer
 from .qk_clip import build_qk_clip
 from .report import print_startup_report
 
-__all__ = ["MuonChainedOptimizer", "MuonDistributedOptimizer", "get_megatron_muon_optimizer", "is_expert_parallel",
-           "is_muon_matrix"]
-
-
-def is_muon_matrix(param: torch.nn.Parameter) -> bool:
-    """Hidden 2-D weights get Muon; embeddings, the output layer, norms and biases get AdamW."""
-    return param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
-
-
-def _tag_qkv(model_chunks, muon_config: MuonConfig) -> None:
-    """Mark fused QKV weights the way upstream's emerging-optimizer path does (by module, since
-    Megatron's layers set no QKV attribute themselves)."""
-    for chunk in model_chunks:
-        cfg = chunk.config
-        q = cfg.num_attention_heads // cfg.num_query_groups * cfg.kv_channels
-        for module in chunk.modules():
-            linear_qkv = getattr(module, "linear_qkv", None)
-            weight = getattr(linear_qkv, "weight", None)
-            if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2:
-                weight.is_qkv = True
-                weight.qkv_split_shapes = [q, cfg.kv_channels, cfg.kv_channels]
-
-
-def _tag_grouped_experts(model_chunks) -> None:
-    """``TEGroupedMLP`` (``--moe-grouped-gemm``): its fc1 ``weight0 .. weight{E-1}`` are one expert's
-    ``[gate; up]`` each (per TP rank ``[gate_r; up_r]``, as a dense fc1), but Megatron marks them
-    ``partition_stride`` 1; tag them ``gated_fc1`` so ``_layout`` splits them
-    (``core/expert_layout.py``). TE's single grouped weight (every expert in one tensor) is refused."""
-    for chunk in model_chunks:
-        gated = getattr(chunk.config, "gated_linear_unit", False)
-        for name, module in chunk.named_modules():
-            if getattr(module, "num_gemms", None) is None:  # TE GroupedLinear only
-                continue
-            if getattr(module, "single_grouped_weight", False):
-                raise ValueError(
-                    f"moe_single_grouped_weight ({name}): every local expert in one tensor is not supported with "
-                    "Muon (each expert must be orthogonalized on its own); set it False for per-expert weights")
-            if gated and name.endswith("linear_fc1"):
-                for pname, param in module.named_parameters(recurse=False):
-                    if pname.startswith("weight"):
-                        param.gated_fc1 = True
-
-
-def _layout(name: str, param: torch.nn.Parameter, tp_size: int, muon_config: MuonConfig,
-            dp_ranges=None, local_shape: tuple[int, int] | None = None) -> MatrixLayout:
-    """``local_shape``: this TP rank's shape of the weight when ``param.shape`` is not it
-    (a Megatron-FSDP DTensor reports its global shape)."""
-    rows, cols = local_shape if local_shape is not None else param.shape
-    tensor_parallel = getattr(param, "tensor_model_parallel", False) and tp_size > 1
-    partition_dim = getattr(param, "partition_dim", -1) if tensor_parallel else None
-    split = None
-    if muon_config.split_qkv and getattr(param, "is_qkv", False):
-        sizes = tuple(param.qkv_split_shapes)
-        if rows % sum(sizes):
-            raise ValueError(f"{name}: QKV rows {rows} are not a multiple of the query-group size {sum(sizes)}")
-        split = RowSplit(rows // sum(sizes), sizes)
-    elif (muon_config.split_fc1 and (getattr(param, "partition_stride", 1) == 2 or getattr(param, "gated_fc1", False))
-          and partition_dim in (0, None)):
-        split = RowSplit(1, (rows // 2, rows // 2))  # a gated fc1 holds [gate; up] on every TP rank
-    return MatrixLayout(name, (rows, cols), partition_dim if partition_dim in (0, 1) else None, tp_size, split,
-                        dp_ranges)
-
-
-def _param_names(model_chunks) -> dict[int, str]:
-    return {id(p): f"chunk{c}.{n}" for c, chunk in enumerate(model_chunks) for n, p in chunk.named_parameters()}
+__all__ = ["MuonChainedOptimizer", "MuonDistributedOptimizer", "get_megatron_muon_optimizer"]
 
 
 class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
     """Megatron's ZeRO-1 ``DistributedOptimizer`` with a ``MuonWithAdamW`` inside.
 
     Megatron's buffers, reduce-scatter and param all-gather are untouched; each DP rank keeps
-    momentum only for its own range (as it keeps Adam state). The only addition is the layout
-    of every Muon matrix — every DP rank's range of it, computed with Megatron's own range
-    function for each rank — so the inner step can send cut matrices to one DP owner.
+    momentum only for its own range (as it keeps Adam state). The inner optimizer is built on
+    the main shards this class makes, from the catalogue of every Muon matrix
+    (``catalogue.describe_zero1``: every DP rank's range of it, by Megatron's own range
+    function), so the inner step can send cut matrices to one DP owner.
 
     Checkpointing (``MuonCheckpointMixin``, ``checkpoint.py``): Megatron's formats, with Muon's
     momentum stored as ``exp_avg`` (and a zero ``exp_avg_sq``) so it reshards like Adam state;
     after a load the model params are re-gathered from the main shards on every DP replica.
     """
 
-    def __init__(self, *args, tp_group=None, muon_config: MuonConfig, **kwargs) -> None:
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.is_stub_optimizer:
-            return
-        prepare_for_checkpointing(self.optimizer)
-        dp_size = get_pg_size(self.data_parallel_group)
-        tp_size = get_pg_size(tp_group) if tp_group is not None else 1
-        main_of = {}
-        for model_groups, main_groups in (
-            (self.model_float16_groups, self.shard_fp32_from_float16_groups),
-            (self.model_fp32_groups, self.shard_fp32_groups),
-        ):
-            for models, mains in zip(model_groups, main_groups):
-                main_of.update({id(m): s for m, s in zip(models, mains)})
-        names = _param_names(self.model_chunks)
-        check_saved_extents(self.buffers, names)  # any layout, ours or a caller's full_param_layout
-        matrices = []
-        self.matrix_of_param: dict[int, MuonMatrix] = {}
-        """id(model param) → its ``MuonMatrix`` (layout, this rank's main shard): what QK-clip scales."""
-        for buffer in self.buffers:  # same buffers, same order, on every DP (and TP) rank
-            for bucket in buffer.buckets:
-                per_rank = self._ranges_on_every_rank(buffer, bucket, dp_size)
-                for param in bucket.params_list:
-                    if not is_muon_matrix(param):
-                        continue
-                    ranges = tuple(per_rank[r].get(param, (0, 0)) for r in range(dp_size))
-                    layout = _layout(names.get(id(param), "param"), param, tp_size, muon_config, ranges)
-                    matrices.append(MuonMatrix(layout, main_of.get(id(param))))
-                    self.matrix_of_param[id(param)] = matrices[-1]
-        self.optimizer.attach(matrices, dp_group=self.data_parallel_group, tp_group=tp_group)
-        self.cut_matrices = sum(1 for m in matrices if len(m.layout.holders(dp_size)) > 1)
-        """Muon matrices cut across DP ranks (0 under ``--muon-dp-layout balanced``)."""
-        self.packed_like_megatron = all(_packed_in_backprop_order(buffer) for buffer in self.buffers)
+        check_saved_extents(self.buffers, param_names(self.model_chunks))  # any layout, ours or a caller's
+        self.packed_like_megatron = all(packed_in_backprop_order(buffer) for buffer in self.buffers)
         """True when every bucket holds its params back to back in backprop order, padding only at
         its end (megatron-core's own layout): what the ``dp_reshardable`` checkpoint format assumes."""
 
@@ -196,19 +109,6 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
             metadata["distrib_optim_fully_reshardable_mem_efficient"] = True
         return super().sharded_state_dict(model_sharded_state_dict, is_loading=is_loading, metadata=metadata)
 
-    def _ranges_on_every_rank(self, buffer, bucket, dp_size: int) -> list[dict]:
-        """For each DP rank, param → [start, end) of the param it holds in this bucket."""
-        size = bucket.grad_data.numel() // dp_size
-        out = []
-        for r in range(dp_size):
-            start = bucket.offset + r * size
-            rng = Range(start, min(bucket.offset + bucket.grad_data.numel(), start + size))
-            params = {p: buffer.param_index_map[p] for p in bucket.params_list}
-            mapping = self._build_model_gbuf_param_range_map(params, rng, bucket.offset)
-            out.append({p: (m["param"].start, m["param"].end) for p, m in mapping.items()})
-        return out
-
-
 class MuonChainedOptimizer(ChainedOptimizer):
     """Megatron's ``ChainedOptimizer``, with the checkpoint format of its optimizer state decided
     once for the whole chain, before Megatron's own code reads it.
@@ -227,22 +127,6 @@ class MuonChainedOptimizer(ChainedOptimizer):
                         for o in self.chained_optimizers)):
             metadata["distrib_optim_sharding_type"] = "fully_reshardable"  # recorded with the checkpoint
         return super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
-
-
-def _packed_in_backprop_order(buffer) -> bool:
-    for bucket in buffer.buckets:
-        cursor = bucket.offset
-        for param in bucket.params_list:  # the buffer lists a bucket's params in backprop order
-            start, end, _ = buffer.param_index_map[param]
-            if not 0 <= start - cursor < 64:  # megatron-core aligns starts to 64 elements
-                return False
-            cursor = end
-    return True
-
-
-def is_expert_parallel(param: torch.nn.Parameter) -> bool:
-    """Megatron's mark of an expert-parallel param (grads reduced over the expert-DP group)."""
-    return not getattr(param, "allreduce", True)
 
 
 def _check_supported(config: OptimizerConfig, model_chunks) -> None:
@@ -267,66 +151,70 @@ def _check_supported(config: OptimizerConfig, model_chunks) -> None:
                     "(moe_single_grouped_weight) is not supported with Muon, use per-expert weights")
 
 
+class _ParamGroups(torch.optim.Optimizer):
+    """The param groups alone, for Megatron's wrapper to reorganize before the inner optimizer exists.
+
+    Megatron's wrappers make their main params (ZeRO-1 shards, fp32 copies, Megatron-FSDP's
+    DTensors) from an inner optimizer's groups and put them in its place. ``MuonWithAdamW`` is then
+    built once, on the groups that result and the catalogue of their matrices, as Megatron itself
+    rebuilds a ``HybridDeviceOptimizer`` on its shard groups."""
+
+    def step(self, closure=None):
+        raise RuntimeError("megatron-muon: the param-group holder was stepped; the wrapper's inner optimizer "
+                           "should have been replaced by MuonWithAdamW")
+
+
 def _build(config: OptimizerConfig, model_chunks, param_groups, buffers, muon_config: MuonConfig, *,
            expert: bool, groups: dict, tp_group, data_parallel_group_idx: int):
-    """One Megatron optimizer (ZeRO-1 or whole-matrix) around one ``MuonWithAdamW``, for the dense
-    params (``expert`` False) or the expert-parallel ones, with the groups Megatron's
+    """One Megatron optimizer (ZeRO-1, Megatron-FSDP or whole-matrix) around one ``MuonWithAdamW``,
+    for the dense params (``expert`` False) or the expert-parallel ones, with the groups Megatron's
     ``get_megatron_optimizer`` gives each: DP over ``intra_dp_cp_group`` or
     ``intra_expt_dp_group``, TP over the (expert) TP group."""
-    inner = MuonWithAdamW(
-        param_groups,
-        lr=config.lr,
-        weight_decay=config.weight_decay,
-        betas=(config.adam_beta1, config.adam_beta2),
-        eps=config.adam_eps,
-        config=muon_config,
-        decoupled_weight_decay=config.decoupled_weight_decay,
-    )
-    prepare_for_checkpointing(inner)
+    hyper = dict(lr=config.lr, weight_decay=config.weight_decay, betas=(config.adam_beta1, config.adam_beta2),
+                 eps=config.adam_eps)
+    holder = _ParamGroups(param_groups, dict(hyper, algorithm="adamw"))
     grad_scaler = ConstantGradScaler(config.loss_scale) if config.loss_scale else None
     dp_group = groups["intra_expt_dp_group" if expert else "intra_dp_cp_group"]
     ddp_config = model_chunks[0].ddp_config
     if getattr(ddp_config, "use_megatron_fsdp", False):
-        from .fsdp import MuonFSDPOptimizer
-
         strategy = ddp_config.data_parallel_sharding_strategy
         optimizer = MuonFSDPOptimizer(
-            inner, config, grad_scaler, _init_state,
+            holder, config, grad_scaler, _init_state,
             model_chunks=model_chunks,
             per_model_buffers=buffers,
             data_parallel_group=groups["dp_cp_group"],
             data_parallel_group_gloo=groups["intra_dp_cp_group_gloo"],
             data_parallel_group_idx=data_parallel_group_idx,
             distributed_optimizer_instance_id=0,
-            tp_group=tp_group,
-            muon_config=muon_config,
-            layout_of=_layout,
         )
         # Megatron's: no_shard's grads are whole on every DP rank, so their norm is over TP x PP only
         optimizer.grad_stats_parallel_group = groups["mp_group" if strategy == "no_shard" else "intra_dist_opt_group"]
+        catalogue, matrix_of = describe_megatron_fsdp(optimizer, tp_group, muon_config)
     elif config.use_distributed_optimizer:
         optimizer = MuonDistributedOptimizer(
-            inner, config, grad_scaler, _init_state,
+            holder, config, grad_scaler, _init_state,
             model_chunks=model_chunks,
             per_model_buffers=buffers,
             data_parallel_group=dp_group,
             data_parallel_group_gloo=groups["intra_expt_dp_group_gloo" if expert else "intra_dp_cp_group_gloo"],
             data_parallel_group_idx=data_parallel_group_idx,
             distributed_optimizer_instance_id=0,
-            tp_group=tp_group,
-            muon_config=muon_config,
         )
         optimizer.grad_stats_parallel_group = groups["intra_dist_opt_group"]
+        catalogue, matrix_of = describe_zero1(optimizer, tp_group, muon_config)
     else:
         if config.bf16:
-            optimizer = Float16OptimizerWithFloat16Params(inner, config, grad_scaler, _init_state)
+            optimizer = Float16OptimizerWithFloat16Params(holder, config, grad_scaler, _init_state)
         else:
-            optimizer = FP32Optimizer(inner, config, _init_state)
+            optimizer = FP32Optimizer(holder, config, _init_state)
         # Megatron's: the model-parallel group the grads differ over (experts: TP x EP x PP)
         optimizer.grad_stats_parallel_group = groups["expt_tp_pp_with_egtp_remat_group" if expert else "mp_group"]
-        optimizer.matrix_of_param = _attach_whole(inner, model_chunks, dp_group, tp_group, muon_config,
-                                                  expert=expert)
-        """id(model param) → its ``MuonMatrix`` (as ``MuonDistributedOptimizer.matrix_of_param``)."""
+        catalogue, matrix_of = describe_whole(model_chunks, dp_group, tp_group, muon_config, expert=expert)
+    optimizer.optimizer = MuonWithAdamW(optimizer.optimizer.param_groups, config=muon_config, catalogue=catalogue,
+                                        decoupled_weight_decay=config.decoupled_weight_decay, **hyper)
+    prepare_for_checkpointing(optimizer.optimizer)
+    optimizer.matrix_of_param = matrix_of
+    """id(model param) → (its layout, this rank's main tensor of it): what QK-clip scales."""
     return optimizer
 
 
@@ -361,8 +249,8 @@ def get_megatron_muon_optimizer(
     """
     muon_config = _muon_config(config, muon_config)
     _check_supported(config, model_chunks)
-    _tag_qkv(model_chunks, muon_config)
-    _tag_grouped_experts(model_chunks)
+    tag_qkv(model_chunks)
+    tag_grouped_experts(model_chunks)
     overrides = dict(get_standard_config_overrides(config) if config_overrides is None else config_overrides)
     overrides[ParamKey(predicate=ParamPredicate(name="muon_matrix", fn=is_muon_matrix))] = {"algorithm": "muon"}
     groups = ProcessGroupCollection.setup_process_groups_for_optimizer(
@@ -391,24 +279,18 @@ def get_megatron_muon_optimizer(
         """``qk_clip.QKClip`` with ``--qk-clip`` / ``--log-max-attention-logit`` (the dense optimizer's:
         attention is dense): runs after every inner step."""
     dense = optimizers[0]
-    if not getattr(dense, "is_stub_optimizer", False):
-        dp_group = groups["intra_dp_cp_group"]
-        dense.qk_clip = build_qk_clip(model_chunks, dense.matrix_of_param, dp_group, get_pg_rank(dp_group),
-                                      log_group=groups["mp_group"])
-        if dense.qk_clip is not None:
-            # after the fp32 update, before Megatron copies main params into the model (and gathers them)
-            dense.optimizer.register_step_post_hook(dense.qk_clip.after_step)
-    live = [o for o in optimizers if not getattr(o, "is_stub_optimizer", False)]
-    if live:
-        from megatron.core import parallel_state
-
-        print_startup_report(
-            live[0].optimizer, model_chunks, muon_config, tp_group=tp_group,
-            dp_group=groups["intra_dp_cp_group"],
-            pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-            pp=parallel_state.get_pipeline_model_parallel_world_size(),
-            experts=(optimizers[1].optimizer, expert_tp_group, groups["intra_expt_dp_group"],
-                     parallel_state.get_expert_model_parallel_world_size()) if len(optimizers) > 1 else None)
+    dp_group = groups["intra_dp_cp_group"]
+    dense.qk_clip = build_qk_clip(model_chunks, dense.matrix_of_param, dp_group, get_pg_rank(dp_group),
+                                  log_group=groups["mp_group"])
+    if dense.qk_clip is not None:
+        # after the fp32 update, before Megatron copies main params into the model (and gathers them)
+        dense.optimizer.register_step_post_hook(dense.qk_clip.after_step)
+    experts = None
+    if len(optimizers) > 1:
+        experts = (optimizers[1].optimizer.plans, parallel_state.get_expert_model_parallel_world_size())
+    print_startup_report(dense.optimizer.plans, model_chunks, muon_config,
+                         pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
+                         pp=parallel_state.get_pipeline_model_parallel_world_size(), experts=experts)
     return MuonChainedOptimizer(optimizers)
 
 
@@ -426,37 +308,7 @@ def _muon_config(config: OptimizerConfig, muon_config: MuonConfig | None) -> Muo
                          f"fields are used: {err}") from err
 
 
-def _attach_whole(inner: MuonWithAdamW, model_chunks, dp_group, tp_group, muon_config: MuonConfig, *,
-                  expert: bool = False) -> dict[int, MuonMatrix]:
-    """Without the distributed optimizer every DP rank holds every matrix whole (of the dense
-    params, or of the expert-parallel ones), except under ``--use-torch-fsdp2``: there every
-    matrix is a DTensor cut by rows over FSDP2's DP mesh (``fsdp2.py``), described by each DP
-    rank's range and exchanged over the mesh's group. Returns id(model param) → its ``MuonMatrix``."""
-    tp_size = get_pg_size(tp_group) if tp_group is not None else 1
-    names = _param_names(model_chunks)
-    matrix_of = {}
-    fsdp2_group = None
-    for chunk in model_chunks:
-        for _, p in chunk.named_parameters():
-            if p.requires_grad and is_muon_matrix(p) and is_expert_parallel(p) == expert:
-                main = getattr(p, "main_param", None)
-                ranges = None
-                if getattr(p, "is_torch_fsdp2_param", False):  # --use-torch-fsdp2: rows cut over DP
-                    ranges, group = torch_fsdp2_ranges(names[id(p)], p)
-                    if fsdp2_group is not None and group is not fsdp2_group:
-                        raise ValueError(f"--use-torch-fsdp2: {names[id(p)]} is sharded over another mesh than "
-                                         "the other Muon matrices (HSDP is not supported with Muon)")
-                    fsdp2_group = group
-                matrix_of[id(p)] = MuonMatrix(_layout(names[id(p)], p, tp_size, muon_config, ranges),
-                                              main if main is not None else p)
-    inner.attach(list(matrix_of.values()), dp_group=dp_group if fsdp2_group is None else fsdp2_group,
-                 tp_group=tp_group)
-    return matrix_of
-
-
 def _tp_group(expert: bool = False):
-    from megatron.core import parallel_state
-
     if expert:
         return parallel_state.get_expert_tensor_parallel_group(check_initialized=False)
     return parallel_state.get_tensor_model_parallel_group()

@@ -60,7 +60,7 @@ from ..core.qk_clip import (
     scale_rows_,
     scale_rows_flat_,
 )
-from ..optimizer import local
+from ..optimizer import to_local
 from ..parallel.devices import resolve_device
 
 __all__ = ["ClippedAttention", "ClippedWeight", "QKClip", "build_qk_clip", "track_max_logits"]
@@ -250,7 +250,7 @@ def build_qk_clip(model_chunks, matrix_of: dict, group, dp_rank: int, log_group=
     """The clipper for ``model_chunks`` when their config asks for ``--qk-clip`` or
     ``--log-max-attention-logit``, else None; installs the local attention's tracking.
 
-    ``matrix_of``: id(model param) → its ``MuonMatrix`` (layout and this rank's main tensor);
+    ``matrix_of``: id(model param) → (its layout, this rank's main tensor or None) (``catalogue.MatrixOf``);
     ``dp_rank``: this rank's index in ``group``, whose flat range ``main`` holds under the
     distributed optimizer; ``log_group``: the model-parallel group (``QKClip``).
     Raises ``ValueError`` naming the flag for attention it cannot clip exactly.
@@ -323,7 +323,7 @@ def _tp_local_shape(weight: torch.Tensor, matrix_of: dict) -> tuple[int, ...]:
     """This TP rank's shape of ``weight``: its Muon layout's when it has one (a Megatron-FSDP
     DTensor reports the TP-unsharded global shape)."""
     matrix = matrix_of.get(id(weight))
-    return tuple(matrix.layout.local_shape) if matrix is not None else tuple(weight.shape)
+    return tuple(matrix[0].local_shape) if matrix is not None else tuple(weight.shape)
 
 
 def _clipped(name: str, weight: torch.Tensor, matrix_of: dict, dp_rank: int, row_scale) -> ClippedWeight:
@@ -333,9 +333,10 @@ def _clipped(name: str, weight: torch.Tensor, matrix_of: dict, dp_rank: int, row
     if matrix is None:  # every Muon matrix has a layout on every rank, held there or not
         raise RuntimeError(f"qk-clip: {name} is not among the optimizer's Muon matrices (a wrapper replaced "
                            "the module's parameter?)")
-    main, start = local(matrix.param), None
-    if matrix.layout.dp_ranges is not None:
-        start = matrix.layout.local_range(dp_rank)[0]
+    layout, param = matrix
+    main, start = (to_local(param) if param is not None else None), None
+    if layout.dp_ranges is not None:
+        start = layout.local_range(dp_rank)[0]
         if main is not None and main.dim() != 1:  # Megatron-FSDP: rows [r0, r1) of the matrix, a contiguous view
             main = main.view(-1)
     return ClippedWeight(name, _tp_local_shape(weight, matrix_of)[1], main, start, row_scale)

@@ -23,20 +23,22 @@ A resumed run ends the report with what it changed against the checkpoint's reco
 (``resume_config``), e.g. ``resume from .../iter_0000003: changed against the checkpoint's
 settings:`` then ``TP 2 -> 1: resharded exactly ...``, or ``same settings as the checkpoint``.
 
-The figures come from the plans (``parallel.step_plan``), not from running a step.
+The figures come from the optimizer's step plans (``optimizer.plans``, ``plan.step_plan``): the
+same plans the step executes, not a replay of them.
 """
 
 from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Mapping
 
 import torch
 
 from ..config import MuonConfig
-from ..optimizer import MuonWithAdamW
-from ..parallel import comm
-from ..parallel.step_plan import plan_step, tp_modes_of
+from ..plan.step_plan import StepPlan
+from .catalogue import is_muon_matrix, packed_in_backprop_order
+from .resume_config import report_lines
 
 __all__ = ["name_pattern", "startup_report"]
 
@@ -60,8 +62,6 @@ def name_pattern(name: str) -> str:
 def buffer_layout(model_chunks, buffer_name: str = "buffers") -> str:
     """``balanced buffer layout (padding 0.4%)``: how the DDP buffers are laid out (megatron-core's
     packing or not) and their padding (alignment included) as a share of their elements."""
-    from .optimizer import _packed_in_backprop_order
-
     ddp_config = getattr(model_chunks[0], "ddp_config", None) if model_chunks else None
     if getattr(ddp_config, "use_megatron_fsdp", False):
         return (f"Megatron-FSDP {ddp_config.data_parallel_sharding_strategy} layout (each bucket cut in equal "
@@ -71,25 +71,22 @@ def buffer_layout(model_chunks, buffer_name: str = "buffers") -> str:
     buffers = [b for chunk in model_chunks for b in getattr(chunk, buffer_name, [])]
     if not buffers or not buffers[0].ddp_config.use_distributed_optimizer:
         return "no distributed optimizer (whole matrices on every DP rank)"
-    name = "megatron" if all(_packed_in_backprop_order(b) for b in buffers) else "balanced"
+    name = "megatron" if all(packed_in_backprop_order(b) for b in buffers) else "balanced"
     # padding: what the buffer holds beyond its params (alignment gaps, shard and bucket ends)
     total = sum(b.numel for b in buffers)
     padded = total - sum(p.numel() for b in buffers for p in b.params)
     return f"{name} buffer layout (padding {100 * padded / total:.1f}%)"
 
 
-def _matrix_lines(layouts, config: MuonConfig, tp: int, hardware) -> list[str]:
-    """One line per name pattern: its count, the shapes NS runs on, the TP mode(s)."""
-    classes: dict[str, list] = {}
-    for lay in layouts:
-        classes.setdefault(name_pattern(lay.name), []).append(lay)
+def _matrix_lines(plan: StepPlan) -> list[str]:
+    """One line per name pattern: its count, the shapes NS runs on, the TP mode(s) the plan gives it."""
+    classes: dict[str, list[int]] = {}
+    for i, lay in enumerate(plan.matrices):
+        classes.setdefault(name_pattern(lay.name), []).append(i)
     lines = []
     for pattern, members in classes.items():
-        lay = members[0]
-        subs = [(local, full, lay.partition_dim if tp > 1 else None)
-                for local, full in zip(lay.sub_local_shapes(), lay.sub_global_shapes())]
-        modes = sorted(set(tp_modes_of(subs, tp, config.tp_mode, config.num_ns_steps, config.ns_dtype.itemsize,
-                                       hardware)))
+        lay = plan.matrices[members[0]]
+        modes = sorted({m for i in members for m in plan.tp_modes_of(i)})
         flag = "  NOTE: this name usually belongs to AdamW" if any(s in pattern for s in _SUSPICIOUS) else ""
         if ".router." in pattern:
             flag = f"  {ROUTER_RULE}"
@@ -98,71 +95,64 @@ def _matrix_lines(layouts, config: MuonConfig, tp: int, hardware) -> list[str]:
     return lines
 
 
-def _plan_lines(inner: MuonWithAdamW, config: MuonConfig, tp: int, dp: int, what: str) -> list[str]:
-    """NS FLOPs and bytes per rank of a full (and a MuonBP block) step, from the plans."""
-    layouts = [m.layout for m in inner.matrices()]
-    ns_bytes = config.ns_dtype.itemsize
-    owners = inner._owners if config.dp_mode == "owner" else None
-    plans = {"full step": plan_step(layouts, owners, tp, dp, tp_mode=config.tp_mode, steps=config.num_ns_steps,
-                                    ns_bytes=ns_bytes, hardware=inner._hardware)}
-    if config.muonbp_period is not None and config.muonbp_period != 1:
-        plans["block step"] = plan_step(layouts, owners, tp, dp, tp_mode="blockwise", steps=config.num_ns_steps,
-                                        ns_bytes=ns_bytes)
+def _plan_lines(plans: Mapping[str, StepPlan], config: MuonConfig, what: str) -> list[str]:
+    """NS FLOPs and bytes per rank of a full (and a MuonBP block) step, read from the plans."""
+    shown = {"full step": plans.get("muon") or plans["full"]}
+    if "block" in plans and config.muonbp_period != 1:
+        shown["block step"] = plans["block"]
     lines = []
-    for kind, plan in plans.items():
+    for kind, plan in shown.items():
         flops, sent = plan.ns_flops, plan.bytes_sent
         mean = sum(flops) / len(flops)
-        lines.append(f"  NS per {kind} on {what}'s {tp * dp} ranks: max {max(flops) / 1e12:.2f} TFLOP, mean "
+        lines.append(f"  NS per {kind} on {what}'s {len(flops)} ranks: max {max(flops) / 1e12:.2f} TFLOP, mean "
                      f"{mean / 1e12:.2f} (max/mean {max(flops) / mean if mean else 1:.2f})")
         lines.append(f"  bytes sent per rank per {kind} (plan): max {max(sent) / 2**20:.1f} MiB, mean "
                      f"{sum(sent) / len(sent) / 2**20:.1f} MiB")
     return lines
 
 
-def _cut_line(layouts, config: MuonConfig, dp: int, layout_text: str, what: str = "DP") -> str:
-    cut = sum(1 for lay in layouts if lay.dp_ranges is not None and len(lay.holders(dp)) > 1)
+def _cut_line(plan: StepPlan, config: MuonConfig, layout_text: str, what: str = "DP") -> str:
+    dp = plan.dp_size
+    cut = sum(1 for lay in plan.matrices if lay.dp_ranges is not None and len(lay.holders(dp)) > 1)
     how = ("each goes whole to one DP owner (owner exchange)" if config.dp_mode == "owner"
            else "every DP rank computes every matrix (--muon-dp-mode redundant)")
-    return f"  {what} {dp}: {layout_text}: {cut} of {len(layouts)} matrices cut across DP ranks; {how}"
+    return f"  {what} {dp}: {layout_text}: {cut} of {len(plan.matrices)} matrices cut across DP ranks; {how}"
 
 
-def startup_report(inner: MuonWithAdamW, model_chunks, config: MuonConfig, *, tp: int, dp: int,
-                   pp_rank: int = 0, pp: int = 1, experts: tuple | None = None,
-                   resume: list[str] | None = None) -> str:
+def startup_report(plans: Mapping[str, StepPlan], model_chunks, config: MuonConfig, *, pp_rank: int = 0,
+                   pp: int = 1, experts: tuple | None = None, resume: list[str] | None = None) -> str:
     """The report's text (see the module docstring) for this rank's pipeline stage.
 
+    ``plans``: the dense optimizer's step plans (``MuonWithAdamW.plans``); TP and DP sizes are theirs.
     ``resume``: lines on what this run changed against the ``--load`` checkpoint's recorded
     settings (``resume_config.report_lines``), appended last; None when nothing is loaded.
-
-    ``experts``: (expert optimizer's ``MuonWithAdamW``, expert-TP size, expert-DP size, EP size)
-    when the model has expert-parallel params; their matrices are this EP rank's local experts.
+    ``experts``: (expert optimizer's plans, EP size) when the model has expert-parallel params;
+    their matrices are this EP rank's local experts.
     """
-    from .optimizer import is_muon_matrix  # the routing rule the factory applies
-
-    layouts = [m.layout for m in inner.matrices()]
-    expert_layouts = [m.layout for m in experts[0].matrices()] if experts else []
+    plan = plans.get("muon") or plans["full"]
+    expert_plan = (experts[0].get("muon") or experts[0]["full"]) if experts else None
     adam = Counter(name_pattern(n) for chunk in model_chunks for n, p in chunk.named_parameters()
                    if p.requires_grad and not is_muon_matrix(p))
-    local = f" ({len(expert_layouts)} expert matrices of this EP rank)" if experts else ""
-    lines = [f"megatron-muon: Muon on {len(layouts) + len(expert_layouts)} matrices{local}, AdamW on "
-             f"{sum(adam.values())} tensors (pipeline stage {pp_rank} of {pp})"]
-    lines += _matrix_lines(layouts, config, tp, inner._hardware)
+    local = f" ({len(expert_plan.matrices)} expert matrices of this EP rank)" if experts else ""
+    lines = [f"megatron-muon: Muon on {len(plan.matrices) + (len(expert_plan.matrices) if experts else 0)} "
+             f"matrices{local}, AdamW on {sum(adam.values())} tensors (pipeline stage {pp_rank} of {pp})"]
+    lines += _matrix_lines(plan)
     if experts:
-        lines += _matrix_lines(expert_layouts, config, experts[1], inner._hardware)
+        lines += _matrix_lines(expert_plan)
     for pattern, count in adam.items():
         lines.append(f"  adamw  {pattern:<50} x{count}")
-    if dp > 1:
-        lines.append(_cut_line(layouts, config, dp, buffer_layout(model_chunks)))
-    lines += _plan_lines(inner, config, tp, dp, "this stage")
+    if plan.dp_size > 1:
+        lines.append(_cut_line(plan, config, buffer_layout(model_chunks)))
+    lines += _plan_lines(plans, config, "this stage")
     if experts:
-        expert_inner, etp, edp, ep = experts
+        etp, edp, ep = expert_plan.tp_size, expert_plan.dp_size, experts[1]
         lines.append(f"  experts: EP {ep} x expert-TP {etp} x expert-DP {edp}; each expert's fc1 (gate, up) and "
                      "fc2 orthogonalized on its own, never the experts fused")
         if edp > 1:
-            lines.append(_cut_line(expert_layouts, config, edp, buffer_layout(model_chunks, "expert_parallel_buffers"),
+            lines.append(_cut_line(expert_plan, config, buffer_layout(model_chunks, "expert_parallel_buffers"),
                                    "expert DP"))
-        lines += _plan_lines(expert_inner, config, etp, edp, "this stage's experts (one EP rank)")
-    if config.tp_mode == "blockwise" and tp > 1 and config.muonbp_period is None:
+        lines += _plan_lines(experts[0], config, "this stage's experts (one EP rank)")
+    if config.tp_mode == "blockwise" and plan.tp_size > 1 and config.muonbp_period is None:
         lines.append("  BlockMuon: tp mode blockwise orthogonalizes each TP shard on its own, an update that "
                      "changes with the TP size (not Muon); --muon-tp-mode owner (muon_tp_mode='owner') is exact")
     if config.muonbp_period is None:
@@ -178,16 +168,11 @@ def startup_report(inner: MuonWithAdamW, model_chunks, config: MuonConfig, *, tp
     return "\n".join(lines + list(resume or []))
 
 
-def print_startup_report(inner: MuonWithAdamW, model_chunks, config: MuonConfig, *, tp_group, dp_group,
-                         pp_rank: int = 0, pp: int = 1, experts: tuple | None = None) -> None:
+def print_startup_report(plans: Mapping[str, StepPlan], model_chunks, config: MuonConfig, *, pp_rank: int = 0,
+                         pp: int = 1, experts: tuple | None = None) -> None:
     """Print the report once, on global rank 0 (Megatron's log is rank 0's stdout). ``experts``:
-    (expert ``MuonWithAdamW``, expert-TP group, expert-DP group, EP size) or None."""
+    (the expert optimizer's plans, EP size) or None."""
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
-    from .resume_config import report_lines
-
-    if experts is not None:
-        experts = (experts[0], comm.group_size(experts[1]), comm.group_size(experts[2]), experts[3])
-    text = startup_report(inner, model_chunks, config, tp=comm.group_size(tp_group), dp=comm.group_size(dp_group),
-                          pp_rank=pp_rank, pp=pp, experts=experts, resume=report_lines())
-    print(text, flush=True)
+    print(startup_report(plans, model_chunks, config, pp_rank=pp_rank, pp=pp, experts=experts,
+                         resume=report_lines()), flush=True)

@@ -203,7 +203,7 @@ def _schedule_rejections(args, train: bool) -> list[tuple[bool, str]]:
 
 
 def _megatron_fsdp_rejections(args) -> list[tuple[bool, str]]:
-    """``--use-megatron-fsdp`` under ``--optimizer muon`` (``fsdp.py``): every sharding strategy
+    """``--use-megatron-fsdp`` under ``--optimizer muon`` (``megatron_fsdp.py``): every sharding strategy
     is exact; what is not supported yet is refused here, before Megatron-FSDP builds anything."""
     if not args.use_megatron_fsdp:
         return []
@@ -234,7 +234,7 @@ def _megatron_fsdp_rejections(args) -> list[tuple[bool, str]]:
 
 
 def _torch_fsdp2_rejections(args) -> list[tuple[bool, str]]:
-    """``--use-torch-fsdp2`` under ``--optimizer muon`` (``fsdp2.py``): training is exact (every
+    """``--use-torch-fsdp2`` under ``--optimizer muon`` (``torch_fsdp2.py``): training is exact (every
     matrix cut by rows over DP, through the owner exchange; ``tests/megatron/test_torch_fsdp2.py``); what is
     not supported yet is refused here.
 

@@ -30,41 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..plan.exchange import OwnedMatrix
 from . import comm
 
-__all__ = ["MIN_MICRO_GROUPS", "OwnedMatrix", "OwnerExchange", "PendingExchange", "Piece", "split_micro_groups",
-           "split_rounds"]
-
-
-@dataclass(frozen=True)
-class Piece:
-    """A flat range of a matrix's owner buffer that one rank holds."""
-
-    rank: int
-    """group rank that holds the piece."""
-    start: int
-    """element offset of the piece in the owner buffer."""
-    numel: int
-    """number of elements."""
-
-
-@dataclass(frozen=True)
-class OwnedMatrix:
-    """Where the pieces of one matrix live and who assembles it."""
-
-    owner: int
-    """group rank that receives the whole buffer and computes on it."""
-    numel: int
-    """length of the owner buffer (the whole matrix, flat)."""
-    gather: tuple[Piece, ...]
-    """pieces sent to the owner; together they cover ``[0, numel)`` exactly once."""
-    scatter: tuple[Piece, ...] | None = None
-    """pieces sent back; ``None`` means the same as ``gather``. A replicated matrix gathers only
-    the owner's own copy and scatters the whole result to every rank."""
-
-    @property
-    def returns(self) -> tuple[Piece, ...]:
-        return self.gather if self.scatter is None else self.scatter
+__all__ = ["OwnerExchange", "PendingExchange"]
 
 
 class OwnerExchange:
@@ -281,50 +250,3 @@ def _check_cover(i: int, m: OwnedMatrix, size: int) -> None:
         raise ValueError(f"OwnerExchange: matrix {i} gather pieces cover {cursor} of {m.numel} elements")
 
 
-def split_rounds(round_bytes: Sequence[int], cap_bytes: int) -> list[list[int]]:
-    """Cut a sequence of matrices into consecutive rounds of at most ``cap_bytes`` each.
-
-    A matrix larger than the cap gets a round of its own. Pure, so every rank cuts alike;
-    the cap bounds the transient buffers of one exchange round.
-    """
-    if cap_bytes <= 0:
-        raise ValueError(f"bucket size must be > 0 bytes, got {cap_bytes}")
-    rounds: list[list[int]] = []
-    current: list[int] = []
-    used = 0
-    for i, nbytes in enumerate(round_bytes):
-        if current and used + nbytes > cap_bytes:
-            rounds.append(current)
-            current, used = [], 0
-        current.append(i)
-        used += nbytes
-    if current:
-        rounds.append(current)
-    return rounds
-
-
-MIN_MICRO_GROUPS = 4
-"""micro-groups the step is cut into when the bucket cap alone would give fewer (see
-``split_micro_groups``). Read at each call: a test or a benchmark may set it. Why 4: on the CPU
-benchmark (2 cores, gloo, the bench_optimizer_step model) 4 groups were the fastest or within noise
-of it at TP2 and TP2 x DP2 against 1, 2, 6 and 8 (each group adds two gloo round trips, each fewer
-group less overlap and more memory); at production sizes the bucket cap binds first."""
-
-
-def split_micro_groups(nbytes: Sequence[int], bucket_bytes: int, min_groups: int | None = None) -> list[list[int]]:
-    """Cut a sequence of matrices into the pipeline's micro-groups: consecutive, at most
-    ``bucket_bytes`` each, and about ``min_groups`` (default ``MIN_MICRO_GROUPS``) of them when
-    the cap alone would give fewer.
-
-    Why a floor on the count: the pipeline overlaps the collectives of one group with the NS of
-    another, so a single group overlaps nothing; and it holds a few groups' buffers at once, so
-    the extra memory of the step is a few groups' worth, not the whole model's. A group never
-    splits a matrix: the cap is at least the largest matrix. Pure, so every rank cuts alike.
-    """
-    if not nbytes:
-        return []
-    if bucket_bytes <= 0:
-        raise ValueError(f"bucket size must be > 0 bytes, got {bucket_bytes}")
-    groups = MIN_MICRO_GROUPS if min_groups is None else min_groups
-    floor = max(max(nbytes), -(-sum(nbytes) // groups), 1)
-    return split_rounds(nbytes, min(bucket_bytes, floor))

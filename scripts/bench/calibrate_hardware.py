@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_muon.parallel.cost_model import Hardware
+from megatron_muon.plan.cost_model import Hardware
 
 from .launch import backend_for, launch
 

@@ -273,7 +273,7 @@ def fsdp_layouts(spec: ModelSpec, tp: int, dp: int, strategy: str = "optim_grads
         build_data_parallel_buffer_index,
     )
 
-    from megatron_muon.megatron.fsdp import fsdp_item_ranges
+    from megatron_muon.megatron.megatron_fsdp import fsdp_item_ranges
 
     class Layer(torch.nn.Module):  # a TransformerLayer: Megatron-FSDP's unit under optim_grads_params
         pass

@@ -21,7 +21,7 @@ import json
 from pathlib import Path
 
 from megatron_muon.core.models import LLAMA3
-from megatron_muon.parallel.cost_model import GPU_PROFILES, model_params, model_weights, optimizer_step_cost
+from megatron_muon.plan.cost_model import GPU_PROFILES, model_params, model_weights, optimizer_step_cost
 
 BF16_PEAK = 989e12  # dense bf16 FLOP/s of an H100 SXM / H200 (NVIDIA datasheets)
 # model -> (tp, pp, dp): TP inside a node, pipeline stages as Llama-3 405B used (TP8 × PP16)
@@ -49,7 +49,7 @@ def fwd_bwd_seconds(model: str, tokens: int, gpus: int, mfu: float) -> float:
 
 
 def step_ms(model: str, hw_name: str, optimizer: str, mode: str, period: int, dp_layout: str = "balanced") -> float:
-    from megatron_muon.parallel.auto_mode import choose_tp_modes
+    from megatron_muon.plan.auto_mode import choose_tp_modes
 
     tp, pp, dp = LAYOUTS[model]
     hw, shape = GPU_PROFILES[hw_name], model_weights(LLAMA3[model])

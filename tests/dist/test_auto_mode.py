@@ -22,14 +22,14 @@ from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
 from megatron_muon.core.models import LLAMA3
 from megatron_muon.megatron.cli import add_muon_args, muon_config_from_args
 from megatron_muon.optimizer import MuonMatrix, MuonWithAdamW
-from megatron_muon.parallel.auto_mode import (
+from megatron_muon.plan.auto_mode import (
     AUTO_CANDIDATES,
     CPU_GLOO,
     choose_tp_modes,
     hardware_profile,
     predicted_time,
 )
-from megatron_muon.parallel.cost_model import GPU_PROFILES, Matrix, tp_mode_cost
+from megatron_muon.plan.cost_model import GPU_PROFILES, Matrix, tp_mode_cost
 from megatron_muon.parallel.tp_modes import MODES
 
 H100 = GPU_PROFILES["h100-sxm"]
@@ -160,7 +160,7 @@ def test_profiles_by_name():
 
 
 def test_detect(monkeypatch):
-    from megatron_muon.parallel import auto_mode
+    from megatron_muon.plan import auto_mode
 
     if not torch.cuda.is_available():
         assert hardware_profile("detect") is CPU_GLOO

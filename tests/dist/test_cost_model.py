@@ -15,7 +15,7 @@ from dist_harness import run_world
 
 from megatron_muon import comm_stats, ns_flops, orthogonalize_sharded
 from megatron_muon.core.models import LLAMA3
-from megatron_muon.parallel.cost_model import (
+from megatron_muon.plan.cost_model import (
     GPU_PROFILES,
     Hardware,
     Matrix,
@@ -139,7 +139,7 @@ def test_pipeline_overlap_hides_owner_all_to_alls_only():
     from dataclasses import replace
 
     from megatron_muon.core.models import LLAMA3
-    from megatron_muon.parallel.cost_model import GPU_PROFILES, model_weights, optimizer_step_cost
+    from megatron_muon.plan.cost_model import GPU_PROFILES, model_weights, optimizer_step_cost
 
     model = model_weights(LLAMA3["8B"])
     gpu = GPU_PROFILES["h100-sxm"]

@@ -3,7 +3,7 @@
 Every run wraps the tiny GPT of ``megatron_harness`` in Megatron's ``TorchFullyShardedDataParallel``
 (``fully_shard`` on each transformer layer, the embedding and the root, over the DP group) and
 trains it K steps with ``get_megatron_muon_optimizer``, which under FSDP2 builds Megatron's
-non-distributed ``FP32Optimizer`` over the DTensor params (``megatron_muon/megatron/fsdp2.py``).
+non-distributed ``FP32Optimizer`` over the DTensor params (``megatron_muon/megatron/torch_fsdp2.py``).
 Each DP rank trains on its own slice of a global batch of 4 sequences through Megatron's schedule,
 so a gradient that is not reduced (or averaged) over DP shows. The weights are then gathered
 from the DP row shards (and TP ranks) and compared with one process at TP1 on the whole global
@@ -127,7 +127,7 @@ def test_every_matrix_is_cut_and_travels(trained):
 
 def test_fsdp2_row_ranges_follow_torch_chunk():
     """``torch.chunk`` semantics: ceil(rows / dp) rows per rank, the last ranks fewer or none."""
-    from megatron_muon.megatron.fsdp2 import fsdp2_row_ranges
+    from megatron_muon.megatron.torch_fsdp2 import fsdp2_row_ranges
 
     assert fsdp2_row_ranges(5, 3, 2) == ((0, 9), (9, 15))
     assert fsdp2_row_ranges(5, 3, 4) == ((0, 6), (6, 12), (12, 15), (0, 0))
@@ -146,7 +146,7 @@ def _ranges_of_dtensors(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    from megatron_muon.megatron.fsdp2 import torch_fsdp2_ranges
+    from megatron_muon.megatron.torch_fsdp2 import torch_fsdp2_ranges
 
     mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
     out = {}

@@ -1,4 +1,4 @@
-"""The balanced buffer layout (``parallel.balanced_layout``) and its Megatron adapter.
+"""The balanced buffer layout (``plan.balanced_layout``) and its Megatron adapter.
 
 Pure layout arithmetic on sizes, then the adapter on a real (meta-device) Llama-shaped parameter
 list through megatron-core's own buffer grouping. The end-to-end checks (exactness against the
@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from megatron_muon.parallel.balanced_layout import PARAM_ALIGN, LayoutItem, balanced_layout
+from megatron_muon.plan.balanced_layout import PARAM_ALIGN, LayoutItem, balanced_layout
 
 
 def _check_invariants(items, layout, dp):

@@ -36,7 +36,7 @@ def test_import_contracts_hold():
 
 @pytest.mark.parametrize("module, planted, contract", [
     ("core/shapes.py", "from ..parallel import comm", "megatron adapter > optimizer > config > parallel > core"),
-    ("parallel/planner.py", "from .. import config", "megatron adapter > optimizer > config > parallel > core"),
+    ("plan/owners.py", "from .. import config", "megatron adapter > optimizer > config > parallel > core"),
     ("config.py", "from .megatron import hooks", "megatron adapter > optimizer > config > parallel > core"),
     ("parallel/comm.py", "import megatron.core", "only megatron_muon.megatron imports Megatron"),
 ])

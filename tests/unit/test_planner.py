@@ -16,7 +16,7 @@ from megatron.core.optimizer.layer_wise_optimizer import LayerWiseDistributedOpt
 
 from megatron_muon.core.models import llama3_matrices
 from megatron_muon.core.newton_schulz import ns_flops
-from megatron_muon.parallel.planner import plan_owners, rank_loads
+from megatron_muon.plan.owners import plan_owners, rank_loads
 
 MODELS = ("8B", "70B", "405B")
 NUM_RANKS = 8  # TP=8: owner mode draws owners from the tensor-parallel group

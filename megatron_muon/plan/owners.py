@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-__all__ = ["plan_owners", "rank_loads"]
+from ..core.matrix_layout import MatrixLayout
+
+__all__ = ["plan_dp_owners", "plan_owners", "rank_loads"]
 
 
 def plan_owners(
@@ -71,3 +73,24 @@ def rank_loads(costs: Sequence[float], owner_rank: Sequence[int], num_ranks: int
     for c, r in zip(costs, owner_rank, strict=True):
         loads[r] += c
     return loads
+
+
+def plan_dp_owners(layouts: Sequence[MatrixLayout], dp_size: int, steps: int = 5) -> list[int]:
+    """One DP owner per matrix: balanced on NS FLOPs, moving as little as possible.
+
+    A matrix lying wholly in one rank's range is pinned to that rank (it never moves); a cut
+    matrix prefers the rank holding its largest piece unless that would worsen the balance.
+    Without DP ranges (plain DDP: every rank holds everything) it is plain LPT.
+    """
+    fixed: dict[int, int] = {}
+    prefer: list[int | None] = []
+    for i, layout in enumerate(layouts):
+        holders = layout.holders(dp_size)
+        if layout.dp_ranges is None or not holders:
+            prefer.append(None)
+            continue
+        largest = max(holders, key=lambda r: (holders[r], -r))
+        if len(holders) == 1:
+            fixed[i] = largest
+        prefer.append(largest)
+    return plan_owners([lay.ns_cost(steps) for lay in layouts], dp_size, fixed=fixed, prefer=prefer)

@@ -12,7 +12,7 @@ FSDP2 shards every param along dim 0 with ``torch.chunk`` semantics: ``c = ceil(
 rows per rank, rank ``r`` holding rows ``[min(r·c, rows), min((r+1)·c, rows))`` of the (TP-local)
 matrix — the last ranks possibly fewer, or none. That is the flat range ``[r0·cols, r1·cols)``,
 i.e. ``MatrixLayout.dp_ranges``, so every Muon matrix (all of them are cut at DP ≥ 2) goes to one
-DP owner through the owner exchange, as under Megatron-FSDP and ZeRO-1 (``fsdp.py``).
+DP owner through the owner exchange, as under Megatron-FSDP and ZeRO-1 (``megatron_fsdp.py``).
 
 With TP the module FSDP2 shards already holds TP-local weights: a param's DTensor shape is its
 TP-local shape and its mesh is the DP mesh alone (TP stays outside DTensor), so the layout's

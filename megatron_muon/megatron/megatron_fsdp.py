@@ -32,12 +32,8 @@ from __future__ import annotations
 
 import torch
 from megatron.core.optimizer import DistributedOptimizer
-from megatron.core.utils import get_pg_size
 
-from ..config import MuonConfig
-from ..optimizer import MuonMatrix
-
-__all__ = ["MuonFSDPOptimizer", "fsdp_item_ranges"]
+__all__ = ["MuonFSDPOptimizer", "check_own_range", "fsdp_item_ranges", "optimizer_buffer"]
 
 
 def fsdp_item_ranges(bucket_start: int, bucket_size: int, item_start: int, item_size: int,
@@ -58,7 +54,7 @@ def fsdp_item_ranges(bucket_start: int, bucket_size: int, item_start: int, item_
     return tuple(out)
 
 
-def _optimizer_buffer(group):
+def optimizer_buffer(group):
     """The buffer whose shards are the optimizer's params (``_init_distributed_params``: the
     main weights when kept apart, else the model weights)."""
     return group.main_weight_buffer if group.main_weight_buffer is not None else group.model_weight_buffer
@@ -67,55 +63,9 @@ def _optimizer_buffer(group):
 class MuonFSDPOptimizer(DistributedOptimizer):
     """Megatron's ``DistributedOptimizer`` for Megatron-FSDP, with a ``MuonWithAdamW`` inside.
 
-    Args: Megatron's (``model_chunks`` wrapped in ``FullyShardedDataParallel``), plus
-    ``tp_group`` and ``muon_config``. ``matrix_of_param`` maps id(optimizer param) to its
-    ``MuonMatrix``, as ``MuonDistributedOptimizer``'s does.
+    Args: Megatron's (``model_chunks`` wrapped in ``FullyShardedDataParallel``). The adapter then
+    builds the inner optimizer on its DTensor main weights from ``catalogue.describe_megatron_fsdp``.
     """
-
-    def __init__(self, *args, tp_group=None, muon_config: MuonConfig, layout_of, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.matrix_of_param: dict[int, MuonMatrix] = {}
-        if self.is_stub_optimizer:
-            return
-        from .checkpoint import prepare_for_checkpointing
-
-        prepare_for_checkpointing(self.optimizer)
-        tp_size = get_pg_size(tp_group) if tp_group is not None else 1
-        muon_params = {id(p) for g in self.optimizer.param_groups if g["algorithm"] == "muon" for p in g["params"]}
-        matrices, dp_group = [], None
-        for c, chunk in enumerate(self.model_chunks):
-            buffers = chunk.param_and_grad_buffer
-            dist_param_of = {id(p.orig_param): (name, p) for name, p in chunk.named_parameters()
-                             if hasattr(p, "orig_param")}
-            # parameter_groups: the same buckets, same order, on every rank of the DP group
-            for group in buffers.parameter_groups:
-                buffer = _optimizer_buffer(group)
-                for item_id, orig in enumerate(group.params):
-                    name, param = dist_param_of[id(orig)]
-                    if id(param) not in muon_params:
-                        continue
-                    item = buffer.item_index_map[item_id]
-                    # The DP group under every strategy, no_shard included: None would make the
-                    # inner step plan and exchange over the default (world) group, TP peers too
-                    # (found by scripts/dry_run.py --fsdp no_shard at TP8: owners up to 63 for 8 DP ranks).
-                    if dp_group is None:
-                        dp_group = buffer.data_parallel_group
-                    elif dp_group is not buffer.data_parallel_group:
-                        raise ValueError(f"--use-megatron-fsdp: {name} is sharded over another DP group than "
-                                         "the other Muon matrices (hybrid FSDP is not supported with Muon)")
-                    ranges = None
-                    if buffers.bucketing_policy.data_parallel_sharding_strategy != "no_shard":
-                        ranges = fsdp_item_ranges(buffer.bucket_index.global_data_index, buffer.bucket_index.size,
-                                                  item.global_data_index, item.size, buffer.dp_world_size)
-                        _check_own_range(buffer, item_id, ranges[buffer.dp_rank], name)
-                    layout = layout_of(f"chunk{c}.{name}", param, tp_size, muon_config, ranges, tuple(item.shape))
-                    matrices.append(MuonMatrix(layout, param))
-                    self.matrix_of_param[id(param)] = matrices[-1]
-        self.optimizer.attach(matrices, dp_group=dp_group, tp_group=tp_group)
-        self.cut_matrices = sum(1 for m in matrices if m.layout.dp_ranges is not None
-                                and len(m.layout.holders(len(m.layout.dp_ranges))) > 1)
-        """Muon matrices cut across DP ranks (their pieces travel to one owner every step)."""
-
 
     # ---- checkpoints (--ckpt-format fsdp_dtensor) ---------------------------------------------
 
@@ -185,7 +135,7 @@ def _from_canonical(state: dict) -> dict:
     return out
 
 
-def _check_own_range(buffer, item_id: int, computed: tuple[int, int], name: str) -> None:
+def check_own_range(buffer, item_id: int, computed: tuple[int, int], name: str) -> None:
     """This rank's range as Megatron-FSDP itself computes it must be the one computed for it:
     the other ranks' ranges come from the same arithmetic, so a change in Megatron stops here."""
     start, end = buffer._get_item_slice_in_shard(item_id)

@@ -29,8 +29,8 @@ from dataclasses import dataclass, field, replace
 from ..core.models import ModelShape
 from ..core.newton_schulz import ns_flops
 from ..core.shapes import shard_shape
-from . import owner_exchange
-from .planner import plan_owners, rank_loads
+from . import exchange
+from .owners import plan_owners, rank_loads
 
 __all__ = [
     "GPU_PROFILES",
@@ -284,7 +284,7 @@ def _comm(primitive: str, sent: float, calls: int, group: int, hw: Hardware, spa
 
 def _owner_cost(matrices, tp, hw, steps, dtype_bytes, spans_nodes) -> Cost:
     """Owner mode: LPT owners (the real ``plan_owners``), two all-to-alls per micro-group
-    (``owner_exchange.MIN_MICRO_GROUPS`` of them: the count the pipeline uses below its byte cap),
+    (``exchange.MIN_MICRO_GROUPS`` of them: the count the pipeline uses below its byte cap),
     NS on the owners.
 
     The all-to-all's time is the busiest rank's max of bytes sent and received: an owner
@@ -318,7 +318,7 @@ def _owner_cost(matrices, tp, hw, steps, dtype_bytes, spans_nodes) -> Cost:
     if tp > 1:
         # each direction moves half of a rank's total traffic; two calls per micro-group
         traffic = max(max(s, r) for s, r in zip(sent, received))
-        calls = 2 * min(owner_exchange.MIN_MICRO_GROUPS, len(matrices))
+        calls = 2 * min(exchange.MIN_MICRO_GROUPS, len(matrices))
         cost += _comm("all_to_all", traffic, calls, tp, hw, spans_nodes)
         cost.bytes_sent_max = max(sent)
         # pack the send buffer and unpack the receive buffer, both ways
@@ -545,7 +545,7 @@ def _muon_orthogonalize(weights, optimizer, tp_mode, tp, dp, hw, steps, ns_bytes
     if moved:
         # the elements off their owner travel there and back; per rank, 1/DP of them each way
         sent = 2 * moved * ns_bytes / dp
-        busiest += _comm("all_to_all", sent, 2 * owner_exchange.MIN_MICRO_GROUPS, dp, hw, dp_spans_nodes)
+        busiest += _comm("all_to_all", sent, 2 * exchange.MIN_MICRO_GROUPS, dp, hw, dp_spans_nodes)
         busiest += Cost(memory_s=memory_time(2 * sent, 4, hw))
     if optimizer == "ours" and tp_mode in ("owner", "auto") and hw.comm_overlap > 0:
         # the micro-group pipeline runs the all-to-alls of some groups during the NS of others

@@ -1,0 +1,242 @@
+"""The matrix catalogue: which of a Megatron model's parameters are Muon matrices, and where each lies.
+
+One module for every question about a model's matrices:
+
+* **routing**: a 2-D weight that is not ``is_embedding_or_output_parameter`` is a Muon matrix,
+  everything else AdamW (upstream's rule; an MoE router's weight is a Muon matrix too);
+* **tags**: fused QKV weights (``is_qkv``, ``qkv_split_shapes``, set here by module as upstream's
+  emerging-optimizer path does) split per query group; a gated fc1 (``partition_stride == 2``,
+  or ``gated_fc1`` on Transformer Engine's grouped experts) splits into gate and up;
+* **the layout** of each matrix (``layout_of``: TP shard, split dim, fused rows, DP ranges);
+* **one describe per backend**, each returning the ``MatrixCatalogue`` the inner optimizer is
+  built from (every matrix, the tensor this rank updates, the DP and TP groups) and the map from
+  a model param to its matrix (what QK-clip scales):
+    ``describe_zero1``           Megatron's distributed optimizer: every DP rank's range of each
+                                 matrix, with Megatron's own range function;
+    ``describe_megatron_fsdp``   Megatron-FSDP: every DP rank's rows, with its shard arithmetic;
+    ``describe_whole``           DDP without the distributed optimizer (whole matrices on every DP
+                                 rank), and torch FSDP2 (rows over its DP mesh).
+
+Nothing here changes Megatron's objects except the tags above, which mark parameters the way
+upstream marks them.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Range
+from megatron.core.utils import get_pg_size
+
+from ..config import MuonConfig
+from ..core.matrix_layout import MatrixLayout, RowSplit
+from ..optimizer import MatrixCatalogue
+from .megatron_fsdp import check_own_range, fsdp_item_ranges, optimizer_buffer
+from .torch_fsdp2 import torch_fsdp2_ranges
+
+__all__ = ["MatrixOf", "describe_megatron_fsdp", "describe_whole", "describe_zero1", "is_expert_parallel",
+           "is_muon_matrix", "layout_of", "packed_in_backprop_order", "param_names", "tag_grouped_experts",
+           "tag_qkv"]
+
+MatrixOf = dict[int, tuple[MatrixLayout, torch.Tensor | None]]
+"""id(model param) → (its layout, the tensor this rank updates for it, or None)."""
+
+
+# ---- routing and tags ------------------------------------------------------------------------
+
+
+def is_muon_matrix(param: torch.nn.Parameter) -> bool:
+    """Hidden 2-D weights get Muon; embeddings, the output layer, norms and biases get AdamW."""
+    return param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+
+
+def is_expert_parallel(param: torch.nn.Parameter) -> bool:
+    """Megatron's mark of an expert-parallel param (grads reduced over the expert-DP group)."""
+    return not getattr(param, "allreduce", True)
+
+
+def tag_qkv(model_chunks) -> None:
+    """Mark fused QKV weights the way upstream's emerging-optimizer path does (by module, since
+    Megatron's layers set no QKV attribute themselves)."""
+    for chunk in model_chunks:
+        cfg = chunk.config
+        q = cfg.num_attention_heads // cfg.num_query_groups * cfg.kv_channels
+        for module in chunk.modules():
+            linear_qkv = getattr(module, "linear_qkv", None)
+            weight = getattr(linear_qkv, "weight", None)
+            if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2:
+                weight.is_qkv = True
+                weight.qkv_split_shapes = [q, cfg.kv_channels, cfg.kv_channels]
+
+
+def tag_grouped_experts(model_chunks) -> None:
+    """``TEGroupedMLP`` (``--moe-grouped-gemm``): its fc1 ``weight0 .. weight{E-1}`` are one expert's
+    ``[gate; up]`` each (per TP rank ``[gate_r; up_r]``, as a dense fc1), but Megatron marks them
+    ``partition_stride`` 1; tag them ``gated_fc1`` so ``layout_of`` splits them
+    (``core/expert_layout.py``). TE's single grouped weight (every expert in one tensor) is refused."""
+    for chunk in model_chunks:
+        gated = getattr(chunk.config, "gated_linear_unit", False)
+        for name, module in chunk.named_modules():
+            if getattr(module, "num_gemms", None) is None:  # TE GroupedLinear only
+                continue
+            if getattr(module, "single_grouped_weight", False):
+                raise ValueError(
+                    f"moe_single_grouped_weight ({name}): every local expert in one tensor is not supported with "
+                    "Muon (each expert must be orthogonalized on its own); set it False for per-expert weights")
+            if gated and name.endswith("linear_fc1"):
+                for pname, param in module.named_parameters(recurse=False):
+                    if pname.startswith("weight"):
+                        param.gated_fc1 = True
+
+
+def layout_of(name: str, param: torch.nn.Parameter, tp_size: int, muon_config: MuonConfig,
+              dp_ranges=None, local_shape: tuple[int, int] | None = None) -> MatrixLayout:
+    """The layout of one Muon matrix. ``local_shape``: this TP rank's shape of the weight when
+    ``param.shape`` is not it (a Megatron-FSDP DTensor reports its global shape)."""
+    rows, cols = local_shape if local_shape is not None else param.shape
+    tensor_parallel = getattr(param, "tensor_model_parallel", False) and tp_size > 1
+    partition_dim = getattr(param, "partition_dim", -1) if tensor_parallel else None
+    split = None
+    if muon_config.split_qkv and getattr(param, "is_qkv", False):
+        sizes = tuple(param.qkv_split_shapes)
+        if rows % sum(sizes):
+            raise ValueError(f"{name}: QKV rows {rows} are not a multiple of the query-group size {sum(sizes)}")
+        split = RowSplit(rows // sum(sizes), sizes)
+    elif (muon_config.split_fc1 and (getattr(param, "partition_stride", 1) == 2 or getattr(param, "gated_fc1", False))
+          and partition_dim in (0, None)):
+        split = RowSplit(1, (rows // 2, rows // 2))  # a gated fc1 holds [gate; up] on every TP rank
+    return MatrixLayout(name, (rows, cols), partition_dim if partition_dim in (0, 1) else None, tp_size, split,
+                        dp_ranges)
+
+
+def param_names(model_chunks) -> dict[int, str]:
+    """id(param) → ``chunk{c}.{name}``, the names the report and the errors use."""
+    return {id(p): f"chunk{c}.{n}" for c, chunk in enumerate(model_chunks) for n, p in chunk.named_parameters()}
+
+
+def packed_in_backprop_order(buffer) -> bool:
+    """True when every bucket holds its params back to back in backprop order, padding only at
+    its end (megatron-core's own layout): what the ``dp_reshardable`` checkpoint format assumes."""
+    for bucket in buffer.buckets:
+        cursor = bucket.offset
+        for param in bucket.params_list:  # the buffer lists a bucket's params in backprop order
+            start, end, _ = buffer.param_index_map[param]
+            if not 0 <= start - cursor < 64:  # megatron-core aligns starts to 64 elements
+                return False
+            cursor = end
+    return True
+
+
+def _tp_size(tp_group) -> int:
+    return get_pg_size(tp_group) if tp_group is not None else 1
+
+
+# ---- one describe per backend ----------------------------------------------------------------
+
+
+def describe_zero1(optimizer: DistributedOptimizer, tp_group, muon_config: MuonConfig
+                   ) -> tuple[MatrixCatalogue, MatrixOf]:
+    """Megatron's ZeRO-1 ``DistributedOptimizer`` (built, so its main shards exist): every Muon
+    matrix of its buffers, in buffer order (the same on every DP and TP rank), with every DP
+    rank's range of it from Megatron's own range function."""
+    dp_size = get_pg_size(optimizer.data_parallel_group)
+    tp_size = _tp_size(tp_group)
+    main_of = {}
+    for model_groups, main_groups in (
+        (optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups),
+        (optimizer.model_fp32_groups, optimizer.shard_fp32_groups),
+    ):
+        for models, mains in zip(model_groups, main_groups):
+            main_of.update({id(m): s for m, s in zip(models, mains)})
+    names = param_names(optimizer.model_chunks)
+    layouts, params, matrix_of = [], [], {}
+    for buffer in optimizer.buffers:  # same buffers, same order, on every DP (and TP) rank
+        for bucket in buffer.buckets:
+            per_rank = _ranges_on_every_rank(buffer, bucket, dp_size)
+            for param in bucket.params_list:
+                if not is_muon_matrix(param):
+                    continue
+                ranges = tuple(per_rank[r].get(param, (0, 0)) for r in range(dp_size))
+                layouts.append(layout_of(names.get(id(param), "param"), param, tp_size, muon_config, ranges))
+                params.append(main_of.get(id(param)))
+                matrix_of[id(param)] = (layouts[-1], params[-1])
+    return MatrixCatalogue(tuple(layouts), tuple(params), optimizer.data_parallel_group, tp_group), matrix_of
+
+
+def _ranges_on_every_rank(buffer, bucket, dp_size: int) -> list[dict]:
+    """For each DP rank, param → [start, end) of the param it holds in this bucket."""
+    size = bucket.grad_data.numel() // dp_size
+    out = []
+    for r in range(dp_size):
+        start = bucket.offset + r * size
+        rng = Range(start, min(bucket.offset + bucket.grad_data.numel(), start + size))
+        params = {p: buffer.param_index_map[p] for p in bucket.params_list}
+        mapping = DistributedOptimizer._build_model_gbuf_param_range_map(params, rng, bucket.offset)
+        out.append({p: (m["param"].start, m["param"].end) for p, m in mapping.items()})
+    return out
+
+
+def describe_megatron_fsdp(optimizer, tp_group, muon_config: MuonConfig) -> tuple[MatrixCatalogue, MatrixOf]:
+    """Megatron-FSDP's ``DistributedOptimizer`` (built): every Muon matrix of its parameter groups
+    (the same buckets, same order, on every DP rank), each DP rank's range of it by Megatron-FSDP's
+    own shard arithmetic (no ranges under ``no_shard``: whole matrices everywhere)."""
+    tp_size = _tp_size(tp_group)
+    muon_params = {id(p) for g in optimizer.optimizer.param_groups if g["algorithm"] == "muon" for p in g["params"]}
+    layouts, params, matrix_of, dp_group = [], [], {}, None
+    for c, chunk in enumerate(optimizer.model_chunks):
+        buffers = chunk.param_and_grad_buffer
+        dist_param_of = {id(p.orig_param): (name, p) for name, p in chunk.named_parameters()
+                         if hasattr(p, "orig_param")}
+        for group in buffers.parameter_groups:
+            buffer = optimizer_buffer(group)
+            for item_id, orig in enumerate(group.params):
+                name, param = dist_param_of[id(orig)]
+                if id(param) not in muon_params:
+                    continue
+                item = buffer.item_index_map[item_id]
+                # The DP group under every strategy, no_shard included: None would make the
+                # inner step plan and exchange over the default (world) group, TP peers too
+                # (found by scripts/dry_run.py --fsdp no_shard at TP8: owners up to 63 for 8 DP ranks).
+                if dp_group is None:
+                    dp_group = buffer.data_parallel_group
+                elif dp_group is not buffer.data_parallel_group:
+                    raise ValueError(f"--use-megatron-fsdp: {name} is sharded over another DP group than "
+                                     "the other Muon matrices (hybrid FSDP is not supported with Muon)")
+                ranges = None
+                if buffers.bucketing_policy.data_parallel_sharding_strategy != "no_shard":
+                    ranges = fsdp_item_ranges(buffer.bucket_index.global_data_index, buffer.bucket_index.size,
+                                              item.global_data_index, item.size, buffer.dp_world_size)
+                    check_own_range(buffer, item_id, ranges[buffer.dp_rank], name)
+                layouts.append(layout_of(f"chunk{c}.{name}", param, tp_size, muon_config, ranges, tuple(item.shape)))
+                params.append(param)
+                matrix_of[id(param)] = (layouts[-1], param)
+    return MatrixCatalogue(tuple(layouts), tuple(params), dp_group, tp_group), matrix_of
+
+
+def describe_whole(model_chunks, dp_group, tp_group, muon_config: MuonConfig, *, expert: bool = False
+                   ) -> tuple[MatrixCatalogue, MatrixOf]:
+    """Without the distributed optimizer every DP rank holds every matrix whole (of the dense
+    params, or of the expert-parallel ones), except under ``--use-torch-fsdp2``: there every
+    matrix is a DTensor cut by rows over FSDP2's DP mesh (``torch_fsdp2.py``), described by each
+    DP rank's range and exchanged over the mesh's group. The tensor updated is the param's fp32
+    ``main_param`` when Megatron's wrapper made one (bf16), else the param itself."""
+    tp_size = _tp_size(tp_group)
+    names = param_names(model_chunks)
+    layouts, params, matrix_of = [], [], {}
+    fsdp2_group = None
+    for chunk in model_chunks:
+        for _, p in chunk.named_parameters():
+            if not (p.requires_grad and is_muon_matrix(p) and is_expert_parallel(p) == expert):
+                continue
+            main = getattr(p, "main_param", None)
+            ranges = None
+            if getattr(p, "is_torch_fsdp2_param", False):  # --use-torch-fsdp2: rows cut over DP
+                ranges, group = torch_fsdp2_ranges(names[id(p)], p)
+                if fsdp2_group is not None and group is not fsdp2_group:
+                    raise ValueError(f"--use-torch-fsdp2: {names[id(p)]} is sharded over another mesh than "
+                                     "the other Muon matrices (HSDP is not supported with Muon)")
+                fsdp2_group = group
+            layouts.append(layout_of(names[id(p)], p, tp_size, muon_config, ranges))
+            params.append(main if main is not None else p)
+            matrix_of[id(p)] = (layouts[-1], params[-1])
+    group = dp_group if fsdp2_group is None else fsdp2_group
+    return MatrixCatalogue(tuple(layouts), tuple(params), group, tp_group), matrix_of

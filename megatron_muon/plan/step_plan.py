@@ -1,0 +1,294 @@
+"""The step plan: every decision of one Muon step, for every rank of a pipeline stage, made once.
+
+A Muon step over a TP × DP grid is a pure function of the matrices' layouts and a few settings.
+``build_step_plan`` makes each decision once, in this order, and records it:
+
+    1. DP owners      one DP rank per matrix (``owners.plan_dp_owners``: LPT on NS FLOPs, a matrix
+                      whole on one rank pinned there); none without a DP exchange (DP 1, or
+                      ``dp_mode`` redundant: every DP rank computes everything)
+    2. micro-groups   consecutive matrices of at most ``bucket_bytes`` of full matrices, about
+                      ``MIN_MICRO_GROUPS`` of them: the pipeline's unit (``exchange.split_micro_groups``)
+    3. per DP owner   the sub-matrices its TP group orthogonalizes (fused rows split: QKV per query
+                      group, fc1 gate / up), the TP mode of each (``tp_modes_for``: the one place a
+                      TP mode is decided, ``auto`` included) and, in owner mode, the TP owner of each
+                      (LPT over everything that DP owner holds, so the balance is that of one call)
+    4. scales         each matrix's update scale, per sub-matrix (global shape; local in blockwise)
+    5. costs          per rank, the Newton–Schulz FLOPs and the bytes the step's collectives send
+
+The step (``parallel.orthogonalize``) executes a rank's slice of it; the startup report, the dry
+run and the cost figures read it. Nothing here imports ``torch.distributed``: a plan for 512 ranks
+is built on one process, and every rank builds the same one from the same inputs.
+
+Ranks are indexed ``dp_rank * tp_size + tp_rank``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..core.matrix_layout import MatrixLayout
+from ..core.newton_schulz import NSOptions, ns_flops
+from ..core.scaling import SCALE_MODES, muon_scale
+from . import exchange
+from .cost_model import Hardware, Matrix
+from .owners import plan_dp_owners, plan_owners
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "DP_MODES", "TP_MODES", "OwnerWork", "PlanSettings", "StepPlan",
+           "build_step_plan", "distributed_ns_flops", "tp_modes_for"]
+
+# Append new modes last: the cross-rank check sends TP_MODES.index(mode).
+TP_MODES = ("duplicated", "distributed", "blockwise", "owner", "auto")
+DP_MODES = ("owner", "redundant")
+DEFAULT_BUCKET_BYTES = 256 * 2**20
+"""cap on the full-matrix bytes of one micro-group (``--muon-owner-bucket-size-mb``)."""
+
+
+@dataclass(frozen=True)
+class PlanSettings:
+    """What a plan depends on besides the matrices and the group sizes."""
+
+    tp_mode: str
+    """one of ``TP_MODES``: how each DP owner's TP group runs NS (``auto``: per sub-matrix)."""
+    ns: NSOptions = NSOptions()
+    dp_mode: str = "owner"
+    """``owner`` (NS once per matrix on its DP owner) or ``redundant`` (every DP rank computes
+    every matrix; only without DP ranges)."""
+    scale_mode: str | None = "spectral"
+    """``scaling.muon_scale`` of each sub-matrix; None: no scale (``orthogonalize_sharded``)."""
+    extra_scale_factor: float = 1.0
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    hardware: Hardware | None = None
+    """the cost model's constants for ``auto`` (required with it, unused otherwise)."""
+    min_micro_groups: int | None = None
+    """micro-groups below the cap (None: ``exchange.MIN_MICRO_GROUPS``, read at build time)."""
+    pipelined: bool = True
+    """False: the whole step is one micro-group (a call with no asynchronous stage to overlap,
+    ``orthogonalize_sharded``'s blocking modes, batches everything at once)."""
+
+
+@dataclass(frozen=True)
+class OwnerWork:
+    """What one DP owner's TP group orthogonalizes in a step, in execution order."""
+
+    matrices: tuple[int, ...]
+    """indices of the matrices it owns, micro-group by micro-group."""
+    subs: tuple[MatrixLayout, ...]
+    """their sub-matrices (TP-sharded, no DP ranges), in the same order."""
+    sub_positions: dict[int, tuple[int, ...]]
+    """matrix index → positions of its sub-matrices in ``subs``."""
+    modes: tuple[str, ...]
+    """per sub-matrix, the TP mode it runs in (never ``auto``)."""
+    tp_owners: tuple[int | None, ...]
+    """per sub-matrix in owner mode, the TP rank that runs its NS; None in the other modes."""
+
+
+@dataclass(frozen=True, eq=False)
+class StepPlan:
+    """One step of one optimizer (one pipeline stage's dense or expert matrices), for all ranks.
+
+    Immutable and compared by identity: the step caches what it builds from a plan (exchanges
+    bound to process groups) on the plan object, and a plan never changes.
+    """
+
+    matrices: tuple[MatrixLayout, ...]
+    """every Muon matrix of the stage, same order on every rank."""
+    dp_size: int
+    tp_size: int
+    settings: PlanSettings
+    dp_owners: tuple[int, ...] | None
+    """per matrix, its DP owner; None when the step has no DP exchange."""
+    micro_groups: tuple[tuple[int, ...], ...]
+    """consecutive matrix indices (empty matrices, with a zero dim, belong to none)."""
+    work: tuple[OwnerWork, ...]
+    """per DP rank, what its TP group orthogonalizes (without a DP exchange, everything)."""
+    scales: tuple[tuple[float, ...], ...]
+    """per matrix, per sub-matrix, the scale of its update."""
+    ns_flops: tuple[int, ...]
+    """per rank, the Newton–Schulz FLOPs it runs."""
+    dp_bytes: tuple[int, ...]
+    """per rank, bytes it sends in the DP owner exchange, there and back."""
+    tp_bytes: tuple[int, ...]
+    """per rank, bytes it sends in its TP group's mode (owner exchange, all-gather, all-reduces)."""
+
+    @property
+    def bytes_sent(self) -> tuple[int, ...]:
+        """per rank, everything it sends in the step."""
+        return tuple(d + t for d, t in zip(self.dp_bytes, self.tp_bytes))
+
+    @property
+    def exchanges_dp(self) -> bool:
+        return self.dp_owners is not None
+
+    @property
+    def owner_of(self) -> tuple[int, ...]:
+        """per matrix, the DP rank whose TP group computes it (0 for all without a DP exchange)."""
+        return self.dp_owners if self.dp_owners is not None else (0,) * len(self.matrices)
+
+    def tp_modes_of(self, i: int) -> tuple[str, ...]:
+        """The TP mode of each sub-matrix of matrix ``i`` (empty for an empty matrix)."""
+        work = self.work[self.owner_of[i]]
+        return tuple(work.modes[p] for p in work.sub_positions.get(i, ()))
+
+    def idle_dp_ranks(self) -> list[int]:
+        """DP ranks whose TP group orthogonalizes nothing."""
+        return [d for d, w in enumerate(self.work) if not w.matrices]
+
+
+def tp_modes_for(subs: Sequence[MatrixLayout], tp_size: int, settings: PlanSettings) -> tuple[str, ...]:
+    """The TP mode each sub-matrix of one TP group's list runs in: the requested mode, or for
+    ``auto`` the cost model's per-class choice over the whole list (``auto_mode.choose_tp_modes``).
+    The only place a TP mode is decided."""
+    if settings.tp_mode != "auto":
+        return (settings.tp_mode,) * len(subs)
+    if not subs:
+        return ()
+    from .auto_mode import choose_tp_modes
+
+    matrices = [Matrix(*s.full_shape, s.partition_dim if s.is_sharded else None) for s in subs]
+    return tuple(choose_tp_modes(matrices, tp_size, settings.hardware, steps=settings.ns.steps,
+                                 dtype_bytes=settings.ns.dtype_bytes))
+
+
+def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: int,
+                    settings: PlanSettings) -> StepPlan:
+    """The plan of one step (see the module docstring); raises ``ValueError`` naming the flag
+    for a setting the matrices cannot honour."""
+    _check(matrices, dp_size, tp_size, settings)
+    matrices = tuple(matrices)
+    ns = settings.ns
+    live = [i for i, lay in enumerate(matrices) if lay.numel]
+    dp_owners = None
+    if settings.dp_mode == "owner" and dp_size > 1:
+        dp_owners = tuple(plan_dp_owners(matrices, dp_size, ns.steps))
+    # Micro-groups are cut on full-matrix bytes: the TP owner holds whole matrices, and a full
+    # matrix is at least the TP-local shard the DP exchange moves, so one cap bounds both.
+    element = ns.dtype_bytes
+    full_bytes = [matrices[i].numel * element * (matrices[i].tp_size if matrices[i].is_sharded else 1) for i in live]
+    min_groups = exchange.MIN_MICRO_GROUPS if settings.min_micro_groups is None else settings.min_micro_groups
+    if not settings.pipelined:
+        micro_groups = (tuple(live),) if live else ()
+    else:
+        micro_groups = tuple(tuple(live[k] for k in chunk)
+                             for chunk in exchange.split_micro_groups(full_bytes, settings.bucket_bytes, min_groups))
+    if dp_owners is None:
+        shared = _owner_work(matrices, [i for g in micro_groups for i in g], tp_size, settings)
+        work = (shared,) * dp_size
+    else:
+        work = tuple(_owner_work(matrices, [i for g in micro_groups for i in g if dp_owners[i] == d], tp_size,
+                                 settings) for d in range(dp_size))
+    blockwise = settings.tp_mode == "blockwise"
+    scales = tuple(_scales(lay, blockwise, settings) for lay in matrices)
+    flops, dp_sent, tp_sent = _costs(matrices, dp_owners, work, dp_size, tp_size, ns)
+    return StepPlan(matrices, dp_size, tp_size, settings, dp_owners, micro_groups, work, scales, flops, dp_sent,
+                    tp_sent)
+
+
+def _check(matrices, dp_size: int, tp_size: int, settings: PlanSettings) -> None:
+    if settings.tp_mode not in TP_MODES:
+        raise ValueError(f"--muon-tp-mode: expected one of {TP_MODES}, got {settings.tp_mode!r}")
+    if settings.dp_mode not in DP_MODES:
+        raise ValueError(f"--muon-dp-mode: expected one of {DP_MODES}, got {settings.dp_mode!r}")
+    if settings.scale_mode is not None and settings.scale_mode not in SCALE_MODES:
+        raise ValueError(f"--muon-scale-mode: expected one of {SCALE_MODES}, got {settings.scale_mode!r}")
+    if settings.bucket_bytes <= 0:
+        raise ValueError(f"--muon-owner-bucket-size-mb: expected a positive size, got {settings.bucket_bytes} bytes")
+    if settings.tp_mode == "auto" and settings.hardware is None:
+        raise ValueError("--muon-tp-mode auto: the plan needs the cost model's hardware constants "
+                         "(--muon-auto-hardware)")
+    for lay in matrices:
+        if lay.tp_size != tp_size:
+            raise ValueError(f"{lay.name}: laid out for a TP group of {lay.tp_size}, planned for {tp_size}")
+        if lay.dp_ranges is not None and len(lay.dp_ranges) != dp_size:
+            raise ValueError(f"{lay.name}: {len(lay.dp_ranges)} DP ranges for a DP group of {dp_size}")
+    if settings.dp_mode == "redundant" and dp_size > 1:
+        cut = [lay.name for lay in matrices if lay.dp_ranges is not None]
+        if cut:
+            raise ValueError(
+                f"--muon-dp-mode redundant needs every DP rank to hold whole matrices (no "
+                f"--use-distributed-optimizer); {cut[0]} is split across DP ranks"
+            )
+
+
+def _owner_work(matrices, owned: list[int], tp_size: int, settings: PlanSettings) -> OwnerWork:
+    subs: list[MatrixLayout] = []
+    positions: dict[int, tuple[int, ...]] = {}
+    for i in owned:
+        parts = matrices[i].sub_matrices()
+        positions[i] = tuple(range(len(subs), len(subs) + len(parts)))
+        subs += parts
+    modes = tp_modes_for(subs, tp_size, settings)
+    # Owner mode plans among its own sub-matrices, over everything this DP owner holds.
+    in_owner = [p for p, m in enumerate(modes) if m == "owner"]
+    chosen = plan_owners([ns_flops(*subs[p].full_shape, settings.ns.steps) for p in in_owner], tp_size)
+    tp_owners: list[int | None] = [None] * len(subs)
+    for p, r in zip(in_owner, chosen):
+        tp_owners[p] = r
+    return OwnerWork(tuple(owned), tuple(subs), positions, modes, tuple(tp_owners))
+
+
+def _scales(layout: MatrixLayout, blockwise: bool, settings: PlanSettings) -> tuple[float, ...]:
+    """Per sub-matrix scale: its global shape's (its local, TP shard, shape in blockwise mode, as
+    Megatron scales BlockMuon); 1.0 everywhere without a scale mode."""
+    shapes = layout.sub_local_shapes() if blockwise else layout.sub_global_shapes()
+    if settings.scale_mode is None:
+        return (1.0,) * len(shapes)
+    return tuple(muon_scale(r, c, settings.scale_mode, settings.extra_scale_factor) for r, c in shapes)
+
+
+# ---- per-rank FLOPs and bytes ---------------------------------------------------------------------
+
+
+def distributed_ns_flops(k: int, local_cols: int, steps: int = 5) -> int:
+    """Per-rank FLOPs of distributed NS on a (k × local_cols) shard: s·(4k²·cols + 2k³)."""
+    return steps * (4 * k * k * local_cols + 2 * k * k * k)
+
+
+def _costs(matrices, dp_owners, work, dp: int, tp: int, ns: NSOptions):
+    """(NS FLOPs, DP bytes, TP bytes) per rank, by ``comm.py``'s convention (what leaves a rank)."""
+    flops, dp_sent, tp_sent = [0.0] * (tp * dp), [0.0] * (tp * dp), [0.0] * (tp * dp)
+    if dp_owners is not None:
+        for i, lay in enumerate(matrices):
+            if not lay.numel:
+                continue
+            for d, b in _dp_bytes(lay, dp_owners[i], dp, ns.dtype_bytes).items():
+                for j in range(tp):  # every TP peer moves its own TP-local shard alike
+                    dp_sent[d * tp + j] += b
+    for d, w in enumerate(work):
+        for sub, mode, owner in zip(w.subs, w.modes, w.tp_owners):
+            for j in range(tp):
+                f, b = _sub_cost(sub, mode, owner, j, tp, ns)
+                flops[d * tp + j] += f
+                tp_sent[d * tp + j] += b
+    return tuple(int(f) for f in flops), tuple(round(b) for b in dp_sent), tuple(round(b) for b in tp_sent)
+
+
+def _dp_bytes(layout: MatrixLayout, owner: int, dp: int, elem: int) -> dict[int, int]:
+    """DP rank → bytes it sends for ``layout``: pieces to the owner, the results back."""
+    out: dict[int, int] = {}
+    if layout.dp_ranges is None:  # every DP rank holds it: the owner sends the result to the others
+        if dp > 1:
+            out[owner] = (dp - 1) * layout.numel * elem
+        return out
+    for r, n in layout.holders(dp).items():
+        if r != owner:
+            out[r] = out.get(r, 0) + n * elem
+            out[owner] = out.get(owner, 0) + n * elem
+    return out
+
+
+def _sub_cost(sub: MatrixLayout, mode: str, owner: int | None, j: int, tp: int, ns: NSOptions) -> tuple[float, float]:
+    """(NS FLOPs, bytes sent) of one sub-matrix on TP rank ``j``."""
+    local, full, elem = sub.local_shape, sub.full_shape, ns.dtype_bytes
+    local_n, full_n = sub.numel, full[0] * full[1]
+    sharded = sub.is_sharded
+    if mode == "blockwise" or (not sharded and mode != "owner"):  # NS of what the rank holds
+        return ns_flops(*local, ns.steps), 0
+    if mode == "duplicated":
+        return ns_flops(*full, ns.steps), (tp - 1) * local_n * elem
+    if mode == "distributed":  # k: the unsharded dim; the scale, the norm and `steps` k×k Grams all-reduced
+        k, cols = (local[1], local[0]) if sub.partition_dim == 0 else local
+        return distributed_ns_flops(k, cols, ns.steps), 2 * (tp - 1) * (ns.steps * k * k + 2) * elem / tp
+    if j != owner:  # owner mode: the shard goes to the owner (a replicated matrix stays put)
+        return 0, local_n * elem if sharded else 0
+    return ns_flops(*full, ns.steps), (tp - 1) * (local_n if sharded else full_n) * elem

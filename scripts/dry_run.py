@@ -38,8 +38,9 @@ stage), ``expert-dp-group`` / ``expert-tp-group`` (every member of that group of
 the first stage with experts), ``busiest`` (the ranks of the first stage with the most NS FLOPs
 and the most bytes sent, by the plan), or a number. Prints per rank: matrices owned, NS FLOPs,
 bytes per collective, the step's peak extra bytes (live meta tensors created during the step),
-next to what the plans predict for that rank (``parallel.step_plan``, on the real layouts), the planner table's figures
-(``scripts.bench.planner_quality``, PP = 1) and the cost model's for the busiest rank.
+next to what the optimizer's step plan says for that rank (``optimizer.plan``, the plan the step
+executed), the planner table's figures (``scripts.bench.planner_quality``, PP = 1) and the cost
+model's for the busiest rank.
 """
 
 from __future__ import annotations
@@ -314,7 +315,6 @@ def _step_part(part: dict, recorder: Recorder) -> dict:
     """One inner optimizer's step on meta (the dense one or the expert one), measured, next to
     its plan for this rank and for every rank of its (expert-)TP x (expert-)DP grid."""
     from megatron_muon.parallel.comm import comm_stats, observe_collectives
-    from megatron_muon.parallel.step_plan import plan_step
 
     inner, tp, dp = part["inner"], part["tp"], part["dp"]
     for group in inner.param_groups:  # the reduce-scattered grads of this rank's ranges
@@ -326,12 +326,10 @@ def _step_part(part: dict, recorder: Recorder) -> dict:
             inner.step()
         except (RuntimeError, ValueError) as e:  # a wrong device, or meta mixed with CPU
             recorder.errors.append(f"the {part['part']} step failed: {type(e).__name__}: {str(e).splitlines()[0]}")
-    layouts = [m.layout for m in inner.matrices()]
-    cfg = inner.config
-    plan = plan_step(layouts, inner._owners, tp, dp, tp_mode=cfg.tp_mode, steps=cfg.num_ns_steps,
-                     ns_bytes=cfg.ns_dtype.itemsize)
+    plan = inner.plan  # the step just run executed this plan (a full step: the first MuonBP step is one)
+    layouts = plan.matrices
     here = part["dp_rank"] * tp + part["tp_rank"]
-    return dict(matrices=len(layouts), dp_owned=sum(1 for o in inner._owners if o == part["dp_rank"]),
+    return dict(matrices=len(layouts), dp_owned=sum(1 for o in plan.owner_of if o == part["dp_rank"]),
                 cut_across_dp=sum(1 for lay in layouts if lay.dp_ranges and len(lay.holders(dp)) > 1),
                 ns_flops=stats.ns_flops, bytes_by_collective=dict(stats.bytes_by_primitive),
                 bytes_sent=stats.bytes_sent, peak_extra_bytes=meter.peak, device=str(inner.device),
@@ -340,7 +338,7 @@ def _step_part(part: dict, recorder: Recorder) -> dict:
                                ns_flops_mean=sum(plan.ns_flops) / (tp * dp), bytes_sent_max=max(plan.bytes_sent),
                                bytes_sent_mean=sum(plan.bytes_sent) / (tp * dp)),
                 first_matrix_holders=sorted(layouts[0].holders(dp)) if layouts else [],
-                idle_dp_ranks=sorted(set(range(dp)) - set(inner._owners)),
+                idle_dp_ranks=plan.idle_dp_ranks(),
                 # the (dp, tp) of the grid's busiest ranks by the plan: NS FLOPs, then bytes sent
                 plan_busiest=[divmod(max(range(tp * dp), key=f.__getitem__), tp)
                               for f in (plan.ns_flops, plan.bytes_sent)],

@@ -109,8 +109,10 @@ def run_train(args) -> dict:
 def _equivalence_rank(rank: int, world: int, device_type: str) -> dict:
     import torch.distributed as dist
 
+    from megatron_muon.config import MuonConfig
     from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
-    from megatron_muon.parallel.orthogonalize import orthogonalize_updates
+    from megatron_muon.parallel.orthogonalize import StepGroups, orthogonalize_updates
+    from megatron_muon.plan.step_plan import build_step_plan
 
     device = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
     tp, dp = 2, 2
@@ -136,8 +138,9 @@ def _equivalence_rank(rank: int, world: int, device_type: str) -> dict:
             local = full if lay.partition_dim is None else full.chunk(tp, dim=lay.partition_dim)[tp_rank]
             s, e = lay.local_range(dp_rank)
             pieces.append(local.reshape(-1)[s:e].clone())
-        out = orthogonalize_updates(pieces, layouts, tp_mode=mode, dp_group=dp_groups[tp_rank],
-                                    tp_group=tp_groups[dp_rank], ns_dtype=torch.float32, coefficients="quintic")
+        settings = MuonConfig(tp_mode=mode, fp32_matmul_prec="highest", coefficient_type="quintic").plan_settings()
+        plan = build_step_plan(layouts, dp_size=dp, tp_size=tp, settings=settings)
+        out = orthogonalize_updates(pieces, plan, StepGroups(dp_groups[tp_rank], tp_groups[dp_rank]))
         worst = 0.0
         for lay, full, got in zip(layouts, fulls, out):
             if got.device != device:
@@ -157,7 +160,7 @@ def _optimizer_error(layouts, fulls, tp, tp_rank, dp_rank, device, dp_group, tp_
     allocates its (empty) buffers on the optimizer's device. From zero parameters and momentum,
     with lr 1 and no weight decay, the step leaves -update: compared with the one-device result."""
     from megatron_muon.config import MuonConfig
-    from megatron_muon.optimizer import MuonMatrix, MuonWithAdamW
+    from megatron_muon.optimizer import MatrixCatalogue, MuonWithAdamW
 
     matrices, params = [], []
     for lay, full in zip(layouts, fulls):
@@ -167,17 +170,18 @@ def _optimizer_error(layouts, fulls, tp, tp_rank, dp_rank, device, dp_group, tp_
         if param is not None:
             param.grad = local.reshape(-1)[s:e].clone()
             params.append(param)
-        matrices.append(MuonMatrix(lay, param))
+        matrices.append(param)
     config = MuonConfig(tp_mode="owner", fp32_matmul_prec="highest", coefficient_type="quintic", momentum=0.5)
-    optimizer = MuonWithAdamW([dict(params=params, algorithm="muon")], lr=1.0, weight_decay=0.0, config=config)
-    optimizer.attach(matrices, dp_group=dp_group, tp_group=tp_group)
+    catalogue = MatrixCatalogue(tuple(layouts), tuple(matrices), dp_group, tp_group)
+    optimizer = MuonWithAdamW([dict(params=params, algorithm="muon")], lr=1.0, weight_decay=0.0, config=config,
+                              catalogue=catalogue)
     optimizer.step()  # momentum from zero: (1 - 0.5) * grad, and NS is invariant to that scale
     worst = 0.0
-    for lay, full, m in zip(layouts, fulls, matrices):
-        if m.param is not None:
+    for lay, full, param in zip(layouts, fulls, matrices):
+        if param is not None:
             s, e = lay.local_range(dp_rank)
             want = expected_local(lay, full, tp, tp_rank).reshape(-1)[s:e]
-            worst = max(worst, (m.param.detach() + want).abs().max().item())
+            worst = max(worst, (param.detach() + want).abs().max().item())
     return worst
 
 

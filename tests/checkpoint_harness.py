@@ -188,7 +188,7 @@ def zero1_full_state(model, optimizer) -> dict[str, dict[str, torch.Tensor]]:
     (``megatron_muon.megatron.checkpoint``)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_muon.megatron.optimizer import is_muon_matrix
+    from megatron_muon.megatron.catalogue import is_muon_matrix
 
     opt = optimizer.chained_optimizers[0]
     inner = opt.optimizer

@@ -121,21 +121,20 @@ def _forget_cached_groups() -> None:
     ``_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP(_GLOO)``, which ``destroy_model_parallel`` does
     not reset; the ``lru_cache`` on ``RotaryEmbedding.forward`` (megatron/core/models/common/
     embeddings/rotary_pos_embedding.py:177), whose keys hold the module and so its ``cp_group``;
-    and megatron_muon's plan caches ``owner_mode.owner_groups`` and ``orthogonalize._plan``, keyed
-    on the group they exchange over (a training process keeps its groups for its whole life, so
-    only a process that re-initializes, as these tests do, sees stale entries).
+    and the exchanges ``orthogonalize_sharded``'s cached one-off plans have bound to the group
+    they exchange over (an optimizer's own plans die with it; a training process keeps its groups
+    for its whole life, so only a process that re-initializes, as these tests do, sees stale entries).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-    from megatron_muon.parallel import orthogonalize, owner_mode
+    from megatron_muon.parallel import orthogonalize
 
     for name, value in list(vars(ps).items()):
         if isinstance(value, dist.ProcessGroup):
             setattr(ps, name, None)
     RotaryEmbedding.forward.cache_clear()
-    owner_mode.owner_groups.cache_clear()
-    orthogonalize._plan.cache_clear()
+    orthogonalize._one_off_plan.cache_clear()  # their bound exchanges go with them (weakly keyed)
 
 
 def _unwrap(module):
@@ -462,7 +461,7 @@ def reference_param_groups(chunk) -> tuple[list[dict], list, list]:
     AdamW params with weight decay, and AdamW params without (biases and 1-D params: Megatron's
     standard override, wd_mult 0). Reads ``HEADS`` / ``GROUPS`` when called (a test may change them)."""
     from megatron_muon.core.matrix_layout import RowSplit
-    from megatron_muon.megatron.optimizer import is_muon_matrix
+    from megatron_muon.megatron.catalogue import is_muon_matrix
 
     q, kv = HEADS // GROUPS * (HIDDEN // HEADS), HIDDEN // HEADS
     muon_groups, decay, no_decay = [], [], []

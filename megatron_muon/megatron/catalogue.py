@@ -34,7 +34,8 @@ from .megatron_fsdp import check_own_range, fsdp_item_ranges, optimizer_buffer
 from .torch_fsdp2 import torch_fsdp2_ranges
 
 __all__ = ["MatrixOf", "describe_megatron_fsdp", "describe_whole", "describe_zero1", "is_expert_parallel",
-           "is_muon_matrix", "layout_of", "packed_in_backprop_order", "param_names", "tag_grouped_experts",
+           "is_muon_matrix", "layout_of", "packed_in_backprop_order", "param_names", "ranges_on_every_rank",
+           "tag_grouped_experts",
            "tag_qkv"]
 
 MatrixOf = dict[int, tuple[MatrixLayout, torch.Tensor | None]]
@@ -151,7 +152,7 @@ def describe_zero1(optimizer: DistributedOptimizer, tp_group, muon_config: MuonC
     layouts, params, matrix_of = [], [], {}
     for buffer in optimizer.buffers:  # same buffers, same order, on every DP (and TP) rank
         for bucket in buffer.buckets:
-            per_rank = _ranges_on_every_rank(buffer, bucket, dp_size)
+            per_rank = ranges_on_every_rank(buffer, bucket, dp_size)
             for param in bucket.params_list:
                 if not is_muon_matrix(param):
                     continue
@@ -162,7 +163,7 @@ def describe_zero1(optimizer: DistributedOptimizer, tp_group, muon_config: MuonC
     return MatrixCatalogue(tuple(layouts), tuple(params), optimizer.data_parallel_group, tp_group), matrix_of
 
 
-def _ranges_on_every_rank(buffer, bucket, dp_size: int) -> list[dict]:
+def ranges_on_every_rank(buffer, bucket, dp_size: int) -> list[dict]:
     """For each DP rank, param → [start, end) of the param it holds in this bucket."""
     size = bucket.grad_data.numel() // dp_size
     out = []

@@ -102,10 +102,17 @@ def orthogonalize_updates(pieces: Sequence[torch.Tensor], plan: StepPlan, groups
                 f"orthogonalize_updates: {layout.name}: piece has {piece.numel()} elements, its range "
                 f"on DP rank {dp_rank} is [{start}, {end})"
             )
+    return _run(pieces, plan, groups, apply, validate=True)
+
+
+def _run(pieces, plan: StepPlan, groups: StepGroups, apply: Apply | None, *, validate: bool):
+    """``orthogonalize_updates``; ``validate``: check the plan's TP list across ranks when it is
+    first bound to these groups (``orthogonalize_sharded`` has checked its shards already)."""
+    dp_rank = comm.group_rank(groups.dp) if plan.dp_size > 1 else 0
     device = groups.device
     if device is None:
         device = resolve_device(pieces, groups.dp, what="orthogonalize_updates: pieces")
-    run = _execution(plan, groups.dp, groups.tp, device)
+    run = _execution(plan, groups.dp, groups.tp, device, validate)
 
     listed = apply is None
     out: list[torch.Tensor] = [torch.empty(0, device=device)] * (len(pieces) if listed else 0)
@@ -206,7 +213,7 @@ def orthogonalize_sharded(
         def put(k: int, update: torch.Tensor, scale: float, members=members) -> None:
             out[members[k]] = update.view(subs[members[k]].local_shape)
 
-        orthogonalize_updates([shards[i].reshape(-1) for i in members], plan, StepGroups(None, group, device), put)
+        _run([shards[i].reshape(-1) for i in members], plan, StepGroups(None, group, device), put, validate=False)
     return out
 
 
@@ -242,7 +249,7 @@ class _MicroGroup:
 class _Execution:
     """``plan`` bound to this rank's process groups and device."""
 
-    def __init__(self, plan: StepPlan, dp_group, tp_group, device: torch.device) -> None:
+    def __init__(self, plan: StepPlan, dp_group, tp_group, device: torch.device, validate: bool) -> None:
         # A plan with one DP rank never talks over DP: no group (None) means no DP dim at all.
         dp_size = comm.group_size(dp_group) if dp_group is not None or plan.dp_size > 1 else 1
         tp_size = comm.group_size(tp_group)
@@ -278,7 +285,7 @@ class _Execution:
                 if chosen:
                     g.blocking.append((mode, chosen))
         self.row_scales = [_row_scales(lay, scales, device) for lay, scales in zip(plan.matrices, plan.scales)]
-        if tp_size > 1 and settings.tp_mode != "blockwise":
+        if validate and tp_size > 1 and settings.tp_mode != "blockwise":
             validate_across_ranks(work.subs, settings.tp_mode, settings.ns.steps, tp_size, tp_group, device,
                                   settings.hardware if settings.tp_mode == "auto" else None)
 
@@ -296,11 +303,11 @@ _EXECUTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """plan → {(dp group, tp group, device): _Execution}: dies with the plan (and its optimizer)."""
 
 
-def _execution(plan: StepPlan, dp_group, tp_group, device: torch.device) -> _Execution:
+def _execution(plan: StepPlan, dp_group, tp_group, device: torch.device, validate: bool) -> _Execution:
     bound = _EXECUTIONS.setdefault(plan, {})
     key = (dp_group, tp_group, device)
     if key not in bound:
-        bound[key] = _Execution(plan, dp_group, tp_group, device)
+        bound[key] = _Execution(plan, dp_group, tp_group, device, validate)
     return bound[key]
 
 

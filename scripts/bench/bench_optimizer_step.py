@@ -189,7 +189,7 @@ def bench_rank(tp: int, args, device) -> dict:
     measured = {row.label: measure_steps(row, *built[row.label], grads, device) for row in ROWS}
     rounds = timed_rounds(built, grads, args, device)
     times = {row.label: [r[i] for r in rounds] for i, row in enumerate(ROWS)}
-    from megatron_muon.megatron.optimizer import is_muon_matrix
+    from megatron_muon.megatron.catalogue import is_muon_matrix
 
     params = [dict(name=n, shape=setup.global_shape(p, tp),
                    numel=p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1),

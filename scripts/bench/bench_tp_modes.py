@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from megatron_muon import comm_stats, ns_flops, orthogonalize_sharded
 from megatron_muon.core.models import llama3_matrices
-from megatron_muon.parallel.tp_modes import distributed_ns_flops
+from megatron_muon.plan.step_plan import distributed_ns_flops
 
 from .collectives import CollectiveCounter
 from .launch import backend_for, launch

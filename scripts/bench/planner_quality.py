@@ -15,7 +15,7 @@ Rows of the FLOPs table (per (dp, tp) rank: the Newton–Schulz FLOPs it runs in
   aligned starts, each bucket padded to a multiple of lcm(DP, 128); embedding, norms and output
   layer included, since they shift the cuts); each DP rank's flat range of every param comes
   from our ``MuonDistributedOptimizer._ranges_on_every_rank`` (Megatron's own range function);
-  the ``MatrixLayout`` of each matrix from our ``megatron.optimizer._layout`` (QKV split per
+  the ``MatrixLayout`` of each matrix from our ``megatron.catalogue.layout_of`` (QKV split per
   query group, fc1 split into gate / up). Then our ``plan_dp_owners`` gives each matrix its DP
   owner; each DP owner's TP group plans all the sub-matrices it owns at once with
   ``plan_owners`` on ``ns_flops`` of the full sub-matrix shape (the whole list
@@ -78,10 +78,10 @@ with warnings.catch_warnings():
     from megatron_muon.core.matrix_layout import MatrixLayout
     from megatron_muon.core.models import LLAMA3
     from megatron_muon.core.newton_schulz import ns_flops
+    from megatron_muon.megatron.catalogue import is_muon_matrix, layout_of, ranges_on_every_rank
     from megatron_muon.megatron.layout import balanced_buffer_layouts
-    from megatron_muon.megatron.optimizer import MuonDistributedOptimizer, _layout, is_muon_matrix
-    from megatron_muon.parallel.orthogonalize import plan_dp_owners
-    from megatron_muon.parallel.step_plan import plan_step
+    from megatron_muon.plan.owners import plan_dp_owners
+    from megatron_muon.plan.step_plan import build_step_plan
 
 MODELS = ("8B", "70B", "405B")
 CONFIGS = ((8, 8), (8, 64))  # (TP, DP); PP = 1
@@ -131,7 +131,7 @@ class ModelSpec:
 def llama3_spec(model: str) -> ModelSpec:
     """Llama-3 ``model`` from ``core.models`` (QKV fused per Megatron, fc1 gated)."""
     shape = LLAMA3[model]
-    # per query group: its query heads, one k head, one v head (as megatron.optimizer._tag_qkv)
+    # per query group: its query heads, one k head, one v head (as megatron.catalogue.tag_qkv)
     qkv = (shape.num_heads // shape.num_query_groups * shape.head_dim, shape.head_dim, shape.head_dim)
     mats = []
     # Megatron registers a layer's linear_proj before its linear_qkv (SelfAttention builds
@@ -237,7 +237,7 @@ def ours_layouts(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, *,
     muon_config = muon_config or MuonConfig(tp_mode="owner")
     named = model_params(spec, tp, with_non_matrix=with_non_matrix)
     if not distributed_optimizer:
-        return [_layout(n, p, tp, muon_config) for n, p in named if is_muon_matrix(p)]
+        return [layout_of(n, p, tp, muon_config) for n, p in named if is_muon_matrix(p)]
     names = {id(p): n for n, p in named}
     params = [p for _, p in named]
     full = full_layout(named, bucket_size, dp, tp, dp_layout, muon_config)
@@ -253,11 +253,11 @@ def ours_layouts(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, *,
                 offset=start, grad_data=torch.empty(end - start, device="meta"),
                 params_list=in_bucket.get(bucket_id, []))
             # Our own range code, with Megatron's range function (a classmethod) behind it.
-            per_rank = MuonDistributedOptimizer._ranges_on_every_rank(MuonDistributedOptimizer, buffer, bucket, dp)
+            per_rank = ranges_on_every_rank(buffer, bucket, dp)
             for p in bucket.params_list:
                 if is_muon_matrix(p):
                     ranges = tuple(per_rank[r].get(p, (0, 0)) for r in range(dp))
-                    layouts.append(_layout(names[id(p)], p, tp, muon_config, ranges))
+                    layouts.append(layout_of(names[id(p)], p, tp, muon_config, ranges))
     return layouts
 
 
@@ -304,7 +304,7 @@ def fsdp_layouts(spec: ModelSpec, tp: int, dp: int, strategy: str = "optim_grads
             if is_muon_matrix(param):
                 item = items[item_id]
                 ranges = fsdp_item_ranges(bucket.global_data_index, bucket.size, item.global_data_index, item.size, dp)
-                layouts.append(_layout(names[id(param)], param, tp, muon_config, ranges))
+                layouts.append(layout_of(names[id(param)], param, tp, muon_config, ranges))
     return layouts
 
 
@@ -322,11 +322,12 @@ class Plan:
 
 
 def plan_ours(layouts: list[MatrixLayout], tp: int, dp: int, *, dp_mode: str = "owner") -> Plan:
-    """NS FLOPs and bytes per rank of ``orthogonalize_updates(..., tp_mode="owner")``: the
-    optimizer's own plan replay (``parallel.step_plan``, which the dry run checks against the real
-    step), plus the units of work and the analytic byte minimums for the table."""
-    owners = None if dp_mode == "redundant" or dp == 1 else plan_dp_owners(layouts, dp, STEPS)
-    step = plan_step(layouts, owners, tp, dp, tp_mode="owner", steps=STEPS, ns_bytes=NS_BYTES)
+    """NS FLOPs and bytes per rank of a step in ``tp_mode="owner"``: the optimizer's own step plan
+    (``plan.step_plan``, which the step executes and the dry run checks against it), plus the units
+    of work and the analytic byte minimums for the table."""
+    settings = MuonConfig(tp_mode="owner", dp_mode=dp_mode, num_ns_steps=STEPS).plan_settings()
+    step = build_step_plan(layouts, dp_size=dp, tp_size=tp, settings=settings)
+    owners = step.dp_owners
     replicas = dp if owners is None else 1  # redundant: every DP replica runs the same TP call
     units: list[int] = []
     dp_min = tp_min = 0
@@ -378,7 +379,7 @@ def plan_megatron(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, mo
     flops = [0.0] * (tp * dp)
     units = []
     for m, d in zip(spec.matrices, dp_of):
-        layout = _layout(m.name, _matrix_param(m, tp), tp, cfg)
+        layout = layout_of(m.name, _matrix_param(m, tp), tp, cfg)
         if mode == "duplicated":  # every TP rank: NS of the full (sub-)matrices
             per_rank = [layout.ns_cost(STEPS)] * tp
             units += [ns_flops(r, c, STEPS) for r, c in layout.sub_global_shapes()]
@@ -482,7 +483,7 @@ def layout_rows(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None) -> d
         row = dict(padding=1 - unpadded / numel, buffer_numel=numel, rs_ag_bytes=rs_ag)
         if name == "layer-wise":
             dp_of = megatron_dp_assignment(spec, tp, dp, bucket_size)
-            costs = [_layout(m.name, _matrix_param(m, tp), tp, MuonConfig()).ns_cost(STEPS) for m in spec.matrices]
+            costs = [layout_of(m.name, _matrix_param(m, tp), tp, MuonConfig()).ns_cost(STEPS) for m in spec.matrices]
             row.update(cut=0, dp_bytes_max=0, dp_bytes_mean=0.0)
         else:
             layouts = ours_layouts(spec, tp, dp, bucket_size, dp_layout=name)

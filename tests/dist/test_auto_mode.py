@@ -21,7 +21,7 @@ from megatron_muon.config import MuonConfig
 from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
 from megatron_muon.core.models import LLAMA3
 from megatron_muon.megatron.cli import add_muon_args, muon_config_from_args
-from megatron_muon.optimizer import MuonMatrix, MuonWithAdamW
+from megatron_muon.optimizer import MatrixCatalogue, MuonWithAdamW
 from megatron_muon.plan.auto_mode import (
     AUTO_CANDIDATES,
     CPU_GLOO,
@@ -30,7 +30,7 @@ from megatron_muon.plan.auto_mode import (
     predicted_time,
 )
 from megatron_muon.plan.cost_model import GPU_PROFILES, Matrix, tp_mode_cost
-from megatron_muon.parallel.tp_modes import MODES
+from megatron_muon.plan.step_plan import TP_MODES as MODES
 
 H100 = GPU_PROFILES["h100-sxm"]
 # A machine with no per-call latency (collectives and kernels cost only their bytes and FLOPs).
@@ -311,10 +311,9 @@ def _opt_global(i: int, seed: int) -> torch.Tensor:
 def _opt_run(rank: int, cfg: MuonConfig, solo) -> list[torch.Tensor]:
     params = [torch.nn.Parameter(_shard(_opt_global(i, 10 + i), pdim, TP, rank))
               for i, (_, pdim, _) in enumerate(OPT_SHAPES)]
-    opt = MuonWithAdamW([dict(params=params, algorithm="muon", weight_decay=0.1)], lr=0.05, config=cfg)
-    opt.attach([MuonMatrix(MatrixLayout(f"m{i}", shape, pdim, TP, split), p)
-                for i, ((shape, pdim, split), p) in enumerate(zip(OPT_SHAPES, params))],
-               tp_group=dist.group.WORLD, dp_group=solo)
+    layouts = tuple(MatrixLayout(f"m{i}", shape, pdim, TP, split) for i, (shape, pdim, split) in enumerate(OPT_SHAPES))
+    opt = MuonWithAdamW([dict(params=params, algorithm="muon", weight_decay=0.1)], lr=0.05, config=cfg,
+                        catalogue=MatrixCatalogue(layouts, tuple(params), dp_group=solo, tp_group=dist.group.WORLD))
     for step in range(OPT_STEPS):
         for i, (p, (_, pdim, _)) in enumerate(zip(params, OPT_SHAPES)):
             p.grad = _shard(_opt_global(i, 1000 * step + i), pdim, TP, rank)

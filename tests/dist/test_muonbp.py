@@ -12,7 +12,7 @@ from megatron_muon import comm_stats, newton_schulz
 from megatron_muon.config import MuonConfig
 from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
 from megatron_muon.core.scaling import muon_scale
-from megatron_muon.optimizer import MuonMatrix, MuonWithAdamW
+from megatron_muon.optimizer import MatrixCatalogue, MuonWithAdamW
 
 TP = 2
 STEPS = 7
@@ -38,10 +38,10 @@ def _grad(i: int, step: int, rank: int) -> torch.Tensor:
 def _optimizer(rank: int, cfg: MuonConfig):
     params = [torch.nn.Parameter(_full(i).chunk(TP, dim=pdim)[rank].contiguous())
               for i, (_, pdim, _) in enumerate(SHAPES)]
-    opt = MuonWithAdamW([dict(params=params, algorithm="muon", weight_decay=0.1)], lr=0.05, config=cfg)
-    opt.attach([MuonMatrix(MatrixLayout(f"m{i}", shape, pdim, TP, split), p)
-                for i, ((shape, pdim, split), p) in enumerate(zip(SHAPES, params))],
-               tp_group=dist.group.WORLD, dp_group=_SOLO[rank])  # pure TP: a DP group of one
+    layouts = tuple(MatrixLayout(f"m{i}", shape, pdim, TP, split) for i, (shape, pdim, split) in enumerate(SHAPES))
+    catalogue = MatrixCatalogue(layouts, tuple(params), dp_group=_SOLO[rank], tp_group=dist.group.WORLD)  # pure TP
+    opt = MuonWithAdamW([dict(params=params, algorithm="muon", weight_decay=0.1)], lr=0.05, config=cfg,
+                        catalogue=catalogue)
     return params, opt
 
 

@@ -13,10 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_world
+from step_harness import run_step
 from matrix_harness import FP32_ATOL, expected_local, global_matrix, layouts, tp_local
 
 from megatron_muon import comm_stats, ns_flops
-from megatron_muon.parallel.orthogonalize import orthogonalize_updates, plan_dp_owners
+from megatron_muon.plan.owners import plan_dp_owners
 
 
 def _worker(rank: int, world: int, tp: int) -> dict:
@@ -37,7 +38,7 @@ def _worker(rank: int, world: int, tp: int) -> dict:
             dp_modes = ("owner", "redundant") if not cut else ("owner",)
             for dp_mode in dp_modes:
                 with comm_stats() as stats:
-                    out = orthogonalize_updates(
+                    out = run_step(
                         pieces, lays, tp_mode=tp_mode, dp_group=dp_group, tp_group=tp_group,
                         dp_mode=dp_mode, ns_dtype=torch.float32, coefficients="jordan",
                     )
@@ -145,7 +146,7 @@ def _rounds_worker(rank: int, world: int, tp: int) -> dict:
     out = {}
     for bucket_bytes in (1, 2**30):  # one matrix per exchange round, or a single round
         with comm_stats() as stats:
-            result = orthogonalize_updates(pieces, lays, tp_mode="owner", dp_group=dp_groups[tp_rank],
+            result = run_step(pieces, lays, tp_mode="owner", dp_group=dp_groups[tp_rank],
                                            tp_group=tp_groups[dp_rank], ns_dtype=torch.float32,
                                            coefficients="jordan", bucket_bytes=bucket_bytes)
         out[bucket_bytes] = (result, stats.ns_flops)

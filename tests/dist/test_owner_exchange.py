@@ -14,7 +14,8 @@ from dist_harness import run_world
 
 from megatron_muon import comm_stats
 from megatron_muon.parallel.devices import group_device
-from megatron_muon.parallel.owner_exchange import OwnedMatrix, OwnerExchange, Piece
+from megatron_muon.parallel.owner_exchange import OwnerExchange
+from megatron_muon.plan.exchange import OwnedMatrix, Piece
 
 WORLD = 3
 

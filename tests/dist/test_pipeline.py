@@ -20,10 +20,12 @@ import torch.distributed as dist
 from dist_harness import run_world
 from matrix_harness import FP32_ATOL, expected_local, global_matrix, tp_local
 from matrix_harness import layouts as whole_layouts
+from step_harness import run_step, step_plan
 
-from megatron_muon.parallel import comm, orthogonalize, owner_exchange, owner_mode
-from megatron_muon.parallel.orthogonalize import orthogonalize_updates
-from megatron_muon.parallel.owner_exchange import split_micro_groups
+from megatron_muon.parallel import comm, orthogonalize, owner_exchange
+from megatron_muon.parallel.orthogonalize import StepGroups, orthogonalize_updates
+from megatron_muon.plan import exchange
+from megatron_muon.plan.exchange import split_micro_groups
 
 TP, DP = 2, 2
 ELEMENT = 4  # fp32 NS, so that the comparison with the single-process reference is tight
@@ -75,8 +77,8 @@ def _worker(rank: int, world: int) -> dict:
         record_ns_flops(flops)
 
     def run(tp_mode: str, bucket: int, **kwargs):
-        return orthogonalize_updates(pieces, lays, tp_mode=tp_mode, dp_group=dp_group, tp_group=tp_group,
-                                     ns_dtype=torch.float32, coefficients="jordan", bucket_bytes=bucket, **kwargs)
+        return run_step(pieces, lays, tp_mode=tp_mode, dp_group=dp_group, tp_group=tp_group,
+                        ns_dtype=torch.float32, coefficients="jordan", bucket_bytes=bucket, **kwargs)
 
     out: dict = {"tp_rank": tp_rank, "dp_rank": dp_rank}
     comm.record_ns_flops = record
@@ -107,30 +109,36 @@ def _worker(rank: int, world: int) -> dict:
         comm.record_ns_flops = record_ns_flops
 
     # One micro-group: no overlap at all, the reference for the pipelined results.
-    floor = owner_exchange.MIN_MICRO_GROUPS
-    owner_exchange.MIN_MICRO_GROUPS = 1
+    floor = exchange.MIN_MICRO_GROUPS  # read when a plan is built
+    exchange.MIN_MICRO_GROUPS = 1
     try:
         for mode in MODES:
             out[(mode, "one group")] = run(mode, 2**40)
     finally:
-        owner_exchange.MIN_MICRO_GROUPS = floor
+        exchange.MIN_MICRO_GROUPS = floor
 
-    # A second step on the same layout builds nothing: the plans and exchanges are cached.
+    # A second step with the same plan builds nothing: its exchanges are bound to the groups once.
+    plan = step_plan(lays, tp_mode="owner", dp_size=DP, tp_size=TP, ns_dtype=torch.float32, coefficients="jordan",
+                     bucket_bytes=_bucket(lays))
+    groups = StepGroups(dp_group, tp_group)
+    orthogonalize_updates(pieces, plan, groups)
     built = []
-    original_init = owner_exchange.OwnerExchange.__init__
+    original_init, original_execution = owner_exchange.OwnerExchange.__init__, orthogonalize._Execution.__init__
 
-    def counting_init(self, *args, **kwargs):
-        built.append(1)
-        original_init(self, *args, **kwargs)
+    def counting(original):
+        def init(self, *args, **kwargs):
+            built.append(type(self).__name__)
+            original(self, *args, **kwargs)
+        return init
 
-    owner_exchange.OwnerExchange.__init__ = counting_init
+    owner_exchange.OwnerExchange.__init__ = counting(original_init)
+    orthogonalize._Execution.__init__ = counting(original_execution)
     try:
-        plans, groups = orthogonalize._plan.cache_info().misses, owner_mode.owner_groups.cache_info().misses
-        run("owner", _bucket(lays))
-        out["rebuilt"] = (len(built), orthogonalize._plan.cache_info().misses - plans,
-                          owner_mode.owner_groups.cache_info().misses - groups)
+        orthogonalize_updates(pieces, plan, groups)
+        out["rebuilt"] = list(built)
     finally:
         owner_exchange.OwnerExchange.__init__ = original_init
+        orthogonalize._Execution.__init__ = original_execution
     return out
 
 
@@ -233,7 +241,7 @@ def test_updates_are_handed_over_group_by_group(ranks):
 
 def test_plans_and_exchanges_are_built_once(ranks):
     for r in ranks:
-        assert r["rebuilt"] == (0, 0, 0)
+        assert r["rebuilt"] == []
 
 
 # ---- the scheduler alone ---------------------------------------------------------------------

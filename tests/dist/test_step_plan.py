@@ -11,11 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_world
+from step_harness import payload_bytes, run_step, step_plan
 from matrix_harness import global_matrix, layouts, tp_local
 
 from megatron_muon import comm_stats
-from megatron_muon.parallel.orthogonalize import orthogonalize_updates, plan_dp_owners
-from megatron_muon.parallel.step_plan import plan_step
 
 TP, DP = 2, 2
 MODES = ("owner", "duplicated", "distributed", "blockwise")
@@ -34,9 +33,9 @@ def _worker(rank: int, world: int) -> dict:
             pieces.append(tp_local(global_matrix(i, TP), lay.partition_dim, TP, tp_rank).reshape(-1)[s:e].clone())
         for mode in MODES:
             with comm_stats() as stats:
-                orthogonalize_updates(pieces, lays, tp_mode=mode, dp_group=dp_groups[tp_rank],
-                                      tp_group=tp_groups[dp_rank], ns_dtype=torch.bfloat16, validate=False)
-            out[(cut, mode)] = (stats.ns_flops, stats.bytes_sent)
+                run_step(pieces, lays, tp_mode=mode, dp_group=dp_groups[tp_rank], tp_group=tp_groups[dp_rank],
+                         ns_dtype=torch.bfloat16)
+            out[(cut, mode)] = (stats.ns_flops, payload_bytes(stats))
     return out
 
 
@@ -49,7 +48,7 @@ def measured():
 @pytest.mark.parametrize("mode", MODES)
 def test_plan_matches_the_step(measured, mode, cut):
     lays = layouts(TP, DP, cut=cut)
-    plan = plan_step(lays, plan_dp_owners(lays, DP, 5), TP, DP, tp_mode=mode, ns_bytes=2)
+    plan = step_plan(lays, tp_mode=mode, dp_size=DP, tp_size=TP, ns_dtype=torch.bfloat16)
     for rank, result in enumerate(measured):
         flops, sent = result[(cut, mode)]
         assert flops == plan.ns_flops[rank], f"rank {rank}: {flops} FLOPs, plan {plan.ns_flops[rank]}"

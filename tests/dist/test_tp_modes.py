@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_world
+from step_harness import run_step
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 
 from megatron_muon import comm_stats, newton_schulz, ns_flops, orthogonalize_sharded
 from megatron_muon.core.newton_schulz import COEFFICIENT_SETS
-from megatron_muon.parallel.owner_exchange import MIN_MICRO_GROUPS, split_micro_groups, split_rounds
-from megatron_muon.parallel.tp_modes import DEFAULT_BUCKET_BYTES, distributed_ns_flops
+from megatron_muon.plan.exchange import MIN_MICRO_GROUPS, split_micro_groups, split_rounds
+from megatron_muon.plan.step_plan import DEFAULT_BUCKET_BYTES, distributed_ns_flops
 
 WORLD_SIZES = (1, 2, 3, 4)
 EXACT_MODES = ("duplicated", "distributed", "owner")
@@ -178,8 +179,8 @@ def _updates_with_empty(shard, pdim, rank: int, t: int, mode: str, alone) -> dic
         if name == "dp" and mode != "owner":
             continue  # DP has no TP mode of its own: one mode is enough
         kwargs = dict(tp_mode=mode, ns_dtype=torch.float32, **groups)
-        with_empty = orthogonalize_updates([torch.zeros(0), torch.zeros(0), piece], lays, **kwargs)
-        out[name] = (with_empty, orthogonalize_updates([piece], lays[2:], **kwargs)[0])
+        with_empty = run_step([torch.zeros(0), torch.zeros(0), piece], lays, **kwargs)
+        out[name] = (with_empty, run_step([piece], lays[2:], **kwargs)[0])
     return out
 
 

@@ -83,7 +83,7 @@ def _snapshot(model, optimizer) -> dict:
     from megatron.core import parallel_state as ps
     from megatron.core.optimizer import DistributedOptimizer
 
-    from megatron_muon.megatron.optimizer import is_muon_matrix
+    from megatron_muon.megatron.catalogue import is_muon_matrix
 
     opt = optimizer.chained_optimizers[0]
     inner = opt.optimizer

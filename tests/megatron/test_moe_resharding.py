@@ -90,7 +90,7 @@ def _full_state(model, optimizer) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_muon.megatron.optimizer import is_muon_matrix
+    from megatron_muon.megatron.catalogue import is_muon_matrix
 
     dense, expert = optimizer.chained_optimizers
     params = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)

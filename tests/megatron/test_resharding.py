@@ -116,7 +116,7 @@ def _full_state(model, optimizer, pp: int) -> dict:
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
-    from megatron_muon.megatron.optimizer import is_muon_matrix
+    from megatron_muon.megatron.catalogue import is_muon_matrix
 
     opt = optimizer.chained_optimizers[0]
     inner = opt.optimizer

@@ -149,8 +149,8 @@ def test_adapter_matches_megatron_grouping_on_llama_shapes():
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
         from megatron_muon.config import MuonConfig
+        from megatron_muon.megatron.catalogue import is_muon_matrix
         from megatron_muon.megatron.layout import balanced_buffer_layouts
-        from megatron_muon.megatron.optimizer import is_muon_matrix
         from scripts.bench.planner_quality import default_bucket_size, llama3_spec, model_params
 
     named = model_params(llama3_spec("8B"), 8)

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from step_harness import run_step
 
 from megatron_muon.core.expert_layout import expert_matrices, expert_row_split, join_expert_matrices
 from megatron_muon.core.matrix_layout import MatrixLayout
 from megatron_muon.core.newton_schulz import newton_schulz
 from megatron_muon.core.scaling import muon_scale
-from megatron_muon.parallel.orthogonalize import orthogonalize_updates
 
 E, OUT, IN = 4, 12, 8
 
@@ -54,7 +54,7 @@ def test_row_split_cuts_the_same_matrices(gated):
 def test_orthogonalized_per_expert_never_fused(gated):
     fused = torch.cat(_experts(gated, seed=1))
     layout = MatrixLayout("experts", tuple(fused.shape), None, 1, expert_row_split(fused.shape[0], E, gated=gated))
-    got = orthogonalize_updates([fused.reshape(-1)], [layout], tp_mode="owner", coefficients="quintic",
+    got = run_step([fused.reshape(-1)], [layout], tp_mode="owner", coefficients="quintic",
                                 ns_dtype=torch.float32, scale_mode="spectral")[0].view_as(fused)
     want = torch.cat([newton_schulz(m, 5, "quintic") * muon_scale(*m.shape, "spectral")
                       for m in expert_matrices(fused, E, "rows", gated=gated)])

@@ -1,9 +1,12 @@
 """The package's layers, enforced: import-linter's contracts and ruff, run as tests.
 
 The contracts live in pyproject.toml ([tool.importlinter]): ``core`` imports nothing of ours above
-it, ``parallel`` only ``core``, then ``config``, ``optimizer`` and the Megatron adapter; and nothing
-outside ``megatron_muon.megatron`` imports Megatron. Each contract is also shown to fail on a copy
-of the package with one planted import, so a misconfigured contract cannot pass silently.
+it, ``plan`` only ``core``, ``parallel`` only those two, then ``config``, ``optimizer`` and the
+Megatron adapter; the adapter's own modules are ordered too; and nothing outside
+``megatron_muon.megatron`` imports Megatron. Each contract is also shown to fail on a copy of the
+package with one planted import, so a misconfigured contract cannot pass silently. Beyond the
+contracts: the graph of every import (those inside functions included) has no cycle, and the
+planning layer never imports ``torch.distributed``.
 """
 
 from __future__ import annotations
@@ -31,14 +34,21 @@ def _lint_imports(root: Path, *, pythonpath: Path) -> subprocess.CompletedProces
 def test_import_contracts_hold():
     proc = _lint_imports(REPO, pythonpath=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
-    assert "2 kept, 0 broken" in proc.stdout
+    assert "3 kept, 0 broken" in proc.stdout
+
+
+LAYERS = "megatron adapter > optimizer > config > parallel > plan > core"
+ADAPTER = "the adapter's own modules: entry points > factory > report > catalogue > \nbackends > flags > errors"
 
 
 @pytest.mark.parametrize("module, planted, contract", [
-    ("core/shapes.py", "from ..parallel import comm", "megatron adapter > optimizer > config > parallel > core"),
-    ("plan/owners.py", "from .. import config", "megatron adapter > optimizer > config > parallel > core"),
-    ("config.py", "from .megatron import hooks", "megatron adapter > optimizer > config > parallel > core"),
+    ("core/shapes.py", "from ..parallel import comm", LAYERS),
+    ("plan/owners.py", "from .. import config", LAYERS),
+    ("plan/step_plan.py", "from ..parallel import comm", LAYERS),
+    ("config.py", "from .megatron import hooks", LAYERS),
     ("parallel/comm.py", "import megatron.core", "only megatron_muon.megatron imports Megatron"),
+    ("megatron/catalogue.py", "from . import report", ADAPTER),
+    ("megatron/report.py", "from . import optimizer", ADAPTER),
 ])
 def test_a_planted_import_breaks_its_contract(tmp_path, module, planted, contract):
     shutil.copytree(REPO / "megatron_muon", tmp_path / "megatron_muon",
@@ -49,6 +59,48 @@ def test_a_planted_import_breaks_its_contract(tmp_path, module, planted, contrac
     proc = _lint_imports(tmp_path, pythonpath=tmp_path)
     assert proc.returncode != 0, proc.stdout[-4000:]
     assert f"{contract} BROKEN" in proc.stdout, proc.stdout[-4000:]
+
+
+def test_no_import_cycle_counting_imports_inside_functions():
+    """The package's module graph (every import statement, at module level or inside a function,
+    as grimp reads them) has no cycle: a cycle dodged by a function-level import is still one."""
+    import grimp
+
+    graph = grimp.build_graph("megatron_muon", cache_dir=None)
+    ours = sorted(m for m in graph.modules if m.startswith("megatron_muon"))
+    edges = {m: sorted(i for i in graph.find_modules_directly_imported_by(m) if i.startswith("megatron_muon"))
+             for m in ours}
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in edges[m]:
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(n):] + [m, n]))
+            if n not in state:
+                visit(n, path + [m])
+        state[m] = 2
+
+    for m in ours:
+        if m not in state:
+            visit(m, [])
+    # the graph really holds function-level imports: hooks imports the factory inside a function
+    assert "megatron_muon.megatron.optimizer" in edges["megatron_muon.megatron.hooks"]
+
+
+def test_the_planning_layer_never_imports_torch_distributed():
+    """``plan/`` decides for every rank on one process: no process group, no collective."""
+    import ast
+
+    for path in sorted((REPO / "megatron_muon" / "plan").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            bad = [n for n in names if n == "torch.distributed" or n.startswith("torch.distributed.")]
+            assert not bad, f"{path.name}:{node.lineno} imports {bad[0]}"
 
 
 def test_the_top_level_imports_no_megatron():

@@ -15,7 +15,8 @@ import torch
 
 from megatron_muon.config import MuonConfig
 from megatron_muon.core.matrix_layout import RowSplit
-from megatron_muon.megatron.optimizer import _check_supported, _layout, _tag_grouped_experts
+from megatron_muon.megatron.catalogue import layout_of, tag_grouped_experts
+from megatron_muon.megatron.optimizer import _check_supported
 
 E, HIDDEN, FFN, TP = 2, 16, 8, 2
 
@@ -45,26 +46,26 @@ def _chunk(gated: bool = True, single: bool = False) -> torch.nn.Module:
 
 def test_grouped_gated_fc1_split_into_gate_and_up_per_expert():
     chunk = _chunk()
-    _tag_grouped_experts([chunk])
+    tag_grouped_experts([chunk])
     for i in range(E):
         fc1 = getattr(chunk.experts.linear_fc1, f"weight{i}")
-        layout = _layout(f"weight{i}", fc1, TP, MuonConfig())
+        layout = layout_of(f"weight{i}", fc1, TP, MuonConfig())
         assert layout.split == RowSplit(1, (FFN // TP, FFN // TP))
         assert layout.sub_global_shapes() == [(FFN, HIDDEN), (FFN, HIDDEN)]  # gate and up, whole over TP
         fc2 = getattr(chunk.experts.linear_fc2, f"weight{i}")
-        layout = _layout(f"weight{i}", fc2, TP, MuonConfig())
+        layout = layout_of(f"weight{i}", fc2, TP, MuonConfig())
         assert layout.split is None and layout.sub_global_shapes() == [(HIDDEN, FFN)]
 
 
 def test_grouped_fc1_not_gated_is_one_matrix():
     chunk = _chunk(gated=False)
-    _tag_grouped_experts([chunk])
-    assert _layout("w", chunk.experts.linear_fc1.weight0, TP, MuonConfig()).split is None
+    tag_grouped_experts([chunk])
+    assert layout_of("w", chunk.experts.linear_fc1.weight0, TP, MuonConfig()).split is None
 
 
 def test_single_grouped_weight_refused_in_one_line():
     with pytest.raises(ValueError, match="^moe_single_grouped_weight .*set it False") as err:
-        _tag_grouped_experts([_chunk(single=True)])
+        tag_grouped_experts([_chunk(single=True)])
     assert "\n" not in str(err.value)
 
 

@@ -8,7 +8,7 @@ import torch
 from megatron_muon import Muon
 from megatron_muon.config import MuonConfig
 from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
-from megatron_muon.optimizer import MuonMatrix, MuonWithAdamW
+from megatron_muon.optimizer import MatrixCatalogue, MuonWithAdamW
 
 
 def _model(seed=0):
@@ -36,9 +36,9 @@ def test_matches_muon_and_adamw(nesterov, scale_mode):
         [dict(params=[ours["qkv"], ours["proj"]], algorithm="muon", weight_decay=0.1),
          dict(params=[ours["bias"], ours["emb"]], algorithm="adamw", weight_decay=0.01)],
         lr=0.02, betas=(0.9, 0.95), eps=1e-8, config=cfg,
+        catalogue=MatrixCatalogue((MatrixLayout("qkv", (24, 16), None, 1, QKV_SPLIT),
+                                   MatrixLayout("proj", (16, 16), None, 1)), (ours["qkv"], ours["proj"])),
     )
-    opt.attach([MuonMatrix(MatrixLayout("qkv", (24, 16), None, 1, QKV_SPLIT), ours["qkv"]),
-                MuonMatrix(MatrixLayout("proj", (16, 16), None, 1), ours["proj"])])
     ref = _model()
     ref_muon = Muon([dict(params=[ref["qkv"]], row_split=QKV_SPLIT), dict(params=[ref["proj"]])],
                     lr=0.02, weight_decay=0.1, momentum=0.9, nesterov=nesterov, ns_dtype=torch.float32,
@@ -195,7 +195,7 @@ def test_updates_are_applied_group_by_group(monkeypatch):
     needs about four matrix-sized temporaries, 16 matrices here), while one group for everything
     holds every result at once (measured 4.3x; before the pipeline every step held all updates
     in the NS dtype and again scaled in fp32, 2x even with the smallest bucket)."""
-    from megatron_muon.parallel import owner_exchange
+    from megatron_muon.plan import exchange
 
     def peak(bucket_bytes: int) -> float:
         g = torch.Generator().manual_seed(0)
@@ -208,7 +208,7 @@ def test_updates_are_applied_group_by_group(monkeypatch):
         return _peak_bytes(opt.step) / (16 * 96 * 64 * 4)
 
     assert peak(96 * 64 * 4) <= 0.5
-    monkeypatch.setattr(owner_exchange, "MIN_MICRO_GROUPS", 1)
+    monkeypatch.setattr(exchange, "MIN_MICRO_GROUPS", 1)  # read when the optimizer builds its plan
     assert peak(2**40) >= 2
 
 
@@ -217,18 +217,19 @@ def test_split_changes_the_update():
     cfg = MuonConfig(fp32_matmul_prec="highest")
     a, b = _model(), _model()
     for params, split in ((a, QKV_SPLIT), (b, None)):
-        opt = MuonWithAdamW([dict(params=[params["qkv"]], algorithm="muon")], lr=0.1, config=cfg)
-        opt.attach([MuonMatrix(MatrixLayout("qkv", (24, 16), None, 1, split), params["qkv"])])
+        opt = MuonWithAdamW([dict(params=[params["qkv"]], algorithm="muon")], lr=0.1, config=cfg,
+                            catalogue=MatrixCatalogue((MatrixLayout("qkv", (24, 16), None, 1, split),),
+                                                      (params["qkv"],)))
         _grads(params, 0)
         opt.step()
     assert (a["qkv"] - b["qkv"]).abs().max().item() > 1e-3
 
 
-def test_attach_must_name_every_muon_param():
+def test_the_catalogue_must_name_every_muon_param():
     p = _model()
-    opt = MuonWithAdamW([dict(params=[p["qkv"], p["proj"]], algorithm="muon")])
     with pytest.raises(ValueError, match="every muon param must appear exactly once"):
-        opt.attach([MuonMatrix(MatrixLayout("qkv", (24, 16), None, 1), p["qkv"])])
+        MuonWithAdamW([dict(params=[p["qkv"], p["proj"]], algorithm="muon")],
+                      catalogue=MatrixCatalogue((MatrixLayout("qkv", (24, 16), None, 1),), (p["qkv"],)))
 
 
 def test_unknown_algorithm():

@@ -72,17 +72,15 @@ def _report(tp_mode: str, tp: int, **config) -> str:
     from megatron_muon.config import MuonConfig
     from megatron_muon.core.matrix_layout import MatrixLayout
     from megatron_muon.megatron.report import startup_report
-    from megatron_muon.optimizer import MuonMatrix, MuonWithAdamW
+    from megatron_muon.optimizer import step_plans
 
     chunk = torch.nn.Module()
     chunk.linear_fc2 = torch.nn.Linear(32, 64 // tp, bias=False)
     chunk.norm = torch.nn.LayerNorm(32, bias=False)
     muon_config = MuonConfig(tp_mode=tp_mode, **config)
-    inner = MuonWithAdamW([{"params": [chunk.linear_fc2.weight], "algorithm": "muon"},
-                           {"params": [chunk.norm.weight], "algorithm": "adamw"}], lr=0.01, config=muon_config)
     layout = MatrixLayout("chunk0.decoder.layers.0.mlp.linear_fc2.weight", (64 // tp, 32), 0, tp)
-    inner.attach([MuonMatrix(layout, chunk.linear_fc2.weight)])
-    return startup_report(inner, [chunk], muon_config, tp=tp, dp=1)
+    # The plans an optimizer of this rank would build (one process cannot hold a TP group of tp).
+    return startup_report(step_plans(muon_config, [layout], 1, tp), [chunk], muon_config)
 
 
 def test_blockwise_at_tp_above_one_is_announced_as_blockmuon():

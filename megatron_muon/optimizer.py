@@ -12,10 +12,11 @@ on the plan's exchanged pieces, so it never needs DTensor's sharding propagation
 state it creates (``zeros_like`` the param) is a DTensor sharded like it, which is what
 Megatron-FSDP's ``fsdp_dtensor`` checkpoint saves. Muon needs
 to know, for every matrix of the model — including those this rank holds nothing of — where
-its pieces live; the Megatron adapter describes that with a ``MatrixCatalogue`` (a
-``MatrixLayout`` per matrix and the DP/TP groups), given at construction. The optimizer builds
-its step plans from it then, once (``plan.step_plan``; ``optimizer.plans``), and every step
-executes them. Without a catalogue every Muon param is one whole local matrix,
+its pieces live; that is a ``MatrixCatalogue`` (a ``MatrixLayout`` per matrix and the DP/TP
+groups), given at construction (or, by the Megatron adapter, once Megatron's wrapper has made the
+main params: ``bind_catalogue``). The optimizer builds its step plans from it then, once
+(``plan.step_plan``; ``optimizer.plans``), and every step executes them. Without a catalogue
+every Muon param is one whole local matrix,
 which makes this a plain single-process Muon + AdamW.
 
 Per step, for the Muon matrices (upstream emerging-optimizers semantics):
@@ -162,15 +163,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
                         f"MuonWithAdamW: param group {g} (algorithm 'muon') parameter {i} has shape "
                         f"{tuple(p.shape)}; Muon takes 2-D matrices (or a flat range of one) only (give "
                         f"biases, norms and embeddings to an 'adamw' group)")
-        if catalogue is not None and not isinstance(catalogue, MatrixCatalogue):
-            raise ValueError(f"MuonWithAdamW: catalogue: expected a MatrixCatalogue or None, "
-                             f"got {type(catalogue).__name__}")
-        self.catalogue = catalogue if catalogue is not None else self._whole_matrices()
-        """every Muon matrix and the groups it is cut over (``MatrixCatalogue``)."""
-        self._check_catalogue()
-        self.plans: dict[str, StepPlan] = self._build_plans()
-        """per step kind (``muon``, or MuonBP's ``full`` and ``block``), the plan of that step:
-        built here, once; the step executes it, the startup report and the dry run read it."""
+        self._catalogue: MatrixCatalogue | None = None
+        self._plans: dict[str, StepPlan] | None = None
+        self._step_groups: StepGroups | None = None
+        if catalogue is not None:
+            self.bind_catalogue(catalogue)
         self.muon_steps = 0
         """optimizer steps applied (skipped steps never reach ``step``); MuonBP's phase."""
         self.last_step_kind: str | None = None
@@ -178,7 +175,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._last_stats: dict = {}
         self._timer: StepTimer | None = None
         self._device: torch.device | None = None
-        self._step_groups: StepGroups | None = None
         # muon_steps is MuonBP's phase: it travels in state_dict() so a resume keeps the schedule.
         self.register_state_dict_post_hook(_save_muon_steps)
         self.register_load_state_dict_pre_hook(_pop_muon_steps)
@@ -198,9 +194,43 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return MatrixCatalogue(tuple(MatrixLayout(f"param {i}", tuple(p.shape), None, 1) for i, p in enumerate(params)),
                                tuple(params))
 
+    def bind_catalogue(self, catalogue: MatrixCatalogue) -> None:
+        """Describe every Muon matrix of the model and build the step plans from it, once.
+
+        Given at construction (``catalogue=``) by a direct user. The Megatron adapter calls this
+        once, right after Megatron's wrapper has made the main params (ZeRO-1 shards, fp32 copies,
+        Megatron-FSDP DTensors) and put them in this optimizer's param groups, which is the only
+        point at which the tensors the catalogue names exist. Refused after the first step: a
+        plan never changes under a running step."""
+        if not isinstance(catalogue, MatrixCatalogue):
+            raise ValueError(f"MuonWithAdamW: catalogue: expected a MatrixCatalogue, got {type(catalogue).__name__}")
+        if self._step_groups is not None:
+            raise ValueError("MuonWithAdamW.bind_catalogue: the optimizer has stepped; its plans are fixed")
+        self._catalogue = catalogue
+        self._check_catalogue()
+        self._plans = self._build_plans()
+        self._device = None  # re-resolved from the params on the next step
+
+    @property
+    def catalogue(self) -> MatrixCatalogue:
+        """every Muon matrix and the groups it is cut over; without one given, each Muon param of
+        this process is one whole matrix."""
+        if self._catalogue is None:
+            self.bind_catalogue(self._whole_matrices())
+        return self._catalogue
+
+    @property
+    def plans(self) -> dict[str, StepPlan]:
+        """per step kind (``muon``, or MuonBP's ``full`` and ``block``), the plan of that step:
+        built once, with the catalogue; the step executes it, the startup report and the dry run
+        read it."""
+        if self._plans is None:
+            self.catalogue  # noqa: B018  (builds the default catalogue and its plans)
+        return self._plans
+
     def _check_catalogue(self) -> None:
         mine = {id(p) for p in self._muon_params()}
-        listed = [id(p) for p in self.catalogue.params if p is not None]
+        listed = [id(p) for p in self._catalogue.params if p is not None]
         if mine != set(listed) or len(listed) != len(set(listed)):
             raise ValueError(
                 f"MuonWithAdamW: catalogue: its matrices name {len(set(listed))} local params, the muon groups "
@@ -208,7 +238,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             )
 
     def _build_plans(self) -> dict[str, StepPlan]:
-        cat = self.catalogue
+        cat = self._catalogue
         dp = comm.group_size(cat.dp_group) if cat.dp_group is not None else 1
         tp = comm.group_size(cat.tp_group) if cat.tp_group is not None else 1
         return step_plans(self.config, cat.layouts, dp, tp)

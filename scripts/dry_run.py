@@ -413,7 +413,8 @@ def choose_ranks(kinds: list[str], tp: int, pp: int, dp: int, probe: dict, moe_s
 
 
 def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str, dp_layout: str = "balanced") -> dict:
-    from megatron_muon.plan.cost_model import GPU_PROFILES, model_weights, optimizer_step_cost
+    from megatron_muon.plan.cost_model import GPU_PROFILES
+    from megatron_muon.plan.step_cost import model_weights, optimizer_step_cost
 
     cost = optimizer_step_cost(model_weights(shape), optimizer="ours", tp=tp, dp=dp, pp=pp,
                                hw=GPU_PROFILES["h100-sxm"], tp_mode=tp_mode, ns_bytes=2, dp_layout=dp_layout,

@@ -443,8 +443,8 @@ def trace(run: Run, model, optimizer, done: list[Step]) -> Trace:
     return Trace(
         run=run, full=full if rank == 0 else None, steps=tuple(done), local=local_params(model),
         buckets=sum(len(buffer.buckets) for chunk in model for buffer in chunk.buffers) if run.wrap == "ddp" else 0,
-        layouts=tuple(m.layout for m in chain[0].optimizer.matrices()),
-        expert_layouts=tuple(m.layout for m in chain[1].optimizer.matrices()) if len(chain) > 1 else (),
+        layouts=chain[0].optimizer.catalogue.layouts,
+        expert_layouts=chain[1].optimizer.catalogue.layouts if len(chain) > 1 else (),
         chained=len(chain), loss=loss, qk_log=qk_log,
         qk_weights=tuple(len(a.weights) for a in clip.attentions) if clip is not None else (),
         world=dist.get_world_size(), dp_size=ps.get_data_parallel_world_size(),

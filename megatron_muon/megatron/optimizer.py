@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import (
     ChainedOptimizer,
@@ -151,35 +150,26 @@ def _check_supported(config: OptimizerConfig, model_chunks) -> None:
                     "(moe_single_grouped_weight) is not supported with Muon, use per-expert weights")
 
 
-class _ParamGroups(torch.optim.Optimizer):
-    """The param groups alone, for Megatron's wrapper to reorganize before the inner optimizer exists.
-
-    Megatron's wrappers make their main params (ZeRO-1 shards, fp32 copies, Megatron-FSDP's
-    DTensors) from an inner optimizer's groups and put them in its place. ``MuonWithAdamW`` is then
-    built once, on the groups that result and the catalogue of their matrices, as Megatron itself
-    rebuilds a ``HybridDeviceOptimizer`` on its shard groups."""
-
-    def step(self, closure=None):
-        raise RuntimeError("megatron-muon: the param-group holder was stepped; the wrapper's inner optimizer "
-                           "should have been replaced by MuonWithAdamW")
-
-
 def _build(config: OptimizerConfig, model_chunks, param_groups, buffers, muon_config: MuonConfig, *,
            expert: bool, groups: dict, tp_group, data_parallel_group_idx: int):
     """One Megatron optimizer (ZeRO-1, Megatron-FSDP or whole-matrix) around one ``MuonWithAdamW``,
     for the dense params (``expert`` False) or the expert-parallel ones, with the groups Megatron's
     ``get_megatron_optimizer`` gives each: DP over ``intra_dp_cp_group`` or
     ``intra_expt_dp_group``, TP over the (expert) TP group."""
-    hyper = dict(lr=config.lr, weight_decay=config.weight_decay, betas=(config.adam_beta1, config.adam_beta2),
-                 eps=config.adam_eps)
-    holder = _ParamGroups(param_groups, dict(hyper, algorithm="adamw"))
+    # Megatron's wrappers make their main params (ZeRO-1 shards, fp32 copies, Megatron-FSDP's
+    # DTensors) from the inner optimizer's param groups and put them in its place, so the inner
+    # optimizer exists first and is given its catalogue once they do (``bind_catalogue``).
+    inner = MuonWithAdamW(param_groups, lr=config.lr, weight_decay=config.weight_decay,
+                          betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, config=muon_config,
+                          decoupled_weight_decay=config.decoupled_weight_decay)
+    prepare_for_checkpointing(inner)
     grad_scaler = ConstantGradScaler(config.loss_scale) if config.loss_scale else None
     dp_group = groups["intra_expt_dp_group" if expert else "intra_dp_cp_group"]
     ddp_config = model_chunks[0].ddp_config
     if getattr(ddp_config, "use_megatron_fsdp", False):
         strategy = ddp_config.data_parallel_sharding_strategy
         optimizer = MuonFSDPOptimizer(
-            holder, config, grad_scaler, _init_state,
+            inner, config, grad_scaler, _init_state,
             model_chunks=model_chunks,
             per_model_buffers=buffers,
             data_parallel_group=groups["dp_cp_group"],
@@ -192,7 +182,7 @@ def _build(config: OptimizerConfig, model_chunks, param_groups, buffers, muon_co
         catalogue, matrix_of = describe_megatron_fsdp(optimizer, tp_group, muon_config)
     elif config.use_distributed_optimizer:
         optimizer = MuonDistributedOptimizer(
-            holder, config, grad_scaler, _init_state,
+            inner, config, grad_scaler, _init_state,
             model_chunks=model_chunks,
             per_model_buffers=buffers,
             data_parallel_group=dp_group,
@@ -204,15 +194,13 @@ def _build(config: OptimizerConfig, model_chunks, param_groups, buffers, muon_co
         catalogue, matrix_of = describe_zero1(optimizer, tp_group, muon_config)
     else:
         if config.bf16:
-            optimizer = Float16OptimizerWithFloat16Params(holder, config, grad_scaler, _init_state)
+            optimizer = Float16OptimizerWithFloat16Params(inner, config, grad_scaler, _init_state)
         else:
-            optimizer = FP32Optimizer(holder, config, _init_state)
+            optimizer = FP32Optimizer(inner, config, _init_state)
         # Megatron's: the model-parallel group the grads differ over (experts: TP x EP x PP)
         optimizer.grad_stats_parallel_group = groups["expt_tp_pp_with_egtp_remat_group" if expert else "mp_group"]
         catalogue, matrix_of = describe_whole(model_chunks, dp_group, tp_group, muon_config, expert=expert)
-    optimizer.optimizer = MuonWithAdamW(optimizer.optimizer.param_groups, config=muon_config, catalogue=catalogue,
-                                        decoupled_weight_decay=config.decoupled_weight_decay, **hyper)
-    prepare_for_checkpointing(optimizer.optimizer)
+    inner.bind_catalogue(catalogue)
     optimizer.matrix_of_param = matrix_of
     """id(model param) → (its layout, this rank's main tensor of it): what QK-clip scales."""
     return optimizer

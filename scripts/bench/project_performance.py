@@ -21,7 +21,8 @@ import json
 from pathlib import Path
 
 from megatron_muon.core.models import LLAMA3
-from megatron_muon.plan.cost_model import GPU_PROFILES, model_params, model_weights, optimizer_step_cost
+from megatron_muon.plan.cost_model import GPU_PROFILES
+from megatron_muon.plan.step_cost import model_params, model_weights, optimizer_step_cost
 
 BF16_PEAK = 989e12  # dense bf16 FLOP/s of an H100 SXM / H200 (NVIDIA datasheets)
 # model -> (tp, pp, dp): TP inside a node, pipeline stages as Llama-3 405B used (TP8 × PP16)
@@ -49,13 +50,11 @@ def fwd_bwd_seconds(model: str, tokens: int, gpus: int, mfu: float) -> float:
 
 
 def step_ms(model: str, hw_name: str, optimizer: str, mode: str, period: int, dp_layout: str = "balanced") -> float:
-    from megatron_muon.plan.auto_mode import choose_tp_modes
-
     tp, pp, dp = LAYOUTS[model]
     hw, shape = GPU_PROFILES[hw_name], model_weights(LLAMA3[model])
     # DDP's default bucket with --overlap-grad-reduce: max(40M, 1M·DP) elements
     cost = lambda o, m: optimizer_step_cost(shape, optimizer=o, tp=tp, dp=dp, pp=pp, hw=hw, tp_mode=m,  # noqa: E731
-                                            ns_bytes=2, mode_chooser=choose_tp_modes, dp_layout=dp_layout,
+                                            ns_bytes=2, dp_layout=dp_layout,
                                             bucket_numel=max(40_000_000, 1_000_000 * dp)).total_s * 1e3
     if mode == "muonbp":
         return (cost(optimizer, "owner") + (period - 1) * cost(optimizer, "blockwise")) / period

@@ -20,7 +20,8 @@ import json
 import statistics
 from pathlib import Path
 
-from megatron_muon.plan.cost_model import Hardware, ModelWeights, Weight, optimizer_step_cost
+from megatron_muon.plan.cost_model import Hardware
+from megatron_muon.plan.step_cost import ModelWeights, Weight, optimizer_step_cost
 
 TARGET = 0.25  # the target: every row within 25%
 

@@ -15,15 +15,8 @@ from dist_harness import run_world
 
 from megatron_muon import comm_stats, ns_flops, orthogonalize_sharded
 from megatron_muon.core.models import LLAMA3
-from megatron_muon.plan.cost_model import (
-    GPU_PROFILES,
-    Hardware,
-    Matrix,
-    model_params,
-    model_weights,
-    optimizer_step_cost,
-    tp_mode_cost,
-)
+from megatron_muon.plan.cost_model import GPU_PROFILES, Hardware, Matrix, tp_mode_cost
+from megatron_muon.plan.step_cost import model_params, model_weights, optimizer_step_cost
 
 H100 = GPU_PROFILES["h100-sxm"]
 # A mixed call: two same-shape row-split, one column-split, one replicated, one odd shape.
@@ -127,8 +120,8 @@ def test_bad_arguments_name_what_was_expected():
         optimizer_step_cost(model_weights(LLAMA3["8B"]), optimizer="sgd", tp=8, dp=1, hw=H100)
     with pytest.raises(ValueError, match="unknown mode 'fast'"):
         tp_mode_cost([Matrix(8, 8, 0)], "fast", 2, H100)
-    with pytest.raises(ValueError, match="mode_chooser"):
-        optimizer_step_cost(model_weights(LLAMA3["8B"]), optimizer="ours", tp=8, dp=1, hw=H100, tp_mode="auto")
+    with pytest.raises(ValueError, match="--muon-tp-mode: expected one of"):
+        optimizer_step_cost(model_weights(LLAMA3["8B"]), optimizer="ours", tp=8, dp=1, hw=H100, tp_mode="fast")
     with pytest.raises(TypeError):
         Hardware(name="x")  # every constant must be given: nothing defaults silently
 
@@ -139,7 +132,8 @@ def test_pipeline_overlap_hides_owner_all_to_alls_only():
     from dataclasses import replace
 
     from megatron_muon.core.models import LLAMA3
-    from megatron_muon.plan.cost_model import GPU_PROFILES, model_weights, optimizer_step_cost
+    from megatron_muon.plan.cost_model import GPU_PROFILES
+    from megatron_muon.plan.step_cost import model_weights, optimizer_step_cost
 
     model = model_weights(LLAMA3["8B"])
     gpu = GPU_PROFILES["h100-sxm"]

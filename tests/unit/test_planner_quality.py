@@ -226,7 +226,7 @@ def test_cost_model_counts_the_cuts_of_the_real_layout(llama):
     """The cost model's DP term (``cost_model.dp_cut_elements``, a replay on sizes) finds exactly
     the matrices megatron-core's real layout cuts, and moves the analytic minimum (all but each
     cut matrix's largest piece, there and back); under the balanced layout nothing."""
-    from megatron_muon.plan.cost_model import _stage_weights, dp_cut_elements, model_weights
+    from megatron_muon.plan.step_cost import _stage_weights, dp_cut_elements, model_weights
 
     for (model, tp, dp), r in llama.items():
         weights = model_weights(LLAMA3[model])

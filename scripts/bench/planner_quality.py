@@ -20,7 +20,7 @@ Rows of the FLOPs table (per (dp, tp) rank: the Newton–Schulz FLOPs it runs in
   owner; each DP owner's TP group plans all the sub-matrices it owns at once with
   ``plan_owners`` on ``ns_flops`` of the full sub-matrix shape (the whole list
   ``orthogonalize_updates`` plans before running it micro-group by micro-group). The replay is
-  the optimizer's own (``parallel.step_plan``), which
+  the optimizer's own step plan (``plan.step_plan``), which
   ``scripts/dry_run.py`` checks against the real step to the byte. (Until 2026-11-29 the TP plan was made per
   256 MiB round, from zero load each time, which put the largest sub-matrix of every round on
   TP rank 0: max/mean 3.7–8.5. This table found it.)
@@ -232,7 +232,7 @@ def ours_layouts(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, *,
 
     ZeRO-1: ``MuonDistributedOptimizer.__init__``: buffers → buckets → ``bucket.params_list``
     (reverse model order), ranges from ``_ranges_on_every_rank``, on the ``dp_layout`` buffer
-    layout. DDP: ``_attach_whole``: model order, no ranges.
+    layout. DDP: ``catalogue.describe_whole``: model order, no ranges.
     """
     muon_config = muon_config or MuonConfig(tp_mode="owner")
     named = model_params(spec, tp, with_non_matrix=with_non_matrix)

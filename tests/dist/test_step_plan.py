@@ -1,8 +1,9 @@
-"""parallel.step_plan against the real step: per rank NS FLOPs and bytes of every TP mode.
+"""The step plan against the step that executes it: per rank NS FLOPs and bytes of every TP mode.
 
 The tiny layouts of test_orthogonalize_updates (fused QKV, gate/up fc1, a row-parallel weight, a
 replicated one, cut into Megatron-style DP ranges) run through orthogonalize_updates on 4 gloo
-ranks (TP2 x DP2), and each rank's counted FLOPs and bytes must be what plan_step predicts.
+ranks (TP2 x DP2), and each rank's counted FLOPs and bytes must be what its plan says
+(``plan.step_plan``: the plan the step executed, its costs derived from its decisions).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ def test_llama3_at_tp8_dp8(tmp_path, model):
     assert "0" in ranks and "63" in ranks  # first and last
     for rank, res in ranks.items():
         assert res["device"] == "meta" and res["trace"] > 0, rank
-        # The step does on this rank exactly what its plans say (parallel.step_plan replays the DP
+        # The step does on this rank exactly what its plans say (its optimizer.plan: the DP
         # owner and TP owner plans of the real layouts without running anything), and what the
         # planner table (scripts/bench/planner_quality: Megatron's buffer layout computed from the
         # model's shapes, PP = 1) says: FLOPs and bytes, to the unit. Before the planner emitted

@@ -43,11 +43,14 @@ class _Shown(str):
 
 @dataclass
 class MuonConfig:
-    """Muon settings; defaults are upstream megatron-core 0.19.2's ``OptimizerConfig`` muon_* ones."""
+    """Muon settings, and the one place each default is written: the command line's are these
+    (``cli.py`` reads them from here). They are upstream megatron-core 0.19.2's ``OptimizerConfig``
+    muon_* ones but ``tp_mode``'s (see there)."""
 
     momentum: float = 0.95
-    """EMA momentum μ: B ← μB + (1−μ)G. Upstream's CLI default is 0.9 but its config default is
-    0.95 (torch.optim.Muon's too); we use 0.95 on both paths."""
+    """EMA momentum μ: B ← μB + (1−μ)G. The default is upstream ``OptimizerConfig``'s (and
+    ``torch.optim.Muon``'s) on every path, the command line's included (--muon-momentum):
+    megatron-core 0.19.2's CLI alone defaults to 0.9."""
     nesterov: bool = False
     """use G.lerp(B, μ) instead of B as the matrix to orthogonalize (upstream: --muon-nesterov).
     Off, as upstream Megatron's flag is; ``torch.optim.Muon`` (and ``core.muon.Muon``, which
@@ -68,14 +71,20 @@ class MuonConfig:
     (``newton_schulz.DEFAULT_COEFFICIENTS``); ``torch.optim.Muon`` uses jordan (= simple)."""
     num_ns_steps: int = 5
     """Newton–Schulz iterations."""
-    tp_mode: str = "blockwise"
-    """how NS runs across TP shards: duplicated, distributed, blockwise, owner or auto. The default
-    is upstream ``OptimizerConfig``'s (blockwise: cheap but not exact Muon), so Python code that
-    builds a config by hand keeps upstream's meaning (the startup report then prints a BlockMuon
-    line); the command line's default is owner (``--muon-tp-mode``, ``cli.py``). owner is the
-    exact, recommended mode;
-    auto picks, per matrix, the cheapest exact mode (owner, duplicated or distributed) by the
-    cost model on ``auto_hardware`` (``auto_mode.py``)."""
+    tp_mode: str = "owner"
+    """how NS runs across TP shards: owner, duplicated, distributed, blockwise or auto
+    (``parallel/tp_modes.py``, docs/tp_modes.md). owner, the default on every path (the command
+    line's too, --muon-tp-mode), is exact and recommended: each TP-sharded matrix is orthogonalized
+    whole on one owner rank, which gives duplicated's update with a fraction of its Newton–Schulz
+    work per rank. This differs from upstream: megatron-core 0.19.2's ``OptimizerConfig`` and CLI
+    default to blockwise, which at TP > 1 runs BlockMuon (each shard orthogonalized on its own), a
+    different algorithm whose update depends on the TP size; megatron-core's main branch defaults
+    to the exact duplicated. A config built from an upstream ``OptimizerConfig``
+    (``get_megatron_muon_optimizer`` without ``muon_config``) takes that config's ``muon_tp_mode``,
+    blockwise unless set (at TP > 1 the startup report then says BlockMuon). auto picks, per matrix,
+    the cheapest exact mode (owner, duplicated or distributed) by the cost model on
+    ``auto_hardware`` (``auto_mode.py``); it is not the default because its choice rests on a cost
+    model's hardware constants, and a default should not."""
     auto_hardware: str = "detect"
     """with tp_mode auto: the hardware constants of the cost model (--muon-auto-hardware):
     ``detect`` (this device: H200 → h200, other CUDA GPUs → h100-sxm, CPU → cpu-gloo), a profile

@@ -89,8 +89,9 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
         "## Upstream Megatron flags (as megatron-muon extends them)",
         "",
         "Defined by Megatron-LM; megatron-muon adds the choices `owner` and `auto` (`--muon-tp-mode`) and "
-        "`highest` (`--muon-fp32-matmul-prec`), rewrites their help, and defaults "
-        "`--muon-momentum` to 0.95.",
+        "`highest` (`--muon-fp32-matmul-prec`), rewrites their help, and gives every flag the default of its "
+        "`MuonConfig` field (`megatron_muon/config.py`, whose `tp_mode` and `momentum` say how they differ from "
+        "upstream's).",
         "",
         *header,
         *(_row(parser, a, by_dest[a.dest]) for a in upstream),

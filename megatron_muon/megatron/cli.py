@@ -5,15 +5,12 @@
 we keep every one with its upstream meaning and only
 
 - accept ``owner`` and ``auto`` for ``--muon-tp-mode`` (the exact mode, and the cost model's
-  per-matrix choice among the exact modes), and default it to ``owner``: upstream 0.19.2
-  defaults to ``blockwise``, which at TP > 1 silently runs BlockMuon, a different algorithm
-  whose update depends on the TP size; megatron-core's main branch now defaults to the exact
-  ``duplicated``. ``owner`` computes the same update as ``duplicated`` with a fraction of its
-  Newton-Schulz work per rank (docs/tp_modes.md); ``auto`` is not the default because its
-  choice depends on a cost model's hardware constants, and a default should not,
+  per-matrix choice among the exact modes),
 - accept ``highest`` for ``--muon-fp32-matmul-prec`` (fp32 Newton–Schulz, like ``high``),
-- default ``--muon-momentum`` to 0.95, the value of upstream's ``OptimizerConfig`` and of
-  ``torch.optim.Muon`` (upstream's CLI alone says 0.9; we use 0.95 on every path),
+- give every flag the default of its ``MuonConfig`` field (``FIELD_OF_DEST``), on Megatron's
+  parser too: two of them differ from upstream 0.19.2's CLI, ``--muon-tp-mode`` and
+  ``--muon-momentum``, and the fields ``MuonConfig.tp_mode`` and ``MuonConfig.momentum`` say how
+  and why,
 
 and add our own flags in the argument group "megatron-muon". On a parser without Megatron's
 flags (plain argparse) the upstream ones are defined here, with upstream 0.19.2's meaning.
@@ -25,15 +22,67 @@ flags (plain argparse) the upstream ones are defined here, with upstream 0.19.2'
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from ..config import MuonConfig
-from ..core.newton_schulz import COEFFICIENT_SETS, DEFAULT_COEFFICIENTS
-from ..plan.balanced_layout import DEFAULT_ALPHA
+from ..core.newton_schulz import COEFFICIENT_SETS
 
-__all__ = ["add_muon_args", "muon_config_from_args"]
+__all__ = ["FIELD_OF_DEST", "add_muon_args", "flag_default", "muon_config_from_args"]
 
 GROUP_TITLE = "megatron-muon"
 MB = 2**20
+
+FIELD_OF_DEST = {
+    "muon_momentum": "momentum",
+    "muon_nesterov": "nesterov",
+    "muon_split_qkv": "split_qkv",
+    "muon_split_fc1": "split_fc1",
+    "muon_scale_mode": "scale_mode",
+    "muon_extra_scale_factor": "extra_scale_factor",
+    "muon_fp32_matmul_prec": "fp32_matmul_prec",
+    "muon_coefficient_type": "coefficient_type",
+    "muon_num_ns_steps": "num_ns_steps",
+    "muon_tp_mode": "tp_mode",
+    "muon_auto_hardware": "auto_hardware",
+    "muon_dp_mode": "dp_mode",
+    "muon_dp_layout": "dp_layout",
+    "muon_layout_alpha": "layout_alpha",
+    "muon_owner_bucket_size_mb": "owner_bucket_bytes",  # MiB on the command line, bytes in the field
+    "muonbp_period": "muonbp_period",
+    "muonbp_block_lr_mult": "muonbp_block_lr_mult",
+    "muon_log_stats": "log_stats",
+}
+"""The ``args`` attribute (argparse dest) of each flag → the ``MuonConfig`` field it sets: every
+field has one."""
+
+_NONE_UNTIL_GIVEN = ("muon_auto_hardware", "muon_dp_layout", "muon_layout_alpha", "muonbp_period",
+                     "muonbp_block_lr_mult")
+"""dests whose parser default is None (not given), so that ``startup_checks`` can refuse them where
+they would be ignored; None stands for the field's default (``muon_config_from_args``)."""
+
+_FIELD_DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+                   for f in dataclasses.fields(MuonConfig)}
+
+
+def _default(name: str):
+    """``MuonConfig``'s default of field ``name``, the one place it is written; cli.py writes none."""
+    return _FIELD_DEFAULTS[name]
+
+
+def _mib(size_bytes: int) -> int | float:
+    return size_bytes // MB if size_bytes % MB == 0 else size_bytes / MB
+
+
+def flag_default(dest: str):
+    """The value flag ``dest`` stands for when not given: its ``MuonConfig`` field's default, in
+    the flag's unit (MiB for ``--muon-owner-bucket-size-mb``)."""
+    field = FIELD_OF_DEST[dest]
+    return _mib(_default(field)) if field == "owner_bucket_bytes" else _default(field)
+
+
+def _on_off(name: str) -> str:
+    return "on" if _default(name) else "off"
+
 
 _TP_MODE_HELP = (
     "How Newton-Schulz runs on tensor-parallel weights. "
@@ -43,31 +92,27 @@ _TP_MODE_HELP = (
     "(exact). auto (megatron-muon; exact): per matrix, the cheapest of owner, duplicated and "
     "distributed by the cost model on --muon-auto-hardware. "
     "blockwise: each shard orthogonalized on its own, so the update depends on the TP "
-    "size (BlockMuon, not Muon). Default: owner, exact at every TP size (megatron-core 0.19.2 "
-    "defaults to blockwise and its main branch to duplicated; owner gives duplicated's update "
-    "with a fraction of its Newton-Schulz work)."
+    f"size (BlockMuon, not Muon). Default: {_default('tp_mode')} (MuonConfig.tp_mode says how it "
+    "differs from megatron-core's)."
 )
 
 # Upstream megatron-core 0.19.2 flags (megatron/training/arguments.py), used only when the parser
-# lacks them; --muon-momentum defaults to 0.95 (see the module docstring).
+# lacks them. Their defaults, as those of our flags, are MuonConfig's (set in add_muon_args).
 _UPSTREAM_FLAGS: list[tuple[tuple[str, ...], dict]] = [
-    (("--muon-momentum",), dict(type=float, default=0.95)),
-    (("--muon-no-split-qkv",), dict(action="store_false", default=True, dest="muon_split_qkv",
+    (("--muon-momentum",), dict(type=float)),
+    (("--muon-no-split-qkv",), dict(action="store_false", dest="muon_split_qkv",
                                     help="Do not split fused QKV weights per query group for Muon.")),
     (("--muon-nesterov",), dict(action="store_true",
                                 help="Use Nesterov-style momentum (orthogonalize G.lerp(B, momentum)).")),
-    (("--muon-scale-mode",), dict(type=str, default="spectral",
-                                  choices=["spectral", "unit_rms_norm", "shape_scaling"],
+    (("--muon-scale-mode",), dict(type=str, choices=["spectral", "unit_rms_norm", "shape_scaling"],
                                   help="Scale of the Muon update by matrix shape.")),
-    (("--muon-fp32-matmul-prec",), dict(type=str, default="medium", choices=["low", "medium", "high"])),
-    (("--muon-coefficient-type",), dict(type=str, default=DEFAULT_COEFFICIENTS,
+    (("--muon-fp32-matmul-prec",), dict(type=str, choices=["low", "medium", "high"])),
+    (("--muon-coefficient-type",), dict(type=str,
                                         help="Newton-Schulz coefficient set: one of "
                                              f"{', '.join(sorted(COEFFICIENT_SETS))}.")),
-    (("--muon-num-ns-steps",), dict(type=int, default=5, help="Number of Newton-Schulz steps.")),
-    (("--muon-tp-mode",), dict(type=str, default="owner",
-                               choices=["blockwise", "duplicated", "distributed", "owner", "auto"])),
-    (("--muon-extra-scale-factor",), dict(type=float, default=1.0,
-                                          help="Additional scale factor for the Muon update.")),
+    (("--muon-num-ns-steps",), dict(type=int, help="Number of Newton-Schulz steps.")),
+    (("--muon-tp-mode",), dict(type=str, choices=["blockwise", "duplicated", "distributed", "owner", "auto"])),
+    (("--muon-extra-scale-factor",), dict(type=float, help="Additional scale factor for the Muon update.")),
     (("--muon-scalar-optimizer",), dict(type=str, default="adam", choices=["adam", "lion"],
                                         help="Optimizer for non-matrix parameters (megatron-muon: "
                                              "adam only, as AdamW).")),
@@ -100,27 +145,24 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     _add_choice(tp_mode, "owner")
     _add_choice(tp_mode, "auto")
     tp_mode.help = _TP_MODE_HELP
-    parser.set_defaults(muon_tp_mode="owner")
 
     prec = _action(parser, "--muon-fp32-matmul-prec")
     _add_choice(prec, "highest")
     prec.help = (
-        "Newton-Schulz precision. medium (default): bf16 matmuls, as upstream; high / highest: "
-        "fp32. low is rejected with --optimizer muon: torch has no 'low' float32 matmul "
-        "precision (upstream's low silently runs at whatever precision is already set)."
+        "Newton-Schulz precision. medium: bf16 matmuls, as upstream; high / highest: fp32. Default: "
+        f"{_default('fp32_matmul_prec')}. low is rejected with --optimizer muon: torch has no 'low' "
+        "float32 matmul precision (upstream's low silently runs at whatever precision is already set)."
     )
 
-    momentum = _action(parser, "--muon-momentum")
-    parser.set_defaults(muon_momentum=0.95)
-    momentum.help = (
-        "Muon momentum (EMA of the gradient). Default 0.95, as upstream's OptimizerConfig and "
-        "torch.optim.Muon (megatron-core 0.19.2's CLI alone defaulted to 0.9)."
+    _action(parser, "--muon-momentum").help = (
+        f"Muon momentum (EMA of the gradient). Default {_default('momentum')} (MuonConfig.momentum says "
+        "how it differs from megatron-core's CLI)."
     )
 
     group.add_argument(
-        "--muon-split-fc1", action="store_true", default=True, dest="muon_split_fc1",
+        "--muon-split-fc1", action="store_true", dest="muon_split_fc1",
         help="Orthogonalize the gate and up halves of a fused SwiGLU fc1 weight separately "
-             "(the default; upstream #6688).",
+             f"(upstream #6688). Default: {_on_off('split_fc1')}.",
     )
     group.add_argument(
         "--muon-no-split-fc1", action="store_false", dest="muon_split_fc1",
@@ -129,42 +171,42 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--muon-auto-hardware", type=str, default=None, metavar="PROFILE_OR_JSON",
         help="Hardware constants of the cost model that --muon-tp-mode auto uses to pick each "
-             "matrix's mode (refused with the other modes, which do not use it). detect (default): this "
-             "device (H200: "
-             "h200; any other CUDA GPU: h100-sxm; no GPU: cpu-gloo, an order-of-magnitude CPU/gloo "
-             "default); a profile: h100-sxm, h200, cpu-gloo; or the path of a JSON file of the "
-             "Hardware fields, as scripts/bench/calibrate_hardware.py writes it.",
+             "matrix's mode (refused with the other modes, which do not use it). detect: this device "
+             "(H200: h200; any other CUDA GPU: h100-sxm; no GPU: cpu-gloo, an order-of-magnitude "
+             "CPU/gloo default); a profile: h100-sxm, h200, cpu-gloo; or the path of a JSON file of the "
+             "Hardware fields, as scripts/bench/calibrate_hardware.py writes it. Default: "
+             f"{_default('auto_hardware')}.",
     )
     group.add_argument(
-        "--muon-dp-mode", type=str, default="owner", choices=["owner", "redundant"],
-        help="How data-parallel ranks share Newton-Schulz. owner (default): each matrix is "
-             "orthogonalized on one DP rank, owners load-balanced, results sent back (with "
-             "--use-distributed-optimizer the rank's pieces are gathered to the owner first). "
-             "redundant: every DP rank orthogonalizes every matrix (same result, more compute; "
-             "for comparison; not with --use-distributed-optimizer).",
+        "--muon-dp-mode", type=str, choices=["owner", "redundant"],
+        help="How data-parallel ranks share Newton-Schulz. owner: each matrix is orthogonalized on "
+             "one DP rank, owners load-balanced, results sent back (with --use-distributed-optimizer "
+             "the rank's pieces are gathered to the owner first). redundant: every DP rank "
+             "orthogonalizes every matrix (same result, more compute; for comparison; not with "
+             f"--use-distributed-optimizer). Default: {_default('dp_mode')}.",
     )
     group.add_argument(
         "--muon-dp-layout", type=str, default=None, choices=["balanced", "megatron"],
-        help="With --use-distributed-optimizer, how Megatron's DDP buffer is laid out. balanced "
-             "(default): every Muon matrix lies whole inside one DP rank's shard of its bucket "
-             "(Canzona's alpha-balanced partition; AdamW params fill in around them), so no matrix "
-             "travels between DP ranks. megatron: megatron-core's own layout, which cuts matrices "
-             "at shard boundaries; the cut ones are reassembled on one DP owner every step. Refused "
-             "without --use-distributed-optimizer and under Megatron-FSDP or FSDP2 (which lay out their "
-             "own buffers).",
+        help="With --use-distributed-optimizer, how Megatron's DDP buffer is laid out. balanced: "
+             "every Muon matrix lies whole inside one DP rank's shard of its bucket (Canzona's "
+             "alpha-balanced partition; AdamW params fill in around them), so no matrix travels "
+             "between DP ranks. megatron: megatron-core's own layout, which cuts matrices at shard "
+             "boundaries; the cut ones are reassembled on one DP owner every step. Default: "
+             f"{_default('dp_layout')}. Refused without --use-distributed-optimizer and under "
+             "Megatron-FSDP or FSDP2 (which lay out their own buffers).",
     )
     group.add_argument(
         "--muon-layout-alpha", type=float, default=None, metavar="ALPHA",
         help="Balanced layout: weight in [0, 1] of Newton-Schulz balance across DP ranks against "
              "padding of the buffer (1: NS balance only, 0: no padding beyond alignment). Default "
-             f"{DEFAULT_ALPHA}, from the Llama-3 layout table in docs/performance.md. Refused where the "
-             "balanced layout is not used.",
+             f"{_default('layout_alpha')}, from the Llama-3 layout table in docs/performance.md. Refused "
+             "where the balanced layout is not used.",
     )
     group.add_argument(
-        "--muon-owner-bucket-size-mb", type=float, default=256,
+        "--muon-owner-bucket-size-mb", type=float,
         help="Cap, in MiB of full matrices, on one micro-group of the owner pipeline, at the DP and "
              "the TP level (the pipeline keeps a few micro-groups alive, so this bounds the extra "
-             "memory of the owner exchanges). Default 256.",
+             f"memory of the owner exchanges). Default {flag_default('muon_owner_bucket_size_mb')}.",
     )
     group.add_argument(
         "--muonbp-period", type=int, default=None, metavar="P",
@@ -176,11 +218,11 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--muonbp-block-lr-mult", type=float, default=None,
         help="Learning rate of MuonBP's block steps as a multiple of --lr (η_block / η_full; full "
-             "steps use the scheduled lr). Default 1.0: the paper's theory puts the optimal ratio "
-             "between 1 and 1/sqrt(r·c) for an r×c block grid, and we found no ratio stated for its "
-             "experiments; with block-shape RMS matching (--muon-scale-mode on the block's shape) "
-             "equal rates give block and full updates the same per-entry RMS. Refused without "
-             "--muonbp-period and with period 1 (no block steps).",
+             f"steps use the scheduled lr). Default {_default('muonbp_block_lr_mult')}: the paper's theory "
+             "puts the optimal ratio between 1 and 1/sqrt(r·c) for an r×c block grid, and we found no "
+             "ratio stated for its experiments; with block-shape RMS matching (--muon-scale-mode on the "
+             "block's shape) equal rates give block and full updates the same per-entry RMS. Refused "
+             "without --muonbp-period and with period 1 (no block steps).",
     )
     group.add_argument(
         "--muon-reset-optimizer-state", action="store_true",
@@ -204,48 +246,34 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "mode, its kind (muon, or MuonBP's full / block), the bytes megatron-muon sent from the "
              "logging rank and the wall time of its orthogonalize step.",
     )
+    # Every default, of upstream's flags (Megatron's parser or the fallback above) and of ours:
+    # MuonConfig's, but None for the flags that must tell "not given" apart.
+    parser.set_defaults(**{dest: flag_default(dest) for dest in FIELD_OF_DEST if dest not in _NONE_UNTIL_GIVEN})
     return parser
 
 
 def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
     """The ``MuonConfig`` the flags in ``args`` describe; ``ValueError`` names a bad flag.
 
-    A flag missing from ``args`` takes its CLI default (upstream 0.19.2's, but momentum 0.95 and
-    ``--muon-tp-mode owner``). The flags whose parser default is None (not given) are the ones
-    ``startup_checks`` refuses where they would be ignored; None here means their default.
+    A flag missing from ``args``, or None there, takes its field's default (``MuonConfig``'s,
+    which are the CLI's). The flags whose parser default is None (not given) are the ones
+    ``startup_checks`` refuses where they would be ignored. ``args`` may be any object with these
+    attributes: ``get_megatron_muon_optimizer`` passes an upstream ``OptimizerConfig``, whose own
+    ``muon_*`` values (its defaults included) are then the ones used.
     """
-    def get(dest: str, default):
-        value = getattr(args, dest, None)
-        return default if value is None else value
-
-    if get("muon_scalar_optimizer", "adam") != "adam":
+    if getattr(args, "muon_scalar_optimizer", None) not in (None, "adam"):
         raise ValueError(
             f"--muon-scalar-optimizer: megatron-muon updates non-matrix parameters with AdamW "
             f"only; expected adam, got {args.muon_scalar_optimizer!r}"
         )
-    prec = get("muon_fp32_matmul_prec", "medium")
-    if prec == "low":
+    if getattr(args, "muon_fp32_matmul_prec", None) == "low":
         raise ValueError(
             "--muon-fp32-matmul-prec: 'low' is not supported (torch has no 'low' float32 matmul "
             "precision); use medium (bf16 Newton-Schulz) or high/highest (fp32)"
         )
-    return MuonConfig(
-        momentum=get("muon_momentum", 0.95),
-        nesterov=get("muon_nesterov", False),
-        split_qkv=get("muon_split_qkv", True),
-        split_fc1=get("muon_split_fc1", True),
-        scale_mode=get("muon_scale_mode", "spectral"),
-        extra_scale_factor=get("muon_extra_scale_factor", 1.0),
-        fp32_matmul_prec=prec,
-        coefficient_type=get("muon_coefficient_type", DEFAULT_COEFFICIENTS),
-        num_ns_steps=get("muon_num_ns_steps", 5),
-        tp_mode=get("muon_tp_mode", "owner"),
-        auto_hardware=get("muon_auto_hardware", "detect"),
-        dp_mode=get("muon_dp_mode", "owner"),
-        dp_layout=get("muon_dp_layout", "balanced"),
-        layout_alpha=get("muon_layout_alpha", DEFAULT_ALPHA),
-        owner_bucket_bytes=int(round(get("muon_owner_bucket_size_mb", 256) * MB)),
-        muonbp_period=get("muonbp_period", None),
-        muonbp_block_lr_mult=get("muonbp_block_lr_mult", 1.0),
-        log_stats=get("muon_log_stats", False),
-    )
+    given = {}
+    for dest, field in FIELD_OF_DEST.items():
+        value = getattr(args, dest, None)
+        if value is not None:
+            given[field] = int(round(value * MB)) if field == "owner_bucket_bytes" else value
+    return MuonConfig(**given)

@@ -50,6 +50,7 @@ import types
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cli import flag_default
 from .errors import UserInputError
 
 __all__ = ["SHAPE_FLAGS", "Saved", "check_optimizer_change", "check_other_optimizer", "check_resume_config",
@@ -91,9 +92,10 @@ _HYPERPARAMETERS: tuple[tuple[str, str], ...] = (
 )
 """Muon settings a resume may change on purpose: the next steps use the new value (reported)."""
 
-_DEFAULT_OF_NONE = {"muon_dp_layout": "balanced", "muonbp_block_lr_mult": 1.0, "muon_tp_mode": "owner"}
+_DEFAULT_OF_NONE = {dest: flag_default(dest) for dest in ("muon_dp_layout", "muonbp_block_lr_mult", "muon_tp_mode")}
 """flags whose parser default is None (not given; refused where they would be ignored): the value
-None stands for (``cli.muon_config_from_args``), so a checkpoint of either version compares alike."""
+None stands for (their ``MuonConfig`` field's default, as in ``cli.muon_config_from_args``), so a
+checkpoint of either version compares alike."""
 
 
 def _setting(run, name: str):

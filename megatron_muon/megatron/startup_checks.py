@@ -30,7 +30,7 @@ import math
 import os
 from pathlib import Path
 
-from .cli import muon_config_from_args
+from .cli import flag_default, muon_config_from_args
 from .errors import UserInputError
 
 __all__ = ["TRACKER", "check_load_flags", "check_resume", "check_data_files", "check_save_writable",
@@ -55,7 +55,7 @@ def check_supported_args(args) -> None:
         *_torch_fsdp2_rejections(args),
         (getattr(args, "dump_param_to_param_group_map", None) is not None,
          "--dump-param-to-param-group-map: not supported with --optimizer muon"),
-        (getattr(args, "muon_dp_mode", "owner") == "redundant" and args.use_distributed_optimizer,
+        (getattr(args, "muon_dp_mode", flag_default("muon_dp_mode")) == "redundant" and args.use_distributed_optimizer,
          "--muon-dp-mode redundant: needs whole matrices on every DP rank; "
          "drop --use-distributed-optimizer or use owner"),
         (instances != 1,
@@ -95,7 +95,8 @@ def _ignored_setting_rejections(args) -> list[tuple[bool, str]]:
     command line: the user meant something that would not happen. "Given" is a value other than
     None, these flags' parser default (``cli.py``)."""
     period, mult = getattr(args, "muonbp_period", None), getattr(args, "muonbp_block_lr_mult", None)
-    mode, hardware = getattr(args, "muon_tp_mode", "owner"), getattr(args, "muon_auto_hardware", None)
+    mode = getattr(args, "muon_tp_mode", flag_default("muon_tp_mode"))
+    hardware = getattr(args, "muon_auto_hardware", None)
     layout, alpha = getattr(args, "muon_dp_layout", None), getattr(args, "muon_layout_alpha", None)
     wrapper = ("--use-megatron-fsdp" if getattr(args, "use_megatron_fsdp", False) else
                "--use-torch-fsdp2" if getattr(args, "use_torch_fsdp2", False) else None)
@@ -255,7 +256,7 @@ def _torch_fsdp2_rejections(args) -> list[tuple[bool, str]]:
         (getattr(args, "qk_clip", False) or getattr(args, "log_max_attention_logit", False),
          "--qk-clip / --log-max-attention-logit with --use-torch-fsdp2: not supported with --optimizer muon yet; "
          "use --use-distributed-optimizer"),
-        (getattr(args, "muon_dp_mode", "owner") == "redundant",
+        (getattr(args, "muon_dp_mode", flag_default("muon_dp_mode")) == "redundant",
          "--muon-dp-mode redundant with --use-torch-fsdp2: FSDP2 cuts every matrix by rows over DP, so no rank "
          "holds whole matrices; use owner"),
         (getattr(args, "save", None) is not None or getattr(args, "load", None) is not None,

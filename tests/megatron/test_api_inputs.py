@@ -85,8 +85,9 @@ def test_without_muon_config_the_optimizer_config_fields_are_used(factory):
     # Fields OptimizerConfig does not have take MuonConfig's defaults.
     defaults = dataclasses.asdict(MuonConfig())
     assert {k: v for k, v in got.items() if k not in CARRIED} == {k: v for k, v in defaults.items() if k not in CARRIED}
-    # OptimizerConfig's own defaults are MuonConfig's.
-    assert factory["defaults"]["config"] == defaults
+    # OptimizerConfig's own defaults are MuonConfig's, but its tp mode: upstream's blockwise is kept
+    # (MuonConfig.tp_mode).
+    assert factory["defaults"]["config"] == {**defaults, "tp_mode": "blockwise"}
 
 
 def test_an_explicit_muon_config_wins_over_the_fields(factory):

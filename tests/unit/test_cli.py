@@ -17,13 +17,14 @@ import sys
 import pytest
 
 from megatron_muon.config import MuonConfig
-from megatron_muon.megatron.cli import add_muon_args, muon_config_from_args
+from megatron_muon.megatron.cli import FIELD_OF_DEST, add_muon_args, flag_default, muon_config_from_args
 
 # The smallest command line that passes validate_args on one CPU process.
 BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 "
         "--max-position-embeddings 16 --micro-batch-size 2 --train-iters 1 --lr 1e-3").split()
 
-# The CLI's documented defaults: upstream 0.19.2's flags (nesterov off), momentum 0.95, tp mode owner.
+# The CLI's documented defaults, which are MuonConfig's (test_parser_default_is_the_fields): upstream
+# 0.19.2's flags (nesterov off), momentum 0.95, tp mode owner.
 CLI_DEFAULTS = MuonConfig(
     momentum=0.95, nesterov=False, split_qkv=True, split_fc1=True, scale_mode="spectral",
     extra_scale_factor=1.0, fp32_matmul_prec="medium", coefficient_type="quintic", num_ns_steps=5,
@@ -136,6 +137,62 @@ def test_flag_maps_to_its_field(parser, flags, field, value):
 
 def test_every_field_has_a_flag():
     assert {field for _, field, _ in FLAG_TO_FIELD} == set(MuonConfig.field_names())
+
+
+# --- one default per knob: MuonConfig's -------------------------------------------------------
+
+DEST_OF_FIELD = {field: dest for dest, field in FIELD_OF_DEST.items()}
+
+
+def test_every_field_is_one_flags():
+    assert len(DEST_OF_FIELD) == len(FIELD_OF_DEST)
+    assert sorted(DEST_OF_FIELD) == sorted(MuonConfig.field_names())
+
+
+@pytest.mark.parametrize("which", ["megatron", "plain"])
+@pytest.mark.parametrize("field", MuonConfig.field_names())
+def test_parser_default_is_the_fields(parser, which, field):
+    """Each flag's default, on Megatron's parser and on plain argparse, and a flag missing from
+    ``args`` altogether, translate to exactly ``MuonConfig()``'s value of its field: a default
+    written in cli.py that differs from the field's fails here."""
+    if which == "plain":
+        parser = add_muon_args(argparse.ArgumentParser())
+    dest, want = DEST_OF_FIELD[field], getattr(MuonConfig(), field)
+    args = _parse(parser)
+    assert getattr(args, dest) in (None, flag_default(dest)), dest  # None: "not given"
+    for translated in (muon_config_from_args(args), muon_config_from_args(argparse.Namespace())):
+        got = getattr(translated, field)
+        assert (got, type(got)) == (want, type(want)), dest
+
+
+def test_no_flag_given_is_muonconfigs_defaults(parser):
+    for args in (_parse(parser), add_muon_args(argparse.ArgumentParser()).parse_args([]), argparse.Namespace()):
+        assert muon_config_from_args(args) == MuonConfig() == CLI_DEFAULTS
+
+
+def test_upstream_defaults_differ_where_the_docstrings_say(megatron):
+    """Megatron's own parser (without add_muon_args) defaults --muon-momentum to 0.9 and
+    --muon-tp-mode to blockwise, and its OptimizerConfig tp mode to blockwise: the defaults above
+    are set by add_muon_args, not inherited."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    arguments, _ = megatron
+    upstream = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args([])
+    assert (upstream.muon_momentum, upstream.muon_tp_mode) == (0.9, "blockwise")
+    assert (MuonConfig().momentum, MuonConfig().tp_mode) == (0.95, "owner")
+    assert (OptimizerConfig().muon_momentum, OptimizerConfig().muon_tp_mode) == (0.95, "blockwise")
+
+
+def test_an_upstream_optimizer_config_keeps_its_own_values():
+    """``get_megatron_muon_optimizer`` without a ``MuonConfig`` translates the ``OptimizerConfig``'s
+    own ``muon_*`` values, its blockwise default included; the fields it lacks take MuonConfig's."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from megatron_muon.megatron.optimizer import _muon_config
+
+    assert _muon_config(OptimizerConfig(), None) == MuonConfig(tp_mode="blockwise")
+    upstream = OptimizerConfig(muon_tp_mode="duplicated", muon_momentum=0.9, muon_num_ns_steps=7)
+    assert _muon_config(upstream, None) == MuonConfig(tp_mode="duplicated", momentum=0.9, num_ns_steps=7)
 
 
 @pytest.mark.parametrize("flags,flag", BAD_VALUES, ids=[b[0] for b in BAD_VALUES])

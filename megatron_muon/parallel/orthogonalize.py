@@ -129,7 +129,7 @@ def _run(pieces, plan: StepPlan, groups: StepGroups, apply: Apply | None, *, val
             layout = plan.matrices[i]
             apply(i, _scale_rows(mine, layout.local_range(dp_rank)[0], layout.local_shape[1], scale), 1.0)
 
-    comm.pipelined(_task(run, g, pieces, deliver) for g in run.groups)
+    comm.pipelined(_task(run, g, pieces, deliver) for g in run.micro_groups)
     # An empty matrix (a zero dim) is in no micro-group: its update is empty, delivered with scale 0.
     for i, layout in enumerate(plan.matrices):
         if not layout.numel:
@@ -257,16 +257,18 @@ class _Execution:
             raise ValueError(f"orthogonalize_updates: the plan is for DP {plan.dp_size} x TP {plan.tp_size}, the "
                              f"groups are DP {dp_size} x TP {tp_size}")
         settings = plan.settings
-        self.plan, self.tp_group, self.device = plan, tp_group, device
+        # No reference to the plan itself: it is the weak key this execution is cached under.
+        self.matrices, self.dp_owners, self.exchanges_dp = plan.matrices, plan.dp_owners, plan.exchanges_dp
+        self.tp_group, self.device = tp_group, device
         self.dtype, self.ns, self.bucket_bytes = settings.ns.dtype, settings.ns, settings.bucket_bytes
         self.dp_rank = comm.group_rank(dp_group) if dp_size > 1 else 0
         self.tp_rank = comm.group_rank(tp_group)
         self.work = plan.work[self.dp_rank]
         # A configuration property, the same on every rank: every rank's tasks have the same stages.
         self.tp_async = settings.tp_mode in ("owner", "auto") and tp_size > 1
-        self.groups = [_MicroGroup(members) for members in plan.micro_groups]
+        self.micro_groups = [_MicroGroup(members) for members in plan.micro_groups]
         work = self.work
-        for g in self.groups:
+        for g in self.micro_groups:
             if plan.exchanges_dp:
                 routes = [dp_owned_matrix(plan.matrices[i], plan.dp_owners[i], dp_size) for i in g.members]
                 g.exchange = OwnerExchange(routes, dp_group, dtype=self.dtype, device=device)
@@ -300,7 +302,8 @@ class _Execution:
 
 
 _EXECUTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""plan → {(dp group, tp group, device): _Execution}: dies with the plan (and its optimizer)."""
+"""plan → {(dp group, tp group, device): _Execution}: dies with the plan (and its optimizer), so
+the process groups an execution holds are released with it (no execution refers to its plan)."""
 
 
 def _execution(plan: StepPlan, dp_group, tp_group, device: torch.device, validate: bool) -> _Execution:
@@ -317,8 +320,8 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver):
     Each buffer is dropped (``del``) as soon as its stage is done: a generator keeps its locals
     alive across yields, and up to five groups are live at once.
     """
-    layouts, dtype, work = run.plan.matrices, run.dtype, run.work
-    if run.plan.exchanges_dp:
+    layouts, dtype, work = run.matrices, run.dtype, run.work
+    if run.exchanges_dp:
         there = g.exchange.start_to_owners(
             [[pieces[i].to(dtype)] if held else [] for i, held in zip(g.members, g.holds)])
         yield
@@ -354,7 +357,7 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver):
         del parts
     del done
 
-    if not run.plan.exchanges_dp:
+    if not run.exchanges_dp:
         for i in g.members:
             deliver(i, joined.pop(i))
         return
@@ -363,7 +366,7 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver):
     got = back.wait()
     del back
     for j, i in enumerate(g.members):
-        if layouts[i].dp_ranges is None and run.plan.dp_owners[i] == run.dp_rank:
+        if layouts[i].dp_ranges is None and run.dp_owners[i] == run.dp_rank:
             mine = joined[i]  # the owner of a whole-on-every-rank matrix keeps its result
         elif got.get(j):
             mine = got[j][0]

@@ -147,7 +147,7 @@ def test_dp_replicas_bitwise_identical(trained, world):
 def test_only_cut_or_moved_matrices_travel_across_dp(trained):
     """TP=1 runs with the distributed optimizer: the DP owner exchange moves exactly the pieces
     not already on their owner (there and back), and nothing else."""
-    from megatron_muon.parallel.orthogonalize import plan_dp_owners
+    from megatron_muon.plan.owners import plan_dp_owners
 
     checked = 0
     for world, runs in RUNS.items():

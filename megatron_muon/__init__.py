@@ -12,9 +12,9 @@ Layers, each importing only the ones below it (``tests/unit/test_layers.py`` enf
                ``MuonDistributedOptimizer``, checkpointing, the CLI flags, the training hooks,
                the YAML loader, the CPU patches
 
-``config.py`` (``MuonConfig``) and ``optimizer.py`` (``MuonWithAdamW``) sit between ``parallel``
-and ``megatron``. This top level exports what a user builds with and imports no Megatron;
-the Megatron adapter is ``megatron_muon.megatron``.
+``config.py`` (``MuonConfig``) and ``optimizer.py`` (``MuonWithAdamW``, which builds its step
+plans once) sit between ``parallel`` and ``megatron``. This top level exports what a user builds
+with and imports no Megatron; the Megatron adapter is ``megatron_muon.megatron``.
 """
 
 from .config import MuonConfig

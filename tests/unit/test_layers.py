@@ -103,6 +103,33 @@ def test_the_planning_layer_never_imports_torch_distributed():
             assert not bad, f"{path.name}:{node.lineno} imports {bad[0]}"
 
 
+def test_the_step_entry_is_narrow_and_outsiders_read_no_private_optimizer_state():
+    """``orthogonalize_updates`` takes the pieces, the plan, the groups and the apply callback
+    (at most 6 parameters); and nothing outside the package (scripts/, tests/) reads a private
+    attribute of ``MuonWithAdamW``: the report and the dry run read ``optimizer.plans``."""
+    import inspect
+    import re
+
+    import torch
+
+    from megatron_muon.optimizer import MuonWithAdamW
+    from megatron_muon.parallel.orthogonalize import orthogonalize_updates
+
+    assert len(inspect.signature(orthogonalize_updates).parameters) <= 6
+    opt = MuonWithAdamW([dict(params=[torch.nn.Parameter(torch.zeros(4, 4))], algorithm="muon")])
+    opt.plans  # noqa: B018  (every lazily made private attribute exists now)
+    private = sorted(n for n in vars(opt) if n.startswith("_") and not n.startswith("__")
+                     and n not in vars(torch.optim.Optimizer([torch.zeros(1, requires_grad=True)], {})))
+    assert "_plans" in private and "_catalogue" in private, private
+    pattern = re.compile(r"\.(" + "|".join(map(re.escape, private)) + r")\b")
+    for path in sorted([*(REPO / "scripts").rglob("*.py"), *(REPO / "tests").rglob("*.py")]):
+        if path.resolve() == Path(__file__).resolve():
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            hit = pattern.search(line)
+            assert not hit, f"{path.relative_to(REPO)}:{number} reads MuonWithAdamW's private {hit.group(1)}"
+
+
 def test_the_top_level_imports_no_megatron():
     """``import megatron_muon`` (and its CLI flags) must work where megatron-core is not imported."""
     code = ("import sys, megatron_muon, megatron_muon.megatron; "

@@ -75,8 +75,8 @@ class MuonConfig:
     """how NS runs across TP shards: owner, duplicated, distributed, blockwise or auto
     (``plan/step_plan.py`` decides, ``parallel/`` runs them; docs/tp_modes.md). owner, the default
     on every path (the command line's too, --muon-tp-mode), is exact and recommended: each
-    TP-sharded matrix is orthogonalized whole on one owner rank, which gives duplicated's update with a fraction of its Newton–Schulz
-    work per rank. This differs from upstream: megatron-core 0.19.2's ``OptimizerConfig`` and CLI
+    TP-sharded matrix is orthogonalized whole on one owner rank, which gives duplicated's update
+    with a fraction of its Newton–Schulz work per rank. This differs from upstream: megatron-core 0.19.2's ``OptimizerConfig`` and CLI
     default to blockwise, which at TP > 1 runs BlockMuon (each shard orthogonalized on its own), a
     different algorithm whose update depends on the TP size; megatron-core's main branch defaults
     to the exact duplicated. A config built from an upstream ``OptimizerConfig``

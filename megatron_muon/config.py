@@ -76,15 +76,15 @@ class MuonConfig:
     (``plan/step_plan.py`` decides, ``parallel/`` runs them; docs/tp_modes.md). owner, the default
     on every path (the command line's too, --muon-tp-mode), is exact and recommended: each
     TP-sharded matrix is orthogonalized whole on one owner rank, which gives duplicated's update
-    with a fraction of its Newton–Schulz work per rank. This differs from upstream: megatron-core 0.19.2's ``OptimizerConfig`` and CLI
-    default to blockwise, which at TP > 1 runs BlockMuon (each shard orthogonalized on its own), a
-    different algorithm whose update depends on the TP size; megatron-core's main branch defaults
-    to the exact duplicated. A config built from an upstream ``OptimizerConfig``
-    (``get_megatron_muon_optimizer`` without ``muon_config``) takes that config's ``muon_tp_mode``,
-    blockwise unless set (at TP > 1 the startup report then says BlockMuon). auto picks, per matrix,
-    the cheapest exact mode (owner, duplicated or distributed) by the cost model on
-    ``auto_hardware`` (``auto_mode.py``); it is not the default because its choice rests on a cost
-    model's hardware constants, and a default should not."""
+    with a fraction of its Newton–Schulz work per rank. This differs from upstream: megatron-core
+    0.19.2's ``OptimizerConfig`` and CLI default to blockwise, which at TP > 1 runs BlockMuon (each
+    shard orthogonalized on its own), a different algorithm whose update depends on the TP size;
+    megatron-core's main branch defaults to the exact duplicated. A config built from an upstream
+    ``OptimizerConfig`` (``get_megatron_muon_optimizer`` without ``muon_config``) takes that
+    config's ``muon_tp_mode``, blockwise unless set (at TP > 1 the startup report then says
+    BlockMuon). auto picks, per matrix, the cheapest exact mode (owner, duplicated or distributed)
+    by the cost model on ``auto_hardware`` (``auto_mode.py``); it is not the default because its
+    choice rests on a cost model's hardware constants, and a default should not."""
     auto_hardware: str = "detect"
     """with tp_mode auto: the hardware constants of the cost model (--muon-auto-hardware):
     ``detect`` (this device: H200 → h200, other CUDA GPUs → h100-sxm, CPU → cpu-gloo), a profile

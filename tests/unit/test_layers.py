@@ -61,31 +61,50 @@ def test_a_planted_import_breaks_its_contract(tmp_path, module, planted, contrac
     assert f"{contract} BROKEN" in proc.stdout, proc.stdout[-4000:]
 
 
+_FIND_CYCLE = """
+import grimp
+graph = grimp.build_graph("megatron_muon", cache_dir=None)
+ours = sorted(m for m in graph.modules if m.startswith("megatron_muon"))
+edges = {m: sorted(i for i in graph.find_modules_directly_imported_by(m) if i.startswith("megatron_muon"))
+         for m in ours}
+state = {}
+def visit(m, path):
+    state[m] = 1
+    for n in edges[m]:
+        if state.get(n) == 1:
+            raise SystemExit("import cycle: " + " -> ".join(path[path.index(n):] + [m, n] if n in path else [m, n]))
+        if n not in state:
+            visit(n, path + [m])
+    state[m] = 2
+for m in ours:
+    if m not in state:
+        visit(m, [])
+print("hooks imports the factory:", "megatron_muon.megatron.optimizer" in edges["megatron_muon.megatron.hooks"])
+"""
+
+
+def _find_cycle(pythonpath: Path) -> subprocess.CompletedProcess:
+    """grimp's graph of every import statement of the package at ``pythonpath`` (at module level
+    or inside a function), searched depth-first for a cycle."""
+    env = dict(os.environ, PYTHONPATH=str(pythonpath))
+    return subprocess.run([sys.executable, "-c", _FIND_CYCLE], cwd=pythonpath, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
 def test_no_import_cycle_counting_imports_inside_functions():
-    """The package's module graph (every import statement, at module level or inside a function,
-    as grimp reads them) has no cycle: a cycle dodged by a function-level import is still one."""
-    import grimp
+    """A cycle dodged by a function-level import is still a cycle. The graph really holds
+    function-level imports: ``hooks`` imports the factory inside a function."""
+    proc = _find_cycle(REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:] + proc.stdout[-2000:]
+    assert "hooks imports the factory: True" in proc.stdout
 
-    graph = grimp.build_graph("megatron_muon", cache_dir=None)
-    ours = sorted(m for m in graph.modules if m.startswith("megatron_muon"))
-    edges = {m: sorted(i for i in graph.find_modules_directly_imported_by(m) if i.startswith("megatron_muon"))
-             for m in ours}
-    state: dict[str, int] = {}  # 1: on the current path, 2: done
 
-    def visit(m: str, path: list[str]) -> None:
-        state[m] = 1
-        for n in edges[m]:
-            if state.get(n) == 1:
-                raise AssertionError("import cycle: " + " -> ".join(path[path.index(n):] + [m, n]))
-            if n not in state:
-                visit(n, path + [m])
-        state[m] = 2
-
-    for m in ours:
-        if m not in state:
-            visit(m, [])
-    # the graph really holds function-level imports: hooks imports the factory inside a function
-    assert "megatron_muon.megatron.optimizer" in edges["megatron_muon.megatron.hooks"]
+def test_a_planted_function_level_import_makes_a_cycle(tmp_path):
+    shutil.copytree(REPO / "megatron_muon", tmp_path / "megatron_muon", ignore=shutil.ignore_patterns("__pycache__"))
+    target = tmp_path / "megatron_muon" / "megatron" / "errors.py"
+    target.write_text(target.read_text() + "\n\ndef _planted():\n    from . import hooks  # planted by test_layers\n")
+    proc = _find_cycle(tmp_path)
+    assert proc.returncode != 0 and "import cycle:" in proc.stderr, proc.stdout[-2000:] + proc.stderr[-2000:]
 
 
 def test_the_planning_layer_never_imports_torch_distributed():

@@ -47,7 +47,7 @@ from ..plan.step_plan import DEFAULT_BUCKET_BYTES, PlanSettings, StepPlan, build
 from . import comm
 from .devices import resolve_device
 from .owner_exchange import OwnerExchange
-from .owner_mode import OwnerGroup
+from .owner_mode import OwnerMicroGroup
 from .sharding import group_by
 from .tp_modes import check_local_shards, run_blocking_mode, validate_across_ranks
 
@@ -241,7 +241,7 @@ class _MicroGroup:
         """the members whose TP-local matrix this rank (with its TP peers) orthogonalizes."""
         self.owner_positions: list[int] = []
         """sub-matrix positions (``OwnerWork.subs``) that run in the pipelined TP owner exchange."""
-        self.owner_group: OwnerGroup | None = None
+        self.owner_micro_group: OwnerMicroGroup | None = None
         self.blocking: list[tuple[str, list[int]]] = []
         """(TP mode, positions) run in that mode's own, blocking implementation, in this order."""
 
@@ -279,9 +279,9 @@ class _Execution:
             positions = [p for i in g.owned for p in work.sub_positions[i]]
             if self.tp_async:
                 g.owner_positions = [p for p in positions if work.modes[p] == "owner"]
-                g.owner_group = OwnerGroup([work.subs[p] for p in g.owner_positions],
-                                           [work.tp_owners[p] for p in g.owner_positions], self.dtype, tp_group,
-                                           self.tp_rank, device)
+                g.owner_micro_group = OwnerMicroGroup([work.subs[p] for p in g.owner_positions],
+                                                      [work.tp_owners[p] for p in g.owner_positions], self.dtype,
+                                                      tp_group, self.tp_rank, device)
             for mode in ("owner", "duplicated", "distributed", "blockwise"):
                 chosen = [p for p in positions if work.modes[p] == mode and p not in g.owner_positions]
                 if chosen:
@@ -337,15 +337,15 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver):
     del owned
 
     if run.tp_async:
-        there = g.owner_group.start([subs[p] for p in g.owner_positions])
+        there = g.owner_micro_group.start([subs[p] for p in g.owner_positions])
         yield
-        results = g.owner_group.compute(there.wait(), run.ns)
+        results = g.owner_micro_group.compute(there.wait(), run.ns)
         del there
-        back = g.owner_group.start_back(results)
+        back = g.owner_micro_group.start_back(results)
         done = run.run_blocking(g, subs)  # overlaps the return just issued
         del subs
         yield
-        done.update(zip(g.owner_positions, g.owner_group.finish(back.wait(), results)))
+        done.update(zip(g.owner_positions, g.owner_micro_group.finish(back.wait(), results)))
         del back, results
     else:
         done = run.run_blocking(g, subs)

@@ -3,7 +3,7 @@
     1. The step plan gives every matrix of the *whole list* an owner (``plan_owners``: LPT on
        ``ns_flops`` of the full shape); every rank builds the same plan locally.
     2. The list is executed in micro-groups (at most ``bucket_bytes`` of full matrices each,
-       ``owner_exchange.split_micro_groups``), each through ``OwnerGroup``:
+       ``plan.exchange.split_micro_groups``), each through ``OwnerMicroGroup``:
        ``start``    one all-to-all sends each shard to its owner (asynchronous);
        ``compute``  the owner assembles its full matrices straight from the received pieces into
                     one stacked batch per full shape and runs NS on it;
@@ -38,10 +38,10 @@ from . import comm
 from .owner_exchange import OwnerExchange, PendingExchange
 from .sharding import group_by
 
-__all__ = ["OwnerGroup"]
+__all__ = ["OwnerMicroGroup"]
 
 
-class OwnerGroup:
+class OwnerMicroGroup:
     """One micro-group of owner mode on this rank: its exchange and the batches it computes.
 
     ``subs`` are the group's sub-matrices (TP-sharded ``MatrixLayout``s, all exchanged in one

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .newton_schulz import ns_flops
-from .shapes import full_shape
+from .shapes import full_shape, shard_shape
 
 __all__ = ["MatrixLayout", "RowSplit"]
 
@@ -51,8 +51,16 @@ class MatrixLayout:
     dp_ranges: tuple[tuple[int, int], ...] | None = None
     """per DP rank, the [start, end) flat range of the TP-local shard it holds; None: all of it."""
 
+    @classmethod
+    def from_full_shape(cls, name: str, full: tuple[int, int], partition_dim: int | None,
+                        tp_size: int) -> MatrixLayout:
+        """The TP-local layout of a whole ``full`` matrix split along ``partition_dim`` over ``tp_size``
+        ranks (a paper model's matrix, or a class of same-shape matrices)."""
+        return cls(name, shard_shape(tuple(full), partition_dim, tp_size), partition_dim, tp_size)
+
     @property
     def numel(self) -> int:
+        """elements of this TP rank's shard (``full_shape`` for the whole matrix's)."""
         return self.local_shape[0] * self.local_shape[1]
 
     @property

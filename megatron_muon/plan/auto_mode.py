@@ -36,8 +36,9 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import ns_flops
-from .cost_model import GPU_PROFILES, Hardware, Matrix, tp_mode_cost
+from .cost_model import GPU_PROFILES, Hardware, split_dim, tp_mode_cost
 
 __all__ = ["AUTO_CANDIDATES", "CPU_GLOO", "MAX_PASSES", "choose_tp_modes", "hardware_profile", "predicted_time"]
 
@@ -70,13 +71,13 @@ _FLAG = "--muon-auto-hardware"
 
 
 def choose_tp_modes(
-    matrices: Sequence[Matrix], tp: int, hw: Hardware, *, steps: int = 5, dtype_bytes: int = 2
+    matrices: Sequence[MatrixLayout], tp: int, hw: Hardware, *, steps: int = 5, dtype_bytes: int = 2
 ) -> list[str]:
     """Per matrix, the exact TP mode ``auto`` runs it in (see the module docstring).
 
     Args:
-        matrices: full shape and split of every matrix of one ``orthogonalize_sharded`` call,
-            in call order.
+        matrices: every sub-matrix of one TP group's list (``MatrixLayout``s split over ``tp``
+            ranks or held whole), in call order; only their full shape and split matter.
         tp: TP group size.
         hw: the hardware constants of the cost model.
         steps: Newton–Schulz steps.
@@ -86,12 +87,12 @@ def choose_tp_modes(
         one of ``AUTO_CANDIDATES`` per matrix. Deterministic: a pure function of the arguments
         (a list and a tuple of the same matrices give the same answer); cached.
     """
-    key = tuple((int(m.rows), int(m.cols), m.partition_dim) for m in matrices)
+    key = tuple((*m.full_shape, split_dim(m)) for m in matrices)
     return list(_choose(key, int(tp), hw, int(steps), int(dtype_bytes)))
 
 
 def predicted_time(
-    matrices: Sequence[Matrix], modes: Sequence[str], tp: int, hw: Hardware, *, steps: int = 5,
+    matrices: Sequence[MatrixLayout], modes: Sequence[str], tp: int, hw: Hardware, *, steps: int = 5,
     dtype_bytes: int = 2,
 ) -> float:
     """Predicted seconds of running ``matrices[i]`` in ``modes[i]``: the sum of the sub-calls."""
@@ -106,7 +107,7 @@ def predicted_time(
 def _choose(key: tuple, tp: int, hw: Hardware, steps: int, dtype_bytes: int) -> tuple[str, ...]:
     if tp < 1:
         raise ValueError(f"choose_tp_modes: tp must be >= 1, got {tp}")
-    matrices = [Matrix(r, c, p) for r, c, p in key]
+    matrices = [MatrixLayout.from_full_shape(f"{r}x{c}", (r, c), p, tp if p is not None else 1) for r, c, p in key]
     classes: dict[tuple, list[int]] = {}
     for i, k in enumerate(key):
         classes.setdefault(k, []).append(i)

@@ -25,13 +25,13 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import ns_flops
-from ..core.shapes import shard_shape
 from . import exchange
 from .owners import plan_owners, rank_loads
 
-__all__ = ["GPU_PROFILES", "Cost", "Hardware", "Matrix", "collective_cost", "collective_time", "memory_time", "ns_time",
-           "tp_mode_cost"]
+__all__ = ["GPU_PROFILES", "Cost", "Hardware", "collective_cost", "collective_time", "memory_time", "ns_time",
+           "split_dim", "tp_mode_cost"]
 
 # Kernels one batched NS call launches: 3 GEMMs per iteration plus the norm, the divide, the
 # cast and the transpose around the loop.
@@ -108,23 +108,6 @@ GPU_PROFILES: dict[str, Hardware] = {
 }
 
 
-@dataclass(frozen=True)
-class Matrix:
-    """One matrix Newton–Schulz runs on, as TP holds it: full shape plus its split."""
-
-    rows: int
-    cols: int
-    partition_dim: int | None
-    """0 or 1: split evenly over the TP group along that dim; None: every TP rank holds it."""
-
-    def local_shape(self, tp: int) -> tuple[int, int]:
-        return shard_shape((self.rows, self.cols), self.partition_dim, tp)
-
-    @property
-    def numel(self) -> int:
-        return self.rows * self.cols
-
-
 @dataclass
 class Cost:
     """Seconds on the slowest rank, by phase, with the counts behind them."""
@@ -183,34 +166,44 @@ def memory_time(bytes_touched: float, kernels: int, hw: Hardware) -> float:
     return bytes_touched / hw.memory_bandwidth + kernels * hw.kernel_overhead_s
 
 
-def _shape_groups(matrices: Sequence[Matrix], tp: int) -> dict[tuple, list[int]]:
+def split_dim(m: MatrixLayout) -> int | None:
+    """The dim ``m`` is cut along across its TP group; None when every rank holds it whole."""
+    return m.partition_dim if m.is_sharded else None
+
+
+def _shape_groups(matrices: Sequence[MatrixLayout], tp: int) -> dict[tuple, list[int]]:
     """Matrices that one batched call handles together (same shape and split), as the modes batch."""
     groups: dict[tuple, list[int]] = {}
     for i, m in enumerate(matrices):
-        groups.setdefault((m.rows, m.cols, m.partition_dim), []).append(i)
+        if m.is_sharded and m.tp_size != tp:
+            raise ValueError(f"tp_mode_cost: {m.name} is split over {m.tp_size} ranks, costed for {tp}")
+        groups.setdefault((*m.full_shape, split_dim(m)), []).append(i)
     return groups
 
 
 # ---- one orthogonalize_sharded call ---------------------------------------------------------
 
 
-def tp_mode_cost(matrices: Sequence[Matrix], mode: str, tp: int, hw: Hardware, *, steps: int = 5,
+def tp_mode_cost(matrices: Sequence[MatrixLayout], mode: str, tp: int, hw: Hardware, *, steps: int = 5,
                  dtype_bytes: int = 2, spans_nodes: bool | None = None, batched: bool = True) -> Cost:
     """Cost of ``orthogonalize_sharded(mode=...)`` over ``matrices`` on a TP group of ``tp`` ranks.
+
+    ``matrices``: the sub-matrices Newton–Schulz runs on (``MatrixLayout.sub_matrices``), each
+    split over ``tp`` ranks or held whole.
 
     ``batched=False`` models an implementation that calls NS and its collective once per matrix
     (megatron-core's ``TensorParallelMuon``) instead of once per same-shape group.
     """
     if not matrices:
         return Cost()
+    groups = _shape_groups(matrices, tp)
     if mode == "owner":
         return _owner_cost(matrices, tp, hw, steps, dtype_bytes, spans_nodes)
     cost = Cost()
-    for (rows, cols, pdim), members in _shape_groups(matrices, tp).items():
+    for (rows, cols, pdim), members in groups.items():
         n = len(members)
         calls = 1 if batched else n
-        m = matrices[members[0]]
-        local_rows, local_cols = m.local_shape(tp)
+        local_rows, local_cols = matrices[members[0]].local_shape
         sharded = pdim is not None and tp > 1
         if mode == "blockwise" or not sharded:
             flops = (n * ns_flops(local_rows, local_cols, steps) if mode == "blockwise"
@@ -254,23 +247,23 @@ def _owner_cost(matrices, tp, hw, steps, dtype_bytes, spans_nodes) -> Cost:
     The all-to-all's time is the busiest rank's max of bytes sent and received: an owner
     receives (t−1) shards of each matrix it owns and sends (t−1) slices back.
     """
-    costs = [ns_flops(m.rows, m.cols, steps) for m in matrices]
+    costs = [ns_flops(*m.full_shape, steps) for m in matrices]
     owners = plan_owners(costs, tp)
     loads = rank_loads(costs, owners, tp)
     sent, received = [0.0] * tp, [0.0] * tp
     batches = [set() for _ in range(tp)]
     for m, owner in zip(matrices, owners):
-        batches[owner].add((m.rows, m.cols))
+        batches[owner].add(m.full_shape)
         if tp == 1:
             continue
-        if m.partition_dim is None:  # the owner computes, every other rank receives the result
+        if not m.is_sharded:  # the owner computes, every other rank receives the result
             received_back = m.numel * dtype_bytes
             sent[owner] += (tp - 1) * received_back
             for r in range(tp):
                 if r != owner:
                     received[r] += received_back
             continue
-        shard = m.numel // tp * dtype_bytes
+        shard = m.numel * dtype_bytes  # the TP-local shard
         for r in range(tp):
             if r != owner:
                 sent[r] += shard  # there

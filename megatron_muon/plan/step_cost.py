@@ -19,8 +19,9 @@ import torch
 from ..core.matrix_layout import MatrixLayout, RowSplit
 from ..core.models import ModelShape
 from ..core.newton_schulz import NSOptions, ns_flops
+from ..core.shapes import shard_shape
 from . import exchange
-from .cost_model import Cost, Hardware, Matrix, collective_cost, memory_time, tp_mode_cost
+from .cost_model import Cost, Hardware, collective_cost, memory_time, tp_mode_cost
 from .owners import plan_owners
 from .step_plan import PlanSettings, build_step_plan
 
@@ -40,8 +41,9 @@ class Weight:
     """global rows of each fused sub-matrix that NS treats separately (QKV: q, k, v summed over
     query groups; SwiGLU fc1: gate, up); empty = one matrix."""
 
-    def matrices(self) -> list[Matrix]:
-        return [Matrix(r, self.cols, self.partition_dim) for r in (self.sub_rows or (self.rows,))]
+    def sub_shapes(self) -> list[tuple[int, int]]:
+        """the global shape of each fused sub-matrix NS treats separately."""
+        return [(r, self.cols) for r in (self.sub_rows or (self.rows,))]
 
     @property
     def numel(self) -> int:
@@ -190,7 +192,7 @@ def optimizer_step_cost(
 
 
 def _dp_homes(weights: Sequence[Weight], dp: int, steps: int) -> list[list[int]]:
-    costs = [sum(ns_flops(m.rows, m.cols, steps) for m in w.matrices()) for w in weights]
+    costs = [sum(ns_flops(r, c, steps) for r, c in w.sub_shapes()) for w in weights]
     homes: list[list[int]] = [[] for _ in range(dp)]
     for i, r in enumerate(plan_owners(costs, dp)):
         homes[r].append(i)
@@ -251,7 +253,7 @@ def _stage_layouts(weights: Sequence[Weight], tp: int) -> list[MatrixLayout]:
     out = []
     for w in weights:
         pdim = w.partition_dim if tp > 1 else None
-        local = Matrix(w.rows, w.cols, pdim).local_shape(tp)
+        local = shard_shape((w.rows, w.cols), pdim, tp)
         rows_div = tp if pdim == 0 else 1
         split = RowSplit(1, tuple(r // rows_div for r in w.sub_rows)) if w.sub_rows else None
         out.append(MatrixLayout(w.name, local, pdim, tp, split))
@@ -270,10 +272,9 @@ def _muon_orthogonalize(weights, optimizer, tp_mode, tp, dp, hw, steps, ns_bytes
     plan = build_step_plan(_stage_layouts(weights, tp), dp_size=dp, tp_size=tp, settings=settings)
     busiest = Cost()
     for work in {id(w): w for w in plan.work}.values():  # without a DP exchange every DP rank shares one
-        matrices = [Matrix(*s.full_shape, s.partition_dim if s.is_sharded else None) for s in work.subs]
         cost = Cost()
         for mode in ("owner", "duplicated", "distributed", "blockwise"):
-            subset = [m for m, chosen in zip(matrices, work.modes) if chosen == mode]
+            subset = [m for m, chosen in zip(work.subs, work.modes) if chosen == mode]
             if subset:
                 cost += tp_mode_cost(subset, mode, tp, hw, steps=steps, dtype_bytes=ns_bytes, batched=batched)
         if cost.total_s >= busiest.total_s:

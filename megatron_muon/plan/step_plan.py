@@ -31,7 +31,8 @@ from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import NSOptions, ns_flops
 from ..core.scaling import SCALE_MODES, muon_scale
 from . import exchange
-from .cost_model import Hardware, Matrix
+from .auto_mode import choose_tp_modes
+from .cost_model import Hardware
 from .owners import plan_dp_owners, plan_owners
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DP_MODES", "TP_MODES", "OwnerWork", "PlanSettings", "StepPlan",
@@ -143,10 +144,7 @@ def tp_modes_for(subs: Sequence[MatrixLayout], tp_size: int, settings: PlanSetti
         return (settings.tp_mode,) * len(subs)
     if not subs:
         return ()
-    from .auto_mode import choose_tp_modes
-
-    matrices = [Matrix(*s.full_shape, s.partition_dim if s.is_sharded else None) for s in subs]
-    return tuple(choose_tp_modes(matrices, tp_size, settings.hardware, steps=settings.ns.steps,
+    return tuple(choose_tp_modes(subs, tp_size, settings.hardware, steps=settings.ns.steps,
                                  dtype_bytes=settings.ns.dtype_bytes))
 
 

@@ -29,7 +29,7 @@ from megatron_muon.plan.auto_mode import (
     hardware_profile,
     predicted_time,
 )
-from megatron_muon.plan.cost_model import GPU_PROFILES, Matrix, tp_mode_cost
+from megatron_muon.plan.cost_model import GPU_PROFILES, tp_mode_cost
 from megatron_muon.plan.step_plan import TP_MODES as MODES
 
 H100 = GPU_PROFILES["h100-sxm"]
@@ -46,7 +46,12 @@ NO_LATENCY = dataclasses.replace(H100, name="no-latency", source="tests: h100-sx
 FP32_ATOL = 1e-5
 
 
-def _llama_submatrices(model: str) -> list[Matrix]:
+def sub(rows: int, cols: int, pdim: int | None, tp: int) -> MatrixLayout:
+    """A whole ``rows x cols`` matrix split along ``pdim`` over ``tp`` ranks, as a plan holds it."""
+    return MatrixLayout.from_full_shape(f"{rows}x{cols}", (rows, cols), pdim, tp)
+
+
+def _llama_submatrices(model: str, tp: int = 8) -> list[MatrixLayout]:
     """Every matrix NS runs on with split QKV (q, k, v summed over query groups) and split fc1."""
     shape = LLAMA3[model]
     out = []
@@ -57,7 +62,7 @@ def _llama_submatrices(model: str) -> list[Matrix]:
             subs = (shape.ffn_hidden, shape.ffn_hidden)
         else:
             subs = (rows,)
-        out += [Matrix(r, cols, pdim) for r in subs]
+        out += [sub(r, cols, pdim, tp) for r in subs]
     return out
 
 
@@ -78,13 +83,13 @@ def test_auto_is_a_mode_appended_last():
 def test_tall_thin_split_along_its_long_side_is_distributed():
     # 28672 x 512 row-split 8 ways: the Gram is only 512 x 512, so distributed does a sliver of
     # the FLOPs and sends 2·s·k² < what duplicated or owner move.
-    m = [Matrix(28672, 512, 0)]
+    m = [sub(28672, 512, 0, 8)]
     assert choose_tp_modes(m, 8, H100) == ["distributed"]
     assert _argmin_mode(m, 8, H100) == "distributed"
 
 
 def test_many_same_shape_squares_are_owner():
-    ms = [Matrix(4096, 4096, 1)] * 32
+    ms = [sub(4096, 4096, 1, 8)] * 32
     assert choose_tp_modes(ms, 8, H100) == ["owner"] * 32
     owner = tp_mode_cost(ms, "owner", 8, H100).total_s
     for other in ("duplicated", "distributed"):
@@ -94,14 +99,14 @@ def test_many_same_shape_squares_are_owner():
 @pytest.mark.parametrize("pdim", [0, 1])
 @pytest.mark.parametrize("tp", [2, 4, 8])
 def test_lone_large_square_is_the_argmin_of_the_exact_modes(tp, pdim):
-    m = [Matrix(8192, 8192, pdim)]
+    m = [sub(8192, 8192, pdim, tp)]
     chosen = choose_tp_modes(m, tp, H100)
     assert chosen[0] != "blockwise"
     assert chosen == [_argmin_mode(m, tp, H100)]
 
 
 def test_deterministic_and_cached():
-    ms = _llama_submatrices("8B")[:28] + [Matrix(512, 28672, 1), Matrix(100, 60, None)]
+    ms = _llama_submatrices("8B")[:28] + [sub(512, 28672, 1, 8), sub(100, 60, None, 8)]
     first = choose_tp_modes(ms, 8, H100)
     assert choose_tp_modes(tuple(ms), 8, H100) == first
     assert choose_tp_modes(list(ms), 8, dataclasses.replace(H100)) == first  # equal, not identical
@@ -112,7 +117,7 @@ def test_deterministic_and_cached():
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_tp_one_and_two_give_exact_modes(tp):
-    ms = [Matrix(64, 32, 0), Matrix(64, 64, 1), Matrix(30, 20, None), Matrix(2048, 16, 0)]
+    ms = [sub(64, 32, 0, tp), sub(64, 64, 1, tp), sub(30, 20, None, tp), sub(2048, 16, 0, tp)]
     chosen = choose_tp_modes(ms, tp, H100)
     assert len(chosen) == len(ms) and set(chosen) <= set(AUTO_CANDIDATES)
     if tp == 1:
@@ -120,7 +125,7 @@ def test_tp_one_and_two_give_exact_modes(tp):
 
 
 def test_replicated_matrices_are_never_distributed():
-    ms = [Matrix(4096, 512, None)] * 3 + [Matrix(28672, 512, 0)]
+    ms = [sub(4096, 512, None, 8)] * 3 + [sub(28672, 512, 0, 8)]
     for hw in (H100, NO_LATENCY, CPU_GLOO):
         chosen = choose_tp_modes(ms, 8, hw)
         assert all(c in ("owner", "duplicated") for c in chosen[:3]), (hw.name, chosen)
@@ -141,8 +146,8 @@ def test_never_predicted_slower_than_a_uniform_mode(model, hw):
     """Coordinate descent starts from all-owner and never takes a move that raises the
     prediction, so auto <= all-owner by construction; on these shapes it also reaches (or
     beats) the other uniform assignments."""
-    ms = _llama_submatrices(model)
     for tp in (2, 8):
+        ms = _llama_submatrices(model, tp)
         chosen = choose_tp_modes(ms, tp, hw)
         auto = predicted_time(ms, chosen, tp, hw)
         for mode in AUTO_CANDIDATES:
@@ -258,14 +263,14 @@ def _exact_worker(rank: int, t: int) -> dict:
     with comm_stats() as stats:
         out = orthogonalize_sharded(shards, pdims, mode="auto", hardware=NO_LATENCY,
                                     full_shapes=[s for s, _ in cases])
-    chosen = choose_tp_modes([Matrix(*s, p) for s, p in cases], t, NO_LATENCY, dtype_bytes=4)
+    chosen = choose_tp_modes([sub(*s, p, t) for s, p in cases], t, NO_LATENCY, dtype_bytes=4)
     return {"out": out, "chosen": chosen, "calls": dict(stats.calls)}
 
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_auto_mixes_modes_and_matches_full_newton_schulz(t):
     cases = _mixed_cases(t)
-    chosen = choose_tp_modes([Matrix(*s, p) for s, p in cases], t, NO_LATENCY, dtype_bytes=4)
+    chosen = choose_tp_modes([sub(*s, p, t) for s, p in cases], t, NO_LATENCY, dtype_bytes=4)
     assert set(chosen) == set(AUTO_CANDIDATES), chosen  # the call really mixes all three sub-modes
     assert chosen[0] == chosen[1] == "distributed" and chosen[-2] in ("owner", "duplicated")
     ranks = run_world(t, _exact_worker)
@@ -337,7 +342,7 @@ def test_optimizer_auto_equals_owner_at_tp2(tmp_path):
     # The sub-matrices NS sees: q, k, v (global rows 32, 8, 8), the column split, the tall-thin
     # row split and the replicated one; the optimizer runs them in one call.
     layouts = [MatrixLayout(f"m{i}", s, p, TP, split) for i, (s, p, split) in enumerate(OPT_SHAPES)]
-    subs = [Matrix(*g, lay.partition_dim) for lay in layouts for g in lay.sub_global_shapes()]
+    subs = [s for lay in layouts for s in lay.sub_matrices()]
     assert len(set(choose_tp_modes(subs, TP, NO_LATENCY, dtype_bytes=4))) >= 2
     ranks = run_world(TP, _opt_worker, str(path))
     for r in ranks:

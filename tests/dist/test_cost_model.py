@@ -15,23 +15,30 @@ from dist_harness import run_world
 
 from megatron_muon import comm_stats, ns_flops, orthogonalize_sharded
 from megatron_muon.core.models import LLAMA3
-from megatron_muon.plan.cost_model import GPU_PROFILES, Hardware, Matrix, tp_mode_cost
+from megatron_muon.core.matrix_layout import MatrixLayout
+from megatron_muon.plan.cost_model import GPU_PROFILES, Hardware, tp_mode_cost
 from megatron_muon.plan.step_cost import model_params, model_weights, optimizer_step_cost
 
 H100 = GPU_PROFILES["h100-sxm"]
 # A mixed call: two same-shape row-split, one column-split, one replicated, one odd shape.
-MATRICES = [Matrix(48, 16, 0), Matrix(48, 16, 0), Matrix(16, 40, 1), Matrix(12, 20, None), Matrix(24, 8, 0)]
+SHAPES = [((48, 16), 0), ((48, 16), 0), ((16, 40), 1), ((12, 20), None), ((24, 8), 0)]
+
+
+def sub(rows: int, cols: int, pdim: int | None, tp: int) -> MatrixLayout:
+    """A whole ``rows x cols`` matrix split along ``pdim`` over ``tp`` ranks, as a plan holds it."""
+    return MatrixLayout.from_full_shape(f"{rows}x{cols}", (rows, cols), pdim, tp)
+
+
+def matrices(tp: int) -> list[MatrixLayout]:
+    return [sub(*shape, pdim, tp) for shape, pdim in SHAPES]
 MODES = ("duplicated", "distributed", "blockwise", "owner")
 
 
 def _measured(rank: int, world: int) -> dict:
     gen = torch.Generator().manual_seed(7)
-    full = [torch.randn(m.rows, m.cols, generator=gen) for m in MATRICES]
-    shards = [
-        f if m.partition_dim is None else f.chunk(world, dim=m.partition_dim)[rank].contiguous()
-        for f, m in zip(full, MATRICES)
-    ]
-    pdims = [m.partition_dim for m in MATRICES]
+    full = [torch.randn(*shape, generator=gen) for shape, _ in SHAPES]
+    shards = [f if pdim is None else f.chunk(world, dim=pdim)[rank].contiguous() for f, (_, pdim) in zip(full, SHAPES)]
+    pdims = [pdim for _, pdim in SHAPES]
     out = {}
     for mode in MODES:
         with comm_stats() as stats:
@@ -44,7 +51,7 @@ def _measured(rank: int, world: int) -> dict:
 def test_bytes_and_flops_match_a_real_run(world):
     per_rank = run_world(world, _measured)
     for mode in MODES:
-        predicted = tp_mode_cost(MATRICES, mode, world, H100, dtype_bytes=4)
+        predicted = tp_mode_cost(matrices(world), mode, world, H100, dtype_bytes=4)
         sent = [r[mode][0] for r in per_rank]
         flops = [r[mode][1] for r in per_rank]
         # Exact integers: both sides count the same collectives and the same GEMMs. The model's
@@ -56,29 +63,29 @@ def test_bytes_and_flops_match_a_real_run(world):
             # count, so with tiny matrices it need not be the one with most FLOPs); it must be
             # one of the real ranks' loads, and the loads must cover every matrix exactly once
             assert predicted.ns_flops_max in flops, mode
-            assert sum(flops) == sum(ns_flops(m.rows, m.cols) for m in MATRICES), mode
+            assert sum(flops) == sum(ns_flops(*shape) for shape, _ in SHAPES), mode
         else:  # symmetric modes: every rank does the same work
             assert len(set(flops)) == 1 and predicted.ns_flops_max == flops[0], mode
 
 
 def test_owner_beats_duplicated_with_many_matrices_and_not_with_one():
-    many = [Matrix(4096, 4096, 1)] * 32
+    many = [sub(4096, 4096, 1, 8)] * 32
     assert tp_mode_cost(many, "owner", 8, H100).total_s < tp_mode_cost(many, "duplicated", 8, H100).total_s / 3
-    one = [Matrix(4096, 4096, 1)]
+    one = [sub(4096, 4096, 1, 8)]
     # one matrix: a single owner does the whole NS, exactly as every duplicated rank does, and
     # the exchange goes there and back, so owner cannot win
     assert tp_mode_cost(one, "owner", 8, H100).total_s >= tp_mode_cost(one, "duplicated", 8, H100).total_s
 
 
 def test_distributed_wins_when_the_unsharded_dim_is_small():
-    tall = [Matrix(28672, 512, 0)]  # unsharded dim 512: an all-reduced Gram of 512², NS split 8 ways
+    tall = [sub(28672, 512, 0, 8)]  # unsharded dim 512: an all-reduced Gram of 512², NS split 8 ways
     costs = {m: tp_mode_cost(tall, m, 8, H100).total_s for m in ("duplicated", "distributed", "owner")}
     assert min(costs, key=costs.get) == "distributed"
 
 
 def test_faster_links_and_gemms_mean_less_time():
     # 32 layers' worth: enough bytes that the owner pipeline's 8 all-to-all latencies stay < 5%
-    ms = [Matrix(4096, 4096, 1)] * 32 + [Matrix(14336, 4096, 0)] * 32
+    ms = [sub(4096, 4096, 1, 8)] * 32 + [sub(14336, 4096, 0, 8)] * 32
     slow_links = dataclasses.replace(H100, intra_node_bandwidth=H100.intra_node_bandwidth / 10)
     slow_gemm = dataclasses.replace(H100, matmul_flops=H100.matmul_flops / 10)
     for mode in ("duplicated", "distributed", "owner"):
@@ -89,9 +96,8 @@ def test_faster_links_and_gemms_mean_less_time():
 
 
 def test_group_beyond_a_node_uses_inter_node_bandwidth():
-    ms = [Matrix(4096, 4096, 1)] * 16
-    inside = tp_mode_cost(ms, "duplicated", 8, H100)
-    across = tp_mode_cost(ms, "duplicated", 16, H100)
+    inside = tp_mode_cost([sub(4096, 4096, 1, 8)] * 16, "duplicated", 8, H100)
+    across = tp_mode_cost([sub(4096, 4096, 1, 16)] * 16, "duplicated", 16, H100)
     per_byte_inside = inside.comm_s / inside.bytes_sent_max
     per_byte_across = across.comm_s / across.bytes_sent_max
     assert per_byte_across / per_byte_inside == pytest.approx(
@@ -119,7 +125,7 @@ def test_bad_arguments_name_what_was_expected():
     with pytest.raises(ValueError, match="optimizer 'sgd'"):
         optimizer_step_cost(model_weights(LLAMA3["8B"]), optimizer="sgd", tp=8, dp=1, hw=H100)
     with pytest.raises(ValueError, match="unknown mode 'fast'"):
-        tp_mode_cost([Matrix(8, 8, 0)], "fast", 2, H100)
+        tp_mode_cost([sub(8, 8, 0, 2)], "fast", 2, H100)
     with pytest.raises(ValueError, match="--muon-tp-mode: expected one of"):
         optimizer_step_cost(model_weights(LLAMA3["8B"]), optimizer="ours", tp=8, dp=1, hw=H100, tp_mode="fast")
     with pytest.raises(TypeError):

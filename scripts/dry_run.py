@@ -37,7 +37,9 @@ its TP group has nothing to orthogonalize), ``pp-stages`` (the first rank of eve
 stage), ``expert-dp-group`` / ``expert-tp-group`` (every member of that group of the first rank of
 the first stage with experts), ``busiest`` (the ranks of the first stage with the most NS FLOPs
 and the most bytes sent, by the plan), or a number. Prints per rank: matrices owned, NS FLOPs,
-bytes per collective, the step's peak extra bytes (live meta tensors created during the step),
+bytes per collective, the optimizer state (momentum, Adam's moments: created before the step, as
+Megatron's checkpointing creates it) and the step's transient peak (live meta tensors created
+during the step, the state excluded),
 next to what the optimizer's step plan says for that rank (``optimizer.plan``, the plan the step
 executed), the planner table's figures (``scripts.bench.planner_quality``, PP = 1) and the cost
 model's for the busiest rank.
@@ -320,6 +322,11 @@ def _step_part(part: dict, recorder: Recorder) -> dict:
     for group in inner.param_groups:  # the reduce-scattered grads of this rank's ranges
         for p in group["params"]:
             p.grad = torch.empty_like(p)
+    # The state first (momentum, Adam's moments): Megatron's checkpointing creates it before step 1
+    # as well, and it outlives the step, so it is reported apart from the step's transient peak.
+    state = LiveBytes()
+    with state:
+        inner.init_state()
     meter = LiveBytes()
     with observe_collectives(recorder), comm_stats() as stats, meter:
         try:
@@ -332,7 +339,8 @@ def _step_part(part: dict, recorder: Recorder) -> dict:
     return dict(matrices=len(layouts), dp_owned=sum(1 for o in plan.owner_of if o == part["dp_rank"]),
                 cut_across_dp=sum(1 for lay in layouts if lay.dp_ranges and len(lay.holders(dp)) > 1),
                 ns_flops=stats.ns_flops, bytes_by_collective=dict(stats.bytes_by_primitive),
-                bytes_sent=stats.bytes_sent, peak_extra_bytes=meter.peak, device=str(inner.device),
+                bytes_sent=stats.bytes_sent, peak_extra_bytes=meter.peak, state_bytes=state.live,
+                device=str(inner.device),
                 plan_ns_flops=plan.ns_flops[here], plan_bytes_sent=plan.bytes_sent[here],
                 plan_grid=dict(ranks=tp * dp, ns_flops_max=max(plan.ns_flops),
                                ns_flops_mean=sum(plan.ns_flops) / (tp * dp), bytes_sent_max=max(plan.bytes_sent),
@@ -449,7 +457,7 @@ def _row(rank: int, kinds: list[str], coords: str, res: dict) -> str:
         plan_mib += f" [{res['planner_bytes_sent'] / 2**20:.1f}]"
     return (f"| {rank} | {', '.join(kinds)} | {coords} | {res['matrices']} | {res['cut_across_dp']} | "
             f"{res['dp_owned']} | {res['ns_flops'] / 1e12:.2f}{plan_flops} | {sent} | {plan_mib} | "
-            f"{res['peak_extra_bytes'] / 2**30:.2f} |")
+            f"{res['state_bytes'] / 2**30:.2f} | {res['peak_extra_bytes'] / 2**30:.2f} |")
 
 
 def summary(parts: dict[int, dict], stage_of: dict[int, int]) -> dict:
@@ -560,8 +568,8 @@ def main(argv: list[str] | None = None) -> int:
           f"tp_mode {args.tp_mode}, {wrapper}, bf16 NS, meta device, fake process group\n")
     print("| rank | kinds | TP/DP/PP rank | Muon matrices | cut across DP | DP-owned | NS TFLOP (plan) [planner table] "
           "| MiB sent (all_to_all / all_gather / all_reduce / shape check) | plan MiB [planner table] | "
-          "peak extra GiB |")
-    print("|---:|---|---|---:|---:|---:|---:|---|---:|---:|")
+          "state GiB | transient peak GiB |")
+    print("|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|")
     for rank, res in sorted(results.items()):
         print(_row(rank, chosen.get(rank, ["probe"]), f"{res['tp']}/{res['dp']}/{res['pp']}", res))
     with_experts = {r: res for r, res in sorted(results.items()) if res["experts"] is not None}
@@ -569,8 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         print("\nExpert optimizer (this EP rank's local experts; DP = expert-DP, TP = expert-TP):\n")
         print("| rank | kinds | EP/expert-TP/expert-DP/PP rank | Muon matrices | cut across expert-DP | "
               "expert-DP-owned | NS TFLOP (plan) | MiB sent (all_to_all / all_gather / all_reduce / shape check) | "
-              "plan MiB | peak extra GiB |")
-        print("|---:|---|---|---:|---:|---:|---:|---|---:|---:|")
+              "plan MiB | state GiB | transient peak GiB |")
+        print("|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|")
         for rank, res in with_experts.items():
             print(_row(rank, chosen.get(rank, ["probe"]), f"{res['ep']}/{res['etp']}/{res['edp']}/{res['pp']}",
                        res["experts"]))

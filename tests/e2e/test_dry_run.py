@@ -54,6 +54,9 @@ def test_llama3_at_tp8_dp8(tmp_path, model):
         # 130 MiB per rank here.
         assert res["ns_flops"] == res["plan_ns_flops"] == res["planner_ns_flops"] > 0, rank
         assert res["bytes_by_collective"]["all_to_all"] == res["plan_bytes_sent"] == res["planner_bytes_sent"] > 0
+        # the optimizer state (this rank's ZeRO-1 shard of momentum and Adam's moments) is made before
+        # the measured step and reported apart: the step's peak is its transient memory only
+        assert res["state_bytes"] > 0 and res["peak_extra_bytes"] > 0, rank
     assert f"Dry run: {model}, TP8 x PP1 x DP8 (64 ranks)" in proc.stdout
     layers = {"llama3-8b": 32, "llama3-70b": 80, "llama3-405b": 126}[model]
     # The startup report, printed once by (simulated) global rank 0, agrees with the step.
@@ -185,7 +188,9 @@ def test_megatron_fsdp_step_matches_plan_and_planner(tmp_path):
         assert res["matrices"] == 128 and res["cut_across_dp"] == 96, rank
         assert res["ns_flops"] == res["plan_ns_flops"] == res["planner_ns_flops"] > 0, rank
         assert res["bytes_by_collective"]["all_to_all"] == res["plan_bytes_sent"] == res["planner_bytes_sent"] > 0
-        # the momentum of this rank's shards, counted at the DTensor's local size (not its global one)
+        # the momentum of this rank's shards, counted at the DTensor's local size (not its global
+        # one): the state, made before the step and reported apart from the step's transient peak
+        assert 0 < res["state_bytes"] < 4 * 2**30, rank
         assert 0 < res["peak_extra_bytes"] < 4 * 2**30, rank
     assert report["cost_model"] is None  # the cost model knows DDP's layouts only
     # --fsdp and --dp-layout (DDP's buffer layout) exclude each other

@@ -232,6 +232,25 @@ def test_the_catalogue_must_name_every_muon_param():
                       catalogue=MatrixCatalogue((MatrixLayout("qkv", (24, 16), None, 1),), (p["qkv"],)))
 
 
+def test_the_plans_are_built_once_with_the_catalogue_and_fixed_after_the_first_step():
+    """The Megatron adapter binds the catalogue once its wrapper has made the main params; the
+    plans are built then and never again, and a rebind after a step is refused in one line."""
+    p = _model()
+    opt = MuonWithAdamW([dict(params=[p["qkv"]], algorithm="muon")], lr=0.1)
+    catalogue = MatrixCatalogue((MatrixLayout("qkv", (24, 16), None, 1, QKV_SPLIT),), (p["qkv"],))
+    opt.bind_catalogue(catalogue)
+    plans = opt.plans
+    assert opt.catalogue is catalogue and plans["muon"].matrices == catalogue.layouts
+    _grads(p, 0)
+    opt.step()
+    assert opt.plans is plans and opt.plan is plans["muon"]  # the step executed the plan built at bind
+    fixed = r"^MuonWithAdamW.bind_catalogue: the optimizer has stepped; its plans are fixed$"
+    with pytest.raises(ValueError, match=fixed):
+        opt.bind_catalogue(catalogue)
+    with pytest.raises(ValueError, match=r"^MuonWithAdamW: catalogue: expected a MatrixCatalogue, got dict$"):
+        MuonWithAdamW([dict(params=[p["proj"]], algorithm="muon")], catalogue={})
+
+
 def test_unknown_algorithm():
     expected = r"^MuonWithAdamW: param group 0: algorithm: expected one of \('muon', 'adamw'\), got 'lion'$"
     with pytest.raises(ValueError, match=expected):

@@ -292,6 +292,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MuonWithAdamW.step: closures are not supported (Megatron never passes one)")
+        self.plans  # noqa: B018  (a catalogue that cannot be planned is refused before any param is written)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 self._adamw_step(group)

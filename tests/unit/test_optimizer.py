@@ -266,3 +266,16 @@ def test_unknown_algorithm():
 def test_config_errors_name_the_flag(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         MuonConfig(**kwargs)
+
+
+def test_a_flat_muon_param_without_a_catalogue_is_refused_before_anything_is_written():
+    """A 1-D Muon param is a flat range of some matrix only a catalogue can name; the step that
+    finds it missing writes nothing, the AdamW params included."""
+    flat, bias = torch.nn.Parameter(torch.ones(12)), torch.nn.Parameter(torch.ones(4))
+    opt = MuonWithAdamW([dict(params=[flat], algorithm="muon"), dict(params=[bias], algorithm="adamw")], lr=0.1)
+    flat.grad, bias.grad = torch.ones(12), torch.ones(4)
+    with pytest.raises(ValueError, match=r"^MuonWithAdamW: muon parameter 0 has shape \(12,\): a flat range"):
+        opt.step()
+    assert torch.equal(bias.detach(), torch.ones(4)) and torch.equal(flat.detach(), torch.ones(12))
+    assert not opt.state
+

@@ -13,11 +13,11 @@ state it creates (``zeros_like`` the param) is a DTensor sharded like it, which 
 Megatron-FSDP's ``fsdp_dtensor`` checkpoint saves. Muon needs
 to know, for every matrix of the model — including those this rank holds nothing of — where
 its pieces live; that is a ``MatrixCatalogue`` (a ``MatrixLayout`` per matrix and the DP/TP
-groups), given at construction (or, by the Megatron adapter, once Megatron's wrapper has made the
-main params: ``bind_catalogue``). The optimizer builds its step plans from it then, once
-(``plan.step_plan``; ``optimizer.plans``), and every step executes them. Without a catalogue
-every Muon param is one whole local matrix,
-which makes this a plain single-process Muon + AdamW.
+groups), given at construction: the Megatron adapter builds this optimizer once, on the main
+params Megatron's wrapper has made, with the catalogue of them. The optimizer builds its step
+plans from it there, once (``plan.step_plan``; ``optimizer.plans``), and every step executes
+them. Without a catalogue every Muon param is one whole local matrix, which makes this a plain
+single-process Muon + AdamW.
 
 Per step, for the Muon matrices (upstream emerging-optimizers semantics):
     G ← G + wd·θ                           (only with decoupled_weight_decay False: L2)
@@ -65,6 +65,10 @@ def to_local(tensor: torch.Tensor) -> torch.Tensor:
     them): the tensor that holds its storage, so in-place updates reach the DTensor. Any other
     tensor is returned as it is."""
     return getattr(tensor, "_local_tensor", tensor)
+
+
+def _is_view_of_leaf(tensor: torch.Tensor) -> bool:
+    return tensor._base is not None and tensor._base.is_leaf
 
 
 @dataclass(frozen=True)
@@ -130,6 +134,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     ) -> None:
         if config is not None and not isinstance(config, MuonConfig):
             raise ValueError(f"MuonWithAdamW: config: expected a MuonConfig or None, got {type(config).__name__}")
+        if catalogue is not None and not isinstance(catalogue, MatrixCatalogue):
+            raise ValueError(f"MuonWithAdamW: catalogue: expected a MatrixCatalogue or None, "
+                             f"got {type(catalogue).__name__}")
         if not isinstance(decoupled_weight_decay, bool):
             raise ValueError(f"MuonWithAdamW: decoupled_weight_decay: expected True or False, "
                              f"got {decoupled_weight_decay!r}")
@@ -163,11 +170,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
                         f"MuonWithAdamW: param group {g} (algorithm 'muon') parameter {i} has shape "
                         f"{tuple(p.shape)}; Muon takes 2-D matrices (or a flat range of one) only (give "
                         f"biases, norms and embeddings to an 'adamw' group)")
-        self._catalogue: MatrixCatalogue | None = None
-        self._plans: dict[str, StepPlan] | None = None
+        self._catalogue = self._whole_matrices() if catalogue is None else catalogue
+        self._check_catalogue()
+        self._plans = self._build_plans()
+        """per step kind, its plan: built here, once; see ``plans``."""
         self._step_groups: StepGroups | None = None
-        if catalogue is not None:
-            self.bind_catalogue(catalogue)
         self.muon_steps = 0
         """optimizer steps applied (skipped steps never reach ``step``); MuonBP's phase."""
         self.last_step_kind: str | None = None
@@ -194,39 +201,44 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return MatrixCatalogue(tuple(MatrixLayout(f"param {i}", tuple(p.shape), None, 1) for i, p in enumerate(params)),
                                tuple(params))
 
-    def bind_catalogue(self, catalogue: MatrixCatalogue) -> None:
-        """Describe every Muon matrix of the model and build the step plans from it, once.
-
-        Given at construction (``catalogue=``) by a direct user. The Megatron adapter calls this
-        once, right after Megatron's wrapper has made the main params (ZeRO-1 shards, fp32 copies,
-        Megatron-FSDP DTensors) and put them in this optimizer's param groups, which is the only
-        point at which the tensors the catalogue names exist. Refused after the first step: a
-        plan never changes under a running step."""
-        if not isinstance(catalogue, MatrixCatalogue):
-            raise ValueError(f"MuonWithAdamW: catalogue: expected a MatrixCatalogue, got {type(catalogue).__name__}")
-        if self._step_groups is not None:
-            raise ValueError("MuonWithAdamW.bind_catalogue: the optimizer has stepped; its plans are fixed")
-        self._catalogue = catalogue
-        self._check_catalogue()
-        self._plans = self._build_plans()
-        self._device = None  # re-resolved from the params on the next step
-
     @property
     def catalogue(self) -> MatrixCatalogue:
-        """every Muon matrix and the groups it is cut over; without one given, each Muon param of
-        this process is one whole matrix."""
-        if self._catalogue is None:
-            self.bind_catalogue(self._whole_matrices())
+        """every Muon matrix and the groups it is cut over (given at construction; without one,
+        each Muon param of this process is one whole matrix)."""
         return self._catalogue
 
     @property
     def plans(self) -> dict[str, StepPlan]:
         """per step kind (``muon``, or MuonBP's ``full`` and ``block``), the plan of that step:
-        built once, with the catalogue; the step executes it, the startup report and the dry run
+        built once, at construction; the step executes it, the startup report and the dry run
         read it."""
-        if self._plans is None:
-            self.catalogue  # noqa: B018  (builds the default catalogue and its plans)
         return self._plans
+
+    def add_param_group(self, param_group: dict) -> None:
+        """torch's, with one exception to its leaf rule: a view of a leaf is accepted.
+
+        torch refuses a non-leaf tensor because an optimizer's in-place update of it would not
+        reach the tensor the model uses. A view of a leaf is that leaf's own storage, so its
+        update does reach it; Megatron's ZeRO-1 main shard of an fp32 param is exactly such a
+        view (``param.view(-1)[start:end]``, so that the update lands in the model param), and
+        under ``--use-distributed-optimizer`` this optimizer is built on those shards."""
+        params = param_group["params"]
+        params = [params] if isinstance(params, torch.Tensor) else list(params)
+        param_group["params"] = params
+        g = len(self.param_groups)
+        for i, p in enumerate(params):
+            if isinstance(p, torch.Tensor) and not (p.is_leaf or p.retains_grad or _is_view_of_leaf(p)):
+                raise ValueError(f"MuonWithAdamW: param group {g} parameter {i}: expected a leaf tensor or a view "
+                                 "of one (an in-place update of any other tensor never reaches the model)")
+        had_key = "differentiable" in param_group
+        # torch skips its leaf check for differentiable optimizers; the check was made above.
+        self.defaults["differentiable"] = True
+        try:
+            super().add_param_group(param_group)
+        finally:
+            del self.defaults["differentiable"]
+            if not had_key:
+                param_group.pop("differentiable", None)
 
     def _check_catalogue(self) -> None:
         mine = {id(p) for p in self._muon_params()}
@@ -292,7 +304,6 @@ class MuonWithAdamW(torch.optim.Optimizer):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("MuonWithAdamW.step: closures are not supported (Megatron never passes one)")
-        self.plans  # noqa: B018  (a catalogue that cannot be planned is refused before any param is written)
         for group in self.param_groups:
             if group["algorithm"] == "adamw":
                 self._adamw_step(group)

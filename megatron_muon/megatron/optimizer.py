@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from megatron.core import parallel_state
 from megatron.core.optimizer import (
     ChainedOptimizer,
@@ -128,6 +129,24 @@ class MuonChainedOptimizer(ChainedOptimizer):
         return super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
 
 
+class MainParamGroups(torch.optim.Optimizer):
+    """The param groups a Megatron wrapper turns into main params, held while it does.
+
+    Megatron's ``DistributedOptimizer``, ``Float16OptimizerWithFloat16Params`` and
+    ``FP32Optimizer`` take an inner optimizer and replace its params with the main params they
+    make. The Muon optimizer's plan needs those main params (which DP range of which matrix each
+    one is), so this holds the groups during the wrapper's construction and the adapter then
+    builds ``MuonWithAdamW`` once, on them. It is never stepped: the adapter replaces it before
+    the wrapper is returned."""
+
+    def __init__(self, param_groups) -> None:
+        super().__init__(param_groups, {"algorithm": "adamw"})  # MuonWithAdamW's default, for describe()
+
+    def step(self, closure=None):
+        raise RuntimeError("MainParamGroups.step: this holds param groups during construction; "
+                           "the adapter replaces it with MuonWithAdamW before anything steps")
+
+
 def _check_supported(config: OptimizerConfig, model_chunks) -> None:
     if config.fp16:
         raise ValueError("--fp16: Muon does not support fp16 (loss-scaled momentum is not handled); use --bf16")
@@ -157,19 +176,17 @@ def _build(config: OptimizerConfig, model_chunks, param_groups, buffers, muon_co
     ``get_megatron_optimizer`` gives each: DP over ``intra_dp_cp_group`` or
     ``intra_expt_dp_group``, TP over the (expert) TP group."""
     # Megatron's wrappers make their main params (ZeRO-1 shards, fp32 copies, Megatron-FSDP's
-    # DTensors) from the inner optimizer's param groups and put them in its place, so the inner
-    # optimizer exists first and is given its catalogue once they do (``bind_catalogue``).
-    inner = MuonWithAdamW(param_groups, lr=config.lr, weight_decay=config.weight_decay,
-                          betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, config=muon_config,
-                          decoupled_weight_decay=config.decoupled_weight_decay)
-    prepare_for_checkpointing(inner)
+    # DTensors) from an inner optimizer's param groups and write them back into it. They do that
+    # on a ``MainParamGroups``; the one ``MuonWithAdamW`` is then built on those groups, with the
+    # catalogue of their matrices, and takes its place before anything can step.
+    main_params = MainParamGroups(param_groups)
     grad_scaler = ConstantGradScaler(config.loss_scale) if config.loss_scale else None
     dp_group = groups["intra_expt_dp_group" if expert else "intra_dp_cp_group"]
     ddp_config = model_chunks[0].ddp_config
     if getattr(ddp_config, "use_megatron_fsdp", False):
         strategy = ddp_config.data_parallel_sharding_strategy
         optimizer = MuonFSDPOptimizer(
-            inner, config, grad_scaler, _init_state,
+            main_params, config, grad_scaler, _init_state,
             model_chunks=model_chunks,
             per_model_buffers=buffers,
             data_parallel_group=groups["dp_cp_group"],
@@ -182,7 +199,7 @@ def _build(config: OptimizerConfig, model_chunks, param_groups, buffers, muon_co
         catalogue, matrix_of = describe_megatron_fsdp(optimizer, tp_group, muon_config)
     elif config.use_distributed_optimizer:
         optimizer = MuonDistributedOptimizer(
-            inner, config, grad_scaler, _init_state,
+            main_params, config, grad_scaler, _init_state,
             model_chunks=model_chunks,
             per_model_buffers=buffers,
             data_parallel_group=dp_group,
@@ -194,13 +211,17 @@ def _build(config: OptimizerConfig, model_chunks, param_groups, buffers, muon_co
         catalogue, matrix_of = describe_zero1(optimizer, tp_group, muon_config)
     else:
         if config.bf16:
-            optimizer = Float16OptimizerWithFloat16Params(inner, config, grad_scaler, _init_state)
+            optimizer = Float16OptimizerWithFloat16Params(main_params, config, grad_scaler, _init_state)
         else:
-            optimizer = FP32Optimizer(inner, config, _init_state)
+            optimizer = FP32Optimizer(main_params, config, _init_state)
         # Megatron's: the model-parallel group the grads differ over (experts: TP x EP x PP)
         optimizer.grad_stats_parallel_group = groups["expt_tp_pp_with_egtp_remat_group" if expert else "mp_group"]
         catalogue, matrix_of = describe_whole(model_chunks, dp_group, tp_group, muon_config, expert=expert)
-    inner.bind_catalogue(catalogue)
+    optimizer.optimizer = MuonWithAdamW(
+        main_params.param_groups, lr=config.lr, weight_decay=config.weight_decay,
+        betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, config=muon_config,
+        decoupled_weight_decay=config.decoupled_weight_decay, catalogue=catalogue)
+    prepare_for_checkpointing(optimizer.optimizer)
     optimizer.matrix_of_param = matrix_of
     """id(model param) → (its layout, this rank's main tensor of it): what QK-clip scales."""
     return optimizer

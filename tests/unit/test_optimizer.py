@@ -232,23 +232,41 @@ def test_the_catalogue_must_name_every_muon_param():
                       catalogue=MatrixCatalogue((MatrixLayout("qkv", (24, 16), None, 1),), (p["qkv"],)))
 
 
-def test_the_plans_are_built_once_with_the_catalogue_and_fixed_after_the_first_step():
-    """The Megatron adapter binds the catalogue once its wrapper has made the main params; the
-    plans are built then and never again, and a rebind after a step is refused in one line."""
+def test_the_optimizer_is_built_in_one_call_with_its_catalogue_and_plans():
+    """The catalogue is given at construction and the plans are built there, once: the step
+    executes those same plan objects, and there is no later phase that could replace them."""
     p = _model()
-    opt = MuonWithAdamW([dict(params=[p["qkv"]], algorithm="muon")], lr=0.1)
     catalogue = MatrixCatalogue((MatrixLayout("qkv", (24, 16), None, 1, QKV_SPLIT),), (p["qkv"],))
-    opt.bind_catalogue(catalogue)
+    opt = MuonWithAdamW([dict(params=[p["qkv"]], algorithm="muon")], lr=0.1, catalogue=catalogue)
     plans = opt.plans
     assert opt.catalogue is catalogue and plans["muon"].matrices == catalogue.layouts
     _grads(p, 0)
     opt.step()
-    assert opt.plans is plans and opt.plan is plans["muon"]  # the step executed the plan built at bind
-    fixed = r"^MuonWithAdamW.bind_catalogue: the optimizer has stepped; its plans are fixed$"
-    with pytest.raises(ValueError, match=fixed):
-        opt.bind_catalogue(catalogue)
-    with pytest.raises(ValueError, match=r"^MuonWithAdamW: catalogue: expected a MatrixCatalogue, got dict$"):
+    opt.step()
+    assert opt.plans is plans and opt.plan is plans["muon"]
+    with pytest.raises(AttributeError):
+        opt.plans = {}  # read-only: the plan is the optimizer's, not a setting
+    with pytest.raises(ValueError, match=r"^MuonWithAdamW: catalogue: expected a MatrixCatalogue or None, got dict$"):
         MuonWithAdamW([dict(params=[p["proj"]], algorithm="muon")], catalogue={})
+
+
+def test_a_view_of_a_leaf_is_a_param_and_any_other_non_leaf_is_refused():
+    """Megatron's ZeRO-1 main shard of an fp32 param is a flat view of the model param, so the
+    update lands in the model; torch's leaf rule would refuse it. Any other non-leaf tensor is
+    still refused, since an in-place update of it never reaches the model."""
+    weight = torch.nn.Parameter(torch.randn(6, 4, generator=torch.Generator().manual_seed(0)))
+    shard = weight.view(-1)[8:24]  # rows 2-5, as Megatron's main shard of an fp32 param is cut
+    opt = MuonWithAdamW([dict(params=[shard], algorithm="adamw")], lr=0.5)
+    assert opt.param_groups[0]["params"][0] is shard
+    assert "differentiable" not in opt.param_groups[0] and "differentiable" not in opt.defaults
+    before = weight.detach().clone()
+    shard.grad = torch.ones(16)
+    opt.step()
+    assert torch.equal(weight.detach()[:2], before[:2])
+    assert (weight.detach()[2:] - before[2:]).abs().min().item() > 0.1  # the update is the model param's
+    non_leaf = r"^MuonWithAdamW: param group 0 parameter 0: expected a leaf tensor or a view"
+    with pytest.raises(ValueError, match=non_leaf):
+        MuonWithAdamW([dict(params=[weight * 2], algorithm="adamw")])
 
 
 def test_unknown_algorithm():
@@ -268,14 +286,10 @@ def test_config_errors_name_the_flag(kwargs, flag):
         MuonConfig(**kwargs)
 
 
-def test_a_flat_muon_param_without_a_catalogue_is_refused_before_anything_is_written():
-    """A 1-D Muon param is a flat range of some matrix only a catalogue can name; the step that
-    finds it missing writes nothing, the AdamW params included."""
+def test_a_flat_muon_param_without_a_catalogue_is_refused_at_construction():
+    """A 1-D Muon param is a flat range of some matrix only a catalogue can name: refused when
+    the optimizer is built, before any step could write a param."""
     flat, bias = torch.nn.Parameter(torch.ones(12)), torch.nn.Parameter(torch.ones(4))
-    opt = MuonWithAdamW([dict(params=[flat], algorithm="muon"), dict(params=[bias], algorithm="adamw")], lr=0.1)
-    flat.grad, bias.grad = torch.ones(12), torch.ones(4)
     with pytest.raises(ValueError, match=r"^MuonWithAdamW: muon parameter 0 has shape \(12,\): a flat range"):
-        opt.step()
-    assert torch.equal(bias.detach(), torch.ones(4)) and torch.equal(flat.detach(), torch.ones(12))
-    assert not opt.state
+        MuonWithAdamW([dict(params=[flat], algorithm="muon"), dict(params=[bias], algorithm="adamw")], lr=0.1)
 

@@ -22,10 +22,16 @@ __all__ = [
     "DEFAULT_COEFFICIENTS",
     "Coefficients",
     "coefficient_schedule",
+    "gram_block_rows",
     "max_abs",
     "newton_schulz",
     "ns_flops",
     "power_of_two_floor",
+    "quintic_block",
+    "quintic_iteration",
+    "reassociates",
+    "sharded_ns_flops",
+    "splits_gram",
 ]
 
 Coefficients = str | Sequence[tuple[float, float, float]]
@@ -219,6 +225,72 @@ def power_of_two_floor(amax: torch.Tensor) -> torch.Tensor:
         return power_of_two_floor(amax.float()).to(amax.dtype)
     p = (amax.contiguous().view(int_dtype) & mask).view(amax.dtype)
     return torch.where(p > 0, p, torch.ones_like(p))
+
+
+def reassociates(k: int, cols: int) -> bool:
+    """Whether one quintic step on a ``k × cols`` X (Gram A = X·Xᵀ is ``k × k``) is cheaper as
+    ``a·X + b·(A·X) + c·(A·(A·X))`` than as ``a·X + (b·A + c·A²)·X``.
+
+    The first costs two ``k × k`` by ``k × cols`` products (4k²·cols), the second forms A² (2k³)
+    and one product (2k²·cols): reassociating wins exactly when cols < k. On a whole matrix the
+    Gram side is the short one (cols >= k), so only a column shard of it (distributed mode:
+    k the unsharded dim, cols this rank's share) reassociates.
+    """
+    return cols < k
+
+
+def quintic_iteration(X: torch.Tensor, A: torch.Tensor, a: float, b: float, c: float) -> torch.Tensor:
+    """One odd quintic step ``a·X + (b·A + c·A²)·X`` given the Gram ``A = X·Xᵀ``.
+
+    ``X``: ``(k, cols)`` or a stack ``(batch, k, cols)``; ``A``: ``(k, k)`` or ``(batch, k, k)``,
+    the *whole* matrix's Gram (in distributed mode, summed over the TP group). Returns a new
+    tensor of ``X``'s shape. The products are associated by ``reassociates``: the same
+    polynomial, different rounding (the tests compare both orders against float64).
+    """
+    batched = X.ndim == 3
+    addmm = torch.baddbmm if batched else torch.addmm
+    if reassociates(X.shape[-2], X.shape[-1]):
+        AX = A @ X
+        return addmm(AX, A, AX, beta=b, alpha=c).add_(X, alpha=a)  # b·AX + c·A(AX) + a·X
+    B = addmm(A, A, A, beta=b, alpha=c)
+    return addmm(X, B, X, beta=a)
+
+
+def quintic_block(A: torch.Tensor, start: int, stop: int, b: float, c: float) -> torch.Tensor:
+    """Rows ``[start, stop)`` of the quintic's B = b·A + c·A² from the whole Gram ``A``
+    (``(k, k)`` or a stack ``(batch, k, k)``): b·A[rows] + c·A[rows]·A, 2k²·(stop − start) FLOPs.
+    ``A`` is symmetric, so the rows of A² are A's rows times A."""
+    rows = A[..., start:stop, :]
+    return (torch.baddbmm if A.ndim == 3 else torch.addmm)(rows, rows, A, beta=b, alpha=c)
+
+
+def gram_block_rows(k: int, ranks: int) -> int:
+    """Rows of the ``k × k`` polynomial B = b·A + c·A² that each of ``ranks`` ranks computes when
+    they split it (the last block may be short): ceil(k / ranks)."""
+    return -(-k // ranks)
+
+
+def splits_gram(k: int, cols: int, ranks: int) -> bool:
+    """Whether ``ranks`` ranks, each holding a ``k × cols`` column shard, should split B's rows.
+
+    Each then forms a ``gram_block_rows`` × k block of B (2k²·ceil(k/ranks) FLOPs instead of
+    2k³) and the blocks are all-gathered, so every rank applies the whole B to its shard
+    (2k²·cols): cheaper than the reassociated A·(A·X) (4k²·cols) exactly when
+    ceil(k/ranks) < cols, i.e. when the shards together are wider than k (Llama-3 405B fc1 at
+    TP8: 2048 < 6656). The rule is on shapes only, so every rank decides alike.
+    """
+    return ranks > 1 and gram_block_rows(k, ranks) < cols
+
+
+def sharded_ns_flops(k: int, cols: int, steps: int = 5, ranks: int = 1) -> int:
+    """Per-rank FLOPs of ``steps`` quintic iterations on a ``k × cols`` column shard whose Gram
+    (``k × k``) spans the whole matrix, over ``ranks`` ranks: X·Xᵀ 2k²·cols, then the cheapest
+    product form — B's rows split over the ranks (``splits_gram``: 2k²·ceil(k/ranks) + 2k²·cols),
+    else ``quintic_iteration``'s min(2k³ + 2k²·cols, 4k²·cols).
+    """
+    if splits_gram(k, cols, ranks):
+        return steps * (4 * k * k * cols + 2 * k * k * gram_block_rows(k, ranks))
+    return steps * (2 * k * k * cols + min(2 * k ** 3 + 2 * k * k * cols, 4 * k * k * cols))
 
 
 def ns_flops(rows: int, cols: int, steps: int = 5) -> int:

@@ -5,7 +5,7 @@ micro-groups, each sub-matrix's TP mode and TP owner, the scales. Here a rank ru
 micro-group goes through these stages; ``comm.pipelined`` runs the groups as a software pipeline,
 one stage per round:
 
-    pieces of the update (flat, on each DP rank)
+    pieces of the update (flat, on each DP rank), cut into the plan's units (fc1: gate, up)
      1 │  DP owner exchange there, async     (only pieces not already on their owner move)
        ▼
     owner holds the TP-local shard ─ split fused rows (QKV per group, fc1 gate/up)
@@ -15,15 +15,16 @@ one stage per round:
     TP-local result ─ join rows
      4 │  DP owner exchange back, async
        ▼
-     5 each rank's piece, scaled per sub-matrix → ``apply`` (or the returned list)
+     5 each rank's piece of each unit, scaled per sub-matrix, joined per weight → ``apply`` (or the
+       returned list)
 
 While group k is in stage 3 (NS), groups k+1 and k+2 have their gathers in flight and groups k−1
 and k−2 their returns. Which stages exist depends on the plan's settings only (a DP exchange,
 a pipelined TP owner exchange), never on a rank's data, so every rank yields at the same points
 and issues the same collectives in the same order.
 
-Correctness rule: NS never runs on a fragment; every matrix has exactly one DP owner, and TP
-peers own the same matrices (the DP plan is identical on every TP rank), so they run the TP mode
+Correctness rule: NS never runs on a fragment; every unit has exactly one DP owner, and TP
+peers own the same units (the DP plan is identical on every TP rank), so they run the TP mode
 together. What a plan needs bound to process groups (the exchanges) is built once per plan and
 groups (``_execution``), cached on the plan object, which lives as long as its optimizer.
 
@@ -121,15 +122,28 @@ def _run(pieces, plan: StepPlan, groups: StepGroups, apply: Apply | None, *, val
         def apply(i: int, update: torch.Tensor, scale: float) -> None:
             out[i] = update.to(torch.float32) * scale
 
-    def deliver(i: int, mine: torch.Tensor) -> None:
-        scale = run.row_scales[i]
-        if isinstance(scale, float):
-            apply(i, mine, scale)
-        else:
-            layout = plan.matrices[i]
-            apply(i, _scale_rows(mine, layout.local_range(dp_rank)[0], layout.local_shape[1], scale), 1.0)
+    # A unit's piece is a slice of its weight's piece; a weight is delivered once its last unit is
+    # (a weight's units share a micro-group and come back in order).
+    unit_pieces = []
+    for unit in plan.units:
+        lo, hi = unit.slice_of(plan.matrices[unit.weight].local_range(dp_rank))
+        unit_pieces.append(pieces[unit.weight][lo:hi])
+    waiting: dict[int, list[tuple[int, torch.Tensor]]] = {}
 
-    comm.pipelined(_task(run, g, pieces, deliver) for g in run.micro_groups)
+    def deliver(u: int, mine: torch.Tensor) -> None:
+        i = plan.units[u].weight
+        done = waiting.setdefault(i, [])
+        done.append((u, mine))
+        if len(done) < run.units_per_weight[i]:
+            return
+        del waiting[i]
+        scales = [run.row_scales[v] for v, _ in done]
+        if all(isinstance(x, float) for x in scales) and len(set(scales)) == 1:
+            apply(i, mine if len(done) == 1 else torch.cat([m for _, m in done]), scales[0])
+        else:
+            apply(i, torch.cat([_scaled(run.matrices[v], m, x, dp_rank) for (v, m), x in zip(done, scales)]), 1.0)
+
+    comm.pipelined(_task(run, g, unit_pieces, deliver) for g in run.micro_groups)
     # An empty matrix (a zero dim) is in no micro-group: its update is empty, delivered with scale 0.
     for i, layout in enumerate(plan.matrices):
         if not layout.numel:
@@ -258,7 +272,12 @@ class _Execution:
                              f"groups are DP {dp_size} x TP {tp_size}")
         settings = plan.settings
         # No reference to the plan itself: it is the weak key this execution is cached under.
-        self.matrices, self.dp_owners, self.exchanges_dp = plan.matrices, plan.dp_owners, plan.exchanges_dp
+        # Everything here is per unit (``plan.units``): the exchanges move units, NS runs on them.
+        self.matrices = tuple(unit.layout for unit in plan.units)
+        self.dp_owners, self.exchanges_dp = plan.dp_owners, plan.exchanges_dp
+        self.units_per_weight = [0] * len(plan.matrices)
+        for unit in plan.units:
+            self.units_per_weight[unit.weight] += 1
         self.tp_group, self.device = tp_group, device
         self.dtype, self.ns, self.bucket_bytes = settings.ns.dtype, settings.ns, settings.bucket_bytes
         self.dp_rank = comm.group_rank(dp_group) if dp_size > 1 else 0
@@ -270,7 +289,7 @@ class _Execution:
         work = self.work
         for g in self.micro_groups:
             if plan.exchanges_dp:
-                routes = [dp_owned_matrix(plan.matrices[i], plan.dp_owners[i], dp_size) for i in g.members]
+                routes = [dp_owned_matrix(self.matrices[u], plan.dp_owners[u], dp_size) for u in g.members]
                 g.exchange = OwnerExchange(routes, dp_group, dtype=self.dtype, device=device)
                 g.holds = [any(p.rank == self.dp_rank for p in route.gather) for route in routes]
                 g.owned = [g.members[j] for j in g.exchange.owned]
@@ -286,7 +305,7 @@ class _Execution:
                 chosen = [p for p in positions if work.modes[p] == mode and p not in g.owner_positions]
                 if chosen:
                     g.blocking.append((mode, chosen))
-        self.row_scales = [_row_scales(lay, scales, device) for lay, scales in zip(plan.matrices, plan.scales)]
+        self.row_scales = [_row_scales(lay, scales, device) for lay, scales in zip(self.matrices, plan.scales)]
         if validate and tp_size > 1 and settings.tp_mode != "blockwise":
             validate_across_ranks(work.subs, settings.tp_mode, settings.ns.steps, tp_size, tp_group, device,
                                   settings.hardware if settings.tp_mode == "auto" else None)
@@ -373,6 +392,13 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver):
         else:
             mine = torch.empty(0, dtype=dtype, device=run.device)
         deliver(i, mine)
+
+
+def _scaled(layout: MatrixLayout, mine: torch.Tensor, scale: float | torch.Tensor, dp_rank: int) -> torch.Tensor:
+    """fp32 ``mine`` (this DP rank's piece of a unit) times its scale: a float, or per row."""
+    if isinstance(scale, float):
+        return mine.to(torch.float32) * scale
+    return _scale_rows(mine, layout.local_range(dp_rank)[0], layout.local_shape[1], scale)
 
 
 def _row_scales(layout: MatrixLayout, scales: tuple[float, ...], device: torch.device) -> float | torch.Tensor:

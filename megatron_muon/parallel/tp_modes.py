@@ -21,12 +21,17 @@ When is ``distributed`` cheaper than ``duplicated``? For a matrix with unsharded
 sharded dim S, t ranks and s NS steps, per rank:
 
     duplicated:  compute s·(4a²b + 2a³), a = min(k, S), b = max(k, S);  send (t−1)·k·S/t
-    distributed: compute s·(4k²·S/t + 2k³);                              send 2(t−1)/t·(s·k² + 2)
+    distributed: compute s·(2k²·c + min(2k²·⌈k/t⌉ + 2k²·c, 4k²·c, 2k³ + 2k²·c)), c = S/t;
+                 send 2(t−1)/t·(s·k² + 2), plus s·(t−1)·⌈k/t⌉·k when B's rows are split
 
-With k <= S distributed always saves 4s·k²·S·(1 − 1/t) FLOPs; it sends fewer bytes only when
-2·s·k < S (k < S/10 at s = 5), and it has s+2 dependent collectives on the critical path, so
-it pays off for tall-and-thin shards split along the long side (fc1, QKV at large TP).
-With k > S the Gram is the large one and distributed costs more compute than duplicated.
+(the min, by shapes: where the shards together are wider than k each rank forms ⌈k/t⌉ rows of
+B = bA + cA² and the rows are all-gathered, so no rank pays the k³ term alone; else a shard
+narrower than k computes A·(A·X) instead of A².) With k <= S distributed always saves FLOPs
+(with B split, its per-rank FLOPs are NS's over t plus the Gram, which all ranks form for
+their own columns); it sends fewer bytes only when 2·s·k < S (k < S/10 at s = 5), and it has
+2s+2 dependent collectives on the critical path, so it pays off for tall-and-thin shards split
+along the long side (fc1, QKV at large TP). With k > S the Gram is the large one and distributed
+costs more compute than duplicated.
 """
 
 from __future__ import annotations
@@ -34,9 +39,19 @@ from __future__ import annotations
 import torch
 
 from ..core.matrix_layout import MatrixLayout
-from ..core.newton_schulz import NSOptions, coefficient_schedule, max_abs, power_of_two_floor
+from ..core.newton_schulz import (
+    NSOptions,
+    coefficient_schedule,
+    gram_block_rows,
+    max_abs,
+    power_of_two_floor,
+    quintic_block,
+    quintic_iteration,
+    sharded_ns_flops,
+    splits_gram,
+)
 from ..plan.exchange import split_rounds
-from ..plan.step_plan import TP_MODES, distributed_ns_flops
+from ..plan.step_plan import TP_MODES
 from . import comm
 from .sharding import group_by, join_shards, split_full
 
@@ -105,17 +120,38 @@ def _distributed(shards, subs, group, ns: NSOptions, bucket_bytes: int) -> list[
             X = X.mT
         k, local_cols = X.shape[-2], X.shape[-1]
         X = _normalize_distributed(X, group, size, ns.eps)
+        # The product form is decided on shapes alone (``splits_gram``), so every rank picks the same
+        # and issues the same collectives: B's rows split over the group and all-gathered where the
+        # shards together are wider than k, else A·(A·X) (the shard is then narrower than k).
+        split = splits_gram(k, local_cols, size)
         for a, b, c in schedule:
             A = X @ X.mT
             comm.all_reduce(A, group)
-            B = torch.baddbmm(A, A, A, beta=b, alpha=c)
-            X = torch.baddbmm(X, B, X, beta=a)
-        comm.record_ns_flops(len(members) * distributed_ns_flops(k, local_cols, ns.steps))
+            if split:
+                X = torch.baddbmm(X, _gathered_quintic(A, group, size, b, c), X, beta=a)
+            else:
+                X = quintic_iteration(X, A, a, b, c)
+        comm.record_ns_flops(len(members) * sharded_ns_flops(k, local_cols, ns.steps, size))
         if pdim == 0:
             X = X.mT
         for m, piece in zip(members, X.unbind(0)):
             out[m] = piece.contiguous()
     return out
+
+
+def _gathered_quintic(A: torch.Tensor, group, size: int, b: float, c: float) -> torch.Tensor:
+    """The whole B = b·A + c·A² (a stack ``(n, k, k)``) on every rank of ``group``, each rank having
+    formed ``gram_block_rows(k, size)`` of its rows (zero-padded past k, so the all-gather's
+    pieces have one size); identical on every rank, since every rank holds the same A."""
+    n, k = A.shape[0], A.shape[-1]
+    block = gram_block_rows(k, size)
+    start = min(k, comm.group_rank(group) * block)
+    stop = min(k, start + block)
+    mine = A.new_zeros(n, block, k)
+    mine[:, : stop - start] = quintic_block(A, start, stop, b, c)
+    parts = [torch.empty_like(mine) for _ in range(size)]
+    comm.all_gather(parts, mine, group)
+    return torch.cat(parts, dim=1)[:, :k]
 
 
 def _normalize_distributed(X: torch.Tensor, group, size: int, eps: float) -> torch.Tensor:

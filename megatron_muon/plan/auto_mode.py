@@ -1,25 +1,15 @@
-"""``--muon-tp-mode auto``: per matrix, the cheapest exact TP mode by the cost model.
+"""``--muon-tp-mode auto``: the cheapest exact plan by the cost model, and its hardware constants.
 
-Pure (no Megatron, no torch.distributed): every TP rank calls ``choose_tp_modes`` on the same
-shapes and gets the same answer without communicating, which is what lets the sub-modes'
-collectives line up in ``orthogonalize_sharded(mode="auto")``.
+Pure (no Megatron, no torch.distributed): every rank computes the same choice from the same
+shapes without communicating, which is what lets the sub-modes' collectives line up.
 
 Only exact modes are candidates — owner, duplicated and distributed — so ``auto`` is exact Muon,
-whatever it picks; blockwise is never chosen.
-
-The algorithm (``choose_tp_modes``):
-
-    1. Matrices with the same (rows, cols, partition_dim) form a *class*; a class always runs in
-       one mode (the modes batch same-shape matrices, so splitting a class only adds calls).
-    2. Start with every class in owner.
-    3. Coordinate descent over the classes, visited by decreasing total NS cost
-       (``count × ns_flops(rows, cols)``; ties by first appearance): for each class try owner,
-       duplicated and distributed for the whole class and keep the one that minimises the
-       predicted time of the whole call, i.e. the sum of ``cost_model.tp_mode_cost(...).total_s``
-       over the three sub-calls (owner over the owner set — its owners are re-planned, since its
-       load balance depends on the whole set —, duplicated over its set, distributed over its).
-       Ties keep the first of the fixed order owner, duplicated, distributed.
-    4. Repeat passes until one changes nothing (at most ``MAX_PASSES``).
+whatever it picks; blockwise is never chosen. The step plan (``step_plan.build_step_plan``) asks
+``grid_schedule.schedule_grid`` for the whole stage's TP × DP grid at once: which DP group runs
+each unit and, per sub-matrix, whether it runs narrow (``owner``: on one TP rank) or wide
+(``distributed`` or ``duplicated``: on the whole TP group), minimizing the busiest rank's predicted
+seconds. ``choose_tp_modes`` is its one-TP-group case, for a call without DP
+(``orthogonalize_sharded``, the benchmarks).
 
 A replicated matrix (partition_dim None, or any matrix when tp = 1) has no distributed form: its
 candidates are duplicated (every rank computes it locally, no traffic) and owner (one rank
@@ -37,15 +27,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..core.matrix_layout import MatrixLayout
-from ..core.newton_schulz import ns_flops
 from .cost_model import GPU_PROFILES, Hardware, split_dim, tp_mode_cost
+from .grid_schedule import schedule_grid
 
-__all__ = ["AUTO_CANDIDATES", "CPU_GLOO", "MAX_PASSES", "choose_tp_modes", "hardware_profile", "predicted_time"]
+__all__ = ["AUTO_CANDIDATES", "CPU_GLOO", "choose_tp_modes", "hardware_profile", "predicted_time"]
 
 AUTO_CANDIDATES = ("owner", "duplicated", "distributed")
-"""the modes ``auto`` chooses among, in tie-break order."""
-MAX_PASSES = 4
-"""cap on coordinate-descent passes (each pass visits every class once)."""
+"""the modes ``auto`` chooses among."""
 
 # An order-of-magnitude default for CPU ranks talking over gloo (a few cores per rank, loopback
 # or Ethernet), not a measurement of any one machine: it makes ``auto`` runnable on CPU (tests,
@@ -73,7 +61,7 @@ _FLAG = "--muon-auto-hardware"
 def choose_tp_modes(
     matrices: Sequence[MatrixLayout], tp: int, hw: Hardware, *, steps: int = 5, dtype_bytes: int = 2
 ) -> list[str]:
-    """Per matrix, the exact TP mode ``auto`` runs it in (see the module docstring).
+    """Per matrix, the exact TP mode ``auto`` runs it in on one TP group (no DP).
 
     Args:
         matrices: every sub-matrix of one TP group's list (``MatrixLayout``s split over ``tp``
@@ -84,9 +72,11 @@ def choose_tp_modes(
         dtype_bytes: element size of the shards (2 for bf16).
 
     Returns:
-        one of ``AUTO_CANDIDATES`` per matrix. Deterministic: a pure function of the arguments
-        (a list and a tuple of the same matrices give the same answer); cached.
+        one of ``AUTO_CANDIDATES`` per matrix: ``grid_schedule.schedule_grid`` on one DP group.
+        Deterministic: a pure function of the arguments; cached.
     """
+    if tp < 1:
+        raise ValueError(f"choose_tp_modes: tp must be >= 1, got {tp}")
     key = tuple((*m.full_shape, split_dim(m)) for m in matrices)
     return list(_choose(key, int(tp), hw, int(steps), int(dtype_bytes)))
 
@@ -105,36 +95,9 @@ def predicted_time(
 
 @functools.lru_cache(maxsize=256)
 def _choose(key: tuple, tp: int, hw: Hardware, steps: int, dtype_bytes: int) -> tuple[str, ...]:
-    if tp < 1:
-        raise ValueError(f"choose_tp_modes: tp must be >= 1, got {tp}")
     matrices = [MatrixLayout.from_full_shape(f"{r}x{c}", (r, c), p, tp if p is not None else 1) for r, c, p in key]
-    classes: dict[tuple, list[int]] = {}
-    for i, k in enumerate(key):
-        classes.setdefault(k, []).append(i)
-    # Heaviest classes first: they move the total most, so later classes adapt to them.
-    order = sorted(classes, key=lambda k: -len(classes[k]) * ns_flops(k[0], k[1], steps))
-    mode_of = {k: "owner" for k in classes}
-
-    def total(assignment: dict) -> float:
-        per_matrix = [assignment[k] for k in key]
-        return predicted_time(matrices, per_matrix, tp, hw, steps=steps, dtype_bytes=dtype_bytes)
-
-    for _ in range(MAX_PASSES):
-        changed = False
-        for k in order:
-            sharded = k[2] is not None and tp > 1
-            candidates = AUTO_CANDIDATES if sharded else ("owner", "duplicated")
-            best, best_s = None, None
-            for mode in candidates:  # strict <: ties keep the earlier candidate
-                seconds = total({**mode_of, k: mode})
-                if best_s is None or seconds < best_s:
-                    best, best_s = mode, seconds
-            if best != mode_of[k]:
-                mode_of[k] = best
-                changed = True
-        if not changed:
-            break
-    return tuple(mode_of[k] for k in key)
+    schedule = schedule_grid(matrices, 1, tp, hw, steps=steps, dtype_bytes=dtype_bytes)
+    return tuple(modes[0] for modes in schedule.modes)
 
 
 # ---- --muon-auto-hardware --------------------------------------------------------------------

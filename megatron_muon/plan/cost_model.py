@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ..core.matrix_layout import MatrixLayout
-from ..core.newton_schulz import ns_flops
+from ..core.newton_schulz import gram_block_rows, ns_flops, sharded_ns_flops, splits_gram
 from . import exchange
 from .owners import plan_owners, rank_loads
 
@@ -221,7 +221,10 @@ def tp_mode_cost(matrices: Sequence[MatrixLayout], mode: str, tp: int, hw: Hardw
             # per matrix: the power-of-two scale, the squared norm and `steps` k×k Grams
             sent = 2 * (tp - 1) / tp * n * (steps * k * k + 2) * dtype_bytes
             cost += collective_cost("all_reduce", sent, calls * (steps + 2), tp, hw, spans_nodes)
-            flops = n * steps * (4 * k * k * (local // k) + 2 * k ** 3)
+            if splits_gram(k, local // k, tp):  # B's row blocks, all-gathered every step
+                gathered = n * steps * (tp - 1) * gram_block_rows(k, tp) * k * dtype_bytes
+                cost += collective_cost("all_gather", gathered, calls * steps, tp, hw, spans_nodes)
+            flops = n * sharded_ns_flops(k, local // k, steps, tp)
             cost += _compute(flops, calls, hw, steps)
         else:
             raise ValueError(f"tp_mode_cost: unknown mode {mode!r}; expected duplicated, distributed, "

@@ -40,6 +40,9 @@ class Weight:
     sub_rows: tuple[int, ...] = ()
     """global rows of each fused sub-matrix that NS treats separately (QKV: q, k, v summed over
     query groups; SwiGLU fc1: gate, up); empty = one matrix."""
+    row_groups: int = 1
+    """repeats of the fused row pattern (QKV: the query groups, ``[q; k; v]`` per group; fc1: 1,
+    gate then up, which the step plan places as two units)."""
 
     def sub_shapes(self) -> list[tuple[int, int]]:
         """the global shape of each fused sub-matrix NS treats separately."""
@@ -97,7 +100,8 @@ def model_weights(model: ModelShape, *, split_fc1: bool = True) -> ModelWeights:
     sub_rows = {"linear_qkv": model.qkv_sub_rows,
                 "linear_fc1": (model.ffn_hidden, model.ffn_hidden) if split_fc1 else ()}
     weights = tuple(
-        Weight(name, rows, cols, pdim, sub_rows.get(name.rsplit(".", 1)[-1], ()))
+        Weight(name, rows, cols, pdim, sub_rows.get(name.rsplit(".", 1)[-1], ()),
+               model.num_query_groups if name.endswith("linear_qkv") else 1)
         for name, rows, cols, pdim in model.matrices()
     )
     return ModelWeights(model.name, weights, adam_sharded_numel=2 * model.vocab * model.hidden,
@@ -169,8 +173,9 @@ def optimizer_step_cost(
         elementwise("adam", adam_local / shard * _ADAM_BYTES, adam_tensors * _ADAM_KERNELS)
         moved = 0
         if optimizer == "ours" and dp > 1:
+            norm = model.adam_replicated_numel // (2 * model.num_layers + 1)
             moved = dp_cut_elements(weights, tp, dp, dp_layout=dp_layout, bucket_numel=bucket_numel,
-                                    adam_numel=model.adam_sharded_numel // tp)[1]
+                                    adam_numel=model.adam_sharded_numel // tp, norm_numel=norm)[1]
         cost += _muon_orthogonalize(weights, optimizer, tp_mode, tp, dp if sharded_state else 1, hw, steps,
                                     ns_bytes, dp_spans_nodes, moved)
     if clip_grad:
@@ -200,48 +205,82 @@ def _dp_homes(weights: Sequence[Weight], dp: int, steps: int) -> list[list[int]]
 
 
 def dp_cut_elements(weights: Sequence[Weight], tp: int, dp: int, *, dp_layout: str = "megatron",
-                    bucket_numel: int | None = None, adam_numel: int = 0) -> tuple[int, int]:
-    """(matrices cut across DP ranks, their elements not on the rank holding the largest piece)
-    in one TP rank's grad buffer; ours' DP owner exchange moves those elements there and back.
+                    bucket_numel: int | None = None, adam_numel: int = 0, norm_numel: int = 0) -> tuple[int, int]:
+    """(matrices cut across DP ranks, their elements not on the rank holding the largest piece of
+    their unit) in one TP rank's grad buffer; ours' DP owner exchange moves those elements there
+    and back (a unit: the weight, or each of fc1's gate and up, ``units.split_units``).
 
     ``balanced`` (``--muon-dp-layout balanced``): nothing is cut. ``megatron``: megatron-core's
-    default layout, replayed on sizes — params in backprop order (the output layer first, the
-    embedding last: ``adam_numel`` split between them; norms left out), 64-element aligned,
-    a bucket closed once it holds ``bucket_numel`` elements and padded to a multiple of
-    lcm(DP, 128), each bucket cut into DP equal shards.
+    default layout, replayed on sizes — params in backprop order (the reverse of registration:
+    the output layer first, the embedding last, ``adam_numel`` split between them; per layer
+    fc2, fc1, its norm, qkv, proj, its norm, each norm ``norm_numel`` elements, and the final norm
+    after the output layer), 64-element aligned, a bucket closed once it holds ``bucket_numel``
+    elements and padded to a multiple of lcm(DP, 128), each bucket cut into DP equal shards.
     """
     if dp_layout == "balanced" or dp == 1:
         return 0, 0
     if dp_layout != "megatron":
         raise ValueError(f"dp_cut_elements: dp_layout {dp_layout!r}; expected 'balanced' or 'megatron'")
-    sizes = [(adam_numel // 2, False)] + [(_local_numel(w, tp), True) for w in reversed(weights)]
-    sizes.append((adam_numel - adam_numel // 2, False))
+    sizes = [(adam_numel // 2, ()), (norm_numel, ())] + _backprop_matrices(weights, tp, norm_numel)
+    sizes.append((adam_numel - adam_numel // 2, ()))
     divisor = math.lcm(dp, 128)
     cut = moved = 0
-    bucket: list[tuple[int, int, bool]] = []  # (start, numel, is matrix) relative to the bucket
+    bucket: list[tuple[int, int, tuple[int, ...]]] = []  # (start, numel, unit sizes) relative to the bucket
     cursor = 0
 
     def close() -> None:
         nonlocal cut, moved, cursor
         shard = -(-cursor // divisor) * divisor // dp
-        for start, numel, is_matrix in bucket:
-            first, last = start // shard, (start + numel - 1) // shard
-            if is_matrix and numel and first != last:
-                pieces = [min(start + numel, (r + 1) * shard) - max(start, r * shard) for r in range(first, last + 1)]
+        for start, numel, units in bucket:
+            if units and numel and start // shard != (start + numel - 1) // shard:
                 cut += 1
-                moved += numel - max(pieces)
+                for n in units:
+                    first, last = start // shard, (start + n - 1) // shard
+                    moved += n - max(min(start + n, (r + 1) * shard) - max(start, r * shard)
+                                     for r in range(first, last + 1))
+                    start += n
         bucket.clear()
         cursor = 0
 
-    for numel, is_matrix in sizes:
+    for numel, units in sizes:
         start = -(-cursor // 64) * 64
-        bucket.append((start, numel, is_matrix))
+        bucket.append((start, numel, units))
         cursor = start + numel
         if bucket_numel is not None and cursor >= bucket_numel:
             close()
     if bucket:
         close()
     return cut, moved
+
+
+_BACKPROP_RANK = {"linear_fc2": 0, "linear_fc1": 1, "linear_qkv": 2, "linear_proj": 3}
+
+
+def _backprop_matrices(weights: Sequence[Weight], tp: int, norm_numel: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(numel, unit sizes) of the weights and the norms between them, last layer first; a norm has
+    no units. Megatron registers a layer as norm, proj, qkv, norm, fc1, fc2 (``weights`` lists it
+    as qkv, proj, fc1, fc2), and its buffers hold params in reverse registration order."""
+    layers: dict[str, list[Weight]] = {}
+    for w in weights:
+        layers.setdefault(w.name.rsplit(".", 1)[0], []).append(w)
+    kind = lambda w: _BACKPROP_RANK.get(w.name.rsplit(".", 1)[-1], -1)  # noqa: E731
+    out: list[tuple[int, tuple[int, ...]]] = []
+    for layer in reversed(layers.values()):
+        for w in sorted(layer, key=kind):
+            out.append((_local_numel(w, tp), _unit_sizes(w, tp)))
+            if kind(w) in (1, 3):  # pre_mlp_layernorm before fc1, input_layernorm before proj
+                out.append((norm_numel, ()))
+    return out
+
+
+def _unit_sizes(w: Weight, tp: int) -> tuple[int, ...]:
+    """Elements of each unit of ``w`` on one TP rank: the fused blocks apart where they are
+    contiguous (fc1's gate and up; QKV's q, k, v when the rank holds one query group), else the weight."""
+    rows_div = tp if w.partition_dim == 0 else 1
+    if max(1, w.row_groups // rows_div) == 1 and len(w.sub_rows) > 1:
+        cols = w.cols // tp if w.partition_dim == 1 else w.cols
+        return tuple(r // rows_div * cols for r in w.sub_rows)
+    return (_local_numel(w, tp),)
 
 
 _NS_DTYPES = {2: torch.bfloat16, 4: torch.float32}
@@ -255,7 +294,10 @@ def _stage_layouts(weights: Sequence[Weight], tp: int) -> list[MatrixLayout]:
         pdim = w.partition_dim if tp > 1 else None
         local = shard_shape((w.rows, w.cols), pdim, tp)
         rows_div = tp if pdim == 0 else 1
-        split = RowSplit(1, tuple(r // rows_div for r in w.sub_rows)) if w.sub_rows else None
+        # TP gives each rank whole query groups: G/t of them, each with its share of q, k and v
+        groups = max(1, w.row_groups // rows_div)
+        sizes = tuple(r // w.row_groups if w.row_groups > 1 else r // rows_div for r in w.sub_rows)
+        split = RowSplit(groups, sizes) if w.sub_rows else None
         out.append(MatrixLayout(w.name, local, pdim, tp, split))
     return out
 

@@ -3,16 +3,21 @@
 A Muon step over a TP × DP grid is a pure function of the matrices' layouts and a few settings.
 ``build_step_plan`` makes each decision once, in this order, and records it:
 
-    1. DP owners      one DP rank per matrix (``owners.plan_dp_owners``: LPT on NS FLOPs, a matrix
+    0. units          the pieces placed independently (``units.split_units``): a weight, or each
+                      contiguous fused block of it (fc1's gate and up)
+    1. DP owners      one DP rank per unit (``owners.plan_unit_owners``: LPT on NS FLOPs, a weight
                       whole on one rank pinned there); none without a DP exchange (DP 1, or
                       ``dp_mode`` redundant: every DP rank computes everything)
-    2. micro-groups   consecutive matrices of at most ``bucket_bytes`` of full matrices, about
-                      ``MIN_MICRO_GROUPS`` of them: the pipeline's unit (``exchange.split_micro_groups``)
+    2. micro-groups   consecutive weights of at most ``bucket_bytes`` of full matrices, about
+                      ``MIN_MICRO_GROUPS`` of them, as their units: the pipeline's stage
+                      (``exchange.split_micro_groups``); a weight's units share one micro-group
     3. per DP owner   the sub-matrices its TP group orthogonalizes (fused rows split: QKV per query
-                      group, fc1 gate / up), the TP mode of each (``tp_modes_for``: the one place a
-                      TP mode is decided, ``auto`` included) and, in owner mode, the TP owner of each
-                      (LPT over everything that DP owner holds, so the balance is that of one call)
-    4. scales         each matrix's update scale, per sub-matrix (global shape; local in blockwise)
+                      group), the TP mode of each and, in owner mode, the TP owner of each (LPT over
+                      everything that DP owner holds, so the balance is that of one call)
+    (auto)            steps 1 and 3 at once, for the whole TP × DP grid (``auto_schedule``: which DP
+                      group, and on one rank or the whole TP group, minimizing the busiest rank's
+                      predicted seconds)
+    4. scales         each unit's update scale, per sub-matrix (global shape; local in blockwise)
     5. costs          per rank, the Newton–Schulz FLOPs and the bytes the step's collectives send
 
 The step (``parallel.orthogonalize``) executes a rank's slice of it; the startup report, the dry
@@ -28,15 +33,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.matrix_layout import MatrixLayout
-from ..core.newton_schulz import NSOptions, ns_flops
+from ..core.newton_schulz import NSOptions, gram_block_rows, ns_flops, sharded_ns_flops, splits_gram
 from ..core.scaling import SCALE_MODES, muon_scale
 from . import exchange
-from .auto_mode import choose_tp_modes
 from .cost_model import Hardware
-from .owners import plan_dp_owners, plan_owners
+from .grid_schedule import GridSchedule, schedule_grid
+from .owners import dp_pins, plan_owners, plan_unit_owners, unit_pinnable
+from .units import Unit, split_units
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DP_MODES", "TP_MODES", "OwnerWork", "PlanSettings", "StepPlan",
-           "build_step_plan", "distributed_ns_flops", "tp_modes_for"]
+           "auto_schedule", "build_step_plan"]
 
 # Append new modes last: the cross-rank check sends TP_MODES.index(mode).
 TP_MODES = ("duplicated", "distributed", "blockwise", "owner", "auto")
@@ -73,11 +79,11 @@ class OwnerWork:
     """What one DP owner's TP group orthogonalizes in a step, in execution order."""
 
     matrices: tuple[int, ...]
-    """indices of the matrices it owns, micro-group by micro-group."""
+    """indices of the units it owns, micro-group by micro-group."""
     subs: tuple[MatrixLayout, ...]
     """their sub-matrices (TP-sharded, no DP ranges), in the same order."""
     sub_positions: dict[int, tuple[int, ...]]
-    """matrix index → positions of its sub-matrices in ``subs``."""
+    """unit index → positions of its sub-matrices in ``subs``."""
     modes: tuple[str, ...]
     """per sub-matrix, the TP mode it runs in (never ``auto``)."""
     tp_owners: tuple[int | None, ...]
@@ -93,18 +99,20 @@ class StepPlan:
     """
 
     matrices: tuple[MatrixLayout, ...]
-    """every Muon matrix of the stage, same order on every rank."""
+    """every Muon weight of the stage, same order on every rank."""
+    units: tuple[Unit, ...]
+    """the weights' units (``units.split_units``), weight by weight: what the rest is indexed by."""
     dp_size: int
     tp_size: int
     settings: PlanSettings
     dp_owners: tuple[int, ...] | None
-    """per matrix, its DP owner; None when the step has no DP exchange."""
+    """per unit, its DP owner; None when the step has no DP exchange."""
     micro_groups: tuple[tuple[int, ...], ...]
-    """consecutive matrix indices (empty matrices, with a zero dim, belong to none)."""
+    """consecutive unit indices, whole weights (empty weights, with a zero dim, belong to none)."""
     work: tuple[OwnerWork, ...]
     """per DP rank, what its TP group orthogonalizes (without a DP exchange, everything)."""
     scales: tuple[tuple[float, ...], ...]
-    """per matrix, per sub-matrix, the scale of its update."""
+    """per unit, per sub-matrix, the scale of its update."""
     ns_flops: tuple[int, ...]
     """per rank, the Newton–Schulz FLOPs it runs."""
     dp_bytes: tuple[int, ...]
@@ -123,29 +131,36 @@ class StepPlan:
 
     @property
     def owner_of(self) -> tuple[int, ...]:
-        """per matrix, the DP rank whose TP group computes it (0 for all without a DP exchange)."""
-        return self.dp_owners if self.dp_owners is not None else (0,) * len(self.matrices)
+        """per unit, the DP rank whose TP group computes it (0 for all without a DP exchange)."""
+        return self.dp_owners if self.dp_owners is not None else (0,) * len(self.units)
+
+    def units_of(self, i: int) -> tuple[int, ...]:
+        """The indices of weight ``i``'s units, in row order."""
+        return tuple(u for u, unit in enumerate(self.units) if unit.weight == i)
 
     def tp_modes_of(self, i: int) -> tuple[str, ...]:
-        """The TP mode of each sub-matrix of matrix ``i`` (empty for an empty matrix)."""
-        work = self.work[self.owner_of[i]]
-        return tuple(work.modes[p] for p in work.sub_positions.get(i, ()))
+        """The TP mode of each sub-matrix of weight ``i`` (empty for an empty weight)."""
+        modes: list[str] = []
+        for u in self.units_of(i):
+            work = self.work[self.owner_of[u]]
+            modes += [work.modes[p] for p in work.sub_positions.get(u, ())]
+        return tuple(modes)
 
     def idle_dp_ranks(self) -> list[int]:
         """DP ranks whose TP group orthogonalizes nothing."""
         return [d for d, w in enumerate(self.work) if not w.matrices]
 
 
-def tp_modes_for(subs: Sequence[MatrixLayout], tp_size: int, settings: PlanSettings) -> tuple[str, ...]:
-    """The TP mode each sub-matrix of one TP group's list runs in: the requested mode, or for
-    ``auto`` the cost model's per-class choice over the whole list (``auto_mode.choose_tp_modes``).
-    The only place a TP mode is decided."""
-    if settings.tp_mode != "auto":
-        return (settings.tp_mode,) * len(subs)
-    if not subs:
-        return ()
-    return tuple(choose_tp_modes(subs, tp_size, settings.hardware, steps=settings.ns.steps,
-                                 dtype_bytes=settings.ns.dtype_bytes))
+def auto_schedule(matrices: Sequence[MatrixLayout], units: Sequence[Unit], dp_groups: int, tp_size: int,
+                  settings: PlanSettings) -> GridSchedule:
+    """``auto``'s joint plan of the stage (``grid_schedule.schedule_grid``): per unit its DP group
+    (of ``dp_groups``: 1 without a DP exchange), per sub-matrix its TP mode and TP owner. A unit
+    whose weight lies whole on one DP rank stays there; a cut one prefers its largest piece's holder."""
+    layouts = [unit.layout for unit in units]
+    pinned, prefer = dp_pins(layouts, dp_groups, unit_pinnable(matrices, units, dp_groups)) if dp_groups > 1 \
+        else ({}, None)
+    return schedule_grid(layouts, dp_groups, tp_size, settings.hardware, steps=settings.ns.steps,
+                         dtype_bytes=settings.ns.dtype_bytes, pinned=pinned, prefer=prefer)
 
 
 def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: int,
@@ -154,32 +169,42 @@ def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: 
     for a setting the matrices cannot honour."""
     _check(matrices, dp_size, tp_size, settings)
     matrices = tuple(matrices)
+    units = split_units(matrices)
+    layouts = tuple(unit.layout for unit in units)
     ns = settings.ns
     live = [i for i, lay in enumerate(matrices) if lay.numel]
+    exchanges_dp = settings.dp_mode == "owner" and dp_size > 1
+    schedule = None
+    if settings.tp_mode == "auto":
+        schedule = auto_schedule(matrices, units, dp_size if exchanges_dp else 1, tp_size, settings)
     dp_owners = None
-    if settings.dp_mode == "owner" and dp_size > 1:
-        dp_owners = tuple(plan_dp_owners(matrices, dp_size, ns.steps))
+    if exchanges_dp:
+        dp_owners = schedule.dp_owners if schedule else tuple(plan_unit_owners(matrices, units, dp_size, ns.steps))
     # Micro-groups are cut on full-matrix bytes: the TP owner holds whole matrices, and a full
     # matrix is at least the TP-local shard the DP exchange moves, so one cap bounds both.
     element = ns.dtype_bytes
     full_bytes = [matrices[i].numel * element * (matrices[i].tp_size if matrices[i].is_sharded else 1) for i in live]
     min_groups = exchange.MIN_MICRO_GROUPS if settings.min_micro_groups is None else settings.min_micro_groups
     if not settings.pipelined:
-        micro_groups = (tuple(live),) if live else ()
+        weight_groups = [tuple(live)] if live else []
     else:
-        micro_groups = tuple(tuple(live[k] for k in chunk)
-                             for chunk in exchange.split_micro_groups(full_bytes, settings.bucket_bytes, min_groups))
+        weight_groups = [[live[k] for k in chunk]
+                         for chunk in exchange.split_micro_groups(full_bytes, settings.bucket_bytes, min_groups)]
+    units_of = {}
+    for u, unit in enumerate(units):
+        units_of.setdefault(unit.weight, []).append(u)
+    micro_groups = tuple(tuple(u for i in g for u in units_of[i]) for g in weight_groups)
     if dp_owners is None:
-        shared = _owner_work(matrices, [i for g in micro_groups for i in g], tp_size, settings)
+        shared = _owner_work(layouts, [u for g in micro_groups for u in g], tp_size, settings, schedule)
         work = (shared,) * dp_size
     else:
-        work = tuple(_owner_work(matrices, [i for g in micro_groups for i in g if dp_owners[i] == d], tp_size,
-                                 settings) for d in range(dp_size))
+        work = tuple(_owner_work(layouts, [u for g in micro_groups for u in g if dp_owners[u] == d], tp_size,
+                                 settings, schedule) for d in range(dp_size))
     blockwise = settings.tp_mode == "blockwise"
-    scales = tuple(_scales(lay, blockwise, settings) for lay in matrices)
-    flops, dp_sent, tp_sent = _costs(matrices, dp_owners, work, dp_size, tp_size, ns)
-    return StepPlan(matrices, dp_size, tp_size, settings, dp_owners, micro_groups, work, scales, flops, dp_sent,
-                    tp_sent)
+    scales = tuple(_scales(lay, blockwise, settings) for lay in layouts)
+    flops, dp_sent, tp_sent = _costs(layouts, dp_owners, work, dp_size, tp_size, ns)
+    return StepPlan(matrices, units, dp_size, tp_size, settings, dp_owners, micro_groups, work, scales, flops,
+                    dp_sent, tp_sent)
 
 
 def _check(matrices, dp_size: int, tp_size: int, settings: PlanSettings) -> None:
@@ -208,14 +233,21 @@ def _check(matrices, dp_size: int, tp_size: int, settings: PlanSettings) -> None
             )
 
 
-def _owner_work(matrices, owned: list[int], tp_size: int, settings: PlanSettings) -> OwnerWork:
+def _owner_work(matrices, owned: list[int], tp_size: int, settings: PlanSettings,
+                schedule: GridSchedule | None) -> OwnerWork:
+    """What one DP owner's TP group runs: its units' sub-matrices, the requested TP mode (the only
+    place a TP mode is decided) and its owners by LPT, or ``auto``'s, both from its schedule."""
     subs: list[MatrixLayout] = []
     positions: dict[int, tuple[int, ...]] = {}
     for i in owned:
         parts = matrices[i].sub_matrices()
         positions[i] = tuple(range(len(subs), len(subs) + len(parts)))
         subs += parts
-    modes = tp_modes_for(subs, tp_size, settings)
+    if schedule is not None:
+        modes = tuple(m for i in owned for m in schedule.modes[i])
+        owners = tuple(r for i in owned for r in schedule.tp_owners[i])
+        return OwnerWork(tuple(owned), tuple(subs), positions, modes, owners)
+    modes = (settings.tp_mode,) * len(subs)
     # Owner mode plans among its own sub-matrices, over everything this DP owner holds.
     in_owner = [p for p, m in enumerate(modes) if m == "owner"]
     chosen = plan_owners([ns_flops(*subs[p].full_shape, settings.ns.steps) for p in in_owner], tp_size)
@@ -235,11 +267,6 @@ def _scales(layout: MatrixLayout, blockwise: bool, settings: PlanSettings) -> tu
 
 
 # ---- per-rank FLOPs and bytes ---------------------------------------------------------------------
-
-
-def distributed_ns_flops(k: int, local_cols: int, steps: int = 5) -> int:
-    """Per-rank FLOPs of distributed NS on a (k × local_cols) shard: s·(4k²·cols + 2k³)."""
-    return steps * (4 * k * k * local_cols + 2 * k * k * k)
 
 
 def _costs(matrices, dp_owners, work, dp: int, tp: int, ns: NSOptions):
@@ -286,7 +313,10 @@ def _sub_cost(sub: MatrixLayout, mode: str, owner: int | None, j: int, tp: int, 
         return ns_flops(*full, ns.steps), (tp - 1) * local_n * elem
     if mode == "distributed":  # k: the unsharded dim; the scale, the norm and `steps` k×k Grams all-reduced
         k, cols = (local[1], local[0]) if sub.partition_dim == 0 else local
-        return distributed_ns_flops(k, cols, ns.steps), 2 * (tp - 1) * (ns.steps * k * k + 2) * elem / tp
+        sent = 2 * (tp - 1) * (ns.steps * k * k + 2) * elem / tp
+        if splits_gram(k, cols, tp):  # B's row blocks, all-gathered every step
+            sent += ns.steps * (tp - 1) * gram_block_rows(k, tp) * k * elem
+        return sharded_ns_flops(k, cols, ns.steps, tp), sent
     if j != owner:  # owner mode: the shard goes to the owner (a replicated matrix stays put)
         return 0, local_n * elem if sharded else 0
     return ns_flops(*full, ns.steps), (tp - 1) * (local_n if sharded else full_n) * elem

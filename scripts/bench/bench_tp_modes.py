@@ -38,7 +38,6 @@ import torch.distributed as dist
 
 from megatron_muon import comm_stats, ns_flops, orthogonalize_sharded
 from megatron_muon.core.models import llama3_matrices
-from megatron_muon.plan.step_plan import distributed_ns_flops
 
 from .collectives import CollectiveCounter
 from .launch import backend_for, launch
@@ -99,7 +98,8 @@ def megatron_ns_flops(mode: str, full_shape, local_shape, pdim: int, steps: int)
     if mode == "blockwise":
         return ns_flops(*local_shape, steps)
     k = full_shape[1 - pdim]  # the unsharded dim spans the all-reduced Gram
-    return distributed_ns_flops(k, local_shape[pdim], steps)
+    cols = local_shape[pdim]
+    return steps * (4 * k * k * cols + 2 * k ** 3)  # Megatron forms A², whatever the shard's width
 
 
 def bench_rank(rank: int, nproc: int, device, args, shapes) -> list[dict]:
@@ -263,7 +263,7 @@ def main() -> None:
         "during one untimed step, counted with megatron_muon/parallel/comm.py's convention "
         "(all_gather: own input × (t−1); all_reduce: 2(t−1)/t × bytes).",
         "megatron: NS FLOPs computed analytically (duplicated: full matrix on every rank; blockwise: local "
-        "shard; distributed: distributed_ns_flops(k, local cols), k the unsharded dim).",
+        "shard; distributed: s·(4k²·cols + 2k³), k the unsharded dim: Megatron forms A²).",
         "megatron: includes its spectral scale-factor multiply per matrix (one cheap elementwise op); "
         "ours returns the unscaled factor. It orthogonalizes one matrix per call; ours batches same-shape ones.",
         "megatron: fed fp32 shards (its newton_schulz requires fp32), fp32_matmul_prec "

@@ -265,7 +265,8 @@ class NsFlopCounter:
 
     After its own transpose rule X is (m × n) with the m × m Gram (all-reduced when
     ``tp_group`` is given, so m spans the whole unsharded dim); one quintic step costs
-    X·Xᵀ 2m²n + A·A 2m³ + B·X 2m²n — ``ns_flops`` when m ≤ n, ``distributed_ns_flops`` otherwise.
+    X·Xᵀ 2m²n + A·A 2m³ + B·X 2m²n — ``ns_flops`` when m ≤ n; Megatron forms A² whatever the
+    shard's width (it never reassociates, unlike ``newton_schulz.quintic_iteration``).
     """
 
     def __init__(self) -> None:

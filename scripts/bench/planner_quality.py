@@ -336,13 +336,12 @@ def plan_ours(layouts: list[MatrixLayout], tp: int, dp: int, *, dp_mode: str = "
             units.append(ns_flops(*full, STEPS))
             if layout.partition_dim is not None and tp > 1:
                 tp_min += replicas * 2 * (tp - 1) * local[0] * local[1] * NS_BYTES
-        if owners is None:
-            continue
-        holders = layout.holders(dp)
-        if layout.dp_ranges is not None and len(holders) > 1:
-            dp_min += tp * 2 * (layout.numel - max(holders.values())) * NS_BYTES
-        elif layout.dp_ranges is None:  # DDP: the result must reach the dp−1 other replicas
-            dp_min += tp * (dp - 1) * layout.numel * NS_BYTES
+    for unit in step.units if owners is not None else ():  # the DP exchange moves units (fc1: gate, up)
+        holders = unit.layout.holders(dp)
+        if unit.layout.dp_ranges is not None and len(holders) > 1:
+            dp_min += tp * 2 * (unit.layout.numel - max(holders.values())) * NS_BYTES
+        elif unit.layout.dp_ranges is None:  # DDP: the result must reach the dp−1 other replicas
+            dp_min += tp * (dp - 1) * unit.layout.numel * NS_BYTES
     total = sum(units) * replicas
     return Plan(list(step.ns_flops), list(step.dp_bytes), list(step.tp_bytes), units, total, dp_min, tp_min)
 

@@ -240,10 +240,12 @@ def test_muonbp_accepts_auto_for_its_full_steps():
 
 
 def _mixed_cases(t: int) -> list[tuple[tuple[int, int], int | None]]:
-    """Tall-thin split along the long side (both dims), several same-shape squares (both dims),
-    one replicated matrix: NO_LATENCY picks distributed, owner and duplicated for them."""
+    """Tall-thin split along the long side (both dims), several same-shape squares, small wide
+    ones, one replicated matrix: NO_LATENCY picks distributed, owner and duplicated for them.
+    The squares are 320 wide: below ~256 at TP2, on NO_LATENCY's constants, a square costs less
+    to compute on every rank than to send there and back, and duplicated takes them too."""
     cases = [((64 * t, 8), 0), ((8, 64 * t), 1)]
-    cases += [((8 * t, 8 * t), 0)] * (2 * t) + [((4 * t, 12 * t), 1)] * (2 * t)
+    cases += [((320, 320), 0)] * (2 * t) + [((4 * t, 12 * t), 1)] * (2 * t)
     cases += [((24, 40), None), ((32 * t, 8), 0)]
     return cases
 

@@ -9,6 +9,8 @@ same piece of NS of the *global* sub-matrices, computed here on one process.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -17,7 +19,18 @@ from step_harness import run_step
 from matrix_harness import FP32_ATOL, expected_local, global_matrix, layouts, tp_local
 
 from megatron_muon import comm_stats, ns_flops
-from megatron_muon.plan.owners import plan_dp_owners
+from megatron_muon.plan.auto_mode import CPU_GLOO
+from megatron_muon.plan.owners import plan_unit_owners
+from megatron_muon.plan.step_plan import PlanSettings, build_step_plan
+from megatron_muon.plan.units import split_units
+
+
+# auto on a compute-bound machine (the CPU profile with slow GEMMs and no per-call latencies): the
+# split sub-matrices then cost the same rank-seconds wide as narrow and run distributed, the
+# replicated router another way; so one step mixes modes across DP groups
+# (test_auto_mixes_modes_across_the_grid).
+AUTO_HARDWARE = dataclasses.replace(CPU_GLOO, name="compute-bound", matmul_flops=1e6, collective_latency_s=0.0,
+                                    kernel_overhead_s=0.0)
 
 
 def _worker(rank: int, world: int, tp: int) -> dict:
@@ -34,13 +47,14 @@ def _worker(rank: int, world: int, tp: int) -> dict:
         for i, lay in enumerate(lays):
             s, e = lay.local_range(dp_rank)
             pieces.append(tp_local(global_matrix(i, tp), lay.partition_dim, tp, tp_rank).reshape(-1)[s:e].clone())
-        for tp_mode in ("duplicated", "distributed", "owner", "blockwise"):
+        for tp_mode in ("duplicated", "distributed", "owner", "blockwise", "auto"):
             dp_modes = ("owner", "redundant") if not cut else ("owner",)
             for dp_mode in dp_modes:
+                hardware = {"hardware": AUTO_HARDWARE} if tp_mode == "auto" else {}
                 with comm_stats() as stats:
                     out = run_step(
                         pieces, lays, tp_mode=tp_mode, dp_group=dp_group, tp_group=tp_group,
-                        dp_mode=dp_mode, ns_dtype=torch.float32, coefficients="jordan",
+                        dp_mode=dp_mode, ns_dtype=torch.float32, coefficients="jordan", **hardware,
                     )
                 results[(cut, tp_mode, dp_mode)] = {
                     "out": out, "bytes": dict(stats.bytes_by_primitive), "flops": stats.ns_flops,
@@ -55,7 +69,7 @@ def world(request):
 
 
 @pytest.mark.parametrize("cut", [True, False], ids=["dp_cut", "dp_whole"])
-@pytest.mark.parametrize("tp_mode", ["duplicated", "distributed", "owner"])
+@pytest.mark.parametrize("tp_mode", ["duplicated", "distributed", "owner", "auto"])
 def test_exact_modes_equal_global_newton_schulz(world, cut, tp_mode):
     n, tp, ranks = world
     dp = n // tp
@@ -69,6 +83,17 @@ def test_exact_modes_equal_global_newton_schulz(world, cut, tp_mode):
                 err = (out[i] - want).abs().max().item() if e > s else 0.0
                 assert out[i].shape == want.shape
                 assert err <= FP32_ATOL, f"{lay.name} {tp_mode}/{dp_mode} cut={cut}: {err:.2e}"
+
+
+def test_auto_mixes_modes_across_the_grid():
+    """The auto runs above are exact with several modes in one step: at TP2 x DP2 on the cut layout
+    the joint schedule gives the split sub-matrices distributed and the replicated router another
+    mode, on both DP groups. (tests/dist/test_auto_mode.py runs narrow and wide in one call.)"""
+    lays = layouts(2, 2, True)
+    plan = build_step_plan(lays, dp_size=2, tp_size=2, settings=PlanSettings("auto", hardware=AUTO_HARDWARE))
+    modes = {m for w in plan.work for m in w.modes}
+    assert "distributed" in modes and len(modes) >= 2, modes
+    assert len(set(plan.dp_owners)) == 2  # both DP groups work
 
 
 def test_blockwise_differs_from_exact_only_when_tp_splits(world):
@@ -104,13 +129,15 @@ def test_only_cut_or_moved_matrices_travel_across_dp(world):
         assert all(r["results"][(True, "blockwise", "owner")]["bytes"].get("all_to_all", 0) == 0 for r in ranks)
         return
     lays = layouts(tp, dp, True)
-    owners = plan_dp_owners(lays, dp)
+    # The exchange moves units (fc1's gate and up apart), a unit pinned only where its weight is whole
+    units = split_units(lays)
+    owners = plan_unit_owners(lays, units, dp)
     # Bytes of pieces not already on their owner, there and back, fp32, summed over the DP
     # group — once per TP rank (each TP rank runs its own DP exchange).
     moved = sum(
         2 * (e - s) * 4
-        for lay, o in zip(lays, owners)
-        for d, (s, e) in enumerate(lay.dp_ranges)
+        for unit, o in zip(units, owners)
+        for d, (s, e) in enumerate(unit.layout.dp_ranges)
         if d != o
     )
     # blockwise has no TP traffic, so all its all-to-all bytes are the DP exchange.
@@ -118,7 +145,8 @@ def test_only_cut_or_moved_matrices_travel_across_dp(world):
     assert total == moved * tp
     whole = [lay.name for lay in lays if len(lay.holders(dp)) == 1]
     assert whole, "the layout should leave some matrices uncut"
-    for lay, o in zip(lays, owners):
+    for unit, o in zip(units, owners):
+        lay = lays[unit.weight]
         if len(lay.holders(dp)) == 1:
             assert o == next(iter(lay.holders(dp))), f"{lay.name} lies on one rank but is owned elsewhere"
 
@@ -172,10 +200,11 @@ def test_exchange_rounds_do_not_change_the_tp_plan():
     # owned sub-matrices' NS exactly once (the sum is conserved).
     tp, dp = 2, 2
     lays = layouts(tp, dp, cut=True)
-    owners = plan_dp_owners(lays, dp, 5)
+    units = split_units(lays)
+    owners = plan_unit_owners(lays, units, dp, 5)
     for d in range(dp):
-        costs = [ns_flops(*shape, 5) for i, lay in enumerate(lays) if owners[i] == d
-                 for shape in lay.sub_global_shapes()]
+        costs = [ns_flops(*shape, 5) for u, unit in enumerate(units) if owners[u] == d
+                 for shape in unit.layout.sub_global_shapes()]
         group = [ranks[d * tp + j][2**30][1] for j in range(tp)]
         assert sum(group) == sum(costs), f"DP owner {d}: NS FLOPs {group} do not add up to {sum(costs)}"
         assert max(group) <= sum(costs) / tp + (1 - 1 / tp) * max(costs), f"DP owner {d}: {group} unbalanced"

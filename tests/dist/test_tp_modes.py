@@ -18,9 +18,10 @@ from step_harness import run_step
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 
 from megatron_muon import comm_stats, newton_schulz, ns_flops, orthogonalize_sharded
-from megatron_muon.core.newton_schulz import COEFFICIENT_SETS
+from megatron_muon.core.newton_schulz import (COEFFICIENT_SETS, gram_block_rows, reassociates, sharded_ns_flops,
+                                             splits_gram)
 from megatron_muon.plan.exchange import MIN_MICRO_GROUPS, split_micro_groups, split_rounds
-from megatron_muon.plan.step_plan import DEFAULT_BUCKET_BYTES, distributed_ns_flops
+from megatron_muon.plan.step_plan import DEFAULT_BUCKET_BYTES
 
 WORLD_SIZES = (1, 2, 3, 4)
 EXACT_MODES = ("duplicated", "distributed", "owner")
@@ -28,7 +29,9 @@ ALL_MODES = ("duplicated", "distributed", "blockwise", "owner", "auto")
 # (dtype, power of two) of the huge-gradient check: fp32 entries ~1e30 (2^100), and bf16 ones
 # next to bf16's max 3.4e38 (randn's largest entries here, ~4.5, times 2^125 < 2^128).
 HUGE = ((torch.float32, 100), (torch.bfloat16, 125))
-BASE_SHAPES = {"tall": (96, 40), "wide": (40, 96), "square": (64, 64), "odd": (48, 24)}
+# "flat" split along its 16 rows is a shard narrower than its Gram (96 × 16/t under distributed):
+# it runs the reassociated product A·(A·X); test_distributed_runs_every_product_form lists the rest.
+BASE_SHAPES = {"tall": (96, 40), "wide": (40, 96), "square": (64, 64), "odd": (48, 24), "flat": (16, 96)}
 PDIMS = (0, 1, None)
 COPIES = 2
 
@@ -380,15 +383,37 @@ def test_duplicated_and_distributed_traffic_and_flops(world):
             dist_flops += ns_flops(rows, cols)
             continue
         k, local_cols = (cols, rows // t) if pdim == 0 else (rows, cols // t)
-        dist_flops += distributed_ns_flops(k, local_cols)
+        dist_flops += sharded_ns_flops(k, local_cols, 5, t)
         if copy == 0:
             dist_bytes += 2 * ring(COPIES * 4) + 5 * ring(COPIES * k * k * 4)
+            if splits_gram(k, local_cols, t):  # five all-gathers of every rank's padded rows of B
+                dist_bytes += 5 * (t - 1) * COPIES * gram_block_rows(k, t) * k * 4
     for r in ranks:
         assert r["stats"]["duplicated"]["bytes_sent"] == gather + meta
         assert r["stats"]["duplicated"]["ns_flops"] == full_flops  # t-fold redundant
         assert r["stats"]["distributed"]["bytes_sent"] == dist_bytes + meta
         assert r["stats"]["distributed"]["ns_flops"] == dist_flops
         assert r["stats"]["blockwise"]["bytes_sent"] == 0
+
+
+def test_distributed_runs_every_product_form():
+    """The tests above compare distributed mode with one-process NS on shards of every product
+    form it has at two or more ranks: B's rows split over the ranks (even and uneven blocks) and
+    A·(A·X) (A² whole is left for a shard as wide as the Gram, which no split of two or more
+    has: ceil(k/t) < k <= cols); each world runs at least two of them."""
+    seen = set()
+    for t in WORLD_SIZES[1:]:
+        forms = set()
+        for _, pdim, _, (rows, cols) in matrix_cases(t):
+            if pdim is not None:
+                k, local_cols = (cols, rows // t) if pdim == 0 else (rows, cols // t)
+                if splits_gram(k, local_cols, t):
+                    forms.add("split B, even" if k % t == 0 else "split B, uneven")
+                else:
+                    forms.add("A(AX)" if reassociates(k, local_cols) else "A squared")
+        assert len(forms) >= 2, (t, forms)
+        seen |= forms
+    assert seen == {"split B, even", "split B, uneven", "A(AX)"}
 
 
 # ---- single process, no torch.distributed ----------------------------------------------------

@@ -147,7 +147,8 @@ def test_dp_replicas_bitwise_identical(trained, world):
 def test_only_cut_or_moved_matrices_travel_across_dp(trained):
     """TP=1 runs with the distributed optimizer: the DP owner exchange moves exactly the pieces
     not already on their owner (there and back), and nothing else."""
-    from megatron_muon.plan.owners import plan_dp_owners
+    from megatron_muon.plan.owners import plan_unit_owners
+    from megatron_muon.plan.units import split_units
 
     checked = 0
     for world, runs in RUNS.items():
@@ -161,9 +162,10 @@ def test_only_cut_or_moved_matrices_travel_across_dp(trained):
                 layouts, dp = stage[0].layouts, stage[0].dp_size
                 if dp == 1:
                     continue
-                owners = plan_dp_owners(layouts, dp)
-                moved = sum(2 * (e - s) * 4 for lay, o in zip(layouts, owners)
-                            for d, (s, e) in enumerate(lay.dp_ranges) if d != o)
+                units = split_units(layouts)  # the exchange moves units: fc1's gate and up apart
+                owners = plan_unit_owners(layouts, units, dp)
+                moved = sum(2 * (e - s) * 4 for unit, o in zip(units, owners)
+                            for d, (s, e) in enumerate(unit.layout.dp_ranges) if d != o)
                 for step in range(K):
                     sent = sum(r.by_primitive[step].get("all_to_all", 0) for r in stage)
                     assert sent == moved, f"{_run_id(world, run)} step {step}: {sent} bytes, expected {moved}"

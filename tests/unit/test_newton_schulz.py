@@ -9,7 +9,14 @@ from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schu
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 
 from megatron_muon import newton_schulz, ns_flops
-from megatron_muon.core.newton_schulz import COEFFICIENT_SETS, coefficient_schedule, power_of_two_floor
+from megatron_muon.core.newton_schulz import (
+    COEFFICIENT_SETS,
+    coefficient_schedule,
+    power_of_two_floor,
+    quintic_iteration,
+    reassociates,
+    sharded_ns_flops,
+)
 
 SHAPES = [(96, 40), (40, 96), (64, 64), (48, 24), (1, 7), (7, 1)]
 # Every coefficient-set name the installed emerging-optimizers knows (read from its table, so a
@@ -158,6 +165,36 @@ def test_ns_flops():
     assert ns_flops(64, 64) == 30 * 64**3
     assert ns_flops(96, 40) == ns_flops(40, 96) == 5 * (4 * 40 * 40 * 96 + 2 * 40**3)
     assert ns_flops(10, 20, steps=1) == 4 * 100 * 20 + 2 * 1000
+
+
+@pytest.mark.parametrize("shape", [(48, 8), (48, 47), (48, 48), (16, 96), (3, 48, 8), (3, 16, 96)])
+def test_quintic_iteration_is_the_quintic_in_either_order(shape):
+    """Both associations against the polynomial in float64: a·X + b·A·X + c·A·A·X.
+
+    fp32 tolerance: one step on a normalized X (entries and A's eigenvalues below 1) reorders a few
+    hundred products per entry; the differences are a few fp32 ulps of the largest coefficient
+    (|b| ~ 7), ~1e-5 at most. 5e-5 is 5x that and far below the effect of a wrong term (~0.1)."""
+    X = randn(*shape, seed=3)
+    X = X / torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True)
+    a, b, c = COEFFICIENT_SETS["quintic"][0]
+    X64 = X.double()
+    A64 = X64 @ X64.mT
+    want = a * X64 + b * (A64 @ X64) + c * (A64 @ (A64 @ X64))
+    got = quintic_iteration(X, X @ X.mT, a, b, c)
+    assert got.shape == X.shape
+    torch.testing.assert_close(got.double(), want, atol=5e-5, rtol=0)
+
+
+def test_reassociation_rule_and_its_flops():
+    assert reassociates(48, 8) and not reassociates(48, 48) and not reassociates(16, 96)
+    # a shard as wide as its Gram: the usual 4k²c + 2k³ per step; narrower: 6k²c, no k³ term
+    assert sharded_ns_flops(64, 64) == ns_flops(64, 64)
+    assert sharded_ns_flops(64, 8, steps=1) == 6 * 64 * 64 * 8
+    assert sharded_ns_flops(64, 100, steps=1) == 4 * 64 * 64 * 100 + 2 * 64**3
+    # Llama-3 405B fc1 half (53248 × 16384) at TP8: k = 16384, 6656 local rows; 53.6 TFLOP per rank
+    # reassociated against 79.7 with A² formed (five steps)
+    assert round(sharded_ns_flops(16384, 6656) / 1e12, 1) == 53.6
+    assert round(5 * (4 * 16384**2 * 6656 + 2 * 16384**3) / 1e12, 1) == 79.7
 
 
 @pytest.mark.parametrize(

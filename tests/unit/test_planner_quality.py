@@ -143,12 +143,13 @@ def test_bytes_at_least_analytic_minimum(llama, model, tp, dp):
 
 
 def test_dp_bytes_zero1_near_minimum_for_big_models(llama):
-    # Measured 1.00-1.15× the minimum for 70B / 405B (the DP plan prefers the largest piece's
-    # holder, trading a little traffic for balance); 8B moves 1.85× at DP8, 1.15× at DP64.
+    # The minimum is per unit (fc1's gate and up move apart): measured 1.02-1.25× it for 70B / 405B
+    # (70B DP8 1.247: 3.585 GB per rank, against 3.734 GB when whole weights moved; the DP plan
+    # prefers the largest piece's holder unless the balance suffers). 1.3 leaves a little headroom.
     for model in ("70B", "405B"):
         for tp, dp in pq.CONFIGS:
             b = llama[(model, tp, dp)]["bytes"]["ours (ZeRO-1)"]
-            assert b["dp_mean"] <= 1.2 * b["dp_min_mean"], (model, dp)
+            assert b["dp_mean"] <= 1.3 * b["dp_min_mean"], (model, dp)
 
 
 @pytest.mark.parametrize("model", pq.MODELS)
@@ -230,12 +231,13 @@ def test_cost_model_counts_the_cuts_of_the_real_layout(llama):
 
     for (model, tp, dp), r in llama.items():
         weights = model_weights(LLAMA3[model])
-        args = dict(bucket_numel=pq.default_bucket_size(dp), adam_numel=weights.adam_sharded_numel // tp)
+        args = dict(bucket_numel=pq.default_bucket_size(dp), adam_numel=weights.adam_sharded_numel // tp,
+                    norm_numel=LLAMA3[model].hidden)
         cut, moved = dp_cut_elements(_stage_weights(weights, 1), tp, dp, **args)
         assert cut == r["cut_matrices"], (model, dp)
         minimum = r["bytes"]["ours (ZeRO-1)"]["dp_min_mean"]
-        # The replay leaves the norm weights out, which moves each cut point by a few thousand
-        # elements: observed at most 0.082 % off (all six configurations); 0.1 % bounds it, while
-        # charging one more or one fewer cut matrix would be off by whole percents.
+        # The replay (norms included, fc1's gate and up and a one-group QKV's q, k, v as units)
+        # reproduced every range of five configurations exactly; 8B DP64 came out 0.037 % low.
+        # 0.1 % bounds that, while charging one unit more or fewer would be off by whole percents.
         assert 2 * moved * pq.NS_BYTES / dp == pytest.approx(minimum, rel=1e-3), (model, dp)
         assert dp_cut_elements(_stage_weights(weights, 1), tp, dp, dp_layout="balanced", **args) == (0, 0)

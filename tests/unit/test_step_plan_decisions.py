@@ -18,6 +18,7 @@ from megatron_muon.optimizer import step_plans
 from megatron_muon.plan.auto_mode import hardware_profile
 from megatron_muon.plan.owners import plan_dp_owners
 from megatron_muon.plan.step_plan import build_step_plan
+from megatron_muon.plan.units import split_units
 
 
 def _layer(tp: int, dp_ranges=None) -> list[MatrixLayout]:
@@ -41,8 +42,14 @@ def test_a_plan_for_512_ranks_is_built_on_one_process_and_counts_each_ns_once():
     assert len(plan.ns_flops) == len(plan.bytes_sent) == 512
     once = sum(ns_flops(*shape, 5) for lay in layouts for shape in lay.sub_global_shapes())
     assert sum(plan.ns_flops) == once  # owner: each sub-matrix's NS runs on exactly one rank
-    assert plan.dp_owners == tuple(plan_dp_owners(layouts, 64, 5))
+    units = split_units(layouts)
+    # contiguous fused blocks are units: fc1's gate and up, and QKV's q, k, v (one query group per
+    # rank at TP8); 8 layers x (3 + 1 + 2 + 1) = 56 units
+    assert plan.units == units and len(units) == 56
+    assert plan.dp_owners == tuple(plan_dp_owners([u.layout for u in units], 64, 5))
     assert len(plan.idle_dp_ranks()) == 64 - len(set(plan.dp_owners))
+    # 56 units for 64 DP ranks: LPT gives each its own TP group, the two halves of an fc1 included
+    assert len(set(plan.dp_owners)) == len(units)
     for i in range(len(layouts)):
         assert plan.tp_modes_of(i) == ("owner",) * len(layouts[i].sub_matrices())
 
@@ -112,3 +119,19 @@ def test_the_plan_is_immutable_and_compared_by_identity():
         a.dp_size = 2
     assert a.ns_flops == b.ns_flops  # and the same inputs give the same decisions
     assert torch.bfloat16 == a.settings.ns.dtype
+
+
+def test_units_cut_a_weight_into_its_contiguous_blocks_and_clip_its_dp_ranges():
+    # fc1 at TP2: gate and up, 4 rows x 3 cols each, DP ranges cutting inside both halves
+    fc1 = MatrixLayout("fc1", (8, 3), 0, 2, RowSplit(1, (4, 4)), ((0, 10), (10, 24)))
+    qkv = MatrixLayout("qkv", (12, 3), 0, 2, RowSplit(2, (4, 1, 1)), ((0, 20), (20, 36)))
+    units = split_units([fc1, qkv])
+    assert [(u.weight, u.block, u.start, u.layout.name, u.layout.local_shape) for u in units] == [
+        (0, 0, 0, "fc1[0]", (4, 3)), (0, 1, 12, "fc1[1]", (4, 3)), (1, 0, 0, "qkv", (12, 3))]
+    assert units[0].layout.dp_ranges == ((0, 10), (10, 12)) and units[1].layout.dp_ranges == ((0, 0), (0, 12))
+    assert units[2].layout == qkv  # interleaved query groups: one unit, kept whole
+    # a DP rank's piece of the weight is its pieces of the units, in order
+    for rank, (a, b) in enumerate(fc1.dp_ranges):
+        spans = [units[k].slice_of((a, b)) for k in (0, 1)]
+        assert [hi - lo for lo, hi in spans] == [e - s for s, e in (u.layout.dp_ranges[rank] for u in units[:2])]
+        assert spans[0][0] == 0 and spans[0][1] == spans[1][0] and spans[1][1] == b - a

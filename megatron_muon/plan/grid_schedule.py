@@ -1,0 +1,192 @@
+"""``auto``'s plan: where each matrix's Newton–Schulz runs on a stage's TP × DP grid, and on how many ranks.
+
+Pure (no torch.distributed): every rank computes the same schedule from the same shapes.
+
+Each sub-matrix is a *malleable* task on its DP owner's TP group of t ranks. It runs either
+*narrow*, on one rank (``owner`` mode: its shards travel to that rank by the owner exchange), or
+*wide*, on all t ranks of the group (``distributed``: the Gram all-reduced, B's rows split; or
+``duplicated``: gathered, every rank runs it; whichever the cost model predicts faster). A unit
+(``units.Unit``: a weight, or fc1's gate or up) goes whole to one DP group, the DP owner exchange
+bringing its pieces there. The schedule minimizes the predicted makespan of the busiest rank, in
+seconds on ``hardware`` (NS, its TP collectives and the unit's DP exchange), in two phases:
+
+    1. allotment  every sub-matrix that costs the group no more rank-seconds wide than narrow runs
+                  wide (``free_to_widen``), and for each threshold θ among the narrow times (and
+                  θ = ∞) so does every one whose narrow time is ≥ θ; the rest run narrow (one more
+                  candidate: all narrow). Same shapes therefore always share a width (and batch
+                  together in their mode).
+    2. placement  list scheduling, longest first (Graham's LPT): each unit goes to the DP group
+                  where the busiest of its ranks ends earliest (a pinned unit to its pin; a cut
+                  unit to the holder of its largest piece unless that ends later than both the
+                  current makespan and the best group), its wide sub-matrices on every rank of
+                  the group, its narrow ones each on the group's least-loaded rank.
+
+The allotment with the smallest makespan wins (ties: the larger θ, fewer collectives). A
+per-matrix choice, as ``auto`` made before, cannot see that 21 whole 53248 × 16384 fc1 halves on
+a 512-rank stage (Llama-3 405B, TP8 × PP16 × DP64) leave one rank 330 TFLOP while most idle:
+here each runs on its own TP group, 41 TFLOP per rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from ..core.matrix_layout import MatrixLayout
+from ..core.newton_schulz import gram_block_rows, ns_flops, sharded_ns_flops, splits_gram
+from .cost_model import Hardware, collective_time, ns_time
+
+__all__ = ["GridSchedule", "schedule_grid"]
+
+
+@dataclass(frozen=True)
+class GridSchedule:
+    """Per unit: its DP group, and per sub-matrix its TP mode and (narrow) TP rank."""
+
+    dp_owners: tuple[int, ...]
+    modes: tuple[tuple[str, ...], ...]
+    """per unit, per sub-matrix: ``owner`` (narrow), ``distributed`` or ``duplicated`` (wide)."""
+    tp_owners: tuple[tuple[int | None, ...], ...]
+    """per unit, per sub-matrix: the TP rank of a narrow one, None for a wide one."""
+    makespan_s: float
+    """predicted seconds of the busiest rank."""
+    ns_makespan_s: float
+    """the same without the DP exchange: Newton–Schulz and its TP collectives."""
+
+
+@dataclass(frozen=True)
+class _Task:
+    """One sub-matrix's predicted seconds in each width."""
+
+    narrow_s: float
+    """on its owner rank."""
+    narrow_other_s: float
+    """on each other rank of the group (sending its shard, receiving the result)."""
+    wide_mode: str | None
+    """the faster wide mode; None when it has none (a TP group of one, an empty matrix)."""
+    wide_s: float
+    """on every rank of the group, in ``wide_mode``."""
+
+    def free_to_widen(self, tp: int) -> bool:
+        """Wide costs the group no more rank-seconds than narrow (a tall-thin shard's tiny Gram, a
+        small replicated matrix whose result costs more to send than to compute): always wide."""
+        return self.wide_mode is not None and tp * self.wide_s <= self.narrow_s + (tp - 1) * self.narrow_other_s
+
+
+def schedule_grid(units: Sequence[MatrixLayout], dp_size: int, tp_size: int, hw: Hardware, *, steps: int = 5,
+                  dtype_bytes: int = 2, pinned: Mapping[int, int] | None = None,
+                  prefer: Sequence[int | None] | None = None) -> GridSchedule:
+    """The schedule of the module docstring.
+
+    Args:
+        units: per unit, its layout (``units.Unit.layout``): TP split, fused rows, and DP ranges
+            when the distributed optimizer cuts it (what the DP exchange must move).
+        dp_size: DP groups to place on (1: no DP exchange; every unit runs on group 0).
+        tp_size: ranks of each TP group.
+        hw: the cost model's constants.
+        pinned: unit → DP group it must go to (it lies whole there).
+        prefer: per unit, a DP group to take unless it ends later (the holder of its largest piece).
+    """
+    pinned = dict(pinned or {})
+    tasks = [[_task(sub, tp_size, hw, steps, dtype_bytes) for sub in unit.sub_matrices()] for unit in units]
+    moves = [_dp_move_s(unit, dp_size, tp_size, hw, dtype_bytes) for unit in units]
+    widenable = sorted({t.narrow_s for ts in tasks for t in ts if t.wide_mode is not None}, reverse=True)
+    best = None
+    allotments = [(float("inf"), False)] + [(threshold, True) for threshold in (float("inf"), *widenable)]
+    for threshold, free in allotments:
+        wide = [[t.wide_mode is not None and (t.narrow_s >= threshold or (free and t.free_to_widen(tp_size)))
+                 for t in ts] for ts in tasks]
+        schedule = _place(tasks, wide, moves, dp_size, tp_size, pinned, prefer)
+        # Equal makespans (within float noise), e.g. when one unit's DP exchange sets it: the
+        # busier Newton–Schulz rank loses, so a critical exchange does not hide a worse NS plan.
+        if best is None or _better(schedule, best):
+            best = schedule
+    return best
+
+
+def _better(a: GridSchedule, b: GridSchedule) -> bool:
+    if a.makespan_s < b.makespan_s * (1 - 1e-9):
+        return True
+    return a.makespan_s <= b.makespan_s * (1 + 1e-9) and a.ns_makespan_s < b.ns_makespan_s * (1 - 1e-9)
+
+
+def _place(tasks, wide, moves, dp: int, tp: int, pinned, prefer) -> GridSchedule:
+    loads = [[0.0] * tp for _ in range(dp)]
+    ns_loads = [[0.0] * tp for _ in range(dp)]
+    seconds = [sum(t.wide_s if w else t.narrow_s for t, w in zip(ts, ws)) for ts, ws in zip(tasks, wide)]
+    dp_owners = [0] * len(tasks)
+    tp_owners: list[tuple[int | None, ...]] = [()] * len(tasks)
+    makespan = 0.0
+    for u in sorted(range(len(tasks)), key=lambda u: (-seconds[u], u)):
+        groups = [pinned[u]] if u in pinned else range(dp)
+        trials = {d: _try(loads[d], tasks[u], wide[u], moves[u][d]) for d in groups}
+        d = min(trials, key=lambda d: (max(trials[d][0]), sum(trials[d][0]), d))
+        want = prefer[u] if prefer is not None and u not in pinned else None
+        if want is not None and max(trials[want][0]) <= max(makespan, max(trials[d][0])):
+            d = want
+        added = [new - old - moves[u][d] for new, old in zip(trials[d][0], loads[d])]
+        ns_loads[d] = [x + y for x, y in zip(ns_loads[d], added)]
+        loads[d], tp_owners[u] = trials[d]
+        dp_owners[u] = d
+        makespan = max(makespan, max(loads[d]))
+    modes = tuple(tuple(t.wide_mode if w else "owner" for t, w in zip(ts, ws)) for ts, ws in zip(tasks, wide))
+    return GridSchedule(tuple(dp_owners), modes, tuple(tp_owners), makespan, max(max(x) for x in ns_loads))
+
+
+def _try(group: list[float], tasks: list[_Task], wide: list[bool], move_s: float):
+    """The group's loads after taking one unit (wide tasks first, then narrow ones longest first,
+    each on the least-loaded rank) and each task's TP rank."""
+    loads = [x + move_s for x in group]
+    owners: list[int | None] = [None] * len(tasks)
+    for t, w in zip(tasks, wide):
+        if w:
+            loads = [x + t.wide_s for x in loads]
+    for k in sorted((k for k, w in enumerate(wide) if not w), key=lambda k: -tasks[k].narrow_s):
+        r = min(range(len(loads)), key=lambda r: (loads[r], r))
+        loads = [x + (tasks[k].narrow_s if j == r else tasks[k].narrow_other_s) for j, x in enumerate(loads)]
+        owners[k] = r
+    return loads, tuple(owners)
+
+
+def _task(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: int) -> _Task:
+    full = sub.full_shape
+    compute = ns_time(ns_flops(*full, steps), 1, hw, steps)
+    if tp == 1 or not sub.numel:
+        return _Task(compute, 0.0, None, 0.0)
+    if not sub.is_sharded:  # every rank holds it: the owner sends its result to the others
+        result = full[0] * full[1] * elem
+        return _Task(compute + _bytes_s((tp - 1) * result, tp, hw), _bytes_s(result, tp, hw), "duplicated", compute)
+    shard = sub.numel * elem
+    # owner: shards there and back (the latency is the micro-group's, shared by its matrices)
+    narrow = compute + _bytes_s(2 * (tp - 1) * shard, tp, hw)
+    other = _bytes_s(2 * shard, tp, hw)
+    duplicated = compute + collective_time("all_gather", (tp - 1) * shard, 1, tp, hw)
+    k, cols = (sub.local_shape[1], sub.local_shape[0]) if sub.partition_dim == 0 else sub.local_shape
+    distributed = (ns_time(sharded_ns_flops(k, cols, steps, tp), 1, hw, steps)
+                   + collective_time("all_reduce", 2 * (tp - 1) / tp * (steps * k * k + 2) * elem, steps + 2, tp, hw))
+    if splits_gram(k, cols, tp):
+        distributed += collective_time("all_gather", steps * (tp - 1) * gram_block_rows(k, tp) * k * elem, steps,
+                                       tp, hw)
+    if distributed < duplicated:
+        return _Task(narrow, other, "distributed", distributed)
+    return _Task(narrow, other, "duplicated", duplicated)
+
+
+def _dp_move_s(unit: MatrixLayout, dp: int, tp: int, hw: Hardware, elem: int) -> list[float]:
+    """Per DP group, seconds of the unit's DP exchange on that group's ranks if it owns the unit:
+    the pieces it does not hold, there and back (each TP rank its own shard's), or with every rank
+    holding the whole unit (no distributed optimizer) the result to the dp − 1 others."""
+    if dp == 1 or not unit.numel:
+        return [0.0] * dp
+    spans = tp * dp > hw.ranks_per_node
+    if unit.dp_ranges is None:
+        return [_bytes_s((dp - 1) * unit.numel * elem, dp, hw, spans)] * dp
+    holders = unit.holders(dp)
+    return [_bytes_s(2 * (unit.numel - holders.get(d, 0)) * elem, dp, hw, spans) for d in range(dp)]
+
+
+def _bytes_s(nbytes: float, group: int, hw: Hardware, spans_nodes: bool | None = None) -> float:
+    """Seconds an all-to-all spends moving ``nbytes`` from one rank, without its call latency
+    (the owner exchanges' calls are per micro-group, shared by the matrices in it)."""
+    return collective_time("all_to_all", nbytes, 1, group, hw, spans_nodes) - (hw.collective_latency_s if group > 1
+                                                                               else 0.0)

@@ -1,0 +1,87 @@
+"""``auto``'s joint schedule over a stage's TP × DP grid (``plan.grid_schedule``), on paper.
+
+The stages are Llama-3's real shapes, as the cost model lays them out on one TP rank
+(``step_cost._stage_layouts``); the schedule is the step plan's (``build_step_plan`` with
+``tp_mode="auto"``), so the figures are the ones the step runs and the startup report prints.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
+from megatron_muon.core.models import LLAMA3
+from megatron_muon.core.newton_schulz import NSOptions
+from megatron_muon.plan.cost_model import GPU_PROFILES
+from megatron_muon.plan.grid_schedule import schedule_grid
+from megatron_muon.plan.step_cost import _stage_layouts, _stage_weights, model_weights
+from megatron_muon.plan.step_plan import PlanSettings, build_step_plan
+
+H100 = GPU_PROFILES["h100-sxm"]
+
+
+def _plan(model: str, pp: int, dp: int, tp_mode: str, tp: int = 8):
+    layouts = _stage_layouts(_stage_weights(model_weights(LLAMA3[model]), pp), tp)
+    settings = PlanSettings(tp_mode, NSOptions(), hardware=H100 if tp_mode == "auto" else None)
+    return build_step_plan(layouts, dp_size=dp, tp_size=tp, settings=settings)
+
+
+def _imbalance(plan) -> float:
+    flops = plan.ns_flops
+    return max(flops) / (sum(flops) / len(flops))
+
+
+def test_405b_deep_pipeline_is_balanced_by_running_the_large_matrices_wide():
+    """Llama-3 405B TP8 x PP16 x DP64: 49 units (7 layers of q, k, v, proj, gate, up, fc2) for 512
+    ranks. Owner mode leaves one rank a whole 53248 x 16384 fc1 half (329.85 TFLOP, max/mean
+    19.2); auto runs each large matrix distributed on its own TP group with B's rows split:
+    41.23 TFLOP per rank, and no rank does more than the NS of its share (mean unchanged)."""
+    owner, auto = _plan("405B", 16, 64, "owner"), _plan("405B", 16, 64, "auto")
+    assert round(max(owner.ns_flops) / 1e12, 2) == 329.85 and _imbalance(owner) > 19
+    assert round(max(auto.ns_flops) / 1e12, 2) == 41.23
+    assert _imbalance(auto) <= 2.5  # the issue's goal; measured 2.40
+    # the split B removes the k³ redundancy: the grid's NS total is the one-process total
+    assert sum(auto.ns_flops) == pytest.approx(sum(owner.ns_flops), rel=2e-3)
+    modes = {m for w in auto.work for m in w.modes}
+    assert modes == {"distributed", "owner"}  # k and v (1024 rows) stay narrow
+
+
+@pytest.mark.parametrize("pp,dp,bound", [(16, 8, 1.05), (16, 16, 1.25), (16, 32, 1.25), (8, 64, 1.15),
+                                         (4, 64, 1.15)])
+def test_intermediate_depths_are_balanced(pp, dp, bound):
+    """Between PP1 and PP16 x DP64 a DP group holds a few units: the per-matrix choice auto made
+    before kept 330-TFLOP owners there (PP16 x DP8: 2.40, PP4 x DP64: 4.34). Measured here:
+    1.02, 1.20, 1.20, 1.12, 1.09 (the bounds leave a few points)."""
+    assert _imbalance(_plan("405B", pp, dp, "auto")) <= bound
+
+
+@pytest.mark.parametrize("model", ["8B", "70B", "405B"])
+@pytest.mark.parametrize("dp", [8, 64])
+def test_pp1_is_no_worse_than_owner(model, dp):
+    """At PP1 every DP group holds many matrices, and owner's LPT is already balanced: auto keeps
+    it (all narrow), so its NS max is owner's."""
+    owner, auto = _plan(model, 1, dp, "owner"), _plan(model, 1, dp, "auto")
+    assert max(auto.ns_flops) <= max(owner.ns_flops) * (1 + 1e-9)
+
+
+def test_a_unit_whole_on_one_dp_rank_stays_there_and_same_shapes_share_a_width():
+    # 8 DP ranks, each holding two whole fc1 (gate and up: two units each)
+    layouts = []
+    for d in range(8):
+        for _ in range(2):
+            ranges = tuple((0, 2 * 512 * 4096) if r == d else (0, 0) for r in range(8))
+            layouts.append(MatrixLayout(f"fc1.{d}", (2 * 512, 4096), 0, 8, RowSplit(1, (512, 512)), ranges))
+    plan = build_step_plan(layouts, dp_size=8, tp_size=8, settings=PlanSettings("auto", hardware=H100))
+    for u, unit in enumerate(plan.units):
+        assert plan.dp_owners[u] == unit.weight // 2  # never moved: no DP bytes
+    assert sum(plan.dp_bytes) == 0
+    widths = {m for w in plan.work for m in w.modes}
+    assert len(widths) == 1  # one shape, one width
+
+
+def test_schedule_is_deterministic_and_pure():
+    units = tuple(_stage_layouts(_stage_weights(model_weights(LLAMA3["405B"]), 16), 8))
+    a = schedule_grid(units, 64, 8, H100)
+    assert a == schedule_grid(list(units), 64, 8, H100)
+    assert len(a.dp_owners) == len(units) and all(0 <= d < 64 for d in a.dp_owners)
+    assert a.ns_makespan_s <= a.makespan_s

@@ -203,7 +203,9 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
     # Megatron's defaults for a large run: fp32 grad reduction, overlapped reduce-scatter buckets.
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
                                                use_distributed_optimizer=True)
-    muon_config = MuonConfig(tp_mode=tp_mode, fp32_matmul_prec="medium", dp_layout=dp_layout)
+    # auto plans for the GPUs the layout is meant for, not the meta device's CPU default
+    muon_config = MuonConfig(tp_mode=tp_mode, fp32_matmul_prec="medium", dp_layout=dp_layout,
+                             auto_hardware="h100-sxm" if tp_mode == "auto" else "detect")
     module = Float16Module(config, model)
     layout = None
     if fsdp is not None:
@@ -424,10 +426,12 @@ def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str, d
     from megatron_muon.plan.cost_model import GPU_PROFILES
     from megatron_muon.plan.step_cost import model_weights, optimizer_step_cost
 
-    cost = optimizer_step_cost(model_weights(shape), optimizer="ours", tp=tp, dp=dp, pp=pp,
-                               hw=GPU_PROFILES["h100-sxm"], tp_mode=tp_mode, ns_bytes=2, dp_layout=dp_layout,
-                               bucket_numel=max(40_000_000, 1_000_000 * dp))
-    return dict(ns_flops_max=cost.ns_flops_max, bytes_sent_max=cost.bytes_sent_max, step_ms_h100=cost.total_s * 1e3)
+    weights, hw = model_weights(shape), GPU_PROFILES["h100-sxm"]
+    cost = optimizer_step_cost(weights, optimizer="ours", tp=tp, dp=dp, pp=pp, hw=hw, tp_mode=tp_mode, ns_bytes=2,
+                               dp_layout=dp_layout, bucket_numel=max(40_000_000, 1_000_000 * dp))
+    adam = optimizer_step_cost(weights, optimizer="adam", tp=tp, dp=dp, pp=pp, hw=hw)
+    return dict(ns_flops_max=cost.ns_flops_max, bytes_sent_max=cost.bytes_sent_max, step_ms_h100=cost.total_s * 1e3,
+                adam_step_ms_h100=adam.total_s * 1e3)
 
 
 def planner_rows(model: str, tp: int, pp: int, dp: int, dp_layout: str = "balanced", fsdp: str | None = None
@@ -495,7 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ep", type=int, default=1, help="expert model parallel size (MoE models)")
     parser.add_argument("--etp", type=int, default=None,
                         help="expert tensor parallel size (default: --tp, as Megatron)")
-    parser.add_argument("--tp-mode", default="owner", choices=("owner", "duplicated", "distributed", "blockwise"))
+    parser.add_argument("--tp-mode", default="owner",
+                        choices=("owner", "duplicated", "distributed", "blockwise", "auto"),
+                        help="--muon-tp-mode; auto plans on the h100-sxm constants")
     wrap = parser.add_mutually_exclusive_group()
     wrap.add_argument("--dp-layout", default=None, choices=("balanced", "megatron"),
                       help="the DDP buffer layout (--muon-dp-layout); default balanced, as in training")
@@ -566,9 +572,9 @@ def main(argv: list[str] | None = None) -> int:
     wrapper = f"Megatron-FSDP {args.fsdp}" if args.fsdp else f"--muon-dp-layout {args.dp_layout}"
     print(f"Dry run: {args.model}, TP{args.tp} x PP{args.pp} x DP{args.dp} ({world} ranks){experts}, "
           f"tp_mode {args.tp_mode}, {wrapper}, bf16 NS, meta device, fake process group\n")
-    print("| rank | kinds | TP/DP/PP rank | Muon matrices | cut across DP | DP-owned | NS TFLOP (plan) [planner table] "
-          "| MiB sent (all_to_all / all_gather / all_reduce / shape check) | plan MiB [planner table] | "
-          "state GiB | transient peak GiB |")
+    print("| rank | kinds | TP/DP/PP rank | Muon matrices | cut across DP | DP-owned units "
+          "| NS TFLOP (plan) [planner table] | MiB sent (all_to_all / all_gather / all_reduce / shape check) "
+          "| plan MiB [planner table] | state GiB | transient peak GiB |")
     print("|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|")
     for rank, res in sorted(results.items()):
         print(_row(rank, chosen.get(rank, ["probe"]), f"{res['tp']}/{res['dp']}/{res['pp']}", res))
@@ -594,7 +600,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Cost model, same layout (busiest rank of the job; h100-sxm constants): NS "
               f"{predicted['ns_flops_max'] / 1e12:.2f} TFLOP (busiest simulated rank here: {busiest / 1e12:.2f}), "
               f"{predicted['bytes_sent_max'] / 2**20:.1f} MiB sent (the whole step: Megatron's grad reduce-scatter "
-              f"and param all-gather included), predicted step {predicted['step_ms_h100']:.1f} ms.")
+              f"and param all-gather included), predicted step {predicted['step_ms_h100']:.1f} ms; Adam's "
+              f"distributed optimizer on the same layout {predicted['adam_step_ms_h100']:.1f} ms (Muon adds "
+              f"{predicted['step_ms_h100'] - predicted['adam_step_ms_h100']:.1f} ms).")
     print(f"Checked {sum(len(r['trace']) for r in results.values())} collectives on {len(results)} ranks: "
           f"{'all on the step device, sizes consistent' if not errors else f'{len(errors)} problems'}; "
           f"{time.perf_counter() - started:.1f} s.")

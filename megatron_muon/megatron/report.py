@@ -106,9 +106,35 @@ def _plan_lines(plans: Mapping[str, StepPlan], config: MuonConfig, what: str) ->
         mean = sum(flops) / len(flops)
         lines.append(f"  NS per {kind} on {what}'s {len(flops)} ranks: max {max(flops) / 1e12:.2f} TFLOP, mean "
                      f"{mean / 1e12:.2f} (max/mean {max(flops) / mean if mean else 1:.2f})")
+        if kind == "full step" and config.tp_mode == "owner" and mean and max(flops) > IMBALANCED * mean:
+            lines += _auto_hint(plan, config)
         lines.append(f"  bytes sent per rank per {kind} (plan): max {max(sent) / 2**20:.1f} MiB, mean "
                      f"{sum(sent) / len(sent) / 2**20:.1f} MiB")
     return lines
+
+
+IMBALANCED = 2.0
+"""NS max/mean of an owner plan above which the report says what ``auto`` would plan instead."""
+
+
+def _auto_hint(plan: StepPlan, config: MuonConfig) -> list[str]:
+    """One line when ``--muon-tp-mode auto`` would plan this stage with a lower NS max: owner keeps
+    each matrix on one rank, which a deep pipeline (few matrices per DP group) cannot balance. Built
+    on paper, once, only for an imbalanced plan; nothing about the run changes."""
+    from dataclasses import replace
+
+    from ..plan.auto_mode import hardware_profile
+    from ..plan.step_plan import build_step_plan
+
+    hardware = hardware_profile(config.auto_hardware)
+    auto = build_step_plan(plan.matrices, dp_size=plan.dp_size, tp_size=plan.tp_size,
+                           settings=replace(plan.settings, tp_mode="auto", hardware=hardware))
+    flops, mean = auto.ns_flops, sum(auto.ns_flops) / len(auto.ns_flops)
+    if max(flops) >= 0.9 * max(plan.ns_flops):
+        return []
+    return [f"  NOTE: tp mode owner gives one rank a whole matrix here; --muon-tp-mode auto (on {hardware.name}'s "
+            f"constants, --muon-auto-hardware) plans this stage at max {max(flops) / 1e12:.2f} TFLOP (max/mean "
+            f"{max(flops) / mean:.2f}), the large matrices distributed over their TP groups; exact either way"]
 
 
 def _cut_line(plan: StepPlan, config: MuonConfig, layout_text: str, what: str = "DP") -> str:

@@ -167,6 +167,24 @@ def all_reduce(tensor: torch.Tensor, group=None) -> None:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
 
 
+def broadcast_async(tensor: torch.Tensor, src: int, group=None) -> Pending:
+    """``dist.broadcast`` of ``tensor`` from group rank ``src``, in place, issued with
+    ``async_op=True``: ``tensor`` is valid on every rank after ``wait()``.
+
+    Counted on the source only, ``tensor``'s bytes: one copy leaves it, however many ranks receive
+    (NCCL's ring forwards the same amount through the others), where scattering it in an
+    all-to-all would put t − 1 copies in the source's send buffer. Observed when issued.
+    """
+    t = group_size(group)
+    if group_rank(group) == src:
+        _record("broadcast", _nbytes(tensor))
+    _observe("broadcast", group, (tensor,), (tensor,))
+    if t == 1:
+        return Pending(None)
+    root = src if group is None else dist.get_global_rank(group, src)
+    return Pending(dist.broadcast(tensor, root, group=group, async_op=True), tensor)
+
+
 def all_to_all_single(
     output: torch.Tensor,
     input: torch.Tensor,

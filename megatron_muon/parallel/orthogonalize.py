@@ -251,6 +251,8 @@ class _MicroGroup:
         """the DP owner exchange of the members (None when the step has none)."""
         self.holds: list[bool] = []
         """per member: this rank sends the owner a piece of it."""
+        self.broadcast: list[int] = []
+        """member positions held whole on every DP rank: their owner broadcasts the result."""
         self.owned: list[int] = []
         """the members whose TP-local matrix this rank (with its TP peers) orthogonalizes."""
         self.owner_positions: list[int] = []
@@ -293,6 +295,7 @@ class _Execution:
                 g.exchange = OwnerExchange(routes, dp_group, dtype=self.dtype, device=device)
                 g.holds = [any(p.rank == self.dp_rank for p in route.gather) for route in routes]
                 g.owned = [g.members[j] for j in g.exchange.owned]
+                g.broadcast = [j for j, u in enumerate(g.members) if self.matrices[u].dp_ranges is None]
             else:
                 g.owned = list(g.members)
             positions = [p for i in g.owned for p in work.sub_positions[i]]
@@ -381,12 +384,21 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver):
             deliver(i, joined.pop(i))
         return
     back = g.exchange.start_from_owners({j: joined[g.members[j]] for j in g.exchange.owned})
+    # A unit whole on every DP rank comes back by one broadcast from its owner, in member order
+    # on every rank (sizes from the plan): the owner's result, the others' receive buffers.
+    casts = {}
+    for j in g.broadcast:
+        i = g.members[j]
+        owner = run.dp_owners[i]
+        buffer = joined[i] if owner == run.dp_rank else torch.empty(layouts[i].numel, dtype=dtype, device=run.device)
+        casts[j] = (buffer, comm.broadcast_async(buffer, owner, g.exchange.group))
     yield
     got = back.wait()
     del back
     for j, i in enumerate(g.members):
-        if layouts[i].dp_ranges is None and run.dp_owners[i] == run.dp_rank:
-            mine = joined[i]  # the owner of a whole-on-every-rank matrix keeps its result
+        if j in casts:
+            mine, pending = casts.pop(j)
+            pending.wait()
         elif got.get(j):
             mine = got[j][0]
         else:

@@ -105,15 +105,11 @@ def dp_owned_matrix(layout: MatrixLayout, owner: int, dp_size: int) -> OwnedMatr
 
     With the distributed optimizer each DP rank's flat range is one piece; without it
     (``dp_ranges`` None) every rank holds the whole matrix, so only the owner's own copy is
-    gathered and the result is scattered whole to every other rank.
+    gathered and nothing returns through the exchange: the owner broadcasts the result
+    (``parallel.comm.broadcast_async``), one copy on its link rather than dp − 1 in a send buffer.
     """
     if layout.dp_ranges is None:
-        return OwnedMatrix(
-            owner=owner,
-            numel=layout.numel,
-            gather=(Piece(owner, 0, layout.numel),),
-            scatter=tuple(Piece(r, 0, layout.numel) for r in range(dp_size) if r != owner),
-        )
+        return OwnedMatrix(owner=owner, numel=layout.numel, gather=(Piece(owner, 0, layout.numel),), scatter=())
     pieces = tuple(Piece(r, s, e - s) for r, (s, e) in enumerate(layout.dp_ranges) if e > s)
     return OwnedMatrix(owner=owner, numel=layout.numel, gather=pieces)
 

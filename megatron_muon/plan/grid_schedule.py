@@ -175,12 +175,12 @@ def _task(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: int) -> _T
 def _dp_move_s(unit: MatrixLayout, dp: int, tp: int, hw: Hardware, elem: int) -> list[float]:
     """Per DP group, seconds of the unit's DP exchange on that group's ranks if it owns the unit:
     the pieces it does not hold, there and back (each TP rank its own shard's), or with every rank
-    holding the whole unit (no distributed optimizer) the result to the dp − 1 others."""
+    holding the whole unit (no distributed optimizer) the result broadcast to the others."""
     if dp == 1 or not unit.numel:
         return [0.0] * dp
     spans = tp * dp > hw.ranks_per_node
     if unit.dp_ranges is None:
-        return [_bytes_s((dp - 1) * unit.numel * elem, dp, hw, spans)] * dp
+        return [_bytes_s(unit.numel * elem, dp, hw, spans)] * dp
     holders = unit.holders(dp)
     return [_bytes_s(2 * (unit.numel - holders.get(d, 0)) * elem, dp, hw, spans) for d in range(dp)]
 

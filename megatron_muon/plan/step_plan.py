@@ -291,9 +291,9 @@ def _costs(matrices, dp_owners, work, dp: int, tp: int, ns: NSOptions):
 def _dp_bytes(layout: MatrixLayout, owner: int, dp: int, elem: int) -> dict[int, int]:
     """DP rank → bytes it sends for ``layout``: pieces to the owner, the results back."""
     out: dict[int, int] = {}
-    if layout.dp_ranges is None:  # every DP rank holds it: the owner sends the result to the others
+    if layout.dp_ranges is None:  # every DP rank holds it: the owner broadcasts the result (one copy)
         if dp > 1:
-            out[owner] = (dp - 1) * layout.numel * elem
+            out[owner] = layout.numel * elem
         return out
     for r, n in layout.holders(dp).items():
         if r != owner:

@@ -340,8 +340,8 @@ def plan_ours(layouts: list[MatrixLayout], tp: int, dp: int, *, dp_mode: str = "
         holders = unit.layout.holders(dp)
         if unit.layout.dp_ranges is not None and len(holders) > 1:
             dp_min += tp * 2 * (unit.layout.numel - max(holders.values())) * NS_BYTES
-        elif unit.layout.dp_ranges is None:  # DDP: the result must reach the dp−1 other replicas
-            dp_min += tp * (dp - 1) * unit.layout.numel * NS_BYTES
+        elif unit.layout.dp_ranges is None:  # DDP: the result must leave its owner once (a broadcast)
+            dp_min += tp * unit.layout.numel * NS_BYTES
     total = sum(units) * replicas
     return Plan(list(step.ns_flops), list(step.dp_bytes), list(step.tp_bytes), units, total, dp_min, tp_min)
 

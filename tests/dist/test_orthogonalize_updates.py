@@ -85,6 +85,23 @@ def test_exact_modes_equal_global_newton_schulz(world, cut, tp_mode):
                 assert err <= FP32_ATOL, f"{lay.name} {tp_mode}/{dp_mode} cut={cut}: {err:.2e}"
 
 
+def test_results_held_on_every_dp_rank_return_by_one_broadcast(world):
+    """Plain DDP (no DP ranges): nothing travels to the owner, and each result leaves it once, by a
+    broadcast of its own size, never as dp - 1 copies in one all-to-all send buffer (blockwise has
+    no TP traffic, so its bytes are the DP exchange's)."""
+    n, tp, ranks = world
+    dp = n // tp
+    if dp == 1:
+        return
+    lays = layouts(tp, dp, False)
+    units = split_units(lays)
+    owners = plan_unit_owners(lays, units, dp)
+    for r in ranks:
+        got = r["results"][(False, "blockwise", "owner")]["bytes"]
+        assert got.get("all_to_all", 0) == 0
+        assert got.get("broadcast", 0) == sum(u.layout.numel * 4 for u, o in zip(units, owners) if o == r["dp_rank"])
+
+
 def test_auto_mixes_modes_across_the_grid():
     """The auto runs above are exact with several modes in one step: at TP2 x DP2 on the cut layout
     the joint schedule gives the split sub-matrices distributed and the replicated router another

@@ -105,3 +105,23 @@ def test_the_muonbp_line_says_what_each_period_does():
     assert line(muonbp_period=1) == ["  MuonBP: period 1: every step a full step (exactly Muon)"]
     assert line(muonbp_period=5, muonbp_block_lr_mult=0.5) == [
         "  MuonBP: period 5 (a full step when t % P == 0), block-step lr x 0.5 (eta_block / eta_full)"]
+
+
+def test_an_imbalanced_owner_plan_says_what_auto_would_plan():
+    """405B TP8 x PP16 x DP64 stage 0 under owner: max/mean 19.2; the report names auto and its
+    figures (on the CPU's default constants here, cpu-gloo), and says nothing at PP1."""
+    from megatron_muon.config import MuonConfig
+    from megatron_muon.core.models import LLAMA3
+    from megatron_muon.megatron.report import _plan_lines
+    from megatron_muon.optimizer import step_plans
+    from megatron_muon.plan.step_cost import _stage_layouts, _stage_weights, model_weights
+
+    config = MuonConfig(tp_mode="owner")
+    weights = model_weights(LLAMA3["405B"])
+    deep = _plan_lines(step_plans(config, _stage_layouts(_stage_weights(weights, 16), 8), 64, 8), config, "this stage")
+    note = [line for line in deep if "NOTE" in line]
+    assert len(note) == 1 and "--muon-tp-mode auto (on cpu-gloo's constants" in note[0]
+    assert "plans this stage at max 41.23 TFLOP (max/mean 2.40)" in note[0], note[0]
+    shallow = _plan_lines(step_plans(config, _stage_layouts(_stage_weights(model_weights(LLAMA3["8B"]), 1), 8), 8, 8),
+                          config, "this stage")
+    assert not [line for line in shallow if "NOTE" in line]

@@ -268,6 +268,8 @@ class Recorder:
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.trace, self.errors = device, [], []
+        self.largest_send = 0
+        """bytes of the largest buffer one collective sent from this rank (a send buffer's bound)."""
 
     def __call__(self, c) -> None:
         ranks = tuple(dist.get_process_group_ranks(c.group)) if c.group is not None else None
@@ -285,6 +287,7 @@ class Recorder:
             self.errors.append(f"{c.primitive} on {ranks}: outputs shaped unlike the input {tuple(c.inputs[0].shape)}")
         sizes = (c.inputs[0].numel(),) if c.input_split_sizes is None else (c.input_split_sizes, c.output_split_sizes)
         self.trace.append((ranks, c.primitive, sizes))
+        self.largest_send = max(self.largest_send, c.inputs[0].numel() * c.inputs[0].element_size())
 
 
 def cross_rank_errors(traces: dict[int, list]) -> list[str]:
@@ -341,6 +344,7 @@ def _step_part(part: dict, recorder: Recorder) -> dict:
     return dict(matrices=len(layouts), dp_owned=sum(1 for o in plan.owner_of if o == part["dp_rank"]),
                 cut_across_dp=sum(1 for lay in layouts if lay.dp_ranges and len(lay.holders(dp)) > 1),
                 ns_flops=stats.ns_flops, bytes_by_collective=dict(stats.bytes_by_primitive),
+                largest_send_bytes=recorder.largest_send,
                 bytes_sent=stats.bytes_sent, peak_extra_bytes=meter.peak, state_bytes=state.live,
                 device=str(inner.device),
                 plan_ns_flops=plan.ns_flops[here], plan_bytes_sent=plan.bytes_sent[here],
@@ -453,7 +457,8 @@ def planner_rows(model: str, tp: int, pp: int, dp: int, dp_layout: str = "balanc
 
 def _row(rank: int, kinds: list[str], coords: str, res: dict) -> str:
     b = Counter(res["bytes_by_collective"])
-    sent = " / ".join(f"{b[k] / 2**20:.1f}" for k in ("all_to_all", "all_gather", "all_reduce", "shape_check"))
+    sent = " / ".join(f"{b[k] / 2**20:.1f}" for k in ("all_to_all", "all_gather", "all_reduce", "broadcast",
+                                                        "shape_check"))
     plan_flops = f" ({res['plan_ns_flops'] / 1e12:.2f})"
     plan_mib = f"{res['plan_bytes_sent'] / 2**20:.1f}"
     if "planner_ns_flops" in res:
@@ -573,7 +578,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"Dry run: {args.model}, TP{args.tp} x PP{args.pp} x DP{args.dp} ({world} ranks){experts}, "
           f"tp_mode {args.tp_mode}, {wrapper}, bf16 NS, meta device, fake process group\n")
     print("| rank | kinds | TP/DP/PP rank | Muon matrices | cut across DP | DP-owned units "
-          "| NS TFLOP (plan) [planner table] | MiB sent (all_to_all / all_gather / all_reduce / shape check) "
+          "| NS TFLOP (plan) [planner table] "
+          "| MiB sent (all_to_all / all_gather / all_reduce / broadcast / shape check) "
           "| plan MiB [planner table] | state GiB | transient peak GiB |")
     print("|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|")
     for rank, res in sorted(results.items()):
@@ -582,7 +588,8 @@ def main(argv: list[str] | None = None) -> int:
     if with_experts:
         print("\nExpert optimizer (this EP rank's local experts; DP = expert-DP, TP = expert-TP):\n")
         print("| rank | kinds | EP/expert-TP/expert-DP/PP rank | Muon matrices | cut across expert-DP | "
-              "expert-DP-owned | NS TFLOP (plan) | MiB sent (all_to_all / all_gather / all_reduce / shape check) | "
+              "expert-DP-owned | NS TFLOP (plan) "
+              "| MiB sent (all_to_all / all_gather / all_reduce / broadcast / shape check) | "
               "plan MiB | state GiB | transient peak GiB |")
         print("|---:|---|---|---:|---:|---:|---:|---|---:|---:|---:|")
         for rank, res in with_experts.items():

@@ -6,6 +6,7 @@ translates flags into a ``MuonConfig`` and the optimizer only reads this object.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
@@ -20,9 +21,10 @@ from .plan.step_plan import DEFAULT_BUCKET_BYTES, DP_MODES, TP_MODES, PlanSettin
 if TYPE_CHECKING:
     from .plan.cost_model import Hardware
 
-__all__ = ["DP_LAYOUTS", "MuonConfig", "NS_PRECISIONS"]
+__all__ = ["DP_LAYOUTS", "MUONBP_BLOCKS", "MuonConfig", "NS_PRECISIONS"]
 
 DP_LAYOUTS = ("balanced", "megatron")
+MUONBP_BLOCKS = ("tp_shard", "local")
 
 # Upstream --muon-fp32-matmul-prec: "medium" runs NS in bf16 (emerging-optimizers casts to bf16
 # explicitly), "high"/"highest" keep fp32 (TF32 / full fp32 matmuls on GPUs).
@@ -112,6 +114,13 @@ class MuonConfig:
     0 = never a full step (BlockMuon). P = 1 is exactly Muon."""
     muonbp_block_lr_mult: float = 1.0
     """η_block / η_full: the learning-rate multiplier of MuonBP's block steps."""
+    muonbp_block: str = "tp_shard"
+    """what a MuonBP block step orthogonalizes (--muonbp-block): ``tp_shard``, each rank's TP shard
+    (BlockMuon's block; a DP-cut matrix is reassembled on its DP owner first), or ``local``, the
+    paper's block, the TP shard ∩ this DP rank's range (``plan.local_blocks``): no byte moves.
+    tp_shard is the default because its update does not depend on where the DP layout cuts a
+    matrix, and ``local``'s blocks, cut at flat-range boundaries, have no convergence measurement
+    yet; the two agree wherever matrices lie whole on one DP rank (the balanced layout, DDP)."""
     log_stats: bool = False
     """append the last step's kind (muon / full / block), bytes sent and orthogonalize time to
     Megatron's iteration log line (--muon-log-stats)."""
@@ -142,6 +151,7 @@ class MuonConfig:
                  "an integer >= 0 (0: never a full step)", self.muonbp_period),
                 (_finite(self.muonbp_block_lr_mult) and self.muonbp_block_lr_mult > 0, "--muonbp-block-lr-mult",
                  "a finite value > 0", self.muonbp_block_lr_mult),
+                (self.muonbp_block in MUONBP_BLOCKS, "--muonbp-block", f"one of {MUONBP_BLOCKS}", self.muonbp_block),
                 (self.muonbp_period == 0 or self.tp_mode != "blockwise", "--muon-tp-mode",
                  f"an exact mode (owner, duplicated, distributed or auto) for the full steps of --muonbp-period "
                  f"{self.muonbp_period}", self.tp_mode),
@@ -182,6 +192,10 @@ class MuonConfig:
     def ns(self) -> NSOptions:
         """The Newton–Schulz settings, as one value."""
         return NSOptions(self.num_ns_steps, self.coefficient_type, dtype=self.ns_dtype)
+
+    def block_plan_settings(self) -> PlanSettings:
+        """The plan settings of a MuonBP block step: blockwise, on local blocks with ``local``."""
+        return dataclasses.replace(self.plan_settings("blockwise"), local_blocks=self.muonbp_block == "local")
 
     def plan_settings(self, tp_mode: str | None = None) -> PlanSettings:
         """What a step plan needs from this config; ``tp_mode`` overrides the field (MuonBP's block

@@ -96,10 +96,14 @@ class MatrixCatalogue:
 
 def step_plans(config: MuonConfig, layouts, dp_size: int, tp_size: int) -> dict[str, StepPlan]:
     """Per step kind, its plan: ``muon`` (MuonBP off), or MuonBP's ``full`` (the exact
-    ``tp_mode``) and ``block`` (``blockwise``: each TP shard on its own, no TP traffic)."""
-    kinds = {"muon": config.tp_mode} if config.muonbp_period is None else {"full": config.tp_mode, "block": "blockwise"}
-    return {kind: build_step_plan(layouts, dp_size=dp_size, tp_size=tp_size, settings=config.plan_settings(mode))
-            for kind, mode in kinds.items()}
+    ``tp_mode``) and ``block`` (``blockwise``: each TP shard on its own, no TP traffic; with
+    ``muonbp_block`` local, each rank's own blocks, no traffic at all)."""
+    if config.muonbp_period is None:
+        settings = {"muon": config.plan_settings()}
+    else:
+        settings = {"full": config.plan_settings(), "block": config.block_plan_settings()}
+    return {kind: build_step_plan(layouts, dp_size=dp_size, tp_size=tp_size, settings=plan_settings)
+            for kind, plan_settings in settings.items()}
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

@@ -154,7 +154,7 @@ def _moe_fields(shape: ModelShape, ep: int, etp: int) -> dict:
 
 
 def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, dp_layout: str = "balanced",
-               ep: int = 1, etp: int | None = None, fsdp: str | None = None):
+               ep: int = 1, etp: int | None = None, fsdp: str | None = None, muonbp: tuple | None = None):
     """Megatron's state, model, DDP (on the ``dp_layout`` buffer layout, as ``--muon-dp-layout``
     gives it) and our optimizer for ``rank``, all on meta. With ``fsdp`` (a
     ``--data-parallel-sharding-strategy``) Megatron-FSDP's ``FullyShardedDataParallel`` wraps the
@@ -205,7 +205,8 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
                                                use_distributed_optimizer=True)
     # auto plans for the GPUs the layout is meant for, not the meta device's CPU default
     muon_config = MuonConfig(tp_mode=tp_mode, fp32_matmul_prec="medium", dp_layout=dp_layout,
-                             auto_hardware="h100-sxm" if tp_mode == "auto" else "detect")
+                             auto_hardware="h100-sxm" if tp_mode == "auto" else "detect",
+                             **(dict(muonbp_period=muonbp[0], muonbp_block=muonbp[1]) if muonbp else {}))
     module = Float16Module(config, model)
     layout = None
     if fsdp is not None:
@@ -341,7 +342,15 @@ def _step_part(part: dict, recorder: Recorder) -> dict:
     plan = inner.plan  # the step just run executed this plan (a full step: the first MuonBP step is one)
     layouts = plan.matrices
     here = part["dp_rank"] * tp + part["tp_rank"]
-    return dict(matrices=len(layouts), dp_owned=sum(1 for o in plan.owner_of if o == part["dp_rank"]),
+    block = None
+    if "block" in inner.plans:  # MuonBP: the second step is a block step; measured on its own
+        with observe_collectives(recorder), comm_stats() as block_stats:
+            inner.step()
+        block_plan = inner.plans["block"]
+        block = dict(bytes_sent=block_stats.bytes_sent, ns_flops=block_stats.ns_flops,
+                     plan_bytes_sent=block_plan.bytes_sent[here], plan_bytes_max=max(block_plan.bytes_sent),
+                     plan_ns_flops=block_plan.ns_flops[here])
+    return dict(block_step=block,matrices=len(layouts), dp_owned=sum(1 for o in plan.owner_of if o == part["dp_rank"]),
                 cut_across_dp=sum(1 for lay in layouts if lay.dp_ranges and len(lay.holders(dp)) > 1),
                 ns_flops=stats.ns_flops, bytes_by_collective=dict(stats.bytes_by_primitive),
                 largest_send_bytes=recorder.largest_send,
@@ -368,10 +377,10 @@ def _pattern(name: str) -> str:
 
 
 def run_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout: str = "balanced", ep: int = 1, etp: int | None = None,
-             fsdp: str | None = None) -> dict:
+             fsdp: str | None = None, muonbp: tuple | None = None) -> dict:
     """Build ``rank`` and run its step(s): the dense optimizer's figures at the top level (as
     for a dense model), the expert optimizer's under ``experts`` (None without experts on the stage)."""
-    parts, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout, ep, etp, fsdp)
+    parts, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout, ep, etp, fsdp, muonbp)
     try:
         recorder = Recorder(parts[0]["inner"].device)
         results = {part["part"]: _step_part(part, recorder) for part in parts}
@@ -516,8 +525,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ranks", default=None,
                         help=f"comma-separated rank numbers or kinds {RANK_KINDS}; default first,last,no-first-piece,"
                              "idle-dp-owner,pp-stages (and expert-dp-group,expert-tp-group for an MoE model)")
+    parser.add_argument("--muonbp-period", type=int, default=None,
+                        help="MuonBP: the measured step is a full step, and a second, block, step is measured too")
+    parser.add_argument("--muonbp-block", default="tp_shard", choices=("tp_shard", "local"),
+                        help="with --muonbp-period: what the block step orthogonalizes (--muonbp-block)")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
+    if args.muonbp_period is not None and args.muonbp_period < 2:
+        parser.error(f"--muonbp-period {args.muonbp_period}: the dry run measures a full step, then a block "
+                     "step; expected a period >= 2")
+    muonbp = (args.muonbp_period, args.muonbp_block) if args.muonbp_period is not None else None
     for flag in ("tp", "pp", "dp", "ep", "etp"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
@@ -551,14 +568,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     layout = (shape, args.tp, args.pp, args.dp)
     with view_device(torch.device("meta")):  # Megatron's buffers: allocated on meta, not the CPU
-        probe = run_rank(*layout, 0, args.tp_mode, args.dp_layout, args.ep, etp, args.fsdp)
+        probe = run_rank(*layout, 0, args.tp_mode, args.dp_layout, args.ep, etp, args.fsdp, muonbp)
         moe_stage = first_moe_stage(shape, args.pp) if shape.num_experts else 0
         chosen = choose_ranks(ranks.split(","), args.tp, args.pp, args.dp, probe, moe_stage)
         if not chosen:
             raise SystemExit(f"error: --ranks {ranks}: no such rank at this layout")
         results = {0: probe} if 0 in chosen else {}
         for rank in sorted(set(chosen) - set(results)):
-            results[rank] = run_rank(*layout, rank, args.tp_mode, args.dp_layout, args.ep, etp, args.fsdp)
+            results[rank] = run_rank(*layout, rank, args.tp_mode, args.dp_layout, args.ep, etp, args.fsdp, muonbp)
     errors = [f"rank {r}: {e}" for r, res in results.items() for e in res["errors"]]
     errors += cross_rank_errors({r: res["trace"] for r, res in results.items()})
     moe = bool(shape.num_experts) or shape.mla is not None  # the cost model and planner table: dense GQA only
@@ -599,6 +616,12 @@ def main(argv: list[str] | None = None) -> int:
     sums = dict(dense=summary(results, stage_of))
     print()
     print(_summary_line("Dense optimizer", sums["dense"], "TP x DP"))
+    blocks = {r: res["block_step"] for r, res in sorted(results.items()) if res.get("block_step")}
+    if blocks:
+        sent = max(b["bytes_sent"] for b in blocks.values())
+        planned = max(b["plan_bytes_max"] for b in blocks.values())
+        print(f"MuonBP block step (--muonbp-block {args.muonbp_block}): sent max {sent / 2**20:.1f} MiB over the "
+              f"simulated ranks; plan over the stage's grid: max {planned / 2**20:.1f} MiB")
     if with_experts:
         sums["experts"] = summary({r: res["experts"] for r, res in with_experts.items()}, stage_of)
         print(_summary_line("Expert optimizer", sums["experts"], "expert-TP x expert-DP (of one EP rank)"))

@@ -50,13 +50,14 @@ FIELD_OF_DEST = {
     "muon_owner_bucket_size_mb": "owner_bucket_bytes",  # MiB on the command line, bytes in the field
     "muonbp_period": "muonbp_period",
     "muonbp_block_lr_mult": "muonbp_block_lr_mult",
+    "muonbp_block": "muonbp_block",
     "muon_log_stats": "log_stats",
 }
 """The ``args`` attribute (argparse dest) of each flag → the ``MuonConfig`` field it sets: every
 field has one."""
 
 _NONE_UNTIL_GIVEN = ("muon_auto_hardware", "muon_dp_layout", "muon_layout_alpha", "muonbp_period",
-                     "muonbp_block_lr_mult")
+                     "muonbp_block_lr_mult", "muonbp_block")
 """dests whose parser default is None (not given), so that ``startup_checks`` can refuse them where
 they would be ignored; None stands for the field's default (``muon_config_from_args``)."""
 
@@ -223,6 +224,16 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "ratio stated for its experiments; with block-shape RMS matching (--muon-scale-mode on the "
              "block's shape) equal rates give block and full updates the same per-entry RMS. Refused "
              "without --muonbp-period and with period 1 (no block steps).",
+    )
+    group.add_argument(
+        "--muonbp-block", type=str, default=None, choices=["tp_shard", "local"],
+        help="What a MuonBP block step orthogonalizes. tp_shard: each rank's TP shard (BlockMuon's block; "
+             "a matrix the distributed optimizer cuts across DP ranks is reassembled on one DP rank "
+             "first). local: the paper's block, the TP shard intersected with this DP rank's range "
+             "(per sub-matrix its whole rows, each partial row apart), so a block step sends nothing. "
+             f"Default {_default('muonbp_block')}: its update does not depend on where the DP layout "
+             "cuts a matrix; the two agree where matrices lie whole on one DP rank. Refused without "
+             "--muonbp-period and with period 1 (no block steps).",
     )
     group.add_argument(
         "--muon-reset-optimizer-state", action="store_true",

@@ -89,10 +89,12 @@ _HYPERPARAMETERS: tuple[tuple[str, str], ...] = (
     ("muon_split_qkv", "--muon-no-split-qkv"),
     ("muon_split_fc1", "--muon-split-fc1"),
     ("muonbp_block_lr_mult", "--muonbp-block-lr-mult"),
+    ("muonbp_block", "--muonbp-block"),
 )
 """Muon settings a resume may change on purpose: the next steps use the new value (reported)."""
 
-_DEFAULT_OF_NONE = {dest: flag_default(dest) for dest in ("muon_dp_layout", "muonbp_block_lr_mult", "muon_tp_mode")}
+_DEFAULT_OF_NONE = {dest: flag_default(dest) for dest in ("muon_dp_layout", "muonbp_block_lr_mult", "muon_tp_mode",
+                                                         "muonbp_block")}
 """flags whose parser default is None (not given; refused where they would be ignored): the value
 None stands for (their ``MuonConfig`` field's default, as in ``cli.muon_config_from_args``), so a
 checkpoint of either version compares alike."""

@@ -95,6 +95,7 @@ def _ignored_setting_rejections(args) -> list[tuple[bool, str]]:
     command line: the user meant something that would not happen. "Given" is a value other than
     None, these flags' parser default (``cli.py``)."""
     period, mult = getattr(args, "muonbp_period", None), getattr(args, "muonbp_block_lr_mult", None)
+    block = getattr(args, "muonbp_block", None)
     mode = getattr(args, "muon_tp_mode", flag_default("muon_tp_mode"))
     hardware = getattr(args, "muon_auto_hardware", None)
     layout, alpha = getattr(args, "muon_dp_layout", None), getattr(args, "muon_layout_alpha", None)
@@ -111,6 +112,12 @@ def _ignored_setting_rejections(args) -> list[tuple[bool, str]]:
         (mult is not None and period == 1,
          f"--muonbp-block-lr-mult {mult} with --muonbp-period 1: period 1 takes no block steps (every step is a "
          "full Muon step), so the multiplier would be ignored; drop it or use a period other than 1"),
+        (block is not None and period is None,
+         f"--muonbp-block {block}: needs --muonbp-period (it says what MuonBP's block steps orthogonalize; "
+         "without --muonbp-period MuonBP is off); add --muonbp-period P or drop the flag"),
+        (block is not None and period == 1,
+         f"--muonbp-block {block} with --muonbp-period 1: period 1 takes no block steps, so the block would "
+         "be ignored; drop it or use a period other than 1"),
         (hardware is not None and mode != "auto",
          f"--muon-auto-hardware {hardware}: only --muon-tp-mode auto uses it (the cost model's hardware "
          f"constants), and the mode is {mode}; drop the flag or pass --muon-tp-mode auto"),

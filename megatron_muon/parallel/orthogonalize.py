@@ -113,6 +113,8 @@ def _run(pieces, plan: StepPlan, groups: StepGroups, apply: Apply | None, *, val
     device = groups.device
     if device is None:
         device = resolve_device(pieces, groups.dp, what="orthogonalize_updates: pieces")
+    if plan.local_blocks is not None:
+        return _run_local_blocks(pieces, plan, plan.local_blocks[dp_rank], apply)
     run = _execution(plan, groups.dp, groups.tp, device, validate)
 
     listed = apply is None
@@ -152,6 +154,31 @@ def _run(pieces, plan: StepPlan, groups: StepGroups, apply: Apply | None, *, val
             else:
                 apply(i, pieces[i].to(plan.settings.ns.dtype), 0.0)
     return out if listed else None
+
+
+def _run_local_blocks(pieces, plan: StepPlan, blocks, apply: Apply | None):
+    """MuonBP's local block step: NS of each block of this rank's own pieces, batched by shape,
+    scaled by the block's shape; no collective (``plan.local_blocks``)."""
+    ns = plan.settings.ns
+    out = [piece.new_zeros(piece.numel(), dtype=torch.float32) for piece in pieces]
+    by_shape: dict[tuple[int, int], list[tuple[int, object, float]]] = {}
+    for i, per_weight in enumerate(blocks):
+        for block, scale in per_weight:
+            by_shape.setdefault((block.rows, block.cols), []).append((i, block, scale))
+    for (rows, cols), items in by_shape.items():
+        X = torch.stack([torch.cat([pieces[i][o:o + n] for o, n in block.runs]).view(rows, cols).to(ns.dtype)
+                         for i, block, _ in items])
+        comm.record_ns_flops(len(items) * ns.flops(rows, cols))
+        for (i, block, scale), Y in zip(items, ns(X).unbind(0)):
+            flat, at = Y.reshape(-1), 0
+            for o, n in block.runs:
+                out[i][o:o + n] = flat[at:at + n].to(torch.float32) * scale
+                at += n
+    if apply is None:
+        return out
+    for i, update in enumerate(out):
+        apply(i, update, 1.0)
+    return None
 
 
 def orthogonalize_sharded(

@@ -38,6 +38,7 @@ from ..core.scaling import SCALE_MODES, muon_scale
 from . import exchange
 from .cost_model import Hardware
 from .grid_schedule import GridSchedule, schedule_grid
+from .local_blocks import Block, fragment_blocks
 from .owners import dp_pins, plan_owners, plan_unit_owners, unit_pinnable
 from .units import Unit, split_units
 
@@ -72,6 +73,10 @@ class PlanSettings:
     pipelined: bool = True
     """False: the whole step is one micro-group (a call with no asynchronous stage to overlap,
     ``orthogonalize_sharded``'s blocking modes, batches everything at once)."""
+    local_blocks: bool = False
+    """MuonBP's local block steps (``--muonbp-block local``, with ``tp_mode`` blockwise): every DP
+    rank orthogonalizes the blocks of its own pieces (``local_blocks.fragment_blocks``), nothing
+    moves between ranks."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +124,9 @@ class StepPlan:
     """per rank, bytes it sends in the DP owner exchange, there and back."""
     tp_bytes: tuple[int, ...]
     """per rank, bytes it sends in its TP group's mode (owner exchange, all-gather, all-reduces)."""
+    local_blocks: tuple[tuple[tuple[tuple[Block, float], ...], ...], ...] | None = None
+    """with ``settings.local_blocks``: per DP rank, per weight, its blocks and each block's scale;
+    then there are no units to exchange (``dp_owners`` None, no micro-groups, no TP work)."""
 
     @property
     def bytes_sent(self) -> tuple[int, ...]:
@@ -169,6 +177,8 @@ def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: 
     for a setting the matrices cannot honour."""
     _check(matrices, dp_size, tp_size, settings)
     matrices = tuple(matrices)
+    if settings.local_blocks:
+        return _local_block_plan(matrices, dp_size, tp_size, settings)
     units = split_units(matrices)
     layouts = tuple(unit.layout for unit in units)
     ns = settings.ns
@@ -207,6 +217,20 @@ def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: 
                     dp_sent, tp_sent)
 
 
+def _local_block_plan(matrices: tuple[MatrixLayout, ...], dp: int, tp: int, settings: PlanSettings) -> StepPlan:
+    """Every DP rank its own blocks, scaled by their shapes; no collective at all."""
+    scale = (lambda r, c: 1.0) if settings.scale_mode is None else \
+        (lambda r, c: muon_scale(r, c, settings.scale_mode, settings.extra_scale_factor))
+    blocks = tuple(tuple(tuple((b, scale(b.rows, b.cols)) for b in fragment_blocks(lay, d)) for lay in matrices)
+                   for d in range(dp))
+    flops = tuple(sum(ns_flops(b.rows, b.cols, settings.ns.steps) for per_weight in blocks[d] for b, _ in per_weight)
+                  for d in range(dp) for _ in range(tp))
+    idle = OwnerWork((), (), {}, (), ())
+    units = split_units(matrices)
+    zeros = (0,) * (dp * tp)
+    return StepPlan(matrices, units, dp, tp, settings, None, (), (idle,) * dp, (), flops, zeros, zeros, blocks)
+
+
 def _check(matrices, dp_size: int, tp_size: int, settings: PlanSettings) -> None:
     if settings.tp_mode not in TP_MODES:
         raise ValueError(f"--muon-tp-mode: expected one of {TP_MODES}, got {settings.tp_mode!r}")
@@ -216,6 +240,9 @@ def _check(matrices, dp_size: int, tp_size: int, settings: PlanSettings) -> None
         raise ValueError(f"--muon-scale-mode: expected one of {SCALE_MODES}, got {settings.scale_mode!r}")
     if settings.bucket_bytes <= 0:
         raise ValueError(f"--muon-owner-bucket-size-mb: expected a positive size, got {settings.bucket_bytes} bytes")
+    if settings.local_blocks and settings.tp_mode != "blockwise":
+        raise ValueError(f"--muonbp-block local: block steps only (tp mode blockwise), got tp mode "
+                         f"{settings.tp_mode!r}")
     if settings.tp_mode == "auto" and settings.hardware is None:
         raise ValueError("--muon-tp-mode auto: the plan needs the cost model's hardware constants "
                          "(--muon-auto-hardware)")

@@ -137,6 +137,24 @@ def test_results_whole_on_every_dp_rank_travel_by_broadcast_within_the_bucket_ca
     assert res["bytes_by_collective"]["broadcast"] == res["plan_bytes_sent"] > 0
 
 
+@pytest.mark.parametrize("block", ["tp_shard", "local"])
+def test_muonbp_local_block_step_sends_nothing_at_405b_pp16_dp64(tmp_path, block):
+    """Issue 24, item 2: at TP8 x PP16 x DP64, 26 of 28 matrices are cut across DP; a block step on
+    the TP shard reassembles them on their DP owners (117 MiB from the busiest rank, measured),
+    a local block step orthogonalizes each rank's own rows: nothing sent, on any rank of the grid."""
+    _, report = _dry_run(tmp_path, "--model", "llama3-405b", "--tp", "8", "--pp", "16", "--dp", "64",
+                         "--ranks", "busiest", "--muonbp-period", "4", "--muonbp-block", block)
+    assert report["errors"] == []
+    for rank, res in report["ranks"].items():
+        step = res["block_step"]
+        assert step["bytes_sent"] == step["plan_bytes_sent"], rank
+        assert step["ns_flops"] == step["plan_ns_flops"] > 0, rank
+        if block == "local":
+            assert step["bytes_sent"] == 0 and step["plan_bytes_max"] == 0, rank
+        else:
+            assert step["plan_bytes_max"] > 0, rank
+
+
 def test_bad_arguments_are_named(tmp_path):
     proc = _script("--model", "llama3-8b", "--tp", "0")
     assert proc.returncode == 2 and "--tp must be >= 1, got 0" in proc.stderr

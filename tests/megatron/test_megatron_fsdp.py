@@ -29,7 +29,7 @@ from checkpoint_harness import load_fsdp_dtensor as _load_fsdp
 from checkpoint_harness import save_fsdp_dtensor as _save_fsdp
 from dist_harness import WorldsOnDemand, run_world
 from megatron_harness import GLOBAL_BATCH, destroy_megatron, gather_full_params
-from training_harness import ATOL, Run, build, references, start, steps, train_all
+from training_harness import ATOL, K, Run, build, references, start, steps, train_all
 
 TIMEOUT = 1800
 
@@ -42,14 +42,19 @@ RUNS = {
     2: [Run(tp=1, sharding=s, tp_mode="owner", **FSDP) for s in STRATEGIES]
     + [Run(tp=1, sharding=s, tp_mode="owner", microbatches=2, overlap=o, **FSDP)
        for s in ("optim_grads_params", "optim", "no_shard") for o in (False, True)]
-    + [Run(tp=1, **ZERO1)],
+    + [Run(tp=1, **ZERO1)]
+    # MuonBP period 2 (steps 0, 2 full; 1 a block step), its block on the TP shard or local
+    + [Run(tp=1, sharding="optim_grads_params", tp_mode="owner", muon=dict(muonbp_period=2, muonbp_block=b), **FSDP)
+       for b in ("tp_shard", "local")],
     4: [Run(tp=1, sharding=s, tp_mode="owner", **FSDP) for s in STRATEGIES]
     + [Run(tp=2, sharding="optim_grads_params", tp_mode=m, **FSDP) for m in ("owner", "duplicated", "distributed")]
     # no_shard: DP owners over DP, not TP x DP
     + [Run(tp=2, sharding=s, tp_mode="owner", **FSDP) for s in ("optim", "no_shard")]
     + [Run(tp=1, **ZERO1), Run(tp=2, **ZERO1)],
 }
-CASES = [(w, i) for w, runs in RUNS.items() for i, r in enumerate(runs) if r.wrap == "megatron_fsdp"]
+# the exact runs, compared with one process (MuonBP's block steps are another algorithm)
+CASES = [(w, i) for w, runs in RUNS.items() for i, r in enumerate(runs)
+         if r.wrap == "megatron_fsdp" and "muonbp_period" not in dict(r.muon)]
 
 
 def _id(case):
@@ -116,6 +121,19 @@ def test_matrices_are_cut_and_travel(trained):
                 assert sum(sum(r[index].sent) for r in results) > 0, (world, run)
             if run.sharding == "no_shard":
                 assert results[0][index].cut == 0
+
+
+def test_muonbp_local_block_steps_send_nothing(trained):
+    """Issue 24, item 2: under optim_grads_params at DP2 matrices are cut between the ranks, so a
+    block step on the TP shard reassembles them on their DP owners, while a local block step
+    orthogonalizes each rank's own rows and sends nothing. Full steps move bytes in both."""
+    results = trained[2]
+    runs = {dict(r.muon)["muonbp_block"]: i for i, r in enumerate(RUNS[2]) if "muonbp_block" in dict(r.muon)}
+    for block, index in runs.items():
+        sent = [sum(r[index].sent[t] for r in results) for t in range(K)]
+        assert sent[0] > 0 and sent[2] > 0, (block, sent)  # full steps
+        assert (sent[1] == 0) == (block == "local"), (block, sent)
+        assert len({r[index].loss for r in results}) == 1  # DP replicas agree
 
 
 # ----------------------------------------------------------------------------- checkpoints

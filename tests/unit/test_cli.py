@@ -55,6 +55,7 @@ FLAG_TO_FIELD = [
     ("--muon-owner-bucket-size-mb 0.5", "owner_bucket_bytes", 2**19),
     ("--muonbp-period 0", "muonbp_period", 0),  # 0 (BlockMuon) is valid with any mode
     ("--muonbp-block-lr-mult 0.5", "muonbp_block_lr_mult", 0.5),
+    ("--muonbp-block local", "muonbp_block", "local"),
     ("--muon-log-stats", "log_stats", True),
 ]
 

@@ -1,4 +1,5 @@
-"""Balance and predicted step time of a pipeline stage at depth, owner against auto (on paper).
+"""Balance and predicted step time of a pipeline stage at depth, owner against auto (on paper),
+and against one GPU per NVSwitch domain doing the domain's Newton–Schulz for the others.
 
 For each layout, the first pipeline stage of a Llama-3 model at TP8 (the busiest: its layers plus
 the embedding), planned by the optimizer's own step plan (``plan.step_plan.build_step_plan``) in
@@ -17,7 +18,7 @@ import argparse
 
 from megatron_muon.core.models import LLAMA3
 from megatron_muon.core.newton_schulz import NSOptions
-from megatron_muon.plan.cost_model import GPU_PROFILES
+from megatron_muon.plan.cost_model import GPU_PROFILES, ns_time
 from megatron_muon.plan.step_cost import _stage_layouts, _stage_weights, model_weights, optimizer_step_cost
 from megatron_muon.plan.step_plan import PlanSettings, build_step_plan
 
@@ -40,6 +41,14 @@ def row(model: str, pp: int, dp: int) -> dict:
         out[f"{mode} ms"] = optimizer_step_cost(weights, optimizer="ours", tp=TP, dp=dp, pp=pp, hw=HW,
                                                 tp_mode=mode).total_s * 1e3
     out["adam ms"] = optimizer_step_cost(weights, optimizer="adam", tp=TP, dp=dp, pp=pp, hw=HW).total_s * 1e3
+    # The seed idea (issue 24, item 6): one GPU per NVSwitch domain (a node: HW.ranks_per_node GPUs)
+    # runs the Newton-Schulz of its whole domain, the others wait. Its NS per step is the stage's
+    # total over the domains, on one GPU, however the domain's work is split (whole matrices,
+    # gathered over NVLink); the gathers and scatters are left out, in its favour.
+    domains = TP * dp // HW.ranks_per_node
+    out["domain max"] = sum(plan.ns_flops) / domains / 1e12
+    out["domain ns ms"] = ns_time(sum(plan.ns_flops) / domains, 1, HW, 5) * 1e3
+    out["auto ns ms"] = ns_time(max(plan.ns_flops), 1, HW, 5) * 1e3
     return out
 
 
@@ -51,14 +60,15 @@ def main() -> None:
     print(f"Llama-3 {args.model}, first pipeline stage, h100-sxm constants; NS TFLOP per rank (plan), "
           "optimizer step ms (cost model, Megatron's buffer layout)\n")
     print("| layout | units | owner: NS max | max/mean | auto: NS max | max/mean | step ms: owner | auto | "
-          "Adam | auto − Adam |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "Adam | auto − Adam | one GPU per node: NS TFLOP | its NS ms | auto's NS ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for pair in args.layouts.split(","):
         pp, dp = (int(x) for x in pair.split("x"))
         r = row(args.model, pp, dp)
         print(f"| {r['layout']} | {r['units']} | {r['owner max']:.2f} | {r['owner max/mean']:.2f} | "
               f"{r['auto max']:.2f} | {r['auto max/mean']:.2f} | {r['owner ms']:.1f} | {r['auto ms']:.1f} | "
-              f"{r['adam ms']:.1f} | {r['auto ms'] - r['adam ms']:.1f} |")
+              f"{r['adam ms']:.1f} | {r['auto ms'] - r['adam ms']:.1f} | {r['domain max']:.2f} | "
+              f"{r['domain ns ms']:.1f} | {r['auto ns ms']:.1f} |")
 
 
 if __name__ == "__main__":

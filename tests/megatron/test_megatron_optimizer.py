@@ -10,6 +10,8 @@ the matrices (QKV split per query group, fc1 into gate/up, Megatron's scale rule
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from dist_harness import WorldsOnDemand, run_world
@@ -61,6 +63,11 @@ OVERLAP = dict(overlap=True, bucket_size=20_000)
 RUNS_4 += [dict(tp=t, dist_opt=True, tp_mode="owner", expect_cut=True, **OVERLAP) for t in (1, 2)]
 RUNS_4 += [dict(tp=2, dist_opt=False, tp_mode="owner", **OVERLAP)]
 RUNS_4 += [dict(tp=2, tp_mode="owner", **BALANCED, **OVERLAP)]
+# auto's joint TP x DP schedule through Megatron's optimizer, on a compute-bound profile where the
+# split matrices run wide (distributed) at TP2 x DP2, and the DP placement at TP1 x PP2 x DP2
+# (no wide form at TP1: the schedule places whole units on DP owners, cut ones included).
+AUTO = dict(tp_mode="auto", muon=dict(auto_hardware=str(Path(__file__).parents[1] / "compute_bound_hardware.json")))
+RUNS_4 += [dict(tp=2, dist_opt=True, **AUTO), dict(tp=1, pp=2, dist_opt=True, expect_cut=True, **AUTO)]
 RUNS = {world: [Run(**run, clip=clip) for run in runs for clip in (0.0, CLIP)]
         for world, runs in ((1, RUNS_1), (2, RUNS_2), (4, RUNS_4))}
 
@@ -147,7 +154,9 @@ def test_dp_replicas_bitwise_identical(trained, world):
 def test_only_cut_or_moved_matrices_travel_across_dp(trained):
     """TP=1 runs with the distributed optimizer: the DP owner exchange moves exactly the pieces
     not already on their owner (there and back), and nothing else."""
+    from megatron_muon.config import MuonConfig
     from megatron_muon.plan.owners import plan_unit_owners
+    from megatron_muon.plan.step_plan import build_step_plan
     from megatron_muon.plan.units import split_units
 
     checked = 0
@@ -163,7 +172,11 @@ def test_only_cut_or_moved_matrices_travel_across_dp(trained):
                 if dp == 1:
                     continue
                 units = split_units(layouts)  # the exchange moves units: fc1's gate and up apart
-                owners = plan_unit_owners(layouts, units, dp)
+                if run.tp_mode == "auto":  # auto's joint schedule places the units (on its hardware profile)
+                    config = MuonConfig(tp_mode="auto", **dict(run.muon))
+                    owners = build_step_plan(layouts, dp_size=dp, tp_size=1, settings=config.plan_settings()).dp_owners
+                else:
+                    owners = plan_unit_owners(layouts, units, dp)
                 moved = sum(2 * (e - s) * 4 for unit, o in zip(units, owners)
                             for d, (s, e) in enumerate(unit.layout.dp_ranges) if d != o)
                 for step in range(K):

@@ -344,10 +344,12 @@ def _step_part(part: dict, recorder: Recorder) -> dict:
     here = part["dp_rank"] * tp + part["tp_rank"]
     block = None
     if "block" in inner.plans:  # MuonBP: the second step is a block step; measured on its own
-        with observe_collectives(recorder), comm_stats() as block_stats:
+        block_meter = LiveBytes()
+        with observe_collectives(recorder), comm_stats() as block_stats, block_meter:
             inner.step()
         block_plan = inner.plans["block"]
         block = dict(bytes_sent=block_stats.bytes_sent, ns_flops=block_stats.ns_flops,
+                     peak_extra_bytes=block_meter.peak,
                      plan_bytes_sent=block_plan.bytes_sent[here], plan_bytes_max=max(block_plan.bytes_sent),
                      plan_ns_flops=block_plan.ns_flops[here])
     return dict(block_step=block,matrices=len(layouts), dp_owned=sum(1 for o in plan.owner_of if o == part["dp_rank"]),
@@ -620,8 +622,10 @@ def main(argv: list[str] | None = None) -> int:
     if blocks:
         sent = max(b["bytes_sent"] for b in blocks.values())
         planned = max(b["plan_bytes_max"] for b in blocks.values())
+        peak = max(b["peak_extra_bytes"] for b in blocks.values())
         print(f"MuonBP block step (--muonbp-block {args.muonbp_block}): sent max {sent / 2**20:.1f} MiB over the "
-              f"simulated ranks; plan over the stage's grid: max {planned / 2**20:.1f} MiB")
+              f"simulated ranks, transient peak {peak / 2**30:.2f} GiB; plan over the stage's grid: max "
+              f"{planned / 2**20:.1f} MiB")
     if with_experts:
         sums["experts"] = summary({r: res["experts"] for r, res in with_experts.items()}, stage_of)
         print(_summary_line("Expert optimizer", sums["experts"], "expert-TP x expert-DP (of one EP rank)"))

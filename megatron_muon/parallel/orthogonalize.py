@@ -43,7 +43,7 @@ import torch
 
 from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import DEFAULT_COEFFICIENTS, Coefficients, NSOptions
-from ..plan.exchange import dp_owned_matrix
+from ..plan.exchange import dp_owned_matrix, split_rounds
 from ..plan.step_plan import DEFAULT_BUCKET_BYTES, PlanSettings, StepPlan, build_step_plan
 from . import comm
 from .devices import resolve_device
@@ -157,28 +157,36 @@ def _run(pieces, plan: StepPlan, groups: StepGroups, apply: Apply | None, *, val
 
 
 def _run_local_blocks(pieces, plan: StepPlan, blocks, apply: Apply | None):
-    """MuonBP's local block step: NS of each block of this rank's own pieces, batched by shape,
-    scaled by the block's shape; no collective (``plan.local_blocks``)."""
+    """MuonBP's local block step: NS of each block of this rank's own pieces, scaled by the block's
+    shape; no collective (``plan.local_blocks``). Weights go in consecutive rounds of at most the
+    owner bucket cap of piece bytes (a piece larger than the cap alone), blocks batched by shape
+    within a round, and each round's updates are applied before the next is built, so the step
+    holds about one round of updates, as the pipelined step holds a few micro-groups."""
     ns = plan.settings.ns
-    out = [piece.new_zeros(piece.numel(), dtype=torch.float32) for piece in pieces]
-    by_shape: dict[tuple[int, int], list[tuple[int, object, float]]] = {}
-    for i, per_weight in enumerate(blocks):
-        for block, scale in per_weight:
-            by_shape.setdefault((block.rows, block.cols), []).append((i, block, scale))
-    for (rows, cols), items in by_shape.items():
-        X = torch.stack([torch.cat([pieces[i][o:o + n] for o, n in block.runs]).view(rows, cols).to(ns.dtype)
-                         for i, block, _ in items])
-        comm.record_ns_flops(len(items) * ns.flops(rows, cols))
-        for (i, block, scale), Y in zip(items, ns(X).unbind(0)):
-            flat, at = Y.reshape(-1), 0
-            for o, n in block.runs:
-                out[i][o:o + n] = flat[at:at + n].to(torch.float32) * scale
-                at += n
-    if apply is None:
-        return out
-    for i, update in enumerate(out):
-        apply(i, update, 1.0)
-    return None
+    listed = [] if apply is None else None
+    sizes = [piece.numel() * ns.dtype_bytes for piece in pieces]
+    for chunk in split_rounds(sizes, plan.settings.bucket_bytes) if pieces else []:
+        out = {i: pieces[i].new_zeros(pieces[i].numel(), dtype=torch.float32) for i in chunk}
+        by_shape: dict[tuple[int, int], list[tuple[int, object, float]]] = {}
+        for i in chunk:
+            for block, scale in blocks[i]:
+                by_shape.setdefault((block.rows, block.cols), []).append((i, block, scale))
+        for (rows, cols), items in by_shape.items():
+            X = torch.stack([torch.cat([pieces[i][o:o + n] for o, n in block.runs]).view(rows, cols).to(ns.dtype)
+                             for i, block, _ in items])
+            comm.record_ns_flops(len(items) * ns.flops(rows, cols))
+            for (i, block, scale), Y in zip(items, ns(X).unbind(0)):
+                flat, at = Y.reshape(-1), 0
+                for o, n in block.runs:
+                    out[i][o:o + n] = flat[at:at + n].to(torch.float32) * scale
+                    at += n
+            del X
+        for i in chunk:
+            if listed is None:
+                apply(i, out.pop(i), 1.0)
+            else:
+                listed.append(out.pop(i))
+    return listed
 
 
 def orthogonalize_sharded(

@@ -71,6 +71,7 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
+from megatron_muon.config import MUONBP_BLOCKS  # noqa: E402
 from megatron_muon.core.models import LLAMA3, MOE_MODELS, ModelShape  # noqa: E402
 
 MODELS = {**{f"llama3-{k.lower()}": v for k, v in LLAMA3.items()}, **MOE_MODELS}
@@ -529,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                              "idle-dp-owner,pp-stages (and expert-dp-group,expert-tp-group for an MoE model)")
     parser.add_argument("--muonbp-period", type=int, default=None,
                         help="MuonBP: the measured step is a full step, and a second, block, step is measured too")
-    parser.add_argument("--muonbp-block", default="tp_shard", choices=("tp_shard", "local"),
+    parser.add_argument("--muonbp-block", default="tp_shard", choices=MUONBP_BLOCKS,
                         help="with --muonbp-period: what the block step orthogonalizes (--muonbp-block)")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 
-from ..config import MuonConfig
+from ..config import MUONBP_BLOCKS, MuonConfig
 from ..core.newton_schulz import COEFFICIENT_SETS
 
 __all__ = ["FIELD_OF_DEST", "add_muon_args", "flag_default", "muon_config_from_args"]
@@ -226,7 +226,7 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "without --muonbp-period and with period 1 (no block steps).",
     )
     group.add_argument(
-        "--muonbp-block", type=str, default=None, choices=["tp_shard", "local"],
+        "--muonbp-block", type=str, default=None, choices=list(MUONBP_BLOCKS),
         help="What a MuonBP block step orthogonalizes. tp_shard: each rank's TP shard (BlockMuon's block; "
              "a matrix the distributed optimizer cuts across DP ranks is reassembled on one DP rank "
              "first). local: the paper's block, the TP shard intersected with this DP rank's range "

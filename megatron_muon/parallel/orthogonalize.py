@@ -43,7 +43,7 @@ import torch
 
 from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import DEFAULT_COEFFICIENTS, Coefficients, NSOptions
-from ..plan.exchange import dp_owned_matrix, split_rounds
+from ..plan.exchange import dp_owned_matrix
 from ..plan.step_plan import DEFAULT_BUCKET_BYTES, PlanSettings, StepPlan, build_step_plan
 from . import comm
 from .devices import resolve_device
@@ -126,10 +126,7 @@ def _run(pieces, plan: StepPlan, groups: StepGroups, apply: Apply | None, *, val
 
     # A unit's piece is a slice of its weight's piece; a weight is delivered once its last unit is
     # (a weight's units share a micro-group and come back in order).
-    unit_pieces = []
-    for unit in plan.units:
-        lo, hi = unit.slice_of(plan.matrices[unit.weight].local_range(dp_rank))
-        unit_pieces.append(pieces[unit.weight][lo:hi])
+    unit_pieces = [pieces[unit.weight][lo:hi] for unit, (lo, hi) in zip(plan.units, run.unit_slices)]
     waiting: dict[int, list[tuple[int, torch.Tensor]]] = {}
 
     def deliver(u: int, mine: torch.Tensor) -> None:
@@ -156,22 +153,15 @@ def _run(pieces, plan: StepPlan, groups: StepGroups, apply: Apply | None, *, val
     return out if listed else None
 
 
-def _run_local_blocks(pieces, plan: StepPlan, blocks, apply: Apply | None):
-    """MuonBP's local block step: NS of each block of this rank's own pieces, scaled by the block's
-    shape; no collective (``plan.local_blocks``). Weights go in consecutive rounds of at most the
-    owner bucket cap of piece bytes (a piece larger than the cap alone), blocks batched by shape
-    within a round, and each round's updates are applied before the next is built, so the step
-    holds about one round of updates, as the pipelined step holds a few micro-groups."""
+def _run_local_blocks(pieces, plan: StepPlan, rounds, apply: Apply | None):
+    """MuonBP's local block step: this rank's rounds of ``plan.local_blocks`` (decided at
+    construction: the weights of each round, its blocks batched by shape, each block's scale),
+    NS per batch, each round's updates applied before the next is built; no collective."""
     ns = plan.settings.ns
     listed = [] if apply is None else None
-    sizes = [piece.numel() * ns.dtype_bytes for piece in pieces]
-    for chunk in split_rounds(sizes, plan.settings.bucket_bytes) if pieces else []:
-        out = {i: pieces[i].new_zeros(pieces[i].numel(), dtype=torch.float32) for i in chunk}
-        by_shape: dict[tuple[int, int], list[tuple[int, object, float]]] = {}
-        for i in chunk:
-            for block, scale in blocks[i]:
-                by_shape.setdefault((block.rows, block.cols), []).append((i, block, scale))
-        for (rows, cols), items in by_shape.items():
+    for rnd in rounds:
+        out = {i: pieces[i].new_zeros(pieces[i].numel(), dtype=torch.float32) for i in rnd.weights}
+        for (rows, cols), items in rnd.batches:
             X = torch.stack([torch.cat([pieces[i][o:o + n] for o, n in block.runs]).view(rows, cols).to(ns.dtype)
                              for i, block, _ in items])
             comm.record_ns_flops(len(items) * ns.flops(rows, cols))
@@ -181,7 +171,7 @@ def _run_local_blocks(pieces, plan: StepPlan, blocks, apply: Apply | None):
                     out[i][o:o + n] = flat[at:at + n].to(torch.float32) * scale
                     at += n
             del X
-        for i in chunk:
+        for i in rnd.weights:
             if listed is None:
                 apply(i, out.pop(i), 1.0)
             else:
@@ -315,9 +305,11 @@ class _Execution:
         self.units_per_weight = [0] * len(plan.matrices)
         for unit in plan.units:
             self.units_per_weight[unit.weight] += 1
+        self.dp_rank = comm.group_rank(dp_group) if dp_size > 1 else 0
+        self.unit_slices = [unit.slice_of(plan.matrices[unit.weight].local_range(self.dp_rank)) for unit in plan.units]
+        """per unit, [lo, hi) of this DP rank's piece of its weight that the unit's piece is."""
         self.tp_group, self.device = tp_group, device
         self.dtype, self.ns, self.bucket_bytes = settings.ns.dtype, settings.ns, settings.bucket_bytes
-        self.dp_rank = comm.group_rank(dp_group) if dp_size > 1 else 0
         self.tp_rank = comm.group_rank(tp_group)
         self.work = plan.work[self.dp_rank]
         # A configuration property, the same on every rank: every rank's tasks have the same stages.

@@ -42,7 +42,7 @@ from .local_blocks import Block, fragment_blocks
 from .owners import dp_pins, plan_owners, plan_unit_owners, unit_pinnable
 from .units import Unit, split_units
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "DP_MODES", "TP_MODES", "OwnerWork", "PlanSettings", "StepPlan",
+__all__ = ["DEFAULT_BUCKET_BYTES", "DP_MODES", "TP_MODES", "LocalRound", "OwnerWork", "PlanSettings", "StepPlan",
            "auto_schedule", "build_step_plan"]
 
 # Append new modes last: the cross-rank check sends TP_MODES.index(mode).
@@ -124,8 +124,9 @@ class StepPlan:
     """per rank, bytes it sends in the DP owner exchange, there and back."""
     tp_bytes: tuple[int, ...]
     """per rank, bytes it sends in its TP group's mode (owner exchange, all-gather, all-reduces)."""
-    local_blocks: tuple[tuple[tuple[tuple[Block, float], ...], ...], ...] | None = None
-    """with ``settings.local_blocks``: per DP rank, per weight, its blocks and each block's scale;
+    local_blocks: tuple[tuple[LocalRound, ...], ...] | None = None
+    """with ``settings.local_blocks``: per DP rank, its rounds of weights (consecutive, at most the
+    owner bucket cap of piece bytes each), every block of a round batched by shape with its scale;
     then there are no units to exchange (``dp_owners`` None, no micro-groups, no TP work)."""
 
     @property
@@ -217,18 +218,37 @@ def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: 
                     dp_sent, tp_sent)
 
 
+@dataclass(frozen=True)
+class LocalRound:
+    """Consecutive weights of one DP rank's local block step, applied together."""
+
+    weights: tuple[int, ...]
+    batches: tuple[tuple[tuple[int, int], tuple[tuple[int, Block, float], ...]], ...]
+    """(block shape, its (weight, block, scale)s): one batched NS call each."""
+
+
 def _local_block_plan(matrices: tuple[MatrixLayout, ...], dp: int, tp: int, settings: PlanSettings) -> StepPlan:
-    """Every DP rank its own blocks, scaled by their shapes; no collective at all."""
+    """Every DP rank its own blocks, scaled by their shapes, in rounds of at most the owner bucket
+    cap of piece bytes (so the step holds about one round of updates); no collective at all."""
     scale = (lambda r, c: 1.0) if settings.scale_mode is None else \
         (lambda r, c: muon_scale(r, c, settings.scale_mode, settings.extra_scale_factor))
-    blocks = tuple(tuple(tuple((b, scale(b.rows, b.cols)) for b in fragment_blocks(lay, d)) for lay in matrices)
-                   for d in range(dp))
-    flops = tuple(sum(ns_flops(b.rows, b.cols, settings.ns.steps) for per_weight in blocks[d] for b, _ in per_weight)
-                  for d in range(dp) for _ in range(tp))
+    rounds, flops = [], []
+    for d in range(dp):
+        blocks = [fragment_blocks(lay, d) for lay in matrices]
+        sizes = [(lambda r: (r[1] - r[0]) * settings.ns.dtype_bytes)(lay.local_range(d)) for lay in matrices]
+        mine = []
+        for chunk in exchange.split_rounds(sizes, settings.bucket_bytes) if matrices else []:
+            by_shape: dict[tuple[int, int], list] = {}
+            for i in chunk:
+                for b in blocks[i]:
+                    by_shape.setdefault((b.rows, b.cols), []).append((i, b, scale(b.rows, b.cols)))
+            mine.append(LocalRound(tuple(chunk), tuple((k, tuple(v)) for k, v in by_shape.items())))
+        rounds.append(tuple(mine))
+        flops += [sum(ns_flops(b.rows, b.cols, settings.ns.steps) for per in blocks for b in per)] * tp
     idle = OwnerWork((), (), {}, (), ())
-    units = split_units(matrices)
     zeros = (0,) * (dp * tp)
-    return StepPlan(matrices, units, dp, tp, settings, None, (), (idle,) * dp, (), flops, zeros, zeros, blocks)
+    return StepPlan(matrices, split_units(matrices), dp, tp, settings, None, (), (idle,) * dp, (), tuple(flops),
+                    zeros, zeros, tuple(rounds))
 
 
 def _check(matrices, dp_size: int, tp_size: int, settings: PlanSettings) -> None:

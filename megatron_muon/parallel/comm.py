@@ -21,6 +21,7 @@ scheduling of Canzona, arXiv 2602.06079, and the interleaving of microsoft/dion'
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -42,6 +43,7 @@ __all__ = [
     "observe_collectives",
     "pipelined",
     "record_ns_flops",
+    "subgroup",
 ]
 
 
@@ -103,6 +105,24 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 0
     return dist.get_rank(group)
+
+
+_SUBGROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""default group → {global ranks: subgroup}: each made once per process (its name is the hash
+of its ranks, so making it twice would collide), released when the default group is destroyed."""
+
+
+def subgroup(group: dist.ProcessGroup | None, members: tuple[int, ...]) -> dist.ProcessGroup:
+    """The process group of ``group``'s ranks ``members`` (group ranks, ascending), made on first
+    use by those ranks alone (``use_local_synchronization``: the other ranks of the job need not
+    call it, so a DP team is made by its members without a world-wide barrier)."""
+    parent = group if group is not None else dist.group.WORLD
+    ranks = dist.get_process_group_ranks(parent)
+    key = tuple(ranks[m] for m in members)
+    known = _SUBGROUPS.setdefault(dist.group.WORLD, {})
+    if key not in known:
+        known[key] = dist.new_group(list(key), use_local_synchronization=True)
+    return known[key]
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,9 @@ and issues the same collectives in the same order.
 
 Correctness rule: NS never runs on a fragment; every unit has exactly one DP owner, and TP
 peers own the same units (the DP plan is identical on every TP rank), so they run the TP mode
-together. What a plan needs bound to process groups (the exchanges) is built once per plan and
+together. At TP 1 a unit may instead go to a DP team (``plan.teams``): each member receives its
+block of the unit in the same exchange and the team runs the distributed mode on the blocks over
+its own process group, in micro-group order on every member. What a plan needs bound to process groups (the exchanges) is built once per plan and
 groups (``_execution``), cached on the plan object, which lives as long as its optimizer.
 
 Pure torch + torch.distributed; no Megatron import.
@@ -45,6 +47,7 @@ from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import DEFAULT_COEFFICIENTS, Coefficients, NSOptions
 from ..plan.exchange import dp_owned_matrix
 from ..plan.step_plan import DEFAULT_BUCKET_BYTES, PlanSettings, StepPlan, build_step_plan
+from ..plan.teams import Run, team_blocks
 from . import comm
 from .devices import resolve_device
 from .owner_exchange import OwnerExchange
@@ -274,12 +277,19 @@ class _MicroGroup:
         """matrix indices, consecutive."""
         self.exchange: OwnerExchange | None = None
         """the DP owner exchange of the members (None when the step has none)."""
+        self.entries: list[int] = []
+        """per owned matrix of the exchange, its unit: a unit with one DP owner is one entry, a
+        team's unit one entry per block (member order)."""
+        self.runs: list[tuple[Run, ...] | None] = []
+        """per entry: None for a unit with one DP owner, else where this rank's pieces of that
+        team block lie in its piece of the unit (in gather order; empty where it holds none)."""
         self.holds: list[bool] = []
-        """per member: this rank sends the owner a piece of it."""
+        """per entry of a one-owner unit: this rank sends the owner a piece of it."""
         self.broadcast: list[int] = []
         """member positions held whole on every DP rank: their owner broadcasts the result."""
         self.owned: list[int] = []
-        """the members whose TP-local matrix this rank (with its TP peers) orthogonalizes."""
+        """the members whose TP-local matrix (or team block) this rank, with its TP peers (or its
+        team), orthogonalizes."""
         self.owner_positions: list[int] = []
         """sub-matrix positions (``OwnerWork.subs``) that run in the pipelined TP owner exchange."""
         self.owner_micro_group: OwnerMicroGroup | None = None
@@ -312,16 +322,33 @@ class _Execution:
         self.dtype, self.ns, self.bucket_bytes = settings.ns.dtype, settings.ns, settings.bucket_bytes
         self.tp_rank = comm.group_rank(tp_group)
         self.work = plan.work[self.dp_rank]
+        self.teams = plan.teams
+        self.team_group = None
+        if plan.teams is not None:
+            t = plan.team_size
+            first = self.dp_rank - self.dp_rank % t
+            self.team_group = comm.subgroup(dp_group, tuple(range(first, first + t)))
         # A configuration property, the same on every rank: every rank's tasks have the same stages.
         self.tp_async = settings.tp_mode in ("owner", "auto") and tp_size > 1
         self.micro_groups = [_MicroGroup(members) for members in plan.micro_groups]
         work = self.work
         for g in self.micro_groups:
             if plan.exchanges_dp:
-                routes = [dp_owned_matrix(self.matrices[u], plan.dp_owners[u], dp_size) for u in g.members]
+                routes = []
+                for u in g.members:
+                    if plan.team_of(u) is None:
+                        routes.append(dp_owned_matrix(self.matrices[u], plan.dp_owners[u], dp_size))
+                        g.entries.append(u)
+                        g.runs.append(None)
+                        continue
+                    for block in team_blocks(self.matrices[u], plan.team_size, plan.team_of(u) * plan.team_size):
+                        routes.append(block.owned)
+                        g.entries.append(u)
+                        g.runs.append(tuple(r for p, r in zip(block.owned.gather, block.runs)
+                                            if p.rank == self.dp_rank))
                 g.exchange = OwnerExchange(routes, dp_group, dtype=self.dtype, device=device)
                 g.holds = [any(p.rank == self.dp_rank for p in route.gather) for route in routes]
-                g.owned = [g.members[j] for j in g.exchange.owned]
+                g.owned = [g.entries[e] for e in g.exchange.owned]
                 g.broadcast = [j for j, u in enumerate(g.members) if self.matrices[u].dp_ranges is None]
             else:
                 g.owned = list(g.members)
@@ -331,7 +358,7 @@ class _Execution:
                 g.owner_micro_group = OwnerMicroGroup([work.subs[p] for p in g.owner_positions],
                                                       [work.tp_owners[p] for p in g.owner_positions], self.dtype,
                                                       tp_group, self.tp_rank, device)
-            for mode in ("owner", "duplicated", "distributed", "blockwise"):
+            for mode in ("owner", "duplicated", "distributed", "blockwise", "team"):
                 chosen = [p for p in positions if work.modes[p] == mode and p not in g.owner_positions]
                 if chosen:
                     g.blocking.append((mode, chosen))
@@ -344,10 +371,37 @@ class _Execution:
         """The sub-matrices of ``g`` outside the pipelined owner exchange, mode by mode."""
         done = {}
         for mode, positions in g.blocking:
+            # a team's blocks: the distributed mode over the team, as a TP group runs it on shards
+            group, mode = (self.team_group, "distributed") if mode == "team" else (self.tp_group, mode)
             results = run_blocking_mode(mode, [subs[p] for p in positions], [self.work.subs[p] for p in positions],
-                                        self.tp_group, self.ns, self.bucket_bytes)
+                                        group, self.ns, self.bucket_bytes)
             done.update(zip(positions, results))
         return done
+
+    def sources(self, g: _MicroGroup, pieces, dtype: torch.dtype) -> list[list[torch.Tensor]]:
+        """Per entry of ``g``'s exchange, this rank's pieces to send: its whole piece of a unit
+        with one DP owner, the runs of a team block (strided views, copied once into the send
+        buffer)."""
+        cast: dict[int, torch.Tensor] = {}  # one cast per unit, however many blocks it feeds
+        out = []
+        for u, runs, held in zip(g.entries, g.runs, g.holds):
+            if runs is None:
+                out.append([pieces[u].to(dtype)] if held else [])
+            else:
+                mine = cast.setdefault(u, pieces[u].to(dtype).contiguous())
+                out.append([_run_view(mine, r) for r in runs])
+        return out
+
+    def team_piece(self, g: _MicroGroup, u: int, got: dict[int, list[torch.Tensor]]) -> torch.Tensor:
+        """This rank's piece of team unit ``u`` from its blocks' returns (each run written into
+        its strided place)."""
+        lo, hi = self.unit_slices[u]
+        mine = torch.empty(hi - lo, dtype=self.dtype, device=self.device)
+        for e, (v, runs) in enumerate(zip(g.entries, g.runs)):
+            if v == u:
+                for r, t in zip(runs, got.get(e, ())):
+                    _run_view(mine, r).copy_(t.view(r.rows, r.cols))
+        return mine
 
 
 _EXECUTIONS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -371,17 +425,21 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver):
     """
     layouts, dtype, work = run.matrices, run.dtype, run.work
     if run.exchanges_dp:
-        there = g.exchange.start_to_owners(
-            [[pieces[i].to(dtype)] if held else [] for i, held in zip(g.members, g.holds)])
+        there = g.exchange.start_to_owners(run.sources(g, pieces, dtype))
         yield
         got = there.wait()
         del there
-        owned = {g.members[j]: g.exchange.assemble(j, got[j]) for j in g.exchange.owned}
+        # a rank owns a unit whole, or one block of a team's unit: never two entries of one unit
+        owned = {g.entries[e]: g.exchange.assemble(e, got[e]) for e in g.exchange.owned}
         del got
     else:
         owned = {i: pieces[i].to(dtype) for i in g.owned}
     subs = {}
     for i, flat in owned.items():
+        if run.teams is not None and run.teams[i] is not None:  # this rank's block
+            p = work.sub_positions[i][0]
+            subs[p] = flat.view(work.subs[p].local_shape)
+            continue
         subs.update(zip(work.sub_positions[i], layouts[i].split_rows(flat.view(layouts[i].local_shape))))
     del owned
 
@@ -410,7 +468,7 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver):
         for i in g.members:
             deliver(i, joined.pop(i))
         return
-    back = g.exchange.start_from_owners({j: joined[g.members[j]] for j in g.exchange.owned})
+    back = g.exchange.start_from_owners({e: joined[g.entries[e]] for e in g.exchange.owned})
     # A unit whole on every DP rank comes back by one broadcast from its owner, in member order
     # on every rank (sizes from the plan): the owner's result, the others' receive buffers.
     casts = {}
@@ -422,15 +480,26 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver):
     yield
     got = back.wait()
     del back
+    entry_of = {u: e for e, u in enumerate(g.entries)}  # a one-owner unit's only entry
     for j, i in enumerate(g.members):
         if j in casts:
             mine, pending = casts.pop(j)
             pending.wait()
-        elif got.get(j):
-            mine = got[j][0]
+        elif run.teams is not None and run.teams[i] is not None:
+            mine = run.team_piece(g, i, got)
+        elif got.get(entry_of[i]):
+            mine = got[entry_of[i]][0]
         else:
             mine = torch.empty(0, dtype=dtype, device=run.device)
         deliver(i, mine)
+
+
+def _run_view(piece: torch.Tensor, r: Run) -> torch.Tensor:
+    """The ``(rows, cols)`` strided view of flat ``piece`` that run ``r`` names."""
+    if r.rows == 1:
+        return piece[r.start : r.start + r.cols].view(1, r.cols)
+    return piece[r.start : r.start + (r.rows - 1) * r.stride + r.cols].as_strided(
+        (r.rows, r.cols), (r.stride, 1))
 
 
 def _scaled(layout: MatrixLayout, mine: torch.Tensor, scale: float | torch.Tensor, dp_rank: int) -> torch.Tensor:

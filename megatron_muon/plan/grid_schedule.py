@@ -21,8 +21,14 @@ seconds on ``hardware`` (NS, its TP collectives and the unit's DP exchange), in 
                   current makespan and the best group), its wide sub-matrices on every rank of
                   the group, its narrow ones each on the group's least-loaded rank.
 
-The allotment with the smallest makespan wins (ties: the larger θ, fewer collectives). A
-per-matrix choice, as ``auto`` made before, cannot see that 21 whole 53248 × 16384 fc1 halves on
+The allotment with the smallest makespan wins (ties: the larger θ, fewer collectives).
+
+At TP 1 a TP group has no second rank, so ``team`` > 1 regroups the DP ranks into teams of
+``team`` consecutive ranks (``teams.team_size``: one node's worth) and schedules on those: a
+group is a team, narrow is one member (the unit's DP owner), wide is the whole team running the
+distributed mode on the unit's blocks (``teams.team_layout``; only a unit a team can take).
+The same two phases balance DeepSeek-V3's dense stage at TP1 × DP64, whose 7168 × 18432
+matrices would otherwise each sit whole on one of 64 ranks. A per-matrix choice, as ``auto`` made before, cannot see that 21 whole 53248 × 16384 fc1 halves on
 a 512-rank stage (Llama-3 405B, TP8 × PP16 × DP64) leave one rank 330 TFLOP while most idle:
 here each runs on its own TP group, 41 TFLOP per rank.
 """
@@ -35,6 +41,7 @@ from dataclasses import dataclass
 from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import gram_block_rows, ns_flops, sharded_ns_flops, splits_gram
 from .cost_model import Hardware, collective_time, ns_time
+from .teams import team_layout
 
 __all__ = ["GridSchedule", "schedule_grid"]
 
@@ -45,9 +52,11 @@ class GridSchedule:
 
     dp_owners: tuple[int, ...]
     modes: tuple[tuple[str, ...], ...]
-    """per unit, per sub-matrix: ``owner`` (narrow), ``distributed`` or ``duplicated`` (wide)."""
+    """per unit, per sub-matrix: ``owner`` (narrow), ``distributed`` or ``duplicated`` (wide); with
+    teams one entry per unit, ``owner`` or ``team``."""
     tp_owners: tuple[tuple[int | None, ...], ...]
-    """per unit, per sub-matrix: the TP rank of a narrow one, None for a wide one."""
+    """per unit, per sub-matrix: the TP rank (with teams: the member) of a narrow one, None for a
+    wide one."""
     makespan_s: float
     """predicted seconds of the busiest rank."""
     ns_makespan_s: float
@@ -66,6 +75,9 @@ class _Task:
     """the faster wide mode; None when it has none (a TP group of one, an empty matrix)."""
     wide_s: float
     """on every rank of the group, in ``wide_mode``."""
+    narrow_move_s: float = 0.0
+    """the part of ``narrow_s`` a unit placed on the member that holds it whole does not pay
+    (with teams: the rest of the unit gathered from the other members)."""
 
     def free_to_widen(self, tp: int) -> bool:
         """Wide costs the group no more rank-seconds than narrow (a tall-thin shard's tiny Gram, a
@@ -75,7 +87,7 @@ class _Task:
 
 def schedule_grid(units: Sequence[MatrixLayout], dp_size: int, tp_size: int, hw: Hardware, *, steps: int = 5,
                   dtype_bytes: int = 2, pinned: Mapping[int, int] | None = None,
-                  prefer: Sequence[int | None] | None = None) -> GridSchedule:
+                  prefer: Sequence[int | None] | None = None, team: int = 1) -> GridSchedule:
     """The schedule of the module docstring.
 
     Args:
@@ -86,17 +98,33 @@ def schedule_grid(units: Sequence[MatrixLayout], dp_size: int, tp_size: int, hw:
         hw: the cost model's constants.
         pinned: unit → DP group it must go to (it lies whole there).
         prefer: per unit, a DP group to take unless it ends later (the holder of its largest piece).
+        team: DP ranks per team at TP 1 (see the module docstring; 1: no teams). Then the
+            schedule's groups are teams: ``dp_owners`` holds team indices and ``tp_owners`` the
+            member of a narrow unit; ``pinned`` and ``prefer`` still name DP ranks.
     """
     pinned = dict(pinned or {})
-    tasks = [[_task(sub, tp_size, hw, steps, dtype_bytes) for sub in unit.sub_matrices()] for unit in units]
-    moves = [_dp_move_s(unit, dp_size, tp_size, hw, dtype_bytes) for unit in units]
+    members: dict[int, int] = {}
+    groups, width = dp_size, tp_size
+    if team > 1:
+        if tp_size != 1 or dp_size % team:
+            raise ValueError(f"schedule_grid: teams of {team} need TP 1 and a DP size they divide, got TP {tp_size} "
+                             f"x DP {dp_size}")
+        tasks = [[_team_task(unit, team, hw, steps, dtype_bytes)] for unit in units]
+        moves = [_team_move_s(unit, dp_size, team, hw, dtype_bytes) for unit in units]
+        members = {u: d % team for u, d in pinned.items()}
+        pinned = {u: d // team for u, d in pinned.items()}
+        prefer = None if prefer is None else [None if d is None else d // team for d in prefer]
+        groups, width = dp_size // team, team
+    else:
+        tasks = [[_task(sub, tp_size, hw, steps, dtype_bytes) for sub in unit.sub_matrices()] for unit in units]
+        moves = [_dp_move_s(unit, dp_size, tp_size, hw, dtype_bytes) for unit in units]
     widenable = sorted({t.narrow_s for ts in tasks for t in ts if t.wide_mode is not None}, reverse=True)
     best = None
     allotments = [(float("inf"), False)] + [(threshold, True) for threshold in (float("inf"), *widenable)]
     for threshold, free in allotments:
-        wide = [[t.wide_mode is not None and (t.narrow_s >= threshold or (free and t.free_to_widen(tp_size)))
+        wide = [[t.wide_mode is not None and (t.narrow_s >= threshold or (free and t.free_to_widen(width)))
                  for t in ts] for ts in tasks]
-        schedule = _place(tasks, wide, moves, dp_size, tp_size, pinned, prefer)
+        schedule = _place(tasks, wide, moves, groups, width, pinned, prefer, members)
         # Equal makespans (within float noise), e.g. when one unit's DP exchange sets it: the
         # busier Newton–Schulz rank loses, so a critical exchange does not hide a worse NS plan.
         if best is None or _better(schedule, best):
@@ -110,7 +138,7 @@ def _better(a: GridSchedule, b: GridSchedule) -> bool:
     return a.makespan_s <= b.makespan_s * (1 + 1e-9) and a.ns_makespan_s < b.ns_makespan_s * (1 - 1e-9)
 
 
-def _place(tasks, wide, moves, dp: int, tp: int, pinned, prefer) -> GridSchedule:
+def _place(tasks, wide, moves, dp: int, tp: int, pinned, prefer, members) -> GridSchedule:
     loads = [[0.0] * tp for _ in range(dp)]
     ns_loads = [[0.0] * tp for _ in range(dp)]
     seconds = [sum(t.wide_s if w else t.narrow_s for t, w in zip(ts, ws)) for ts, ws in zip(tasks, wide)]
@@ -119,7 +147,7 @@ def _place(tasks, wide, moves, dp: int, tp: int, pinned, prefer) -> GridSchedule
     makespan = 0.0
     for u in sorted(range(len(tasks)), key=lambda u: (-seconds[u], u)):
         groups = [pinned[u]] if u in pinned else range(dp)
-        trials = {d: _try(loads[d], tasks[u], wide[u], moves[u][d]) for d in groups}
+        trials = {d: _try(loads[d], tasks[u], wide[u], moves[u][d], members.get(u)) for d in groups}
         d = min(trials, key=lambda d: (max(trials[d][0]), sum(trials[d][0]), d))
         want = prefer[u] if prefer is not None and u not in pinned else None
         if want is not None and max(trials[want][0]) <= max(makespan, max(trials[d][0])):
@@ -133,17 +161,19 @@ def _place(tasks, wide, moves, dp: int, tp: int, pinned, prefer) -> GridSchedule
     return GridSchedule(tuple(dp_owners), modes, tuple(tp_owners), makespan, max(max(x) for x in ns_loads))
 
 
-def _try(group: list[float], tasks: list[_Task], wide: list[bool], move_s: float):
+def _try(group: list[float], tasks: list[_Task], wide: list[bool], move_s: float, member: int | None = None):
     """The group's loads after taking one unit (wide tasks first, then narrow ones longest first,
-    each on the least-loaded rank) and each task's TP rank."""
+    each on the least-loaded rank, or on ``member``, the rank that holds the unit whole) and each
+    task's TP rank."""
     loads = [x + move_s for x in group]
     owners: list[int | None] = [None] * len(tasks)
     for t, w in zip(tasks, wide):
         if w:
             loads = [x + t.wide_s for x in loads]
     for k in sorted((k for k, w in enumerate(wide) if not w), key=lambda k: -tasks[k].narrow_s):
-        r = min(range(len(loads)), key=lambda r: (loads[r], r))
-        loads = [x + (tasks[k].narrow_s if j == r else tasks[k].narrow_other_s) for j, x in enumerate(loads)]
+        r = member if member is not None else min(range(len(loads)), key=lambda r: (loads[r], r))
+        own = tasks[k].narrow_s - (tasks[k].narrow_move_s if member is not None else 0.0)
+        loads = [x + (own if j == r else tasks[k].narrow_other_s) for j, x in enumerate(loads)]
         owners[k] = r
     return loads, tuple(owners)
 
@@ -161,15 +191,48 @@ def _task(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: int) -> _T
     narrow = compute + _bytes_s(2 * (tp - 1) * shard, tp, hw)
     other = _bytes_s(2 * shard, tp, hw)
     duplicated = compute + collective_time("all_gather", (tp - 1) * shard, 1, tp, hw)
-    k, cols = (sub.local_shape[1], sub.local_shape[0]) if sub.partition_dim == 0 else sub.local_shape
-    distributed = (ns_time(sharded_ns_flops(k, cols, steps, tp), 1, hw, steps)
-                   + collective_time("all_reduce", 2 * (tp - 1) / tp * (steps * k * k + 2) * elem, steps + 2, tp, hw))
-    if splits_gram(k, cols, tp):
-        distributed += collective_time("all_gather", steps * (tp - 1) * gram_block_rows(k, tp) * k * elem, steps,
-                                       tp, hw)
+    distributed = _distributed_s(sub, tp, hw, steps, elem)
     if distributed < duplicated:
         return _Task(narrow, other, "distributed", distributed)
     return _Task(narrow, other, "duplicated", duplicated)
+
+
+def _distributed_s(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: int) -> float:
+    """Seconds of the distributed mode on each of ``tp`` ranks holding ``sub``'s shards: its NS
+    share, the Gram all-reduces, and B's row blocks all-gathered where it splits them."""
+    k, cols = (sub.local_shape[1], sub.local_shape[0]) if sub.partition_dim == 0 else sub.local_shape
+    seconds = (ns_time(sharded_ns_flops(k, cols, steps, tp), 1, hw, steps)
+               + collective_time("all_reduce", 2 * (tp - 1) / tp * (steps * k * k + 2) * elem, steps + 2, tp, hw))
+    if splits_gram(k, cols, tp):
+        seconds += collective_time("all_gather", steps * (tp - 1) * gram_block_rows(k, tp) * k * elem, steps, tp, hw)
+    return seconds
+
+
+def _team_task(unit: MatrixLayout, team: int, hw: Hardware, steps: int, elem: int) -> _Task:
+    """A TP-1 unit on a team: narrow on one member (the rest of the unit gathered there over the
+    node and returned), or wide as the team's blocks (each member receives its block and runs its
+    share of the distributed mode); one task per unit, since a unit goes whole to one rank."""
+    compute = ns_time(sum(ns_flops(*sub.full_shape, steps) for sub in unit.sub_matrices()), 1, hw, steps)
+    gather = _bytes_s(2 * unit.numel * elem * (team - 1) / team, team, hw)
+    block = _bytes_s(2 * unit.numel * elem / team, team, hw)
+    layout = team_layout(unit, team)
+    if layout is None:
+        return _Task(compute + gather, block, None, 0.0, gather)
+    return _Task(compute + gather, block, "team", _distributed_s(layout, team, hw, steps, elem) + block, gather)
+
+
+def _team_move_s(unit: MatrixLayout, dp: int, team: int, hw: Hardware, elem: int) -> list[float]:
+    """Per team, seconds on each member of the unit's exchange with the other teams: what the team
+    does not hold, there and back, shared by its members (or the result broadcast to every DP rank
+    when each holds the unit whole)."""
+    if not unit.numel:
+        return [0.0] * (dp // team)
+    spans = dp > hw.ranks_per_node
+    if unit.dp_ranges is None:
+        return [_bytes_s(unit.numel * elem, dp, hw, spans)] * (dp // team)
+    holders = unit.holders(dp)
+    held = [sum(holders.get(d, 0) for d in range(g * team, (g + 1) * team)) for g in range(dp // team)]
+    return [_bytes_s(2 * (unit.numel - h) * elem / team, dp, hw, spans) for h in held]
 
 
 def _dp_move_s(unit: MatrixLayout, dp: int, tp: int, hw: Hardware, elem: int) -> list[float]:

@@ -16,7 +16,9 @@ A Muon step over a TP × DP grid is a pure function of the matrices' layouts and
                       everything that DP owner holds, so the balance is that of one call)
     (auto)            steps 1 and 3 at once, for the whole TP × DP grid (``auto_schedule``: which DP
                       group, and on one rank or the whole TP group, minimizing the busiest rank's
-                      predicted seconds)
+                      predicted seconds); at TP 1, on one DP rank or a team of them
+                      (``teams``: a node's consecutive DP ranks, each running a block of the unit
+                      in the distributed mode over the team)
     4. scales         each unit's update scale, per sub-matrix (global shape; local in blockwise)
     5. costs          per rank, the Newton–Schulz FLOPs and the bytes the step's collectives send
 
@@ -40,6 +42,7 @@ from .cost_model import Hardware
 from .grid_schedule import GridSchedule, schedule_grid
 from .local_blocks import Block, fragment_blocks
 from .owners import dp_pins, plan_owners, plan_unit_owners, unit_pinnable
+from .teams import team_blocks, team_layout, team_size
 from .units import Unit, split_units
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DP_MODES", "TP_MODES", "LocalRound", "OwnerWork", "PlanSettings", "StepPlan",
@@ -90,7 +93,9 @@ class OwnerWork:
     sub_positions: dict[int, tuple[int, ...]]
     """unit index → positions of its sub-matrices in ``subs``."""
     modes: tuple[str, ...]
-    """per sub-matrix, the TP mode it runs in (never ``auto``)."""
+    """per sub-matrix, the TP mode it runs in (never ``auto``), or ``team``: this DP rank's block
+    of a unit its DP team runs in the distributed mode (the sub-matrix is then the block, laid
+    out as a shard over the team)."""
     tp_owners: tuple[int | None, ...]
     """per sub-matrix in owner mode, the TP rank that runs its NS; None in the other modes."""
 
@@ -124,6 +129,11 @@ class StepPlan:
     """per rank, bytes it sends in the DP owner exchange, there and back."""
     tp_bytes: tuple[int, ...]
     """per rank, bytes it sends in its TP group's mode (owner exchange, all-gather, all-reduces)."""
+    teams: tuple[int | None, ...] | None = None
+    """per unit, the DP team (of ``team_size`` consecutive DP ranks, numbered) that runs it as
+    blocks, or None where one DP owner does (``dp_owners`` then names the team's first rank);
+    None without teams."""
+    team_size: int = 1
     local_blocks: tuple[tuple[LocalRound, ...], ...] | None = None
     """with ``settings.local_blocks``: per DP rank, its rounds of weights (consecutive, at most the
     owner bucket cap of piece bytes each), every block of a round batched by shape with its scale;
@@ -155,21 +165,26 @@ class StepPlan:
             modes += [work.modes[p] for p in work.sub_positions.get(u, ())]
         return tuple(modes)
 
+    def team_of(self, u: int) -> int | None:
+        """The DP team running unit ``u`` as blocks, or None."""
+        return None if self.teams is None else self.teams[u]
+
     def idle_dp_ranks(self) -> list[int]:
         """DP ranks whose TP group orthogonalizes nothing."""
         return [d for d, w in enumerate(self.work) if not w.matrices]
 
 
 def auto_schedule(matrices: Sequence[MatrixLayout], units: Sequence[Unit], dp_groups: int, tp_size: int,
-                  settings: PlanSettings) -> GridSchedule:
+                  settings: PlanSettings, team: int = 1) -> GridSchedule:
     """``auto``'s joint plan of the stage (``grid_schedule.schedule_grid``): per unit its DP group
-    (of ``dp_groups``: 1 without a DP exchange), per sub-matrix its TP mode and TP owner. A unit
-    whose weight lies whole on one DP rank stays there; a cut one prefers its largest piece's holder."""
+    (of ``dp_groups``: 1 without a DP exchange) or with ``team`` > 1 its team, per sub-matrix its
+    TP mode and TP owner (or member). A unit whose weight lies whole on one DP rank stays there; a
+    cut one prefers its largest piece's holder."""
     layouts = [unit.layout for unit in units]
     pinned, prefer = dp_pins(layouts, dp_groups, unit_pinnable(matrices, units, dp_groups)) if dp_groups > 1 \
         else ({}, None)
     return schedule_grid(layouts, dp_groups, tp_size, settings.hardware, steps=settings.ns.steps,
-                         dtype_bytes=settings.ns.dtype_bytes, pinned=pinned, prefer=prefer)
+                         dtype_bytes=settings.ns.dtype_bytes, pinned=pinned, prefer=prefer, team=team)
 
 
 def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: int,
@@ -186,8 +201,16 @@ def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: 
     live = [i for i, lay in enumerate(matrices) if lay.numel]
     exchanges_dp = settings.dp_mode == "owner" and dp_size > 1
     schedule = None
+    team, teams, blocks = 1, None, {}
     if settings.tp_mode == "auto":
-        schedule = auto_schedule(matrices, units, dp_size if exchanges_dp else 1, tp_size, settings)
+        if exchanges_dp:
+            team = team_size(dp_size, tp_size, settings.hardware.ranks_per_node)
+        schedule = auto_schedule(matrices, units, dp_size if exchanges_dp else 1, tp_size, settings, team)
+        if team > 1:
+            schedule, teams = _from_teams(schedule, layouts, team)
+            blocks = {u: team_layout(layouts[u], team) for u, t in enumerate(teams) if t is not None}
+            if not blocks:
+                team, teams = 1, None
     dp_owners = None
     if exchanges_dp:
         dp_owners = schedule.dp_owners if schedule else tuple(plan_unit_owners(matrices, units, dp_size, ns.steps))
@@ -209,13 +232,29 @@ def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: 
         shared = _owner_work(layouts, [u for g in micro_groups for u in g], tp_size, settings, schedule)
         work = (shared,) * dp_size
     else:
-        work = tuple(_owner_work(layouts, [u for g in micro_groups for u in g if dp_owners[u] == d], tp_size,
-                                 settings, schedule) for d in range(dp_size))
+        def runs_on(u: int, d: int) -> bool:
+            return dp_owners[u] == d if u not in blocks else teams[u] == d // team
+
+        work = tuple(_owner_work(layouts, [u for g in micro_groups for u in g if runs_on(u, d)], tp_size,
+                                 settings, schedule, blocks) for d in range(dp_size))
     blockwise = settings.tp_mode == "blockwise"
     scales = tuple(_scales(lay, blockwise, settings) for lay in layouts)
-    flops, dp_sent, tp_sent = _costs(layouts, dp_owners, work, dp_size, tp_size, ns)
+    flops, dp_sent, tp_sent = _costs(layouts, dp_owners, work, dp_size, tp_size, ns, teams, team)
     return StepPlan(matrices, units, dp_size, tp_size, settings, dp_owners, micro_groups, work, scales, flops,
-                    dp_sent, tp_sent)
+                    dp_sent, tp_sent, teams, team)
+
+
+def _from_teams(schedule: GridSchedule, layouts, team: int) -> tuple[GridSchedule, tuple[int | None, ...]]:
+    """A schedule over teams as one over DP ranks: a narrow unit's DP owner is its member (each of
+    its sub-matrices in owner mode on its one TP rank), a wide one is its team's (the team
+    returned apart; its DP owner names the team's first rank) with one ``team`` sub-matrix."""
+    teams = tuple(g if modes[0] == "team" else None for g, modes in zip(schedule.dp_owners, schedule.modes))
+    dp_owners = tuple(g * team + (0 if t is not None else members[0])
+                      for g, t, members in zip(schedule.dp_owners, teams, schedule.tp_owners))
+    modes = tuple(("team",) if t is not None else ("owner",) * len(lay.sub_matrices())
+                  for t, lay in zip(teams, layouts))
+    owners = tuple((None,) if t is not None else (0,) * len(lay.sub_matrices()) for t, lay in zip(teams, layouts))
+    return GridSchedule(dp_owners, modes, owners, schedule.makespan_s, schedule.ns_makespan_s), teams
 
 
 @dataclass(frozen=True)
@@ -281,13 +320,14 @@ def _check(matrices, dp_size: int, tp_size: int, settings: PlanSettings) -> None
 
 
 def _owner_work(matrices, owned: list[int], tp_size: int, settings: PlanSettings,
-                schedule: GridSchedule | None) -> OwnerWork:
+                schedule: GridSchedule | None, blocks: dict[int, MatrixLayout] | None = None) -> OwnerWork:
     """What one DP owner's TP group runs: its units' sub-matrices, the requested TP mode (the only
-    place a TP mode is decided) and its owners by LPT, or ``auto``'s, both from its schedule."""
+    place a TP mode is decided) and its owners by LPT, or ``auto``'s, both from its schedule
+    (a team unit: its block, ``blocks[i]``)."""
     subs: list[MatrixLayout] = []
     positions: dict[int, tuple[int, ...]] = {}
     for i in owned:
-        parts = matrices[i].sub_matrices()
+        parts = (blocks[i],) if blocks and i in blocks else matrices[i].sub_matrices()
         positions[i] = tuple(range(len(subs), len(subs) + len(parts)))
         subs += parts
     if schedule is not None:
@@ -316,12 +356,17 @@ def _scales(layout: MatrixLayout, blockwise: bool, settings: PlanSettings) -> tu
 # ---- per-rank FLOPs and bytes ---------------------------------------------------------------------
 
 
-def _costs(matrices, dp_owners, work, dp: int, tp: int, ns: NSOptions):
-    """(NS FLOPs, DP bytes, TP bytes) per rank, by ``comm.py``'s convention (what leaves a rank)."""
+def _costs(matrices, dp_owners, work, dp: int, tp: int, ns: NSOptions, teams=None, team: int = 1):
+    """(NS FLOPs, DP bytes, TP bytes) per rank, by ``comm.py``'s convention (what leaves a rank);
+    a DP team's all-reduces count with the TP bytes (the bytes of a unit's wide mode)."""
     flops, dp_sent, tp_sent = [0.0] * (tp * dp), [0.0] * (tp * dp), [0.0] * (tp * dp)
     if dp_owners is not None:
         for i, lay in enumerate(matrices):
             if not lay.numel:
+                continue
+            if teams is not None and teams[i] is not None:
+                for d, b in _team_dp_bytes(lay, teams[i], team, ns.dtype_bytes).items():
+                    dp_sent[d] += b  # teams only at TP 1
                 continue
             for d, b in _dp_bytes(lay, dp_owners[i], dp, ns.dtype_bytes).items():
                 for j in range(tp):  # every TP peer moves its own TP-local shard alike
@@ -329,7 +374,8 @@ def _costs(matrices, dp_owners, work, dp: int, tp: int, ns: NSOptions):
     for d, w in enumerate(work):
         for sub, mode, owner in zip(w.subs, w.modes, w.tp_owners):
             for j in range(tp):
-                f, b = _sub_cost(sub, mode, owner, j, tp, ns)
+                f, b = _sub_cost(sub, "distributed", None, 0, sub.tp_size, ns) if mode == "team" else \
+                    _sub_cost(sub, mode, owner, j, tp, ns)
                 flops[d * tp + j] += f
                 tp_sent[d * tp + j] += b
     return tuple(int(f) for f in flops), tuple(round(b) for b in dp_sent), tuple(round(b) for b in tp_sent)
@@ -346,6 +392,19 @@ def _dp_bytes(layout: MatrixLayout, owner: int, dp: int, elem: int) -> dict[int,
         if r != owner:
             out[r] = out.get(r, 0) + n * elem
             out[owner] = out.get(owner, 0) + n * elem
+    return out
+
+
+def _team_dp_bytes(layout: MatrixLayout, t: int, team: int, elem: int) -> dict[int, int]:
+    """DP rank → bytes it sends for a unit that team ``t`` runs as blocks: each holder its piece of
+    every block to that block's member, each member the block's pieces back."""
+    out: dict[int, int] = {}
+    for block in team_blocks(layout, team, t * team):
+        owner = block.owned.owner
+        for p in block.owned.gather:
+            if p.rank != owner:
+                out[p.rank] = out.get(p.rank, 0) + p.numel * elem
+                out[owner] = out.get(owner, 0) + p.numel * elem
     return out
 
 

@@ -134,7 +134,8 @@ def _auto_hint(plan: StepPlan, config: MuonConfig) -> list[str]:
         return []
     return [f"  NOTE: tp mode owner gives one rank a whole matrix here; --muon-tp-mode auto (on {hardware.name}'s "
             f"constants, --muon-auto-hardware) plans this stage at max {max(flops) / 1e12:.2f} TFLOP (max/mean "
-            f"{max(flops) / mean:.2f}), the large matrices distributed over their TP groups; exact either way"]
+            f"{max(flops) / mean:.2f}), the large matrices distributed over their TP groups (at TP 1, over teams of "
+            f"DP ranks); exact either way"]
 
 
 def _cut_line(plan: StepPlan, config: MuonConfig, layout_text: str, what: str = "DP") -> str:
@@ -142,6 +143,10 @@ def _cut_line(plan: StepPlan, config: MuonConfig, layout_text: str, what: str = 
     cut = sum(1 for lay in plan.matrices if lay.dp_ranges is not None and len(lay.holders(dp)) > 1)
     how = ("each goes whole to one DP owner (owner exchange)" if config.dp_mode == "owner"
            else "every DP rank computes every matrix (--muon-dp-mode redundant)")
+    teamed = sum(1 for u in range(len(plan.units)) if plan.team_of(u) is not None)
+    if teamed:
+        how += (f", or by blocks to a team of {plan.team_size} DP ranks that runs it distributed "
+                f"({teamed} of {len(plan.units)} units)")
     return f"  {what} {dp}: {layout_text}: {cut} of {len(plan.matrices)} matrices cut across DP ranks; {how}"
 
 

@@ -27,8 +27,10 @@ Correctness rule: NS never runs on a fragment; every unit has exactly one DP own
 peers own the same units (the DP plan is identical on every TP rank), so they run the TP mode
 together. At TP 1 a unit may instead go to a DP team (``plan.teams``): each member receives its
 block of the unit in the same exchange and the team runs the distributed mode on the blocks over
-its own process group, in micro-group order on every member. What a plan needs bound to process groups (the exchanges) is built once per plan and
-groups (``_execution``), cached on the plan object, which lives as long as its optimizer.
+its own process group, in micro-group order on every member.
+
+What a plan needs bound to process groups (the exchanges, a team's group) is built once per plan
+and groups (``_execution``), cached on the plan object, which lives as long as its optimizer.
 
 Pure torch + torch.distributed; no Megatron import.
 """

@@ -28,7 +28,9 @@ At TP 1 a TP group has no second rank, so ``team`` > 1 regroups the DP ranks int
 group is a team, narrow is one member (the unit's DP owner), wide is the whole team running the
 distributed mode on the unit's blocks (``teams.team_layout``; only a unit a team can take).
 The same two phases balance DeepSeek-V3's dense stage at TP1 × DP64, whose 7168 × 18432
-matrices would otherwise each sit whole on one of 64 ranks. A per-matrix choice, as ``auto`` made before, cannot see that 21 whole 53248 × 16384 fc1 halves on
+matrices would otherwise each sit whole on one of 64 ranks.
+
+A per-matrix choice, as ``auto`` made before, cannot see that 21 whole 53248 × 16384 fc1 halves on
 a 512-rank stage (Llama-3 405B, TP8 × PP16 × DP64) leave one rank 330 TFLOP while most idle:
 here each runs on its own TP group, 41 TFLOP per rank.
 """

@@ -241,7 +241,7 @@ def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: 
     scales = tuple(_scales(lay, blockwise, settings) for lay in layouts)
     flops, dp_sent, tp_sent = _costs(layouts, dp_owners, work, dp_size, tp_size, ns, teams, team)
     return StepPlan(matrices, units, dp_size, tp_size, settings, dp_owners, micro_groups, work, scales, flops,
-                    dp_sent, tp_sent, teams, team)
+                    dp_sent, tp_sent, teams=teams, team_size=team)
 
 
 def _from_teams(schedule: GridSchedule, layouts, team: int) -> tuple[GridSchedule, tuple[int | None, ...]]:
@@ -287,7 +287,7 @@ def _local_block_plan(matrices: tuple[MatrixLayout, ...], dp: int, tp: int, sett
     idle = OwnerWork((), (), {}, (), ())
     zeros = (0,) * (dp * tp)
     return StepPlan(matrices, split_units(matrices), dp, tp, settings, None, (), (idle,) * dp, (), tuple(flops),
-                    zeros, zeros, tuple(rounds))
+                    zeros, zeros, local_blocks=tuple(rounds))
 
 
 def _check(matrices, dp_size: int, tp_size: int, settings: PlanSettings) -> None:

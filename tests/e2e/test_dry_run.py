@@ -223,6 +223,28 @@ def test_deepseek_v3_first_moe_stage(tmp_path):
         assert res["experts"]["bytes_sent"] == 0
 
 
+def test_deepseek_v3_dense_stage_is_balanced_by_dp_teams(tmp_path):
+    """Issue 24's DeepSeek-V3 row: TP1 x EP8 x PP16 x DP64, dense stage 0 (two dense layers, 14
+    matrices for 64 DP ranks). There is no TP group to widen over, so owner left one rank a whole
+    7168 x 18432 matrix (NS max/mean 8.03); auto gives the large units to teams of 8 DP ranks (a
+    node), each member a row or column block, the Gram all-reduced over the team: 1.08 measured.
+    The real step runs what the plan says on a team's first member and on the last DP rank."""
+    proc, report = _dry_run(tmp_path, "--model", "deepseek-v3", "--tp", "1", "--ep", "8", "--pp", "16", "--dp", "64",
+                            "--tp-mode", "auto", "--ranks", "first,no-first-piece")
+    assert report["errors"] == []
+    ranks = report["ranks"]
+    grid = ranks["0"]["plan_grid"]
+    assert grid["ns_flops_max"] / grid["ns_flops_mean"] <= 2.5  # the goal
+    assert "tp mode team" in proc.stdout and "to a team of 8 DP ranks" in proc.stdout
+    for rank in ("0", "63"):
+        res = ranks[rank]
+        assert res["ns_flops"] == res["plan_ns_flops"] > 0, rank
+        # comm floors each all-reduce's 2(t-1)/t share to whole bytes, the plan rounds the sum
+        assert abs(res["bytes_sent"] - res["plan_bytes_sent"]) < 64, rank
+        assert res["bytes_by_collective"]["all_reduce"] > 0, rank  # the team's Gram all-reduces
+    assert list(range(56, 64)) in ranks["63"]["groups"] and list(range(8)) in ranks["0"]["groups"]  # the teams
+
+
 def test_megatron_fsdp_step_matches_plan_and_planner(tmp_path):
     """--fsdp optim_grads_params (issue 15): Megatron-FSDP's FullyShardedDataParallel wraps the
     meta model instead of DDP; MuonFSDPOptimizer steps its DTensor shards. Llama-3 8B at TP8 x DP8

@@ -85,3 +85,36 @@ def test_schedule_is_deterministic_and_pure():
     assert a == schedule_grid(list(units), 64, 8, H100)
     assert len(a.dp_owners) == len(units) and all(0 <= d < 64 for d in a.dp_owners)
     assert a.ns_makespan_s <= a.makespan_s
+
+
+def _deepseek_dense_stage(dp: int) -> list[MatrixLayout]:
+    """DeepSeek-V3's dense stage 0 at TP1 x PP16 (two dense layers; the dry run's catalogue),
+    packed in one flat buffer cut into ``dp`` equal ranges as the distributed optimizer cuts it:
+    MLA's q down 1536 x 7168, q up 24576 x 1536 (128 heads x 192), kv down 576 x 7168 (512 + 64
+    rope), kv up 32768 x 512 (128 x 256), proj 7168 x 16384, fc1 2 x 18432 x 7168, fc2 7168 x 18432."""
+    shapes = [((7168, 16384), None), ((1536, 7168), None), ((24576, 1536), None), ((576, 7168), None),
+              ((32768, 512), None), ((36864, 7168), RowSplit(1, (18432, 18432))), ((7168, 18432), None)] * 2
+    per = -(-sum(r * c for (r, c), _ in shapes) // dp)
+    out, offset = [], 0
+    for k, ((rows, cols), split) in enumerate(shapes):
+        ranges = tuple((max(offset, d * per) - offset, min(offset + rows * cols, (d + 1) * per) - offset)
+                       if min(offset + rows * cols, (d + 1) * per) > max(offset, d * per) else (0, 0)
+                       for d in range(dp))
+        out.append(MatrixLayout(f"w{k}", (rows, cols), None, 1, split, ranges))
+        offset += rows * cols
+    return out
+
+
+def test_deepseek_v3_tp1_is_balanced_by_dp_teams():
+    """At TP1 there is no TP group to widen over: owner leaves one rank a whole 7168 x 18432
+    matrix (22.62 TFLOP, max/mean 8.03). auto gives the large units to teams of 8 DP ranks (a
+    node), each member a block: fc1's halves by rows, fc2 and proj by columns. Measured 1.06."""
+    layouts = _deepseek_dense_stage(64)
+    owner = build_step_plan(layouts, dp_size=64, tp_size=1, settings=PlanSettings("owner", NSOptions()))
+    auto = build_step_plan(layouts, dp_size=64, tp_size=1, settings=PlanSettings("auto", NSOptions(), hardware=H100))
+    assert round(max(owner.ns_flops) / 1e12, 2) == 22.62 and _imbalance(owner) > 8
+    assert auto.team_size == 8 and _imbalance(auto) <= 2.5  # the issue's goal
+    # B's rows split over the team: the members' FLOPs add up to the one-process NS
+    assert sum(auto.ns_flops) == pytest.approx(sum(owner.ns_flops), rel=2e-3)
+    teamed = {auto.units[u].layout.local_shape for u in range(len(auto.units)) if auto.team_of(u) is not None}
+    assert {(18432, 7168), (7168, 18432), (7168, 16384)} <= teamed

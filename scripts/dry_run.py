@@ -115,10 +115,18 @@ class NoCoreAttention(torch.nn.Module):
         super().__init__()
 
 
-def _layer_split(shape: ModelShape, pp: int) -> dict:
+def _layer_split(shape: ModelShape, pp: int, vpp: int = 1) -> dict:
     """Megatron's uneven-pipeline flags when the layers do not split evenly: middle stages of
     ceil(layers / pp), the rest on the first and last (405B: 126 = 7 + 14·8 + 7; DeepSeek-V3 at
-    PP16: 61 = 2 + 14·4 + 3)."""
+    PP16: 61 = 2 + 14·4 + 3). With virtual stages, the embedding and the loss each count as a
+    layer where that evens the split (405B at PP16 x VPP2: 126 + 2 = 32 virtual stages of 4)."""
+    if vpp > 1:
+        if shape.num_layers % (pp * vpp) == 0:
+            return {}
+        if (shape.num_layers + 2) % (pp * vpp) == 0:
+            return dict(account_for_embedding_in_pipeline_split=True, account_for_loss_in_pipeline_split=True)
+        raise SystemExit(f"error: --vpp {vpp}: {shape.num_layers} layers (or {shape.num_layers + 2} with the "
+                         f"embedding and the loss) do not split into {pp} x {vpp} virtual stages")
     if shape.num_layers % pp == 0:
         return {}
     middle = -(-shape.num_layers // pp)
@@ -155,9 +163,11 @@ def _moe_fields(shape: ModelShape, ep: int, etp: int) -> dict:
 
 
 def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, dp_layout: str = "balanced",
-               ep: int = 1, etp: int | None = None, fsdp: str | None = None, muonbp: tuple | None = None):
+               ep: int = 1, etp: int | None = None, fsdp: str | None = None, muonbp: tuple | None = None,
+               vpp: int = 1):
     """Megatron's state, model, DDP (on the ``dp_layout`` buffer layout, as ``--muon-dp-layout``
-    gives it) and our optimizer for ``rank``, all on meta. With ``fsdp`` (a
+    gives it) and our optimizer for ``rank``, all on meta; with ``vpp`` > 1 one model chunk per
+    virtual stage, each in its own DDP, one optimizer over them (as ``get_model`` builds them). With ``fsdp`` (a
     ``--data-parallel-sharding-strategy``) Megatron-FSDP's ``FullyShardedDataParallel`` wraps the
     model instead of DDP (``--use-megatron-fsdp``: its own layout; ``dp_layout`` is unused).
     Returns the inner optimizers (the dense one, then the expert one for a model with experts)
@@ -177,6 +187,7 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
     etp = tp if etp is None else etp  # Megatron's default expert-TP size
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp * pp * dp)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
                                  expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
                                  create_gloo_process_groups=False)
     config = (MLATransformerConfig if shape.mla is not None else TransformerConfig)(
@@ -186,21 +197,11 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, use_cpu_initialization=True, perform_initialization=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, **_layer_split(shape, pp), **_moe_fields(shape, ep, etp),
+        gradient_accumulation_fusion=False, **_layer_split(shape, pp, vpp), **_moe_fields(shape, ep, etp),
+        virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
     )
-    if shape.num_experts or shape.mla is not None:  # per-layer specs (first dense layers), this stage's
-        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-        if shape.mla is not None:
-            for layer in spec.layer_specs:
-                layer.submodules.self_attention.submodules.core_attention = NoCoreAttention
-    else:
-        spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     # Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by (128) x TP.
     vocab = -(-shape.vocab // (128 * tp)) * 128 * tp
-    with torch.device("meta"):  # the layers allocate on the default device under use_cpu_initialization
-        model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=8192,
-                         share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage())
     # Megatron's defaults for a large run: fp32 grad reduction, overlapped reduce-scatter buckets.
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=True,
                                                use_distributed_optimizer=True)
@@ -208,21 +209,40 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
     muon_config = MuonConfig(tp_mode=tp_mode, fp32_matmul_prec="medium", dp_layout=dp_layout,
                              auto_hardware="h100-sxm" if tp_mode == "auto" else "detect",
                              **(dict(muonbp_period=muonbp[0], muonbp_block=muonbp[1]) if muonbp else {}))
-    module = Float16Module(config, model)
-    layout = None
-    if fsdp is not None:
-        model = _megatron_fsdp(config, module, fsdp)
-    elif dp_layout == "balanced":  # what the hook's DDP factory builds (megatron/layout.py), same bucket rule
-        from megatron_muon.megatron.layout import balanced_full_param_layout
+    chunks = []
+    for vp_stage in (range(vpp) if vpp > 1 else [None]):
+        if shape.num_experts or shape.mla is not None:  # per-layer specs (first dense layers), this stage's
+            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                              vp_stage=vp_stage)
+            if shape.mla is not None:
+                for layer in spec.layer_specs:
+                    layer.submodules.self_attention.submodules.core_attention = NoCoreAttention
+        else:
+            spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+        with torch.device("meta"):  # the layers allocate on the default device under use_cpu_initialization
+            model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=8192,
+                             share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                             pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+                             post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+                             vp_stage=vp_stage)
+        module = Float16Module(config, model)
+        layout = None
+        if fsdp is not None:
+            model = _megatron_fsdp(config, module, fsdp)
+        elif dp_layout == "balanced":  # what the hook's DDP factory builds (megatron/layout.py), same bucket rule
+            from megatron_muon.megatron.layout import balanced_full_param_layout
 
-        bucket = max(40_000_000, 1_000_000 * dp) if ps.get_pipeline_model_parallel_rank() == 0 else None
-        layout = balanced_full_param_layout(module, bucket, dp, ddp_config, muon_config=muon_config, tp_size=tp,
-                                            expert_dp_size=ps.get_expert_data_parallel_world_size())
-    if fsdp is None:
-        model = DistributedDataParallel(config, ddp_config, module, full_param_layout=layout)
+            # get_model: buckets for the first chunk of the first stage only
+            first = ps.get_pipeline_model_parallel_rank() == 0 and not vp_stage
+            bucket = max(40_000_000, 1_000_000 * dp) if first else None
+            layout = balanced_full_param_layout(module, bucket, dp, ddp_config, muon_config=muon_config, tp_size=tp,
+                                                expert_dp_size=ps.get_expert_data_parallel_world_size())
+        if fsdp is None:
+            model = DistributedDataParallel(config, ddp_config, module, full_param_layout=layout)
+        chunks.append(model)
     optimizer = get_megatron_muon_optimizer(
         OptimizerConfig(optimizer="adam", lr=1e-4, bf16=True, use_distributed_optimizer=True, clip_grad=1.0),
-        [model], muon_config, use_gloo_process_groups=False)
+        chunks, muon_config, use_gloo_process_groups=False)
     group_ranks = lambda g: list(dist.get_process_group_ranks(g))  # noqa: E731
     slot = dict(tp=ps.get_tensor_model_parallel_rank(), dp=ps.get_data_parallel_rank(),
                 pp=ps.get_pipeline_model_parallel_rank())
@@ -380,10 +400,10 @@ def _pattern(name: str) -> str:
 
 
 def run_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout: str = "balanced", ep: int = 1, etp: int | None = None,
-             fsdp: str | None = None, muonbp: tuple | None = None) -> dict:
+             fsdp: str | None = None, muonbp: tuple | None = None, vpp: int = 1) -> dict:
     """Build ``rank`` and run its step(s): the dense optimizer's figures at the top level (as
     for a dense model), the expert optimizer's under ``experts`` (None without experts on the stage)."""
-    parts, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout, ep, etp, fsdp, muonbp)
+    parts, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout, ep, etp, fsdp, muonbp, vpp)
     try:
         recorder = Recorder(parts[0]["inner"].device)
         results = {part["part"]: _step_part(part, recorder) for part in parts}
@@ -513,6 +533,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=8)
+    parser.add_argument("--vpp", type=int, default=1,
+                        help="virtual pipeline stages per PP rank (--virtual-pipeline-model-parallel-size; "
+                             "dense models)")
     parser.add_argument("--ep", type=int, default=1, help="expert model parallel size (MoE models)")
     parser.add_argument("--etp", type=int, default=None,
                         help="expert tensor parallel size (default: --tp, as Megatron)")
@@ -538,13 +561,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--muonbp-period {args.muonbp_period}: the dry run measures a full step, then a block "
                      "step; expected a period >= 2")
     muonbp = (args.muonbp_period, args.muonbp_block) if args.muonbp_period is not None else None
-    for flag in ("tp", "pp", "dp", "ep", "etp"):
+    for flag in ("tp", "pp", "vpp", "dp", "ep", "etp"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
     args.dp_layout = args.dp_layout or "balanced"
     shape = MODELS[args.model]
     if args.fsdp is not None and (shape.num_experts or args.ep > 1):
         parser.error(f"--fsdp: {args.model} has experts; experts under Muon need the distributed optimizer (DDP)")
+    if args.vpp > 1 and (shape.num_experts or args.pp < 2 or args.fsdp is not None):
+        parser.error(f"--vpp {args.vpp}: virtual stages need --pp >= 2, DDP and a dense model here")
     if args.fsdp is not None and args.pp > 1:
         # mcore_fsdp_adapter._get_dp_tp_mesh rearranges torch.arange(world_size) as (dp_cp ep tp):
         # at TP8 x PP16 x DP64 einops raises "Shape mismatch, 8192 != 512" (a real job too).
@@ -571,14 +596,15 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     layout = (shape, args.tp, args.pp, args.dp)
     with view_device(torch.device("meta")):  # Megatron's buffers: allocated on meta, not the CPU
-        probe = run_rank(*layout, 0, args.tp_mode, args.dp_layout, args.ep, etp, args.fsdp, muonbp)
+        probe = run_rank(*layout, 0, args.tp_mode, args.dp_layout, args.ep, etp, args.fsdp, muonbp, args.vpp)
         moe_stage = first_moe_stage(shape, args.pp) if shape.num_experts else 0
         chosen = choose_ranks(ranks.split(","), args.tp, args.pp, args.dp, probe, moe_stage)
         if not chosen:
             raise SystemExit(f"error: --ranks {ranks}: no such rank at this layout")
         results = {0: probe} if 0 in chosen else {}
         for rank in sorted(set(chosen) - set(results)):
-            results[rank] = run_rank(*layout, rank, args.tp_mode, args.dp_layout, args.ep, etp, args.fsdp, muonbp)
+            results[rank] = run_rank(*layout, rank, args.tp_mode, args.dp_layout, args.ep, etp, args.fsdp, muonbp,
+                                     args.vpp)
     errors = [f"rank {r}: {e}" for r, res in results.items() for e in res["errors"]]
     errors += cross_rank_errors({r: res["trace"] for r, res in results.items()})
     moe = bool(shape.num_experts) or shape.mla is not None  # the cost model and planner table: dense GQA only
@@ -595,7 +621,8 @@ def main(argv: list[str] | None = None) -> int:
     experts = (f", EP{args.ep} x expert-TP{etp} x expert-DP{args.tp * args.dp // (args.ep * etp)}"
                if shape.num_experts else "")
     wrapper = f"Megatron-FSDP {args.fsdp}" if args.fsdp else f"--muon-dp-layout {args.dp_layout}"
-    print(f"Dry run: {args.model}, TP{args.tp} x PP{args.pp} x DP{args.dp} ({world} ranks){experts}, "
+    vpp = f" x VPP{args.vpp}" if args.vpp > 1 else ""
+    print(f"Dry run: {args.model}, TP{args.tp} x PP{args.pp}{vpp} x DP{args.dp} ({world} ranks){experts}, "
           f"tp_mode {args.tp_mode}, {wrapper}, bf16 NS, meta device, fake process group\n")
     print("| rank | kinds | TP/DP/PP rank | Muon matrices | cut across DP | DP-owned units "
           "| NS TFLOP (plan) [planner table] "
@@ -646,7 +673,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         for res in results.values():
             res["trace"] = len(res["trace"])
-        args.json.write_text(json.dumps(dict(model=args.model, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep,
+        args.json.write_text(json.dumps(dict(model=args.model, tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp,
+                                             ep=args.ep,
                                              etp=etp, tp_mode=args.tp_mode, fsdp=args.fsdp,
                                              dp_layout=None if args.fsdp else args.dp_layout,
                                              ranks={str(r): dict(res, kinds=chosen.get(r, []))

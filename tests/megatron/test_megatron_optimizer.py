@@ -64,10 +64,11 @@ RUNS_4 += [dict(tp=t, dist_opt=True, tp_mode="owner", expect_cut=True, **OVERLAP
 RUNS_4 += [dict(tp=2, dist_opt=False, tp_mode="owner", **OVERLAP)]
 RUNS_4 += [dict(tp=2, tp_mode="owner", **BALANCED, **OVERLAP)]
 # auto's joint TP x DP schedule through Megatron's optimizer, on a compute-bound profile where the
-# split matrices run wide (distributed) at TP2 x DP2, and the DP placement at TP1 x PP2 x DP2
-# (no wide form at TP1: the schedule places whole units on DP owners, cut ones included).
+# split matrices run wide (distributed) at TP2 x DP2; at TP1 (x PP2 x DP2, and x DP4) the wide form
+# is a team of DP ranks, each member a row or column block of a cut unit (asserted below).
 AUTO = dict(tp_mode="auto", muon=dict(auto_hardware=str(Path(__file__).parents[1] / "compute_bound_hardware.json")))
-RUNS_4 += [dict(tp=2, dist_opt=True, **AUTO), dict(tp=1, pp=2, dist_opt=True, expect_cut=True, **AUTO)]
+RUNS_4 += [dict(tp=2, dist_opt=True, **AUTO), dict(tp=1, pp=2, dist_opt=True, expect_cut=True, **AUTO),
+           dict(tp=1, dist_opt=True, expect_cut=True, **AUTO)]
 RUNS = {world: [Run(**run, clip=clip) for run in runs for clip in (0.0, CLIP)]
         for world, runs in ((1, RUNS_1), (2, RUNS_2), (4, RUNS_4))}
 
@@ -172,13 +173,14 @@ def test_only_cut_or_moved_matrices_travel_across_dp(trained):
                 if dp == 1:
                     continue
                 units = split_units(layouts)  # the exchange moves units: fc1's gate and up apart
-                if run.tp_mode == "auto":  # auto's joint schedule places the units (on its hardware profile)
+                if run.tp_mode == "auto":  # auto's joint schedule places the units, some on DP teams
                     config = MuonConfig(tp_mode="auto", **dict(run.muon))
-                    owners = build_step_plan(layouts, dp_size=dp, tp_size=1, settings=config.plan_settings()).dp_owners
+                    plan = build_step_plan(layouts, dp_size=dp, tp_size=1, settings=config.plan_settings())
+                    moved = sum(plan.dp_bytes)  # a team block's pieces go to its member: the plan's count
                 else:
                     owners = plan_unit_owners(layouts, units, dp)
-                moved = sum(2 * (e - s) * 4 for unit, o in zip(units, owners)
-                            for d, (s, e) in enumerate(unit.layout.dp_ranges) if d != o)
+                    moved = sum(2 * (e - s) * 4 for unit, o in zip(units, owners)
+                                for d, (s, e) in enumerate(unit.layout.dp_ranges) if d != o)
                 for step in range(K):
                     sent = sum(r.by_primitive[step].get("all_to_all", 0) for r in stage)
                     assert sent == moved, f"{_run_id(world, run)} step {step}: {sent} bytes, expected {moved}"
@@ -187,6 +189,22 @@ def test_only_cut_or_moved_matrices_travel_across_dp(trained):
                 assert cut, f"{_run_id(world, run)}: some matrix should be cut across DP ranks"
             checked += 1
     assert checked >= 3
+
+
+def test_auto_at_tp1_runs_units_on_dp_teams(trained):
+    """The TP1 auto runs above are exact with DP teams in them: on the compute-bound profile the
+    schedule gives units of the real layouts to a team of every DP rank of the stage."""
+    from megatron_muon.config import MuonConfig
+    from megatron_muon.plan.step_plan import build_step_plan
+
+    indices = [i for i, run in enumerate(RUNS[4]) if run.tp_mode == "auto" and run.tp == 1]
+    assert len(indices) == 4  # PP2 x DP2 and DP4, with and without clipping
+    for index in indices:
+        result = trained[4][0][index]
+        config = MuonConfig(tp_mode="auto", **dict(RUNS[4][index].muon))
+        plan = build_step_plan(result.layouts, dp_size=result.dp_size, tp_size=1, settings=config.plan_settings())
+        assert plan.team_size == result.dp_size, _run_id(4, RUNS[4][index])
+        assert any(plan.team_of(u) is not None for u in range(len(plan.units))), _run_id(4, RUNS[4][index])
 
 
 def test_overlap_runs_have_several_buckets(trained):

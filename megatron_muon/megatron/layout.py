@@ -88,7 +88,7 @@ def balanced_buffer_layouts(
         dp = (expert_dp_size or dp_size) if key.is_expert_parallel else dp_size
         items = [
             LayoutItem(p.numel(), layout_of(names[p], p, tp_size, muon_config).ns_cost(muon_config.num_ns_steps),
-                       whole=True, own_bucket=getattr(p, "shared_embedding", False))
+                       whole=True, own_bucket=getattr(p, "shared_embedding", False), row=p.shape[-1])
             if is_muon_matrix(p) else
             LayoutItem(p.numel(), own_bucket=getattr(p, "shared_embedding", False))
             for p in group

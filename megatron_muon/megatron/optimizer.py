@@ -93,8 +93,10 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
             if is_loading:
                 raise RuntimeError(
                     "--muon-dp-layout balanced: this checkpoint's optimizer state is in the dp_reshardable "
-                    "format, written with --muon-dp-layout megatron; resume with --muon-dp-layout megatron "
-                    "(and save once with --dist-ckpt-optim-fully-reshardable to change layouts)")
+                    "format, written on megatron-core's packing (--muon-dp-layout megatron, or a balanced layout "
+                    "that fell back to it before its fallback cut matrices between rows); resume with "
+                    "--muon-dp-layout megatron (and save once with --dist-ckpt-optim-fully-reshardable to change "
+                    "layouts), or load the weights alone with --muon-reset-optimizer-state")
             metadata["distrib_optim_sharding_type"] = "fully_reshardable"
         if (metadata.get("distrib_optim_sharding_type") == "fully_reshardable" and not is_loading
                 and not self.is_stub_optimizer and self.optimizer.device.type != "cuda"):

@@ -34,6 +34,14 @@ elements only. The NS FLOPs term runs across buckets, so a rank whose shard is t
 output layer in one bucket gets more matrices in the next. If some matrix fits nowhere, S grows
 by ``GROWTH`` and the bucket is packed again.
 
+Row-aligned fallback: a bucket that cannot keep its matrices whole (a deep pipeline stage: 28
+Llama-3-405B matrices for 64 DP ranks) is packed as megatron-core packs it, but a matrix that a
+shard boundary cuts starts where every boundary inside it falls between two of its rows: S is
+rounded up to a multiple of the row length (``LayoutItem.row``: the TP-local shard's columns) of
+as many of the bucket's matrices as ``ROW_ROUNDING`` of padding allows, and each cut matrix's
+start moves forward by less than one row. So each DP rank holds whole rows of every matrix it
+shares, and a MuonBP local block (TP shard ∩ DP rows) is whole rows, as the paper defines it.
+
 Pure Python arithmetic on sizes: no torch, no process group, no Megatron. The Megatron adapter
 (``megatron_muon.megatron.layout``) turns the result into megatron-core's ``FullParamLayout``.
 """
@@ -59,6 +67,8 @@ MAX_PADDING = 0.05
 """a bucket padding more than this under whole-matrix placement is packed as megatron-core packs
 it instead (see ``balanced_layout``); 2.5 × the 2 % padding goal that Llama-3 layouts meet."""
 GROWTH = 0.005
+ROW_ROUNDING = 0.01
+"""the padding (fraction of a fallback bucket) that rounding S to whole rows may add."""
 MAX_SLACK = 0.1
 """the largest S tried is 1.1 × the smallest that fits (α > 0 only)."""
 """relative growth of S when a packing fails (0.5 %: the padding goal is 2 %)."""
@@ -76,6 +86,9 @@ class LayoutItem:
     """must lie inside one DP shard (a Muon matrix); False: may be cut (an AdamW param)."""
     own_bucket: bool = False
     """alone in its own bucket (megatron-core's rule for a shared, tied embedding)."""
+    row: int = 0
+    """elements per row (the TP-local shard's columns) of a ``whole`` item: where a shard must
+    cut it (the fallback packing), the cut falls between rows when it can; 0: no rows."""
 
 
 @dataclass(frozen=True)
@@ -200,15 +213,63 @@ def balanced_layout(
 
 
 def _packed(items, chunk, dp_size, divisor):
-    """megatron-core's packing of one bucket: params back to back in backprop order, 64-aligned,
-    the end padded so that DP equal shards are multiples of ``divisor``."""
+    """megatron-core's packing of one bucket (params back to back in backprop order, 64-aligned,
+    the end padded so that DP equal shards are multiples of ``divisor``), row-aligned: S a
+    multiple of the rows of the matrices ``_row_unit`` picks, and a matrix a boundary cuts moved
+    forward so that the cut falls between its rows (see the module docstring)."""
+    plain, end = _place_packed(items, chunk, None)
+    shard = -(-max(-(-end // dp_size), 1) // divisor) * divisor
+    if not any(items[i].whole and items[i].row for i in chunk):
+        return plain, shard
+    unit = _row_unit(items, chunk, dp_size, divisor, shard)
+    shard = -(-shard // unit) * unit
+    while True:  # moving a matrix forward may push the end past DP x S: grow S and place again
+        placed, end = _place_packed(items, chunk, shard)
+        if end <= dp_size * shard:
+            return placed, shard
+        shard += unit
+
+
+def _row_unit(items, chunk, dp_size: int, divisor: int, shard: int) -> int:
+    """The multiple S is rounded to: ``divisor`` times the row lengths of as many of the bucket's
+    cut matrices (by elements) as rounding within ``ROW_ROUNDING`` of the bucket allows."""
+    rows: dict[int, int] = {}
+    for i in chunk:
+        if items[i].whole and items[i].row and items[i].numel > items[i].row:
+            rows[items[i].row] = rows.get(items[i].row, 0) + items[i].numel
+    unit = divisor
+    for row in sorted(rows, key=lambda r: (-rows[r], r)):
+        wider = math.lcm(unit, row)
+        if dp_size * (-(-shard // wider) * wider - shard) <= ROW_ROUNDING * dp_size * shard:
+            unit = wider
+    return unit
+
+
+def _place_packed(items, chunk, shard: int | None) -> tuple[dict[int, tuple[int, int]], int]:
+    """Params back to back, 64-aligned; with ``shard``, a ``whole`` item with rows that a shard
+    boundary would cut mid-row starts up to one row later, where the boundary falls between rows
+    (``_row_start``). Returns the positions and the end."""
     placed, cursor = {}, 0
     for i in chunk:
         start = _aligned(cursor)
+        if shard is not None and items[i].whole and items[i].row:
+            start = _row_start(start, items[i].numel, items[i].row, shard)
         placed[i] = (start, start + items[i].numel)
         cursor = start + items[i].numel
-    shard = -(-max(-(-cursor // dp_size), 1) // divisor) * divisor
-    return placed, shard
+    return placed, cursor
+
+
+def _row_start(start: int, numel: int, row: int, shard: int) -> int:
+    """The 64-aligned start, at or after ``start`` and less than one ``period`` later, from which
+    the first shard boundary inside the item falls between two of its rows (``start`` when none
+    falls inside). Boundaries are 64-aligned, so stepping by ``period`` (a multiple of both the
+    row and 64) keeps both properties; the later boundaries fall between rows when S is a
+    multiple of the row (``_row_unit``)."""
+    boundary = (start // shard + 1) * shard
+    if boundary >= start + numel:
+        return start
+    period = row * (PARAM_ALIGN // math.gcd(row, PARAM_ALIGN))
+    return boundary - (boundary - start) // period * period
 
 
 def _bucket_end(items, run, dp_size, bucket_numel, alpha, divisor, loads, per_rank_flops) -> int:

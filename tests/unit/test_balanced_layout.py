@@ -187,3 +187,65 @@ def _check_invariants_packed(items, layout, dp):
         cursor = end
     for i, (s, e, _) in enumerate(layout.ranges):
         assert e - s == items[i].numel and s % PARAM_ALIGN == 0
+
+
+def _row_cuts(items, layout, dp):
+    """(cuts of whole items by shard boundaries, how many of them fall between two rows)."""
+    cuts = between = 0
+    for i, item in enumerate(items):
+        if not item.whole:
+            continue
+        s, e, b = layout.ranges[i]
+        start, end = layout.buckets[b]
+        shard = (end - start) // dp
+        for boundary in range(start + shard, end, shard):
+            if s < boundary < e:
+                cuts += 1
+                between += (boundary - s) % item.row == 0
+    return cuts, between
+
+
+def test_the_packed_fallback_cuts_matrices_between_rows():
+    """A Llama-3-405B stage at TP8 x PP16 (7 layers: qkv 2560 x 16384, proj 16384 x 2048, fc1
+    13312 x 16384, fc2 16384 x 6656) over DP64 cannot keep its matrices whole; the fallback packs
+    it as megatron-core does but every boundary inside a matrix falls between two of its rows (so
+    a DP rank holds whole rows: the MuonBP local block is the paper's), for under 1 % padding. The
+    same sizes without rows are cut mid-row."""
+    def stage(rows: bool):
+        items = [LayoutItem(128256 * 16384 // 8)]  # the embedding's TP shard
+        for _ in range(7):
+            for r, c in ((2560, 16384), (16384, 2048), (13312, 16384), (16384, 6656)):
+                items.append(LayoutItem(r * c, float(r * c), whole=True, row=c if rows else 0))
+            items.append(LayoutItem(16384))
+        return items
+
+    items, dp = stage(rows=True), 64
+    layout = balanced_layout(items, dp, 64_000_000)
+    _check_invariants_packed(items, layout, dp)
+    cuts, between = _row_cuts(items, layout, dp)
+    assert cuts > 0 and between == cuts
+    assert layout.padding_fraction < 0.01  # measured 0.42 % at DP64
+    plain = balanced_layout(stage(rows=False), dp, 64_000_000)
+    cuts, between = _row_cuts(items, plain, dp)
+    assert cuts > 0 and between < cuts
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_row_alignment_keeps_the_packed_invariants(seed):
+    """Random fallback buckets (rows not multiples of 64 included): still 64-aligned, in bucket,
+    no overlap; each cut matrix whose rows divide the shard size is cut between rows only."""
+    rng = random.Random(seed)
+    dp = rng.choice([4, 8, 16])
+    items = [LayoutItem(rng.randint(1, 5000))]
+    for _ in range(rng.randint(1, 4)):
+        row = rng.choice([64, 96, 100, 128, 10, 384])
+        items.append(LayoutItem(row * rng.randint(50, 400), 1.0, whole=True, row=row))
+    layout = balanced_layout(items, dp, None, alpha=0.1)
+    _check_invariants_packed(items, layout, dp)
+    spans = sorted((s, e) for s, e, _ in layout.ranges)
+    assert all(e0 <= s1 for (_, e0), (s1, _) in zip(spans, spans[1:]))
+    shard = (layout.buckets[0][1] - layout.buckets[0][0]) // dp
+    for i, item in enumerate(items):
+        if item.whole and shard % item.row == 0 and layout.holder(i) is None:
+            s, e, _ = layout.ranges[i]
+            assert all((b - s) % item.row == 0 for b in range(shard, e, shard) if s < b), (seed, i)

@@ -369,8 +369,14 @@ def _step_part(part: dict, recorder: Recorder) -> dict:
         with observe_collectives(recorder), comm_stats() as block_stats, block_meter:
             inner.step()
         block_plan = inner.plans["block"]
+        rounds = block_plan.local_blocks[part["dp_rank"]] if block_plan.local_blocks is not None else ()
         block = dict(bytes_sent=block_stats.bytes_sent, ns_flops=block_stats.ns_flops,
                      peak_extra_bytes=block_meter.peak,
+                     # local blocks that are part of one row (a DP range cutting a row): none where
+                     # the layout cuts matrices between rows
+                     partial_row_blocks=sum(1 for rnd in rounds for _, items in rnd.batches for i, b, _ in items
+                                            if b.cols < block_plan.matrices[i].local_shape[1]),
+                     local_blocks=sum(len(items) for rnd in rounds for _, items in rnd.batches),
                      plan_bytes_sent=block_plan.bytes_sent[here], plan_bytes_max=max(block_plan.bytes_sent),
                      plan_ns_flops=block_plan.ns_flops[here])
     return dict(block_step=block,matrices=len(layouts), dp_owned=sum(1 for o in plan.owner_of if o == part["dp_rank"]),

@@ -145,9 +145,10 @@ def test_results_whole_on_every_dp_rank_travel_by_broadcast_within_the_bucket_ca
 
 @pytest.mark.parametrize("block", ["tp_shard", "local"])
 def test_muonbp_local_block_step_sends_nothing_at_405b_pp16_dp64(tmp_path, block):
-    """Issue 24, item 2: at TP8 x PP16 x DP64, 26 of 28 matrices are cut across DP; a block step on
+    """Issue 24, item 2: at TP8 x PP16 x DP64, 24 of 28 matrices are cut across DP; a block step on
     the TP shard reassembles them on their DP owners (117 MiB from the busiest rank, measured),
-    a local block step orthogonalizes each rank's own rows: nothing sent, on any rank of the grid."""
+    a local block step orthogonalizes each rank's own rows: nothing sent, on any rank of the grid,
+    and (the layout cutting matrices between rows) every block whole rows."""
     _, report = _dry_run(tmp_path, "--model", "llama3-405b", "--tp", "8", "--pp", "16", "--dp", "64",
                          "--ranks", "busiest", "--muonbp-period", "4", "--muonbp-block", block)
     assert report["errors"] == []
@@ -157,6 +158,7 @@ def test_muonbp_local_block_step_sends_nothing_at_405b_pp16_dp64(tmp_path, block
         assert step["ns_flops"] == step["plan_ns_flops"] > 0, rank
         if block == "local":
             assert step["bytes_sent"] == 0 and step["plan_bytes_max"] == 0, rank
+            assert step["local_blocks"] > 0 and step["partial_row_blocks"] == 0, rank
         else:
             assert step["plan_bytes_max"] > 0, rank
 

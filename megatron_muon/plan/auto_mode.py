@@ -173,6 +173,8 @@ def _hardware_from_dict(data, where: str) -> Hardware:
             ok, want = isinstance(value, int) and not isinstance(value, bool) and value >= 1, "an integer >= 1"
         elif n in ("collective_latency_s", "kernel_overhead_s"):
             ok, want = _number(value) and value >= 0, "a number >= 0"
+        elif n == "all_reduce_step_s":
+            ok, want = value is None or (_number(value) and value >= 0), "a number >= 0 or null"
         elif n == "comm_overlap":
             ok, want = _number(value) and 0 <= value <= 1, "a number in [0, 1]"
         else:

@@ -67,6 +67,11 @@ class Hardware:
     """achieved fraction for all-reduce (by the ring convention of ``comm.py``)."""
     all_to_all_efficiency: float = 1.0
     """achieved fraction for all-to-all (the slowest rank's max of sent and received)."""
+    all_reduce_step_s: float | None = None
+    """fixed seconds of one step of a ring all-reduce that carries a payload (a Gram matrix, not a
+    scalar): a call on t ranks runs 2(t − 1) dependent steps, so on gloo a 256 KiB all-reduce
+    costs several times a 4-byte one, and more on more ranks; None: ``collective_latency_s`` per
+    call (NCCL's, and every vendor profile's)."""
     comm_overlap: float = 0.0
     """fraction of the owner pipeline's all-to-all time hidden under Newton–Schulz (the
     micro-group pipeline, ``comm.pipelined``). 0 on the CPU: measured on the 2-core benchmark,
@@ -152,13 +157,17 @@ def ns_time(flops: float, batches: int, hw: Hardware, steps: int = 5) -> float:
 
 
 def collective_time(primitive: str, bytes_sent: float, calls: int, group_size: int, hw: Hardware,
-                    spans_nodes: bool | None = None) -> float:
-    """Seconds for ``calls`` collectives of one primitive moving ``bytes_sent`` from the busiest rank."""
+                    spans_nodes: bool | None = None, *, scalars: bool = False) -> float:
+    """Seconds for ``calls`` collectives of one primitive moving ``bytes_sent`` from the busiest rank
+    (``scalars``: each call moves a few numbers, as the distributed mode's norm all-reduces)."""
     if group_size <= 1 or calls == 0:
         return 0.0
     efficiency = {"all_gather": hw.all_gather_efficiency, "all_reduce": hw.all_reduce_efficiency,
                   "all_to_all": hw.all_to_all_efficiency}[primitive]
-    return calls * hw.collective_latency_s + bytes_sent / (hw.bandwidth(group_size, spans_nodes) * efficiency)
+    latency = hw.collective_latency_s
+    if primitive == "all_reduce" and not scalars and hw.all_reduce_step_s is not None:
+        latency = 2 * (group_size - 1) * hw.all_reduce_step_s
+    return calls * latency + bytes_sent / (hw.bandwidth(group_size, spans_nodes) * efficiency)
 
 
 def memory_time(bytes_touched: float, kernels: int, hw: Hardware) -> float:
@@ -218,9 +227,10 @@ def tp_mode_cost(matrices: Sequence[MatrixLayout], mode: str, tp: int, hw: Hardw
         elif mode == "distributed":
             k = cols if pdim == 0 else rows  # the unsharded dim spans the Gram matrix
             local = local_rows * local_cols
-            # per matrix: the power-of-two scale, the squared norm and `steps` k×k Grams
-            sent = 2 * (tp - 1) / tp * n * (steps * k * k + 2) * dtype_bytes
-            cost += collective_cost("all_reduce", sent, calls * (steps + 2), tp, hw, spans_nodes)
+            # per matrix: `steps` k×k Grams, and two scalars (the power-of-two scale, the squared norm)
+            ring = 2 * (tp - 1) / tp * n * dtype_bytes
+            cost += collective_cost("all_reduce", ring * steps * k * k, calls * steps, tp, hw, spans_nodes)
+            cost += collective_cost("all_reduce", ring * 2, calls * 2, tp, hw, spans_nodes, scalars=True)
             if splits_gram(k, local // k, tp):  # B's row blocks, all-gathered every step
                 gathered = n * steps * (tp - 1) * gram_block_rows(k, tp) * k * dtype_bytes
                 cost += collective_cost("all_gather", gathered, calls * steps, tp, hw, spans_nodes)
@@ -237,8 +247,9 @@ def _compute(flops: float, batches: int, hw: Hardware, steps: int) -> Cost:
     return Cost(compute_s=seconds, ns_flops_max=flops, parts=Counter({"ns": seconds}))
 
 
-def collective_cost(primitive: str, sent: float, calls: int, group: int, hw: Hardware, spans_nodes) -> Cost:
-    seconds = collective_time(primitive, sent, calls, group, hw, spans_nodes)
+def collective_cost(primitive: str, sent: float, calls: int, group: int, hw: Hardware, spans_nodes, *,
+                    scalars: bool = False) -> Cost:
+    seconds = collective_time(primitive, sent, calls, group, hw, spans_nodes, scalars=scalars)
     return Cost(comm_s=seconds, bytes_sent_max=sent if group > 1 else 0.0, parts=Counter({primitive: seconds}))
 
 

@@ -203,8 +203,10 @@ def _distributed_s(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: i
     """Seconds of the distributed mode on each of ``tp`` ranks holding ``sub``'s shards: its NS
     share, the Gram all-reduces, and B's row blocks all-gathered where it splits them."""
     k, cols = (sub.local_shape[1], sub.local_shape[0]) if sub.partition_dim == 0 else sub.local_shape
+    ring = 2 * (tp - 1) / tp * elem
     seconds = (ns_time(sharded_ns_flops(k, cols, steps, tp), 1, hw, steps)
-               + collective_time("all_reduce", 2 * (tp - 1) / tp * (steps * k * k + 2) * elem, steps + 2, tp, hw))
+               + collective_time("all_reduce", ring * steps * k * k, steps, tp, hw)
+               + collective_time("all_reduce", ring * 2, 2, tp, hw, scalars=True))
     if splits_gram(k, cols, tp):
         seconds += collective_time("all_gather", steps * (tp - 1) * gram_block_rows(k, tp) * k * elem, steps, tp, hw)
     return seconds

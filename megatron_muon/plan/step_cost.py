@@ -182,7 +182,7 @@ def optimizer_step_cost(
         shard = 1 if optimizer == "megatron-muon" else dp
         elementwise("grad norm + clip", (muon_local + adam_local) / shard * _NORM_BYTES,
                     (len(weights) + adam_tensors) * _NORM_KERNELS)
-        cost += collective_cost("all_reduce", 0.0, 1, tp * dp * pp, hw, None)
+        cost += collective_cost("all_reduce", 0.0, 1, tp * dp * pp, hw, None, scalars=True)
     if dp > 1 and optimizer in ("ours", "adam"):
         # ZeRO-1: the updated fp32 shard is all-gathered into every replica's params
         cost += collective_cost("all_gather", (muon_local + adam_local) / dp * 4 * (dp - 1), 1, dp, hw, dp_spans_nodes)
@@ -316,9 +316,13 @@ def _muon_orthogonalize(weights, optimizer, tp_mode, tp, dp, hw, steps, ns_bytes
     for work in {id(w): w for w in plan.work}.values():  # without a DP exchange every DP rank shares one
         cost = Cost()
         for mode in ("owner", "duplicated", "distributed", "blockwise"):
-            subset = [m for m, chosen in zip(work.subs, work.modes) if chosen == mode]
-            if subset:
-                cost += tp_mode_cost(subset, mode, tp, hw, steps=steps, dtype_bytes=ns_bytes, batched=batched)
+            # owner's pipeline is costed over all its micro-groups at once (its all-to-alls per
+            # group); a blocking mode runs once per micro-group, batching same shapes within it
+            for group in ([None] if mode == "owner" else plan.micro_groups):
+                subset = [work.subs[p] for u in (work.matrices if group is None else group)
+                          for p in work.sub_positions.get(u, ()) if work.modes[p] == mode]
+                if subset:
+                    cost += tp_mode_cost(subset, mode, tp, hw, steps=steps, dtype_bytes=ns_bytes, batched=batched)
         if cost.total_s >= busiest.total_s:
             busiest = cost
     if moved:

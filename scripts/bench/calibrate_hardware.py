@@ -25,6 +25,11 @@ Probes (fp32 on the CPU, the NS dtype the benchmark uses there; bf16 on GPUs):
                           allocates its temporaries (on a CPU the page faults of fresh memory
                           cost more than the copy: an in-place add reaches ~5× this rate)
     collective_latency_s  a 4-byte all-reduce (the mean of 20 in a row)
+    all_reduce_step_s     a 256 KiB all-reduce (a 256 × 256 fp32 Gram: what the distributed mode
+                          all-reduces at the benchmark's scale; the mean of 20 in a row) less its
+                          bytes at the all-reduce rate below, over its 2(nproc − 1) ring steps:
+                          gloo's ring takes that many dependent steps per call, so a payload's
+                          fixed cost is several scalar latencies, and grows with the group
     bandwidths            all-gather, all-reduce and all-to-all of 1 MiB and 8 MiB per rank:
                           the extra bytes sent (``megatron_muon/parallel/comm.py``'s convention) over the
                           extra time; the all-gather rate is the bandwidth, the others are its
@@ -57,6 +62,7 @@ MEMORY_ELEMENTS = 8 * 2**20  # 32 MiB in fp32
 MEMORY_PASSES = 8  # adds per timed call
 COLLECTIVE_ELEMENTS = (2**18, 2**21)  # 1 MiB and 8 MiB in fp32
 LATENCY_CALLS = 20  # scalar all-reduces per timed call
+GRAM_ELEMENTS = 2**16  # 256 KiB in fp32: the benchmark's 256 x 256 Grams
 
 
 def _timed(fn, device, repeats: int) -> float:
@@ -123,7 +129,10 @@ def measure(rank: int, nproc: int, device: torch.device, dtype: torch.dtype, rep
     rate = {k: (sent[large][k] - sent[small][k]) / max(seconds[large][k] - seconds[small][k], 1e-9)
             for k in sent[large]}
     seconds = seconds[large]
-    return dict(
+    gram = torch.ones(GRAM_ELEMENTS, device=device)
+    gram_s = _timed(lambda: [dist.all_reduce(gram) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
+    fixed = max(gram_s - 2 * (nproc - 1) * gram.numel() * 4 / nproc / rate["all_reduce"], latency)
+    return dict(all_reduce_step_s=fixed / (2 * (nproc - 1)),
         matmul_flops=matmul_flops, gemm_rates={str(n): r for n, r in zip(GEMM_SIZES, rates)},
         kernel_overhead_s=overhead, memory_bandwidth=memory_bandwidth, collective_latency_s=latency,
         collective_seconds=seconds, collective_rates=rate,
@@ -159,6 +168,7 @@ def main() -> None:
         intra_node_bandwidth=gather_rate,
         inter_node_bandwidth=gather_rate,  # one host: there is no second level
         collective_latency_s=raw["collective_latency_s"],
+        all_reduce_step_s=raw["all_reduce_step_s"],
         kernel_overhead_s=raw["kernel_overhead_s"],
         ranks_per_node=args.nproc,
         all_gather_efficiency=1.0,
@@ -173,6 +183,8 @@ def main() -> None:
     print(f"| memory bandwidth | {hw.memory_bandwidth / 1e9:.2f} GB/s |")
     print(f"| kernel overhead | {hw.kernel_overhead_s * 1e6:.1f} µs |")
     print(f"| collective latency | {hw.collective_latency_s * 1e6:.1f} µs |")
+    print(f"| all-reduce ring step with a payload (256 KiB over {2 * (args.nproc - 1)} steps) | "
+          f"{hw.all_reduce_step_s * 1e6:.1f} µs |")
     for k, r in raw["collective_rates"].items():
         print(f"| {k} bandwidth (1 → 8 MiB) | {r / 1e9:.2f} GB/s "
               f"({raw['collective_seconds'][k] * 1e3:.2f} ms at 8 MiB) |")

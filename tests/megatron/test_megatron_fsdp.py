@@ -21,6 +21,7 @@ ranks (asserted), so their rows travel to one owner and back every step.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -38,6 +39,9 @@ DATA = dict(batch=GLOBAL_BATCH, split_batch=True, schedule=True)
 FSDP = dict(DATA, wrap="megatron_fsdp", dist_opt=True)
 STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
 ZERO1 = dict(DATA, dist_opt=True, tp_mode="owner")
+# auto on a compute-bound profile: at TP1 its wide form is a team of DP ranks (each a block of a
+# unit cut between them); tests/compute_bound_hardware.json
+AUTO = dict(tp_mode="auto", muon=dict(auto_hardware=str(Path(__file__).parents[1] / "compute_bound_hardware.json")))
 RUNS = {
     2: [Run(tp=1, sharding=s, tp_mode="owner", **FSDP) for s in STRATEGIES]
     + [Run(tp=1, sharding=s, tp_mode="owner", microbatches=2, overlap=o, **FSDP)
@@ -50,7 +54,8 @@ RUNS = {
     + [Run(tp=2, sharding="optim_grads_params", tp_mode=m, **FSDP) for m in ("owner", "duplicated", "distributed")]
     # no_shard: DP owners over DP, not TP x DP
     + [Run(tp=2, sharding=s, tp_mode="owner", **FSDP) for s in ("optim", "no_shard")]
-    + [Run(tp=1, **ZERO1), Run(tp=2, **ZERO1)],
+    + [Run(tp=1, **ZERO1), Run(tp=2, **ZERO1)]
+    + [Run(tp=1, sharding="optim_grads_params", **AUTO, **FSDP)],
 }
 # the exact runs, compared with one process (MuonBP's block steps are another algorithm)
 CASES = [(w, i) for w, runs in RUNS.items() for i, r in enumerate(runs)
@@ -121,6 +126,19 @@ def test_matrices_are_cut_and_travel(trained):
                 assert sum(sum(r[index].sent) for r in results) > 0, (world, run)
             if run.sharding == "no_shard":
                 assert results[0][index].cut == 0
+
+
+def test_auto_at_tp1_runs_units_on_dp_teams(trained):
+    """The TP1 auto run (exact against one process above) has DP teams in it: on the compute-bound
+    profile its plan, on Megatron-FSDP's real layouts, gives units to a team of the 4 DP ranks."""
+    from megatron_muon.config import MuonConfig
+    from megatron_muon.plan.step_plan import build_step_plan
+
+    index = next(i for i, r in enumerate(RUNS[4]) if r.tp_mode == "auto")
+    result = trained[4][0][index]
+    config = MuonConfig(tp_mode="auto", **dict(RUNS[4][index].muon))
+    plan = build_step_plan(result.layouts, dp_size=result.dp_size, tp_size=1, settings=config.plan_settings())
+    assert plan.team_size == 4 and any(plan.team_of(u) is not None for u in range(len(plan.units)))
 
 
 def test_muonbp_local_block_steps_send_nothing(trained):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .core.newton_schulz import COEFFICIENT_SETS, DEFAULT_COEFFICIENTS, NSOptions
+from .core.newton_schulz import COEFFICIENT_SETS, DEFAULT_COEFFICIENTS, NS_METHODS, NSOptions
 from .core.scaling import SCALE_MODES
 from .plan.balanced_layout import DEFAULT_ALPHA
 from .plan.step_plan import DEFAULT_BUCKET_BYTES, DP_MODES, TP_MODES, PlanSettings
@@ -73,6 +73,13 @@ class MuonConfig:
     (``newton_schulz.DEFAULT_COEFFICIENTS``); ``torch.optim.Muon`` uses jordan (= simple)."""
     num_ns_steps: int = 5
     """Newton–Schulz iterations."""
+    ns_method: str = "standard"
+    """how each Newton–Schulz call runs (--muon-ns-method): ``standard``, the quintic on the
+    matrix, or ``gram``, the same polynomial on its short side's Gram matrix with one restart
+    (``core.newton_schulz``, Gram Newton–Schulz; the standard iteration where the aspect is under
+    ``GRAM_MIN_ASPECT``). In the distributed TP mode ``gram`` all-reduces the Gram once per block
+    (2 a step, from 5) and every rank runs the Gram iteration whole. Default standard: see
+    docs/performance.md §11 for the measurements that decide it."""
     tp_mode: str = "owner"
     """how NS runs across TP shards: owner, duplicated, distributed, blockwise or auto
     (``plan/step_plan.py`` decides, ``parallel/`` runs them; docs/tp_modes.md). owner, the default
@@ -136,6 +143,7 @@ class MuonConfig:
              f"one of {sorted(COEFFICIENT_SETS)}", self.coefficient_type),
             (isinstance(self.num_ns_steps, int) and self.num_ns_steps >= 1, "--muon-num-ns-steps",
              "an integer >= 1", self.num_ns_steps),
+            (self.ns_method in NS_METHODS, "--muon-ns-method", f"one of {NS_METHODS}", self.ns_method),
             (0.0 <= self.momentum < 1.0, "--muon-momentum", "a value in [0, 1)", self.momentum),
             (self.dp_layout in DP_LAYOUTS, "--muon-dp-layout", f"one of {DP_LAYOUTS}", self.dp_layout),
             (isinstance(self.layout_alpha, (int, float)) and 0.0 <= self.layout_alpha <= 1.0,
@@ -191,7 +199,7 @@ class MuonConfig:
     @property
     def ns(self) -> NSOptions:
         """The Newton–Schulz settings, as one value."""
-        return NSOptions(self.num_ns_steps, self.coefficient_type, dtype=self.ns_dtype)
+        return NSOptions(self.num_ns_steps, self.coefficient_type, dtype=self.ns_dtype, method=self.ns_method)
 
     def block_plan_settings(self) -> PlanSettings:
         """The plan settings of a MuonBP block step: blockwise, on local blocks with ``local``."""

@@ -6,6 +6,17 @@ Given M = U S Vᵀ, the iteration drives the singular values of X = M / ‖M‖_
 odd quintic  X ← a·X + (b·A + c·A²)·X,  A = X·Xᵀ.  Because the polynomial is odd,
 NS(Mᵀ) = NS(M)ᵀ in exact arithmetic, which is why the iteration is free to run on whichever
 orientation makes A = X·Xᵀ the smaller Gram matrix (and why the TP modes may pick the other one).
+
+Gram Newton–Schulz (``method="gram"``; Dao AI Lab, "Gram Newton-Schulz", 2026; DeepSpeed #7953)
+is the same iteration, rewritten. Every step multiplies X on the left by M = a·I + b·R + c·R², a
+polynomial in R = X·Xᵀ, so after k steps X_k = Q_k·X_0 with Q_k = M_k···M_1, and every M, Q and
+R is a polynomial in R_0: they commute, and R_{k+1} = M·R_k·M. So the loop runs on a × a matrices
+(a the short side): R², M·R·M and M·Q, 8a³ a step, and touches the a × b X only to form R_0 and
+to apply Q at the end (4a²b), instead of 4a²b + 2a³ every step. In exact arithmetic the result
+is the standard iteration's; in floating point Q drifts from a polynomial of R (its products
+round differently), which half precision makes visible (spurious negative eigenvalues of R), so
+the iteration *restarts* at the given steps: X ← Q·X, R ← X·Xᵀ, Q ← I (published: once, before
+step 3). Below ``GRAM_MIN_ASPECT`` (b/a) the standard iteration is cheaper and runs instead.
 """
 
 from __future__ import annotations
@@ -22,7 +33,14 @@ __all__ = [
     "DEFAULT_COEFFICIENTS",
     "Coefficients",
     "coefficient_schedule",
+    "GRAM_MIN_ASPECT",
+    "NS_METHODS",
     "gram_block_rows",
+    "gram_blocks",
+    "gram_iteration",
+    "gram_newton_schulz",
+    "gram_ns_flops",
+    "method_flops",
     "max_abs",
     "newton_schulz",
     "ns_flops",
@@ -30,7 +48,9 @@ __all__ = [
     "quintic_block",
     "quintic_iteration",
     "reassociates",
+    "sharded_gram_flops",
     "sharded_ns_flops",
+    "sharded_runs_gram",
     "splits_gram",
 ]
 
@@ -125,6 +145,37 @@ def coefficient_schedule(coefficients: Coefficients, steps: int) -> list[tuple[f
     return list(islice(source, steps))
 
 
+NS_METHODS = ("standard", "gram")
+"""``--muon-ns-method``'s choices: the quintic on X, or Gram Newton–Schulz (module docstring)."""
+DEFAULT_GRAM_RESTARTS = (2,)
+"""steps before which Gram Newton–Schulz restarts: once, before the third (DeepSpeed's)."""
+GRAM_MIN_ASPECT = 1.5
+"""b/a (long side over short side) from which ``gram`` runs the Gram iteration; below it, the
+standard one. By FLOPs: five steps cost 20r + 10 (standard) against 8r + 28 (Gram, one restart)
+a³ at aspect r, equal at r = 1.5; docs/performance.md §11 has the measured times on both sides."""
+
+
+def _check_matrix(x, what: str) -> None:
+    if not isinstance(x, torch.Tensor) or x.ndim not in (2, 3):
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{what}: expected a 2-D (m, n) or 3-D (batch, m, n) tensor, got shape {shape}")
+    if not x.is_floating_point():
+        raise ValueError(f"{what}: expected a floating-point tensor, got {x.dtype}")
+
+
+def _normalized(X: torch.Tensor, eps: float) -> torch.Tensor:
+    """X / max(‖X‖_F, eps) per matrix, overflow-safe (see ``newton_schulz``)."""
+    if not X.numel():
+        return X
+    scale = power_of_two_floor(max_abs(X))
+    X = X / scale
+    norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps / scale)
+    # In place into the fresh X/scale (one matrix-sized allocation, as before the scaling:
+    # a second one costs ~10x the arithmetic on CPU in page faults); out of place only
+    # when autograd needs X/scale for the norm's backward.
+    return X / norm if X.requires_grad else X.div_(norm)
+
+
 def newton_schulz(
     x: torch.Tensor,
     steps: int = 5,
@@ -159,26 +210,12 @@ def newton_schulz(
     Invariant: zero rows (or columns) of ``x`` stay zero, so zero-padding a matrix before the call
     and cropping afterwards is exact.
     """
-    if not isinstance(x, torch.Tensor) or x.ndim not in (2, 3):
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(
-            f"newton_schulz: expected a 2-D (m, n) or 3-D (batch, m, n) tensor, got shape {shape}"
-        )
-    if not x.is_floating_point():
-        raise ValueError(f"newton_schulz: expected a floating-point tensor, got {x.dtype}")
+    _check_matrix(x, "newton_schulz")
     schedule = coefficient_schedule(coefficients, steps)
 
     # Iterate on the orientation whose Gram matrix X·Xᵀ is the smaller one.
     transposed = x.size(-2) > x.size(-1)
-    X = x.mT if transposed else x
-    if X.numel():  # an empty matrix (or batch) has nothing to normalize; the iteration keeps it empty
-        scale = power_of_two_floor(max_abs(X))
-        X = X / scale
-        norm = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).clamp(min=eps / scale)
-        # In place into the fresh X/scale (one matrix-sized allocation, as before the scaling:
-        # a second one costs ~10x the arithmetic on CPU in page faults); out of place only
-        # when autograd needs X/scale for the norm's backward.
-        X = X / norm if X.requires_grad else X.div_(norm)
+    X = _normalized(x.mT if transposed else x, eps)  # an empty matrix stays empty
     batched = X.ndim == 3
     for a, b, c in schedule:
         A = X @ X.mT
@@ -189,6 +226,97 @@ def newton_schulz(
             B = torch.addmm(A, A, A, beta=b, alpha=c)
             X = torch.addmm(X, B, X, beta=a)
     return X.mT if transposed else X
+
+
+def gram_newton_schulz(
+    x: torch.Tensor,
+    steps: int = 5,
+    coefficients: Coefficients = DEFAULT_COEFFICIENTS,
+    *,
+    eps: float = 1e-7,
+    restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
+) -> torch.Tensor:
+    """``newton_schulz`` by the Gram iteration (module docstring): the same polynomial, run on
+    the short side's a × a Gram matrix, restarting before each step in ``restarts`` (0 < step <
+    ``steps``; others are ignored). Same arguments, shapes, dtype rule and zero-row invariant as
+    ``newton_schulz``, whatever the aspect (the fallback to the standard iteration is
+    ``NSOptions``'s, by ``GRAM_MIN_ASPECT``)."""
+    _check_matrix(x, "gram_newton_schulz")
+    schedule = coefficient_schedule(coefficients, steps)
+    transposed = x.size(-2) > x.size(-1)
+    X = _normalized(x.mT if transposed else x, eps)
+    for block in gram_blocks(schedule, restarts):
+        Q = gram_iteration(X @ X.mT, block)
+        X = Q @ X
+    return X.mT if transposed else X
+
+
+def gram_blocks(schedule, restarts: Sequence[int]) -> list[list[tuple[float, float, float]]]:
+    """The schedule cut before each restart step (steps outside 1 … len − 1 ignored)."""
+    cuts = sorted({r for r in restarts if 0 < r < len(schedule)})
+    bounds = [0, *cuts, len(schedule)]
+    return [schedule[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
+
+
+def gram_iteration(R: torch.Tensor, block: Sequence[tuple[float, float, float]]) -> torch.Tensor:
+    """Q = M_k···M_1 for the steps of ``block`` from the Gram ``R`` = X·Xᵀ (``(a, a)`` or a stack):
+    one Gram Newton–Schulz block, after which the iterate is ``Q @ X``. R, M and Q are
+    symmetric polynomials of R and commute; R is carried as M·R·M (not M²·R) so that rounding
+    keeps it symmetric. The R of a block's last step is never formed (a restart or the end
+    recomputes it from X). Returns a new tensor of ``R``'s shape and dtype."""
+    batched = R.ndim == 3
+    addmm = torch.baddbmm if batched else torch.addmm
+    eye = torch.eye(R.shape[-1], dtype=R.dtype, device=R.device)
+    Q = None
+    for i, (a, b, c) in enumerate(block):
+        M = addmm(R, R, R, beta=b, alpha=c).add_(eye, alpha=a)  # a·I + b·R + c·R²
+        Q = M if Q is None else M @ Q
+        if i + 1 < len(block):
+            R = M @ R @ M
+    return Q
+
+
+def gram_ns_flops(rows: int, cols: int, steps: int = 5, restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS) -> int:
+    """FLOPs of ``gram_newton_schulz`` on a rows × cols matrix (a = short side, b = long side):
+    per block of j steps, R = X·Xᵀ and Q·X (4a²b), R² every step (2a³), M·Q after the first
+    (2a³), M·R·M before the last (4a³)."""
+    a, b = min(rows, cols), max(rows, cols)
+    total = 0
+    for block in gram_blocks([None] * steps, restarts):
+        j = len(block)
+        total += 4 * a * a * b + 2 * a ** 3 * j + 2 * a ** 3 * (j - 1) + 4 * a ** 3 * (j - 1)
+    return total
+
+
+def runs_gram(method: str, rows: int, cols: int) -> bool:
+    """Whether ``method`` runs the Gram iteration on a rows × cols matrix (``GRAM_MIN_ASPECT``)."""
+    return method == "gram" and max(rows, cols) >= GRAM_MIN_ASPECT * min(rows, cols)
+
+
+def method_flops(method: str, rows: int, cols: int, steps: int = 5,
+                 restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS) -> int:
+    """FLOPs of one rows × cols matrix by ``method`` (the Gram one only where it runs)."""
+    if runs_gram(method, rows, cols):
+        return gram_ns_flops(rows, cols, steps, restarts)
+    return ns_flops(rows, cols, steps)
+
+
+def sharded_runs_gram(method: str, k: int, cols: int, ranks: int) -> bool:
+    """Whether the distributed mode runs Gram Newton–Schulz on ``ranks`` column shards ``k × cols``
+    (the Gram spans k): where ``method`` is ``gram`` and k is the whole matrix's short side by at
+    least ``GRAM_MIN_ASPECT``. Then the Gram is all-reduced once per block (``gram_blocks``), not
+    once per step, and every rank runs the a × a iteration whole: fewer collectives, more FLOPs."""
+    return runs_gram(method, k, cols * ranks) and k <= cols * ranks
+
+
+def sharded_gram_flops(k: int, cols: int, steps: int = 5, restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS) -> int:
+    """Per-rank FLOPs of the distributed Gram iteration on a ``k × cols`` column shard: per block of
+    j steps its share of R (2k²·cols) and of Q·X (2k²·cols), and the k × k iteration whole."""
+    total = 0
+    for block in gram_blocks([None] * steps, restarts):
+        j = len(block)
+        total += 4 * k * k * cols + (2 * j + 2 * (j - 1) + 4 * (j - 1)) * k ** 3
+    return total
 
 
 # Exponent bits of each float format: masking the mantissa (and sign) off a non-negative value
@@ -320,6 +448,11 @@ class NSOptions:
     """floor on the Frobenius norm."""
     dtype: torch.dtype = torch.bfloat16
     """compute (and exchange) dtype."""
+    method: str = "standard"
+    """one of ``NS_METHODS``: the quintic on X, or Gram Newton–Schulz where the aspect makes it
+    cheaper (``runs_gram``)."""
+    restarts: tuple[int, ...] = DEFAULT_GRAM_RESTARTS
+    """Gram Newton–Schulz's restart steps (``gram_newton_schulz``)."""
 
     def __post_init__(self) -> None:
         coefficient_schedule(self.coefficients, self.steps)  # one-line ValueError on bad steps / sets
@@ -327,14 +460,19 @@ class NSOptions:
             object.__setattr__(self, "coefficients", tuple(tuple(float(v) for v in t) for t in self.coefficients))
         if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
             raise ValueError(f"newton_schulz: dtype must be a floating-point torch.dtype, got {self.dtype!r}")
+        if self.method not in NS_METHODS:
+            raise ValueError(f"--muon-ns-method: expected one of {NS_METHODS}, got {self.method!r}")
+        object.__setattr__(self, "restarts", tuple(int(r) for r in self.restarts))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """``newton_schulz`` of ``x`` (a matrix or a stack) with these settings, in ``x``'s dtype."""
+        """Newton–Schulz of ``x`` (a matrix or a stack) with these settings, in ``x``'s dtype."""
+        if runs_gram(self.method, x.shape[-2], x.shape[-1]):
+            return gram_newton_schulz(x, self.steps, self.coefficients, eps=self.eps, restarts=self.restarts)
         return newton_schulz(x, self.steps, self.coefficients, eps=self.eps)
 
     def flops(self, rows: int, cols: int) -> int:
-        """``ns_flops`` of one ``rows × cols`` matrix with these steps."""
-        return ns_flops(rows, cols, self.steps)
+        """FLOPs of one ``rows × cols`` matrix with these settings (``method_flops``)."""
+        return method_flops(self.method, rows, cols, self.steps, self.restarts)
 
     @property
     def dtype_bytes(self) -> int:

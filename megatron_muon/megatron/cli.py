@@ -25,7 +25,7 @@ import argparse
 import dataclasses
 
 from ..config import MUONBP_BLOCKS, MuonConfig
-from ..core.newton_schulz import COEFFICIENT_SETS
+from ..core.newton_schulz import COEFFICIENT_SETS, NS_METHODS
 
 __all__ = ["FIELD_OF_DEST", "add_muon_args", "flag_default", "muon_config_from_args"]
 
@@ -42,6 +42,7 @@ FIELD_OF_DEST = {
     "muon_fp32_matmul_prec": "fp32_matmul_prec",
     "muon_coefficient_type": "coefficient_type",
     "muon_num_ns_steps": "num_ns_steps",
+    "muon_ns_method": "ns_method",
     "muon_tp_mode": "tp_mode",
     "muon_auto_hardware": "auto_hardware",
     "muon_dp_mode": "dp_mode",
@@ -177,6 +178,14 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "CPU/gloo default); a profile: h100-sxm, h200, cpu-gloo; or the path of a JSON file of the "
              "Hardware fields, as scripts/bench/calibrate_hardware.py writes it. Default: "
              f"{_default('auto_hardware')}.",
+    )
+    group.add_argument(
+        "--muon-ns-method", type=str, choices=list(NS_METHODS),
+        help="How Newton-Schulz runs. standard: the quintic on the matrix. gram: Gram Newton-Schulz "
+             "(Dao AI Lab; DeepSpeed's default), the same polynomial on the short side's Gram matrix, "
+             "restarted once, on matrices at least 1.5 times as long as wide (the standard iteration "
+             "on the others); with --muon-tp-mode distributed it all-reduces the Gram once per "
+             f"restart block instead of once per step. Default: {_default('ns_method')}.",
     )
     group.add_argument(
         "--muon-dp-mode", type=str, choices=["owner", "redundant"],

@@ -83,6 +83,7 @@ _HYPERPARAMETERS: tuple[tuple[str, str], ...] = (
     ("muon_nesterov", "--muon-nesterov"),
     ("muon_num_ns_steps", "--muon-num-ns-steps"),
     ("muon_coefficient_type", "--muon-coefficient-type"),
+    ("muon_ns_method", "--muon-ns-method"),
     ("muon_scale_mode", "--muon-scale-mode"),
     ("muon_extra_scale_factor", "--muon-extra-scale-factor"),
     ("muon_fp32_matmul_prec", "--muon-fp32-matmul-prec"),
@@ -94,7 +95,7 @@ _HYPERPARAMETERS: tuple[tuple[str, str], ...] = (
 """Muon settings a resume may change on purpose: the next steps use the new value (reported)."""
 
 _DEFAULT_OF_NONE = {dest: flag_default(dest) for dest in ("muon_dp_layout", "muonbp_block_lr_mult", "muon_tp_mode",
-                                                         "muonbp_block")}
+                                                         "muonbp_block", "muon_ns_method")}
 """flags whose parser default is None (not given; refused where they would be ignored): the value
 None stands for (their ``MuonConfig`` field's default, as in ``cli.muon_config_from_args``), so a
 checkpoint of either version compares alike."""

@@ -43,11 +43,15 @@ from ..core.newton_schulz import (
     NSOptions,
     coefficient_schedule,
     gram_block_rows,
+    gram_blocks,
+    gram_iteration,
     max_abs,
     power_of_two_floor,
     quintic_block,
     quintic_iteration,
+    sharded_gram_flops,
     sharded_ns_flops,
+    sharded_runs_gram,
     splits_gram,
 )
 from ..plan.exchange import split_rounds
@@ -119,6 +123,14 @@ def _distributed(shards, subs, group, ns: NSOptions, bucket_bytes: int) -> list[
         if pdim == 0:
             X = X.mT
         k, local_cols = X.shape[-2], X.shape[-1]
+        if sharded_runs_gram(ns.method, k, local_cols, size):
+            X = _distributed_gram(X, group, size, ns, schedule)
+            comm.record_ns_flops(len(members) * sharded_gram_flops(k, local_cols, ns.steps, ns.restarts))
+            if pdim == 0:
+                X = X.mT
+            for m, piece in zip(members, X.unbind(0)):
+                out[m] = piece.contiguous()
+            continue
         X = _normalize_distributed(X, group, size, ns.eps)
         # The product form is decided on shapes alone (``splits_gram``), so every rank picks the same
         # and issues the same collectives: B's rows split over the group and all-gathered where the
@@ -137,6 +149,28 @@ def _distributed(shards, subs, group, ns: NSOptions, bucket_bytes: int) -> list[
         for m, piece in zip(members, X.unbind(0)):
             out[m] = piece.contiguous()
     return out
+
+
+def _distributed_gram(X: torch.Tensor, group, size: int, ns: NSOptions, schedule) -> torch.Tensor:
+    """Gram Newton–Schulz on a stack of column shards ``(n, k, cols)`` whose Gram (k × k, the
+    whole matrix's short side) is the sum over ``group`` of each rank's X·Xᵀ: one all-reduce of it
+    per block (``gram_blocks``: 2 with the published restart, against one per step), then every
+    rank runs the k × k iteration on the same summed R, so every rank's Q is the same and Q·X acts
+    on its own columns. The norm comes from the first Gram's trace (‖X‖_F² = tr X·Xᵀ), so besides
+    the overflow-safe scale's scalar all-reduce (``_normalize_distributed``) nothing else moves."""
+    share = max_abs(X).reshape(X.shape[0]) / size
+    comm.all_reduce(share, group)
+    scale = power_of_two_floor(share)[:, None, None]
+    X = X / scale
+    for i, block in enumerate(gram_blocks(schedule, ns.restarts)):
+        R = X @ X.mT
+        comm.all_reduce(R, group)
+        if i == 0:
+            norm = R.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None].sqrt().clamp(min=ns.eps / scale)
+            X = X.div_(norm)
+            R = R.div_(norm * norm)
+        X = gram_iteration(R, block) @ X
+    return X
 
 
 def _gathered_quintic(A: torch.Tensor, group, size: int, b: float, c: float) -> torch.Tensor:

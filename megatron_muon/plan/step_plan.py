@@ -35,7 +35,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.matrix_layout import MatrixLayout
-from ..core.newton_schulz import NSOptions, gram_block_rows, ns_flops, sharded_ns_flops, splits_gram
+from ..core.newton_schulz import (
+    NSOptions,
+    gram_block_rows,
+    gram_blocks,
+    sharded_gram_flops,
+    sharded_ns_flops,
+    sharded_runs_gram,
+    splits_gram,
+)
 from ..core.scaling import SCALE_MODES, muon_scale
 from . import exchange
 from .cost_model import Hardware
@@ -283,7 +291,7 @@ def _local_block_plan(matrices: tuple[MatrixLayout, ...], dp: int, tp: int, sett
                     by_shape.setdefault((b.rows, b.cols), []).append((i, b, scale(b.rows, b.cols)))
             mine.append(LocalRound(tuple(chunk), tuple((k, tuple(v)) for k, v in by_shape.items())))
         rounds.append(tuple(mine))
-        flops += [sum(ns_flops(b.rows, b.cols, settings.ns.steps) for per in blocks for b in per)] * tp
+        flops += [sum(settings.ns.flops(b.rows, b.cols) for per in blocks for b in per)] * tp
     idle = OwnerWork((), (), {}, (), ())
     zeros = (0,) * (dp * tp)
     return StepPlan(matrices, split_units(matrices), dp, tp, settings, None, (), (idle,) * dp, (), tuple(flops),
@@ -337,7 +345,7 @@ def _owner_work(matrices, owned: list[int], tp_size: int, settings: PlanSettings
     modes = (settings.tp_mode,) * len(subs)
     # Owner mode plans among its own sub-matrices, over everything this DP owner holds.
     in_owner = [p for p, m in enumerate(modes) if m == "owner"]
-    chosen = plan_owners([ns_flops(*subs[p].full_shape, settings.ns.steps) for p in in_owner], tp_size)
+    chosen = plan_owners([settings.ns.flops(*subs[p].full_shape) for p in in_owner], tp_size)
     tp_owners: list[int | None] = [None] * len(subs)
     for p, r in zip(in_owner, chosen):
         tp_owners[p] = r
@@ -414,15 +422,18 @@ def _sub_cost(sub: MatrixLayout, mode: str, owner: int | None, j: int, tp: int, 
     local_n, full_n = sub.numel, full[0] * full[1]
     sharded = sub.is_sharded
     if mode == "blockwise" or (not sharded and mode != "owner"):  # NS of what the rank holds
-        return ns_flops(*local, ns.steps), 0
+        return ns.flops(*local), 0
     if mode == "duplicated":
-        return ns_flops(*full, ns.steps), (tp - 1) * local_n * elem
+        return ns.flops(*full), (tp - 1) * local_n * elem
     if mode == "distributed":  # k: the unsharded dim; the scale, the norm and `steps` k×k Grams all-reduced
         k, cols = (local[1], local[0]) if sub.partition_dim == 0 else local
+        if sharded_runs_gram(ns.method, k, cols, tp):  # the scale, and one k×k Gram per block
+            grams = len(gram_blocks([None] * ns.steps, ns.restarts))
+            return sharded_gram_flops(k, cols, ns.steps, ns.restarts), 2 * (tp - 1) * (grams * k * k + 1) * elem / tp
         sent = 2 * (tp - 1) * (ns.steps * k * k + 2) * elem / tp
         if splits_gram(k, cols, tp):  # B's row blocks, all-gathered every step
             sent += ns.steps * (tp - 1) * gram_block_rows(k, tp) * k * elem
         return sharded_ns_flops(k, cols, ns.steps, tp), sent
     if j != owner:  # owner mode: the shard goes to the owner (a replicated matrix stays put)
         return 0, local_n * elem if sharded else 0
-    return ns_flops(*full, ns.steps), (tp - 1) * (local_n if sharded else full_n) * elem
+    return ns.flops(*full), (tp - 1) * (local_n if sharded else full_n) * elem

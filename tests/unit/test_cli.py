@@ -27,7 +27,7 @@ BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16
 # 0.19.2's flags (nesterov off), momentum 0.95, tp mode owner.
 CLI_DEFAULTS = MuonConfig(
     momentum=0.95, nesterov=False, split_qkv=True, split_fc1=True, scale_mode="spectral",
-    extra_scale_factor=1.0, fp32_matmul_prec="medium", coefficient_type="quintic", num_ns_steps=5,
+    extra_scale_factor=1.0, fp32_matmul_prec="medium", coefficient_type="quintic", num_ns_steps=5, ns_method="standard",
     tp_mode="owner", dp_mode="owner", owner_bucket_bytes=256 * 2**20,
 )
 
@@ -45,6 +45,7 @@ FLAG_TO_FIELD = [
     ("--muon-fp32-matmul-prec highest", "fp32_matmul_prec", "highest"),
     ("--muon-coefficient-type polar_express", "coefficient_type", "polar_express"),
     ("--muon-num-ns-steps 7", "num_ns_steps", 7),
+    ("--muon-ns-method gram", "ns_method", "gram"),
     ("--muon-tp-mode owner", "tp_mode", "owner"),
     ("--muon-tp-mode duplicated", "tp_mode", "duplicated"),
     ("--muon-tp-mode auto", "tp_mode", "auto"),

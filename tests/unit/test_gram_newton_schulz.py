@@ -1,0 +1,146 @@
+"""Gram Newton–Schulz (``core.newton_schulz.gram_newton_schulz``): the standard iteration rewritten.
+
+References: the float64 standard iteration with the same coefficients (the polynomial both
+compute) and the float64 polar factor (SVD). The test matrices have a gradient-like spectrum
+(singular values spread over four decades, logspace(0, −4)), where the Gram's rounding shows:
+without its restart the Gram iteration drifts (bf16: relative error > 1, against 0.1).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_muon.core.newton_schulz import (
+    COEFFICIENT_SETS,
+    GRAM_MIN_ASPECT,
+    NSOptions,
+    gram_blocks,
+    gram_newton_schulz,
+    gram_ns_flops,
+    newton_schulz,
+    ns_flops,
+    sharded_gram_flops,
+    sharded_runs_gram,
+)
+
+# (short, long): 3.5:1 (Llama-3 MLP), 8:1, a thin 32 × 1024 (the 28672 × 512 class, scaled), square
+SHAPES = [(64, 224), (224, 64), (32, 256), (32, 1024), (96, 96)]
+
+
+def spectrum_matrix(rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """float64 U·diag(logspace(0, −4))·Vᵀ with random orthogonal U, V."""
+    g = torch.Generator().manual_seed(seed)
+    k = min(rows, cols)
+    U, _ = torch.linalg.qr(torch.randn(rows, k, generator=g, dtype=torch.float64))
+    V, _ = torch.linalg.qr(torch.randn(cols, k, generator=g, dtype=torch.float64))
+    return U @ torch.diag(torch.logspace(0, -4, k, dtype=torch.float64)) @ V.T
+
+
+def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((x.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("coefficients", sorted(COEFFICIENT_SETS))
+def test_float64_gram_is_the_standard_polynomial(shape, coefficients):
+    """In float64 the two iterations are the same polynomial; only rounding separates them, and it
+    grows with a block's length (Q and R drift apart from a polynomial of R_0 step by step):
+    five-step sets (blocks of 2 and 3) measured ≤ 1.8e-14, bound 1e-12; deepseekv4's ten steps
+    leave an 8-step block after the one restart, measured 1.3e-11, bound 1e-10."""
+    x = spectrum_matrix(*shape)
+    steps = 10 if coefficients == "deepseekv4" else 5
+    want = newton_schulz(x, steps, coefficients)
+    got = gram_newton_schulz(x, steps, coefficients)
+    assert (got - want).abs().max().item() <= (1e-10 if steps == 10 else 1e-12)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_fp32_gram_agrees_with_float64_and_needs_its_restart(shape):
+    """fp32 against the float64 polynomial. The Gram squares the matrix's spread (R = X·Xᵀ has
+    singular values 1 … 1e-8 here), so its rounding is relative to the largest and drifts through
+    the a × a products: measured relative error ≤ 9e-6 with the restart (standard fp32: ≤ 5.3e-6),
+    1.4e-4 to 2.3e-4 without it. The bound, 5e-5, separates the two by more than 2× on each side:
+    skipping the restart fails here."""
+    x = spectrum_matrix(*shape)
+    want = newton_schulz(x, 5, "quintic")
+    assert rel(gram_newton_schulz(x.float(), 5, "quintic"), want) <= 5e-5
+    assert rel(gram_newton_schulz(x.float(), 5, "quintic", restarts=()), want) > 5e-5
+
+
+@pytest.mark.parametrize("shape", SHAPES[:4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_gram_is_as_close_as_standard(shape, dtype):
+    """bf16 / fp16: what the restart exists for. Measured relative error against the float64
+    polynomial, Gram ÷ standard in the same dtype: 1.05–1.17 (bf16), 0.99–1.13 (fp16); without the
+    restart bf16 reaches 4.7 to 959 (the spurious negative eigenvalues of the write-up) and fp16
+    0.16–0.55. Bound: 1.5× standard's error."""
+    x = spectrum_matrix(*shape)
+    want = newton_schulz(x, 5, "quintic")
+    standard = rel(newton_schulz(x.to(dtype), 5, "quintic"), want)
+    assert rel(gram_newton_schulz(x.to(dtype), 5, "quintic"), want) <= 1.5 * standard
+    assert rel(gram_newton_schulz(x.to(dtype), 5, "quintic", restarts=()), want) > 1.5 * standard
+
+
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_as_far_from_the_polar_factor_as_standard(shape):
+    """Five quintic steps do not reach the polar factor U·Vᵀ (the small singular values are still
+    growing); Gram NS must land where standard NS lands: fp32 distance to the float64 polar
+    factor equal within 1e-5 of the (relative) distance, and the same spread of singular values."""
+    x = spectrum_matrix(*shape)
+    U, _, Vh = torch.linalg.svd(x, full_matrices=False)
+    polar = U @ Vh
+    standard, gram = newton_schulz(x.float(), 5, "quintic"), gram_newton_schulz(x.float(), 5, "quintic")
+    assert abs(rel(gram, polar) - rel(standard, polar)) <= 1e-5
+    s_std = torch.linalg.svdvals(standard.double())
+    s_gram = torch.linalg.svdvals(gram.double())
+    assert (s_gram - s_std).abs().max().item() <= 1e-4  # singular values in [0.68, 1.12] here
+
+
+def test_restarts_cut_the_schedule():
+    steps = list(range(5))
+    assert gram_blocks(steps, (2,)) == [[0, 1], [2, 3, 4]]
+    assert gram_blocks(steps, ()) == [steps]
+    assert gram_blocks(steps, (0, 5, 9)) == [steps]  # outside 1 … 4: ignored
+    assert gram_blocks(steps, (3, 1)) == [[0], [1, 2], [3, 4]]
+
+
+def test_flops_count_the_operations():
+    """Per block of j steps: R and Q·X (4a²b), R² each step, M·Q after the first, M·R·M before
+    the last. Five steps with one restart: 8a²b + 28a³ (standard: 20a²b + 10a³)."""
+    a, b = 64, 224
+    assert gram_ns_flops(a, b) == gram_ns_flops(b, a) == 8 * a * a * b + 28 * a ** 3
+    assert gram_ns_flops(a, b, restarts=()) == 4 * a * a * b + 34 * a ** 3
+    assert ns_flops(a, b) == 20 * a * a * b + 10 * a ** 3
+    # equal cost at aspect 1.5, the threshold of NSOptions' fallback
+    assert gram_ns_flops(64, 96) == ns_flops(64, 96) and GRAM_MIN_ASPECT == 1.5
+    # distributed: each rank its share of the rectangular products, the k × k iteration whole
+    assert sharded_gram_flops(64, 56, 5) == 2 * 4 * 64 * 64 * 56 + 28 * 64 ** 3
+
+
+def test_nsoptions_runs_gram_where_it_is_cheaper():
+    """``method="gram"``: the Gram iteration from aspect 1.5 on, the standard one below (bitwise
+    the standard result, since it is the standard call), and FLOPs to match."""
+    gram = NSOptions(5, "quintic", dtype=torch.float32, method="gram")
+    standard = NSOptions(5, "quintic", dtype=torch.float32)
+    square = spectrum_matrix(64, 80).float()  # aspect 1.25
+    assert torch.equal(gram(square), standard(square))
+    assert gram.flops(64, 80) == standard.flops(64, 80) == ns_flops(64, 80)
+    long = spectrum_matrix(64, 224).float()
+    assert torch.equal(gram(long), gram_newton_schulz(long, 5, "quintic"))
+    assert gram.flops(64, 224) == gram_ns_flops(64, 224) < ns_flops(64, 224)
+    batch = torch.stack([spectrum_matrix(224, 64, seed=s).float() for s in range(3)])
+    assert torch.allclose(gram(batch)[1], gram(batch[1]), atol=1e-6)  # batching changes GEMM order only
+    assert sharded_runs_gram("gram", 64, 56, 4) and not sharded_runs_gram("gram", 64, 8, 4)  # 64 > 32
+    assert not sharded_runs_gram("standard", 64, 56, 4)
+    with pytest.raises(ValueError, match="--muon-ns-method: expected one of"):
+        NSOptions(method="fastest")
+
+
+def test_zero_rows_stay_zero_and_empty_matrices_stay_empty():
+    x = spectrum_matrix(32, 128).float()
+    x[5] = 0
+    out = gram_newton_schulz(x)
+    assert torch.equal(out[5], torch.zeros(128))
+    assert gram_newton_schulz(torch.zeros(0, 7)).shape == (0, 7)
+    assert torch.equal(gram_newton_schulz(torch.zeros(8, 40)), torch.zeros(8, 40))

@@ -20,11 +20,11 @@ from megatron_muon.plan.step_plan import DEFAULT_BUCKET_BYTES, PlanSettings, Ste
 def step_plan(layouts, *, tp_mode: str, dp_size: int, tp_size: int, dp_mode: str = "owner", steps: int = 5,
               coefficients=DEFAULT_COEFFICIENTS, eps: float = 1e-7, ns_dtype: torch.dtype = torch.bfloat16,
               scale_mode: str = "spectral", extra_scale_factor: float = 1.0, bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-              hardware=None) -> StepPlan:
+              hardware=None, ns_method: str = "standard") -> StepPlan:
     """The plan of one step with these settings (``auto`` without ``hardware``: this device's)."""
     if tp_mode == "auto" and hardware is None:
         hardware = hardware_profile("detect")
-    settings = PlanSettings(tp_mode, NSOptions(steps, coefficients, eps, ns_dtype), dp_mode, scale_mode,
+    settings = PlanSettings(tp_mode, NSOptions(steps, coefficients, eps, ns_dtype, method=ns_method), dp_mode, scale_mode,
                             extra_scale_factor, bucket_bytes, hardware if tp_mode == "auto" else None)
     return build_step_plan(layouts, dp_size=dp_size, tp_size=tp_size, settings=settings)
 

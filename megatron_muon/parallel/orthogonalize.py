@@ -198,6 +198,7 @@ def orthogonalize_sharded(
     validate: bool = True,
     hardware: Hardware | None = None,
     device: torch.device | None = None,
+    ns_method: str = "standard",
 ) -> list[torch.Tensor]:
     """Orthogonalize matrices that ``group`` holds in TP shards; return this rank's pieces.
 
@@ -226,6 +227,8 @@ def orthogonalize_sharded(
             the same constants: the choice is made locally, without communicating.
         device: where this call's buffers live; None = the shards' device, or the group's when
             this rank has no shard (``devices.resolve_device``).
+        ns_method: ``standard`` or ``gram`` (``NSOptions.method``: Gram Newton–Schulz where the
+            aspect makes it cheaper; in distributed mode one Gram all-reduce per restart block).
 
     Returns:
         A list with ``shards[i].shape`` and dtype per entry (an empty matrix's is empty: a
@@ -249,7 +252,7 @@ def orthogonalize_sharded(
     work = [i for i, x in enumerate(out) if x is None]
     # One plan per dtype (first-seen order, the same on every rank): NS runs in each shard's dtype.
     for dtype, members in group_by(work, lambda i: shards[i].dtype).items():
-        ns = NSOptions(steps, coefficients, eps, dtype)
+        ns = NSOptions(steps, coefficients, eps, dtype, method=ns_method)
         settings = PlanSettings(mode, ns, scale_mode=None, bucket_bytes=bucket_bytes,
                                 hardware=hardware if mode == "auto" else None, pipelined=mode in ("owner", "auto"))
         plan = _one_off_plan(tuple(subs[i] for i in members), size, settings)

@@ -19,6 +19,7 @@ from megatron_muon import comm_stats
 
 TP, DP = 2, 2
 MODES = ("owner", "duplicated", "distributed", "blockwise")
+METHODS = ("standard", "gram")  # --muon-ns-method: Gram NS's FLOPs and its distributed all-reduces
 
 
 def _worker(rank: int, world: int) -> dict:
@@ -33,10 +34,11 @@ def _worker(rank: int, world: int) -> dict:
             s, e = lay.local_range(dp_rank)
             pieces.append(tp_local(global_matrix(i, TP), lay.partition_dim, TP, tp_rank).reshape(-1)[s:e].clone())
         for mode in MODES:
-            with comm_stats() as stats:
-                run_step(pieces, lays, tp_mode=mode, dp_group=dp_groups[tp_rank], tp_group=tp_groups[dp_rank],
-                         ns_dtype=torch.bfloat16)
-            out[(cut, mode)] = (stats.ns_flops, payload_bytes(stats))
+            for method in METHODS:
+                with comm_stats() as stats:
+                    run_step(pieces, lays, tp_mode=mode, dp_group=dp_groups[tp_rank], tp_group=tp_groups[dp_rank],
+                             ns_dtype=torch.bfloat16, ns_method=method)
+                out[(cut, mode, method)] = (stats.ns_flops, payload_bytes(stats))
     return out
 
 
@@ -45,13 +47,14 @@ def measured():
     return run_world(TP * DP, _worker)
 
 
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("cut", [True, False], ids=["dp_cut", "dp_whole"])
 @pytest.mark.parametrize("mode", MODES)
-def test_plan_matches_the_step(measured, mode, cut):
+def test_plan_matches_the_step(measured, mode, cut, method):
     lays = layouts(TP, DP, cut=cut)
-    plan = step_plan(lays, tp_mode=mode, dp_size=DP, tp_size=TP, ns_dtype=torch.bfloat16)
+    plan = step_plan(lays, tp_mode=mode, dp_size=DP, tp_size=TP, ns_dtype=torch.bfloat16, ns_method=method)
     for rank, result in enumerate(measured):
-        flops, sent = result[(cut, mode)]
+        flops, sent = result[(cut, mode, method)]
         assert flops == plan.ns_flops[rank], f"rank {rank}: {flops} FLOPs, plan {plan.ns_flops[rank]}"
         # distributed: the ring all-reduce's bytes are rounded per call, the plan per matrix
         assert abs(sent - plan.bytes_sent[rank]) <= (8 if mode == "distributed" else 0), (rank, sent, plan.bytes_sent)

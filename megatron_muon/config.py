@@ -27,7 +27,9 @@ DP_LAYOUTS = ("balanced", "megatron")
 MUONBP_BLOCKS = ("tp_shard", "local")
 
 # Upstream --muon-fp32-matmul-prec: "medium" runs NS in bf16 (emerging-optimizers casts to bf16
-# explicitly), "high"/"highest" keep fp32 (TF32 / full fp32 matmuls on GPUs).
+# explicitly), "high"/"highest" keep fp32, with torch's float32 matmul precision set to the flag's
+# value inside each NS call only (NSOptions.matmul_precision: TF32 for high on GPUs, IEEE for
+# highest, whatever the launcher set globally).
 NS_PRECISIONS = {"medium": torch.bfloat16, "high": torch.float32, "highest": torch.float32}
 
 
@@ -67,7 +69,9 @@ class MuonConfig:
     extra_scale_factor: float = 1.0
     """multiplies the scale (0.2 with spectral matches AdamW's update RMS, Moonlight)."""
     fp32_matmul_prec: str = "medium"
-    """NS precision: medium = bf16 (upstream default), high/highest = fp32."""
+    """NS precision: medium = bf16 (upstream default), high = fp32 GEMMs at torch's "high" float32
+    precision (TF32 on GPUs), highest = IEEE fp32; set inside each Newton–Schulz call and
+    restored after it, never globally (``NSOptions.matmul_precision``)."""
     coefficient_type: str = DEFAULT_COEFFICIENTS
     """Newton–Schulz coefficient set: quintic, upstream Megatron's default and the package's
     (``newton_schulz.DEFAULT_COEFFICIENTS``); ``torch.optim.Muon`` uses jordan (= simple)."""
@@ -199,7 +203,8 @@ class MuonConfig:
     @property
     def ns(self) -> NSOptions:
         """The Newton–Schulz settings, as one value."""
-        return NSOptions(self.num_ns_steps, self.coefficient_type, dtype=self.ns_dtype, method=self.ns_method)
+        return NSOptions(self.num_ns_steps, self.coefficient_type, dtype=self.ns_dtype, method=self.ns_method,
+                         fp32_precision=self.fp32_matmul_prec)
 
     def block_plan_settings(self) -> PlanSettings:
         """The plan settings of a MuonBP block step: blockwise, on local blocks with ``local``."""

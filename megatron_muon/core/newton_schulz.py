@@ -21,13 +21,15 @@ step 3). Below ``GRAM_MIN_ASPECT`` (b/a) the standard iteration is cheaper and r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import chain, cycle, islice, repeat
 
 import torch
 
 __all__ = [
+    "FP32_PRECISIONS",
     "NSOptions",
     "COEFFICIENT_SETS",
     "DEFAULT_COEFFICIENTS",
@@ -145,6 +147,9 @@ def coefficient_schedule(coefficients: Coefficients, steps: int) -> list[tuple[f
     return list(islice(source, steps))
 
 
+FP32_PRECISIONS = ("medium", "high", "highest")
+"""torch's float32 matmul precisions (``torch.set_float32_matmul_precision``): on GPUs high is
+TF32, medium bf16 inside the fp32 GEMM, highest IEEE fp32."""
 NS_METHODS = ("standard", "gram")
 """``--muon-ns-method``'s choices: the quintic on X, or Gram Newton–Schulz (module docstring)."""
 DEFAULT_GRAM_RESTARTS = (2,)
@@ -453,6 +458,9 @@ class NSOptions:
     cheaper (``runs_gram``)."""
     restarts: tuple[int, ...] = DEFAULT_GRAM_RESTARTS
     """Gram Newton–Schulz's restart steps (``gram_newton_schulz``)."""
+    fp32_precision: str = "highest"
+    """torch's float32 matmul precision *inside* each Newton–Schulz call (``matmul_precision``):
+    what an fp32 NS runs its GEMMs in, whatever the process has set around it."""
 
     def __post_init__(self) -> None:
         coefficient_schedule(self.coefficients, self.steps)  # one-line ValueError on bad steps / sets
@@ -462,13 +470,27 @@ class NSOptions:
             raise ValueError(f"newton_schulz: dtype must be a floating-point torch.dtype, got {self.dtype!r}")
         if self.method not in NS_METHODS:
             raise ValueError(f"--muon-ns-method: expected one of {NS_METHODS}, got {self.method!r}")
+        if self.fp32_precision not in FP32_PRECISIONS:
+            raise ValueError(f"--muon-fp32-matmul-prec: expected one of {FP32_PRECISIONS}, got {self.fp32_precision!r}")
         object.__setattr__(self, "restarts", tuple(int(r) for r in self.restarts))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Newton–Schulz of ``x`` (a matrix or a stack) with these settings, in ``x``'s dtype."""
-        if runs_gram(self.method, x.shape[-2], x.shape[-1]):
-            return gram_newton_schulz(x, self.steps, self.coefficients, eps=self.eps, restarts=self.restarts)
-        return newton_schulz(x, self.steps, self.coefficients, eps=self.eps)
+        with self.matmul_precision():
+            if runs_gram(self.method, x.shape[-2], x.shape[-1]):
+                return gram_newton_schulz(x, self.steps, self.coefficients, eps=self.eps, restarts=self.restarts)
+            return newton_schulz(x, self.steps, self.coefficients, eps=self.eps)
+
+    @contextlib.contextmanager
+    def matmul_precision(self) -> Iterator[None]:
+        """torch's float32 matmul precision set to ``fp32_precision`` for the body, the caller's
+        restored after it (a host-side flag: no device work, no sync)."""
+        before = torch.get_float32_matmul_precision()
+        torch.set_float32_matmul_precision(self.fp32_precision)
+        try:
+            yield
+        finally:
+            torch.set_float32_matmul_precision(before)
 
     def flops(self, rows: int, cols: int) -> int:
         """FLOPs of one ``rows × cols`` matrix with these settings (``method_flops``)."""

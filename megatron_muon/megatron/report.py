@@ -6,10 +6,10 @@ first step, by name pattern (layer numbers folded into ``*``). Llama-3 8B at TP8
 (``python scripts/dry_run.py --model llama3-8b --tp 8 --dp 8``)::
 
     megatron-muon: Muon on 128 matrices, AdamW on 67 tensors (pipeline stage 0 of 1)
-      muon   decoder.layers.*.mlp.linear_fc2.weight             x32   NS on 4096x14336  tp mode owner
-      muon   decoder.layers.*.mlp.linear_fc1.weight             x32   NS on 14336x4096 + 14336x4096  tp mode owner
-      muon   decoder.layers.*.self_attention.linear_qkv.weight  x32   NS on 4096x4096 + 1024x4096 + 1024x4096  ...
-      muon   decoder.layers.*.self_attention.linear_proj.weight x32   NS on 4096x4096  tp mode owner
+      muon   decoder.layers.*.mlp.linear_fc2.weight             x32   NS on 4096x14336 (standard, bfloat16)  tp mode owner
+      muon   decoder.layers.*.mlp.linear_fc1.weight             x32   NS on 14336x4096 + 14336x4096 (standard, ...
+      muon   decoder.layers.*.self_attention.linear_qkv.weight  x32   NS on 4096x4096 + 1024x4096 + 1024x4096 ...
+      muon   decoder.layers.*.self_attention.linear_proj.weight x32   NS on 4096x4096 (standard, bfloat16)  ...
       adamw  embedding.word_embeddings.weight                   x1
       adamw  decoder.layers.*.input_layernorm.weight            x32
       ...
@@ -36,6 +36,7 @@ from collections.abc import Mapping
 import torch
 
 from ..config import MuonConfig
+from ..core.newton_schulz import runs_gram
 from ..plan.step_plan import StepPlan
 from .catalogue import is_muon_matrix, packed_in_backprop_order
 from .resume_config import report_lines
@@ -91,8 +92,18 @@ def _matrix_lines(plan: StepPlan) -> list[str]:
         if ".router." in pattern:
             flag = f"  {ROUTER_RULE}"
         shapes = " + ".join(f"{r}x{c}" for r, c in lay.sub_global_shapes())
-        lines.append(f"  muon   {pattern:<50} x{len(members):<4} NS on {shapes}  tp mode {'/'.join(modes)}{flag}")
+        lines.append(f"  muon   {pattern:<50} x{len(members):<4} NS on {shapes} ({_ns_text(plan.settings.ns, lay)})  "
+                     f"tp mode {'/'.join(modes)}{flag}")
     return lines
+
+
+def _ns_text(ns, layout) -> str:
+    """How this class's Newton–Schulz runs: the method (``gram`` only where it runs, by aspect),
+    the dtype and, in fp32, torch's matmul precision inside the call (high: TF32 on GPUs)."""
+    methods = sorted({"gram" if runs_gram(ns.method, r, c) else "standard" for r, c in layout.sub_global_shapes()})
+    dtype = str(ns.dtype).removeprefix("torch.")
+    precision = f" at {ns.fp32_precision}" if ns.dtype == torch.float32 else ""
+    return f"{'/'.join(methods)}, {dtype}{precision}"
 
 
 def _plan_lines(plans: Mapping[str, StepPlan], config: MuonConfig, what: str) -> list[str]:

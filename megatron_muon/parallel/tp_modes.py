@@ -72,7 +72,10 @@ def run_blocking_mode(mode: str, shards: list[torch.Tensor], subs: list[MatrixLa
     exact mode is NS of the whole matrix on its rank."""
     if mode == "blockwise" or comm.group_size(group) == 1:
         return _local(shards, subs, ns)
-    return {"duplicated": _duplicated, "distributed": _distributed}[mode](shards, subs, group, ns, bucket_bytes)
+    if mode == "distributed":  # its own products, outside NSOptions.__call__: the precision set here
+        with ns.matmul_precision():
+            return _distributed(shards, subs, group, ns, bucket_bytes)
+    return _duplicated(shards, subs, group, ns, bucket_bytes)
 
 
 def _local(shards, subs, ns: NSOptions) -> list[torch.Tensor]:

@@ -26,7 +26,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ..core.matrix_layout import MatrixLayout
-from ..core.newton_schulz import gram_block_rows, ns_flops, sharded_ns_flops, splits_gram
+from ..core.newton_schulz import (
+    DEFAULT_GRAM_RESTARTS,
+    gram_block_rows,
+    gram_blocks,
+    method_flops,
+    sharded_gram_flops,
+    sharded_ns_flops,
+    sharded_runs_gram,
+    splits_gram,
+)
 from . import exchange
 from .owners import plan_owners, rank_loads
 
@@ -194,20 +203,23 @@ def _shape_groups(matrices: Sequence[MatrixLayout], tp: int) -> dict[tuple, list
 
 
 def tp_mode_cost(matrices: Sequence[MatrixLayout], mode: str, tp: int, hw: Hardware, *, steps: int = 5,
-                 dtype_bytes: int = 2, spans_nodes: bool | None = None, batched: bool = True) -> Cost:
+                 dtype_bytes: int = 2, spans_nodes: bool | None = None, batched: bool = True,
+                 method: str = "standard") -> Cost:
     """Cost of ``orthogonalize_sharded(mode=...)`` over ``matrices`` on a TP group of ``tp`` ranks.
 
     ``matrices``: the sub-matrices Newton–Schulz runs on (``MatrixLayout.sub_matrices``), each
     split over ``tp`` ranks or held whole.
 
     ``batched=False`` models an implementation that calls NS and its collective once per matrix
-    (megatron-core's ``TensorParallelMuon``) instead of once per same-shape group.
+    (megatron-core's ``TensorParallelMuon``) instead of once per same-shape group. ``method``:
+    ``NSOptions.method`` (Gram Newton–Schulz's FLOPs where it runs, and in distributed mode its
+    one Gram all-reduce per restart block).
     """
     if not matrices:
         return Cost()
     groups = _shape_groups(matrices, tp)
     if mode == "owner":
-        return _owner_cost(matrices, tp, hw, steps, dtype_bytes, spans_nodes)
+        return _owner_cost(matrices, tp, hw, steps, dtype_bytes, spans_nodes, method)
     cost = Cost()
     for (rows, cols, pdim), members in groups.items():
         n = len(members)
@@ -215,18 +227,25 @@ def tp_mode_cost(matrices: Sequence[MatrixLayout], mode: str, tp: int, hw: Hardw
         local_rows, local_cols = matrices[members[0]].local_shape
         sharded = pdim is not None and tp > 1
         if mode == "blockwise" or not sharded:
-            flops = (n * ns_flops(local_rows, local_cols, steps) if mode == "blockwise"
-                     else n * ns_flops(rows, cols, steps))
+            flops = (n * method_flops(method, local_rows, local_cols, steps) if mode == "blockwise"
+                     else n * method_flops(method, rows, cols, steps))
             cost += _compute(flops, calls, hw, steps)
         elif mode == "duplicated":
             sent = n * local_rows * local_cols * dtype_bytes * (tp - 1)
             # join the gathered shards and cut the result back: two copies of the full batch
             copies = memory_time(2 * 2 * n * rows * cols * dtype_bytes, 2 * calls, hw)
             cost += collective_cost("all_gather", sent, calls, tp, hw, spans_nodes) + Cost(memory_s=copies)
-            cost += _compute(n * ns_flops(rows, cols, steps), calls, hw, steps)
+            cost += _compute(n * method_flops(method, rows, cols, steps), calls, hw, steps)
         elif mode == "distributed":
             k = cols if pdim == 0 else rows  # the unsharded dim spans the Gram matrix
             local = local_rows * local_cols
+            if sharded_runs_gram(method, k, local // k, tp):  # one Gram per block, and the scale
+                grams = len(gram_blocks([None] * steps, DEFAULT_GRAM_RESTARTS))
+                ring = 2 * (tp - 1) / tp * n * dtype_bytes
+                cost += collective_cost("all_reduce", ring * grams * k * k, calls * grams, tp, hw, spans_nodes)
+                cost += collective_cost("all_reduce", ring, calls, tp, hw, spans_nodes, scalars=True)
+                cost += _compute(n * sharded_gram_flops(k, local // k, steps), calls, hw, steps)
+                continue
             # per matrix: `steps` k×k Grams, and two scalars (the power-of-two scale, the squared norm)
             ring = 2 * (tp - 1) / tp * n * dtype_bytes
             cost += collective_cost("all_reduce", ring * steps * k * k, calls * steps, tp, hw, spans_nodes)
@@ -253,7 +272,7 @@ def collective_cost(primitive: str, sent: float, calls: int, group: int, hw: Har
     return Cost(comm_s=seconds, bytes_sent_max=sent if group > 1 else 0.0, parts=Counter({primitive: seconds}))
 
 
-def _owner_cost(matrices, tp, hw, steps, dtype_bytes, spans_nodes) -> Cost:
+def _owner_cost(matrices, tp, hw, steps, dtype_bytes, spans_nodes, method: str = "standard") -> Cost:
     """Owner mode: LPT owners (the real ``plan_owners``), two all-to-alls per micro-group
     (``exchange.MIN_MICRO_GROUPS`` of them: the count the pipeline uses below its byte cap),
     NS on the owners.
@@ -261,7 +280,7 @@ def _owner_cost(matrices, tp, hw, steps, dtype_bytes, spans_nodes) -> Cost:
     The all-to-all's time is the busiest rank's max of bytes sent and received: an owner
     receives (t−1) shards of each matrix it owns and sends (t−1) slices back.
     """
-    costs = [ns_flops(*m.full_shape, steps) for m in matrices]
+    costs = [method_flops(method, *m.full_shape, steps) for m in matrices]
     owners = plan_owners(costs, tp)
     loads = rank_loads(costs, owners, tp)
     sent, received = [0.0] * tp, [0.0] * tp

@@ -41,7 +41,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..core.matrix_layout import MatrixLayout
-from ..core.newton_schulz import gram_block_rows, ns_flops, sharded_ns_flops, splits_gram
+from ..core.newton_schulz import (
+    DEFAULT_GRAM_RESTARTS,
+    gram_block_rows,
+    gram_blocks,
+    method_flops,
+    sharded_gram_flops,
+    sharded_ns_flops,
+    sharded_runs_gram,
+    splits_gram,
+)
 from .cost_model import Hardware, collective_time, ns_time
 from .teams import team_layout
 
@@ -89,7 +98,8 @@ class _Task:
 
 def schedule_grid(units: Sequence[MatrixLayout], dp_size: int, tp_size: int, hw: Hardware, *, steps: int = 5,
                   dtype_bytes: int = 2, pinned: Mapping[int, int] | None = None,
-                  prefer: Sequence[int | None] | None = None, team: int = 1) -> GridSchedule:
+                  prefer: Sequence[int | None] | None = None, team: int = 1,
+                  method: str = "standard") -> GridSchedule:
     """The schedule of the module docstring.
 
     Args:
@@ -100,6 +110,7 @@ def schedule_grid(units: Sequence[MatrixLayout], dp_size: int, tp_size: int, hw:
         hw: the cost model's constants.
         pinned: unit → DP group it must go to (it lies whole there).
         prefer: per unit, a DP group to take unless it ends later (the holder of its largest piece).
+        method: ``NSOptions.method``, for the FLOPs and collectives of each form.
         team: DP ranks per team at TP 1 (see the module docstring; 1: no teams). Then the
             schedule's groups are teams: ``dp_owners`` holds team indices and ``tp_owners`` the
             member of a narrow unit; ``pinned`` and ``prefer`` still name DP ranks.
@@ -111,14 +122,14 @@ def schedule_grid(units: Sequence[MatrixLayout], dp_size: int, tp_size: int, hw:
         if tp_size != 1 or dp_size % team:
             raise ValueError(f"schedule_grid: teams of {team} need TP 1 and a DP size they divide, got TP {tp_size} "
                              f"x DP {dp_size}")
-        tasks = [[_team_task(unit, team, hw, steps, dtype_bytes)] for unit in units]
+        tasks = [[_team_task(unit, team, hw, steps, dtype_bytes, method)] for unit in units]
         moves = [_team_move_s(unit, dp_size, team, hw, dtype_bytes) for unit in units]
         members = {u: d % team for u, d in pinned.items()}
         pinned = {u: d // team for u, d in pinned.items()}
         prefer = None if prefer is None else [None if d is None else d // team for d in prefer]
         groups, width = dp_size // team, team
     else:
-        tasks = [[_task(sub, tp_size, hw, steps, dtype_bytes) for sub in unit.sub_matrices()] for unit in units]
+        tasks = [[_task(sub, tp_size, hw, steps, dtype_bytes, method) for sub in unit.sub_matrices()] for unit in units]
         moves = [_dp_move_s(unit, dp_size, tp_size, hw, dtype_bytes) for unit in units]
     widenable = sorted({t.narrow_s for ts in tasks for t in ts if t.wide_mode is not None}, reverse=True)
     best = None
@@ -180,9 +191,9 @@ def _try(group: list[float], tasks: list[_Task], wide: list[bool], move_s: float
     return loads, tuple(owners)
 
 
-def _task(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: int) -> _Task:
+def _task(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: int, method: str = "standard") -> _Task:
     full = sub.full_shape
-    compute = ns_time(ns_flops(*full, steps), 1, hw, steps)
+    compute = ns_time(method_flops(method, *full, steps), 1, hw, steps)
     if tp == 1 or not sub.numel:
         return _Task(compute, 0.0, None, 0.0)
     if not sub.is_sharded:  # every rank holds it: the owner sends its result to the others
@@ -193,17 +204,24 @@ def _task(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: int) -> _T
     narrow = compute + _bytes_s(2 * (tp - 1) * shard, tp, hw)
     other = _bytes_s(2 * shard, tp, hw)
     duplicated = compute + collective_time("all_gather", (tp - 1) * shard, 1, tp, hw)
-    distributed = _distributed_s(sub, tp, hw, steps, elem)
+    distributed = _distributed_s(sub, tp, hw, steps, elem, method)
     if distributed < duplicated:
         return _Task(narrow, other, "distributed", distributed)
     return _Task(narrow, other, "duplicated", duplicated)
 
 
-def _distributed_s(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: int) -> float:
+def _distributed_s(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: int,
+                   method: str = "standard") -> float:
     """Seconds of the distributed mode on each of ``tp`` ranks holding ``sub``'s shards: its NS
-    share, the Gram all-reduces, and B's row blocks all-gathered where it splits them."""
+    share, the Gram all-reduces, and B's row blocks all-gathered where it splits them (Gram
+    Newton–Schulz: one Gram all-reduce per restart block, the k × k iteration whole)."""
     k, cols = (sub.local_shape[1], sub.local_shape[0]) if sub.partition_dim == 0 else sub.local_shape
     ring = 2 * (tp - 1) / tp * elem
+    if sharded_runs_gram(method, k, cols, tp):
+        grams = len(gram_blocks([None] * steps, DEFAULT_GRAM_RESTARTS))
+        return (ns_time(sharded_gram_flops(k, cols, steps), 1, hw, steps)
+                + collective_time("all_reduce", ring * grams * k * k, grams, tp, hw)
+                + collective_time("all_reduce", ring, 1, tp, hw, scalars=True))
     seconds = (ns_time(sharded_ns_flops(k, cols, steps, tp), 1, hw, steps)
                + collective_time("all_reduce", ring * steps * k * k, steps, tp, hw)
                + collective_time("all_reduce", ring * 2, 2, tp, hw, scalars=True))
@@ -212,17 +230,19 @@ def _distributed_s(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: i
     return seconds
 
 
-def _team_task(unit: MatrixLayout, team: int, hw: Hardware, steps: int, elem: int) -> _Task:
+def _team_task(unit: MatrixLayout, team: int, hw: Hardware, steps: int, elem: int,
+               method: str = "standard") -> _Task:
     """A TP-1 unit on a team: narrow on one member (the rest of the unit gathered there over the
     node and returned), or wide as the team's blocks (each member receives its block and runs its
     share of the distributed mode); one task per unit, since a unit goes whole to one rank."""
-    compute = ns_time(sum(ns_flops(*sub.full_shape, steps) for sub in unit.sub_matrices()), 1, hw, steps)
+    compute = ns_time(sum(method_flops(method, *sub.full_shape, steps) for sub in unit.sub_matrices()), 1, hw, steps)
     gather = _bytes_s(2 * unit.numel * elem * (team - 1) / team, team, hw)
     block = _bytes_s(2 * unit.numel * elem / team, team, hw)
     layout = team_layout(unit, team)
     if layout is None:
         return _Task(compute + gather, block, None, 0.0, gather)
-    return _Task(compute + gather, block, "team", _distributed_s(layout, team, hw, steps, elem) + block, gather)
+    return _Task(compute + gather, block, "team", _distributed_s(layout, team, hw, steps, elem, method) + block,
+                 gather)
 
 
 def _team_move_s(unit: MatrixLayout, dp: int, team: int, hw: Hardware, elem: int) -> list[float]:

@@ -139,6 +139,7 @@ def optimizer_step_cost(
     clip_grad: bool = True,
     dp_layout: str = "megatron",
     bucket_numel: int | None = None,
+    ns_method: str = "standard",
 ) -> Cost:
     """Predicted ``optimizer.step()`` time on the busiest rank of a TP × DP × PP layout.
 
@@ -148,7 +149,8 @@ def optimizer_step_cost(
     (LPT on NS FLOPs, as megatron-core's layer-wise optimizer assigns whole matrices);
     the real plan additionally pins matrices to the DP range holding them, which the model ignores.
     Ours' DP owner exchange moves what ``dp_cut_elements`` finds off its owner in the ``dp_layout`` buffer layout
-    (``bucket_numel``: DDP's bucket size, None = one bucket).
+    (``bucket_numel``: DDP's bucket size, None = one bucket). ``ns_method``: ``--muon-ns-method``
+    (ours; megatron-core's Muon runs the standard iteration).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer_step_cost: optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
@@ -176,8 +178,9 @@ def optimizer_step_cost(
             norm = model.adam_replicated_numel // (2 * model.num_layers + 1)
             moved = dp_cut_elements(weights, tp, dp, dp_layout=dp_layout, bucket_numel=bucket_numel,
                                     adam_numel=model.adam_sharded_numel // tp, norm_numel=norm)[1]
-        cost += _muon_orthogonalize(weights, optimizer, tp_mode, tp, dp if sharded_state else 1, hw, steps,
-                                    ns_bytes, dp_spans_nodes, moved)
+        ns = NSOptions(steps, dtype=_NS_DTYPES[ns_bytes], method=ns_method if optimizer == "ours" else "standard")
+        cost += _muon_orthogonalize(weights, optimizer, tp_mode, tp, dp if sharded_state else 1, hw, ns,
+                                    dp_spans_nodes, moved)
     if clip_grad:
         shard = 1 if optimizer == "megatron-muon" else dp
         elementwise("grad norm + clip", (muon_local + adam_local) / shard * _NORM_BYTES,
@@ -302,15 +305,15 @@ def _stage_layouts(weights: Sequence[Weight], tp: int) -> list[MatrixLayout]:
     return out
 
 
-def _muon_orthogonalize(weights, optimizer, tp_mode, tp, dp, hw, steps, ns_bytes, dp_spans_nodes,
+def _muon_orthogonalize(weights, optimizer, tp_mode, tp, dp, hw, ns: NSOptions, dp_spans_nodes,
                         moved: int = 0) -> Cost:
     """NS plus its collectives on the busiest DP home, plus our DP owner exchange.
 
     The DP homes and each home's TP modes are the step plan's (``build_step_plan``: LPT on NS
     FLOPs, and ``auto``'s per-class choice over everything a home holds), not derived again here."""
     batched = optimizer == "ours"
-    settings = PlanSettings(tp_mode, NSOptions(steps, dtype=_NS_DTYPES[ns_bytes]),
-                            hardware=hw if tp_mode == "auto" else None)
+    steps, ns_bytes = ns.steps, ns.dtype_bytes
+    settings = PlanSettings(tp_mode, ns, hardware=hw if tp_mode == "auto" else None)
     plan = build_step_plan(_stage_layouts(weights, tp), dp_size=dp, tp_size=tp, settings=settings)
     busiest = Cost()
     for work in {id(w): w for w in plan.work}.values():  # without a DP exchange every DP rank shares one
@@ -322,7 +325,8 @@ def _muon_orthogonalize(weights, optimizer, tp_mode, tp, dp, hw, steps, ns_bytes
                 subset = [work.subs[p] for u in (work.matrices if group is None else group)
                           for p in work.sub_positions.get(u, ()) if work.modes[p] == mode]
                 if subset:
-                    cost += tp_mode_cost(subset, mode, tp, hw, steps=steps, dtype_bytes=ns_bytes, batched=batched)
+                    cost += tp_mode_cost(subset, mode, tp, hw, steps=steps, dtype_bytes=ns_bytes, batched=batched,
+                                         method=ns.method)
         if cost.total_s >= busiest.total_s:
             busiest = cost
     if moved:

@@ -192,7 +192,8 @@ def auto_schedule(matrices: Sequence[MatrixLayout], units: Sequence[Unit], dp_gr
     pinned, prefer = dp_pins(layouts, dp_groups, unit_pinnable(matrices, units, dp_groups)) if dp_groups > 1 \
         else ({}, None)
     return schedule_grid(layouts, dp_groups, tp_size, settings.hardware, steps=settings.ns.steps,
-                         dtype_bytes=settings.ns.dtype_bytes, pinned=pinned, prefer=prefer, team=team)
+                         dtype_bytes=settings.ns.dtype_bytes, pinned=pinned, prefer=prefer, team=team,
+                         method=settings.ns.method)
 
 
 def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: int,

@@ -83,10 +83,12 @@ LAYOUTS = {"tp2": (2, 1), "tp2dp2": (2, 2)}  # (TP, DP); 2 query groups allow TP
 ROWS = [setup.Row("ours", "muon-distopt", m, f"ours {m}") for m in ("owner", "duplicated", "distributed", "blockwise")]
 ROWS += [setup.Row("ours", "muon-distopt", "owner", "ours owner balanced", dp_layout="balanced")]
 ROWS += [setup.Row("ours", "muon-distopt", "owner", "ours MuonBP P=5", muonbp_period=5)]
+ROWS += [setup.Row("ours", "muon-distopt", m, f"ours {m} gram", ns_method="gram") for m in ("owner", "distributed")]
 ROWS += [setup.Row("megatron", "muon-ddp", m, f"megatron {m}") for m in ("duplicated", "distributed", "blockwise")]
 ROWS += [setup.Row("megatron", "layerwise", "duplicated", LAYER_WISE),
          setup.Row("megatron", "adam-distopt", "adam", "megatron adam distopt")]
-EXACT_ROWS = ("ours owner", "ours duplicated", "ours distributed", "ours owner balanced")
+EXACT_ROWS = ("ours owner", "ours duplicated", "ours distributed", "ours owner balanced", "ours owner gram",
+              "ours distributed gram")
 REFERENCE = "megatron duplicated"
 FC1_DIFFERS = "different math: split vs fused gate/up, not checked"
 # Max |Δparam| after one step at lr 1e-3. fp32 NS of the same matrices, batched or reduced in
@@ -234,7 +236,7 @@ def _figures(row, step_kind, per_rank_steps, times_s) -> dict:
     package = per_rank("package_bytes", mean) if row.impl == "ours" else None
     times_ms = [1e3 * t for t in times_s]
     return dict(
-        impl=row.impl, optimizer=row.optimizer_kind, mode=row.mode, dp_layout=row.dp_layout,
+        impl=row.impl, optimizer=row.optimizer_kind, mode=row.mode, dp_layout=row.dp_layout, ns_method=row.ns_method,
         step_kind=step_kind or ("adam" if row.optimizer_kind == "adam-distopt" else "muon"),
         label=row.label + ({"full": " full step", "block": " block step",
                             "period_avg": " period avg"}.get(step_kind, "")),

@@ -118,6 +118,7 @@ class Row:
     label: str
     muonbp_period: int | None = None
     dp_layout: str = "megatron"  # ours: --muon-dp-layout
+    ns_method: str = "standard"  # ours: --muon-ns-method
 
 
 def optimizer_config(row: Row, ns_precision: str):
@@ -150,7 +151,7 @@ def build_row(row: Row, shape: ModelShape, tp: int, device, ns_precision: str, o
     muon_config = MuonConfig(tp_mode=row.mode if row.impl == "ours" else "owner", muonbp_period=row.muonbp_period,
                              fp32_matmul_prec=ours_precision, momentum=0.95, nesterov=False,
                              coefficient_type="quintic", num_ns_steps=5, scale_mode="spectral",
-                             dp_layout=row.dp_layout)
+                             dp_layout=row.dp_layout, ns_method=row.ns_method)
     ddp = wrap_ddp(model, config, distributed_optimizer=row.optimizer_kind in ("muon-distopt", "adam-distopt"),
                    layer_wise=row.optimizer_kind == "layerwise",
                    balanced=muon_config if row.dp_layout == "balanced" else None, bucket_size=bucket_size)

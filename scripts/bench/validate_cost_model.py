@@ -51,7 +51,8 @@ def predict_row(row: dict, models: dict[str, ModelWeights], tp: int, dp: int, hw
     def step(optimizer: str, mode: str) -> float:
         return optimizer_step_cost(model, optimizer=optimizer, tp=tp, dp=dp, hw=hw, tp_mode=mode,
                                    ns_bytes=ns_bytes, clip_grad=clip_grad,
-                                   dp_layout=row.get("dp_layout", "megatron"), bucket_numel=bucket_numel).total_s
+                                   dp_layout=row.get("dp_layout", "megatron"), bucket_numel=bucket_numel,
+                                   ns_method=row.get("ns_method", "standard")).total_s
 
     kind, mode = row["step_kind"], row["mode"]
     if row["optimizer"] == "adam-distopt":

@@ -211,3 +211,39 @@ def test_reassociation_rule_and_its_flops():
 def test_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+@pytest.mark.parametrize("inside", ["medium", "high", "highest"])
+def test_fp32_matmul_precision_is_set_inside_the_call_only(inside):
+    """--muon-fp32-matmul-prec means torch's float32 matmul precision *inside* Newton–Schulz (high:
+    TF32 on GPUs), whatever the launcher set around it, and the launcher's setting after it: every
+    GEMM of the call sees ``inside``, the caller's value is restored (also when the call raises)."""
+    from torch.overrides import TorchFunctionMode
+
+    from megatron_muon.core.newton_schulz import NSOptions
+
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in (torch.Tensor.__matmul__, torch.matmul, torch.addmm, torch.baddbmm):
+                seen.append(torch.get_float32_matmul_precision())
+            return func(*args, **(kwargs or {}))
+
+    before = torch.get_float32_matmul_precision()
+    outside = "highest" if inside != "highest" else "medium"
+    torch.set_float32_matmul_precision(outside)
+    try:
+        for method in ("standard", "gram"):
+            with Spy():
+                NSOptions(dtype=torch.float32, method=method, fp32_precision=inside)(randn(8, 24))
+            assert seen and set(seen) == {inside}, (method, set(seen))
+            assert torch.get_float32_matmul_precision() == outside
+            seen.clear()
+        with pytest.raises(ValueError):
+            NSOptions(dtype=torch.float32, fp32_precision=inside)(randn(3, 4, 5, 6))  # 4-D: refused inside
+        assert torch.get_float32_matmul_precision() == outside
+        with pytest.raises(ValueError, match="--muon-fp32-matmul-prec: expected one of"):
+            NSOptions(fp32_precision="low")
+    finally:
+        torch.set_float32_matmul_precision(before)

@@ -125,3 +125,20 @@ def test_an_imbalanced_owner_plan_says_what_auto_would_plan():
     shallow = _plan_lines(step_plans(config, _stage_layouts(_stage_weights(model_weights(LLAMA3["8B"]), 1), 8), 8, 8),
                           config, "this stage")
     assert not [line for line in shallow if "NOTE" in line]
+
+
+def test_each_class_states_its_ns_method_dtype_and_precision():
+    """Issue 25, item 2: per matrix class the method that runs (gram only where the aspect takes it),
+    the NS dtype and, in fp32, the matmul precision inside the call."""
+    import torch
+
+    from megatron_muon.core.matrix_layout import MatrixLayout
+    from megatron_muon.core.newton_schulz import NSOptions
+    from megatron_muon.megatron.report import _ns_text
+
+    long, square = MatrixLayout("fc2", (64, 224), None, 1), MatrixLayout("proj", (64, 64), None, 1)
+    gram32 = NSOptions(dtype=torch.float32, method="gram", fp32_precision="high")
+    assert _ns_text(gram32, long) == "gram, float32 at high"
+    assert _ns_text(gram32, square) == "standard, float32 at high"
+    assert _ns_text(NSOptions(method="gram"), long) == "gram, bfloat16"
+    assert _ns_text(NSOptions(), long) == "standard, bfloat16"

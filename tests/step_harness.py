@@ -24,8 +24,9 @@ def step_plan(layouts, *, tp_mode: str, dp_size: int, tp_size: int, dp_mode: str
     """The plan of one step with these settings (``auto`` without ``hardware``: this device's)."""
     if tp_mode == "auto" and hardware is None:
         hardware = hardware_profile("detect")
-    settings = PlanSettings(tp_mode, NSOptions(steps, coefficients, eps, ns_dtype, method=ns_method), dp_mode, scale_mode,
-                            extra_scale_factor, bucket_bytes, hardware if tp_mode == "auto" else None)
+    ns = NSOptions(steps, coefficients, eps, ns_dtype, method=ns_method)
+    settings = PlanSettings(tp_mode, ns, dp_mode, scale_mode, extra_scale_factor, bucket_bytes,
+                            hardware if tp_mode == "auto" else None)
     return build_step_plan(layouts, dp_size=dp_size, tp_size=tp_size, settings=settings)
 
 

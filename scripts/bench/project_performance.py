@@ -27,13 +27,15 @@ from megatron_muon.plan.step_cost import model_params, model_weights, optimizer_
 BF16_PEAK = 989e12  # dense bf16 FLOP/s of an H100 SXM / H200 (NVIDIA datasheets)
 # model -> (tp, pp, dp): TP inside a node, pipeline stages as Llama-3 405B used (TP8 × PP16)
 LAYOUTS = {"8B": (8, 1, 8), "70B": (8, 4, 8), "405B": (8, 16, 8)}
-# (label, optimizer, tp_mode[, --muon-dp-layout]); ours default to the balanced buffer layout
+# (label, optimizer, tp_mode[, --muon-dp-layout[, --muon-ns-method]]); ours default to the balanced buffer layout
 # (no DP exchange); MuonBP is derived from its full (owner) and block (blockwise) steps
 ROWS = (
     ("ours duplicated", "ours", "duplicated"),
     ("ours distributed", "ours", "distributed"),
     ("ours owner", "ours", "owner"),
     ("ours owner, --muon-dp-layout megatron", "ours", "owner", "megatron"),
+    ("ours owner, --muon-ns-method gram", "ours", "owner", "balanced", "gram"),
+    ("ours distributed, --muon-ns-method gram", "ours", "distributed", "balanced", "gram"),
     ("ours auto", "ours", "auto"),
     ("ours blockwise (BlockMuon)", "ours", "blockwise"),
     ("megatron layer-wise duplicated", "megatron-layerwise", "duplicated"),
@@ -49,12 +51,13 @@ def fwd_bwd_seconds(model: str, tokens: int, gpus: int, mfu: float) -> float:
     return 6 * model_params(model_weights(LLAMA3[model])) * tokens / (gpus * BF16_PEAK * mfu)
 
 
-def step_ms(model: str, hw_name: str, optimizer: str, mode: str, period: int, dp_layout: str = "balanced") -> float:
+def step_ms(model: str, hw_name: str, optimizer: str, mode: str, period: int, dp_layout: str = "balanced",
+            ns_method: str = "standard") -> float:
     tp, pp, dp = LAYOUTS[model]
     hw, shape = GPU_PROFILES[hw_name], model_weights(LLAMA3[model])
     # DDP's default bucket with --overlap-grad-reduce: max(40M, 1M·DP) elements
     cost = lambda o, m: optimizer_step_cost(shape, optimizer=o, tp=tp, dp=dp, pp=pp, hw=hw, tp_mode=m,  # noqa: E731
-                                            ns_bytes=2, dp_layout=dp_layout,
+                                            ns_bytes=2, dp_layout=dp_layout, ns_method=ns_method,
                                             bucket_numel=max(40_000_000, 1_000_000 * dp)).total_s * 1e3
     if mode == "muonbp":
         return (cost(optimizer, "owner") + (period - 1) * cost(optimizer, "blockwise")) / period

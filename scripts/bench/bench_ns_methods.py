@@ -67,11 +67,30 @@ def run(scale: int, repeats: int, dtypes: list[torch.dtype], device: torch.devic
     return rows
 
 
+ASPECTS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5)
+"""long side ÷ short side of the sweep that places ``GRAM_MIN_ASPECT``."""
+
+
+def sweep(short: int, repeats: int, dtype: torch.dtype, device: torch.device) -> list[dict]:
+    """gram ÷ standard time by aspect at a fixed short side: where the Gram iteration starts to pay."""
+    out = []
+    for aspect in ASPECTS:
+        long = int(round(short * aspect))
+        x = torch.randn(short, long, generator=torch.Generator().manual_seed(1)).to(device=device, dtype=dtype)
+        standard = _timed(lambda m: newton_schulz(m, 5, "quintic"), x, repeats)
+        gram = _timed(lambda m: gram_newton_schulz(m, 5, "quintic"), x, repeats)
+        out.append(dict(aspect=aspect, shape=(short, long), ratio=gram / standard,
+                        flop_ratio=gram_ns_flops(short, long) / ns_flops(short, long)))
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--scale", type=int, default=8, help="divide each class's dims by this")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes")
+    parser.add_argument("--sweep-short", type=int, default=256,
+                        help="short side of the aspect sweep (fp32; 0: no sweep)")
     args = parser.parse_args()
     if args.scale < 1 or args.repeats < 1:
         parser.error("--scale and --repeats must be >= 1")
@@ -89,6 +108,13 @@ def main() -> None:
     for row in run(args.scale, args.repeats, dtypes, device):
         print(f"| {row['shape_class']} | {row['shape'][0]} x {row['shape'][1]} | {row['dtype']} | "
               f"{row['standard_ms']:.1f} | {row['gram_ms']:.1f} | {row['ratio']:.2f} | {row['flop_ratio']:.2f} |")
+    if args.sweep_short:
+        print(f"\nAspect sweep, float32, short side {args.sweep_short}: gram ÷ standard time (FLOP ratio)\n")
+        rows = sweep(args.sweep_short, args.repeats, torch.float32, device)
+        print("| aspect | " + " | ".join(f"{r['aspect']:g}" for r in rows) + " |")
+        print("|---|" + "---:|" * len(rows))
+        print("| time | " + " | ".join(f"{r['ratio']:.2f}" for r in rows) + " |")
+        print("| FLOPs | " + " | ".join(f"{r['flop_ratio']:.2f}" for r in rows) + " |")
 
 
 if __name__ == "__main__":

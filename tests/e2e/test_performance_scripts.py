@@ -74,3 +74,16 @@ def test_projection_tables():
     assert "throughput gain at Llama-3 8B" in out
     for mode, ms in pp.UPSTREAM_GB300_MS.items():  # upstream's published figures, each beside ours
         assert f"| {mode} | {ms} |" in out
+
+
+def test_ns_method_benchmark_prints_both_methods_and_the_aspect_sweep():
+    """scripts/bench/bench_ns_methods.py (issue 25): every shape class in each dtype with both
+    methods' times and their ratio, and the aspect sweep that places GRAM_MIN_ASPECT; tiny here."""
+    from scripts.bench import bench_ns_methods as bench
+
+    table = _run("-m", "scripts.bench.bench_ns_methods", "--scale", "64", "--repeats", "1",
+                 "--dtypes", "float32,bfloat16", "--sweep-short", "16")
+    rows = [line for line in table.splitlines() if line.startswith("| ") and " x " in line]
+    assert len(rows) == 2 * len(bench.CLASSES)
+    assert "| aspect | " + " | ".join(f"{a:g}" for a in bench.ASPECTS) + " |" in table
+    assert "| time |" in table and "| FLOPs |" in table

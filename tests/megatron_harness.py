@@ -83,10 +83,16 @@ def destroy_megatron(release_groups: bool = True) -> None:
     from megatron.core import parallel_state as ps
     from torch.distributed import distributed_c10d as c10d
 
+    from megatron_muon.parallel.comm import subgroups
+
     ps.destroy_model_parallel()
     if release_groups:
+        # megatron-muon's DP teams are kept: made by their members alone, they are named by their
+        # ranks, and torch cannot make a group of the same name twice in one default group
+        # (comm.subgroup); later runs of this world reuse them, as a training process would
+        kept = {id(g) for g in subgroups()}
         for group in list(c10d._world.pg_map):
-            if group is not c10d.GroupMember.WORLD:
+            if group is not c10d.GroupMember.WORLD and id(group) not in kept:
                 dist.destroy_process_group(group)
         _drop_dispatcher_graphs()
         _forget_cached_groups()

@@ -44,6 +44,7 @@ __all__ = [
     "pipelined",
     "record_ns_flops",
     "subgroup",
+    "subgroups",
 ]
 
 
@@ -122,7 +123,19 @@ def subgroup(group: dist.ProcessGroup | None, members: tuple[int, ...]) -> dist.
     known = _SUBGROUPS.setdefault(dist.group.WORLD, {})
     if key not in known:
         known[key] = dist.new_group(list(key), use_local_synchronization=True)
+    try:
+        dist.get_process_group_ranks(known[key])
+    except ValueError:  # destroyed behind our back: torch cannot make a group of the same ranks again
+        raise RuntimeError(f"the process group of ranks {list(key)} (a DP team) was destroyed while the default "
+                           "group lives on; torch names such a group by its ranks and cannot make it again in "
+                           "this process: keep it alive (comm.subgroups())") from None
     return known[key]
+
+
+def subgroups() -> list[dist.ProcessGroup]:
+    """The groups ``subgroup`` has made under the current default group (for a caller that tears
+    groups down between runs in one process, as the tests do, and must spare these)."""
+    return list(_SUBGROUPS.get(dist.group.WORLD, {}).values()) if dist.is_initialized() else []
 
 
 @dataclass(frozen=True)

@@ -176,17 +176,17 @@ def _place(tasks, wide, moves, dp: int, tp: int, pinned, prefer, members) -> Gri
 
 def _try(group: list[float], tasks: list[_Task], wide: list[bool], move_s: float, member: int | None = None):
     """The group's loads after taking one unit (wide tasks first, then narrow ones longest first,
-    each on the least-loaded rank, or on ``member``, the rank that holds the unit whole) and each
-    task's TP rank."""
+    each on the rank where it ends earliest: on ``member``, the rank that holds the unit whole,
+    it does not pay the gather, ``narrow_move_s``) and each task's TP rank."""
     loads = [x + move_s for x in group]
     owners: list[int | None] = [None] * len(tasks)
     for t, w in zip(tasks, wide):
         if w:
             loads = [x + t.wide_s for x in loads]
     for k in sorted((k for k, w in enumerate(wide) if not w), key=lambda k: -tasks[k].narrow_s):
-        r = member if member is not None else min(range(len(loads)), key=lambda r: (loads[r], r))
-        own = tasks[k].narrow_s - (tasks[k].narrow_move_s if member is not None else 0.0)
-        loads = [x + (own if j == r else tasks[k].narrow_other_s) for j, x in enumerate(loads)]
+        own = [tasks[k].narrow_s - (tasks[k].narrow_move_s if j == member else 0.0) for j in range(len(loads))]
+        r = min(range(len(loads)), key=lambda j: (loads[j] + own[j], j))
+        loads = [x + (own[r] if j == r else tasks[k].narrow_other_s) for j, x in enumerate(loads)]
         owners[k] = r
     return loads, tuple(owners)
 

@@ -30,7 +30,7 @@ from checkpoint_harness import load_fsdp_dtensor as _load_fsdp
 from checkpoint_harness import save_fsdp_dtensor as _save_fsdp
 from dist_harness import WorldsOnDemand, run_world
 from megatron_harness import GLOBAL_BATCH, destroy_megatron, gather_full_params
-from training_harness import ATOL, K, Run, build, references, start, steps, train_all
+from training_harness import ATOL, MUON, K, Run, build, references, start, steps, train_all
 
 TIMEOUT = 1800
 
@@ -136,7 +136,7 @@ def test_auto_at_tp1_runs_units_on_dp_teams(trained):
 
     index = next(i for i, r in enumerate(RUNS[4]) if r.tp_mode == "auto")
     result = trained[4][0][index]
-    config = MuonConfig(tp_mode="auto", **dict(RUNS[4][index].muon))
+    config = MuonConfig(tp_mode="auto", **dict(MUON, **dict(RUNS[4][index].muon)))  # the run's NS dtype
     plan = build_step_plan(result.layouts, dp_size=result.dp_size, tp_size=1, settings=config.plan_settings())
     assert plan.team_size == 4 and any(plan.team_of(u) is not None for u in range(len(plan.units)))
 

@@ -154,10 +154,12 @@ NS_METHODS = ("standard", "gram")
 """``--muon-ns-method``'s choices: the quintic on X, or Gram Newton–Schulz (module docstring)."""
 DEFAULT_GRAM_RESTARTS = (2,)
 """steps before which Gram Newton–Schulz restarts: once, before the third (DeepSpeed's)."""
-GRAM_MIN_ASPECT = 1.5
+GRAM_MIN_ASPECT = 1.75
 """b/a (long side over short side) from which ``gram`` runs the Gram iteration; below it, the
-standard one. By FLOPs: five steps cost 20r + 10 (standard) against 8r + 28 (Gram, one restart)
-a³ at aspect r, equal at r = 1.5; docs/performance.md §11 has the measured times on both sides."""
+standard one. By FLOPs five steps cost 20r + 10 (standard) against 8r + 28 (Gram, one restart)
+a³ at aspect r, equal at r = 1.5; measured (fp32, short side 256, this package's CPU machine:
+``python -m scripts.bench.bench_ns_methods``, docs/performance.md §11) Gram takes 1.07× the
+standard time at 1.5 and 0.94× at 1.75 (the a × a products run a little slower per FLOP here)."""
 
 
 def _check_matrix(x, what: str) -> None:

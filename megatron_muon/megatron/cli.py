@@ -183,7 +183,7 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--muon-ns-method", type=str, choices=list(NS_METHODS),
         help="How Newton-Schulz runs. standard: the quintic on the matrix. gram: Gram Newton-Schulz "
              "(Dao AI Lab; DeepSpeed's default), the same polynomial on the short side's Gram matrix, "
-             "restarted once, on matrices at least 1.5 times as long as wide (the standard iteration "
+             "restarted once, on matrices at least 1.75 times as long as wide (the standard iteration "
              "on the others); with --muon-tp-mode distributed it all-reduces the Gram once per "
              f"restart block instead of once per step. Default: {_default('ns_method')}.",
     )

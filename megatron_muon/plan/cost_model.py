@@ -39,8 +39,8 @@ from ..core.newton_schulz import (
 from . import exchange
 from .owners import plan_owners, rank_loads
 
-__all__ = ["GPU_PROFILES", "Cost", "Hardware", "collective_cost", "collective_time", "memory_time", "ns_time",
-           "split_dim", "tp_mode_cost"]
+__all__ = ["GPU_PROFILES", "Cost", "Hardware", "collective_cost", "collective_time", "distributed_cost", "memory_time",
+           "ns_time", "split_dim", "tp_mode_cost"]
 
 # Kernels one batched NS call launches: 3 GEMMs per iteration plus the norm, the divide, the
 # cast and the transpose around the loop.
@@ -238,27 +238,34 @@ def tp_mode_cost(matrices: Sequence[MatrixLayout], mode: str, tp: int, hw: Hardw
             cost += _compute(n * method_flops(method, rows, cols, steps), calls, hw, steps)
         elif mode == "distributed":
             k = cols if pdim == 0 else rows  # the unsharded dim spans the Gram matrix
-            local = local_rows * local_cols
-            if sharded_runs_gram(method, k, local // k, tp):  # one Gram per block, and the scale
-                grams = len(gram_blocks([None] * steps, DEFAULT_GRAM_RESTARTS))
-                ring = 2 * (tp - 1) / tp * n * dtype_bytes
-                cost += collective_cost("all_reduce", ring * grams * k * k, calls * grams, tp, hw, spans_nodes)
-                cost += collective_cost("all_reduce", ring, calls, tp, hw, spans_nodes, scalars=True)
-                cost += _compute(n * sharded_gram_flops(k, local // k, steps), calls, hw, steps)
-                continue
-            # per matrix: `steps` k×k Grams, and two scalars (the power-of-two scale, the squared norm)
-            ring = 2 * (tp - 1) / tp * n * dtype_bytes
-            cost += collective_cost("all_reduce", ring * steps * k * k, calls * steps, tp, hw, spans_nodes)
-            cost += collective_cost("all_reduce", ring * 2, calls * 2, tp, hw, spans_nodes, scalars=True)
-            if splits_gram(k, local // k, tp):  # B's row blocks, all-gathered every step
-                gathered = n * steps * (tp - 1) * gram_block_rows(k, tp) * k * dtype_bytes
-                cost += collective_cost("all_gather", gathered, calls * steps, tp, hw, spans_nodes)
-            flops = n * sharded_ns_flops(k, local // k, steps, tp)
-            cost += _compute(flops, calls, hw, steps)
+            cost += distributed_cost(k, local_rows * local_cols // k, tp, hw, n=n, calls=calls, steps=steps,
+                                     dtype_bytes=dtype_bytes, spans_nodes=spans_nodes, method=method)
         else:
             raise ValueError(f"tp_mode_cost: unknown mode {mode!r}; expected duplicated, distributed, "
                              f"blockwise or owner")
     return cost
+
+
+def distributed_cost(k: int, cols: int, tp: int, hw: Hardware, *, n: int = 1, calls: int = 1, steps: int = 5,
+                     dtype_bytes: int = 2, spans_nodes: bool | None = None, method: str = "standard") -> Cost:
+    """The distributed mode on ``n`` same-shape matrices in ``calls`` batched calls, each rank
+    holding a ``k × cols`` column shard whose Gram (k × k) spans the whole matrix: its share of
+    NS, the Gram all-reduces and, where B's rows are split, their all-gathers (the Gram form of
+    ``method="gram"``: one Gram per restart block and one scalar, the k × k iteration whole)."""
+    ring = 2 * (tp - 1) / tp * n * dtype_bytes
+    cost = Cost()
+    if sharded_runs_gram(method, k, cols, tp):
+        grams = len(gram_blocks([None] * steps, DEFAULT_GRAM_RESTARTS))
+        cost += collective_cost("all_reduce", ring * grams * k * k, calls * grams, tp, hw, spans_nodes)
+        cost += collective_cost("all_reduce", ring, calls, tp, hw, spans_nodes, scalars=True)
+        return cost + _compute(n * sharded_gram_flops(k, cols, steps), calls, hw, steps)
+    # per matrix: `steps` k×k Grams, and two scalars (the power-of-two scale, the squared norm)
+    cost += collective_cost("all_reduce", ring * steps * k * k, calls * steps, tp, hw, spans_nodes)
+    cost += collective_cost("all_reduce", ring * 2, calls * 2, tp, hw, spans_nodes, scalars=True)
+    if splits_gram(k, cols, tp):  # B's row blocks, all-gathered every step
+        gathered = n * steps * (tp - 1) * gram_block_rows(k, tp) * k * dtype_bytes
+        cost += collective_cost("all_gather", gathered, calls * steps, tp, hw, spans_nodes)
+    return cost + _compute(n * sharded_ns_flops(k, cols, steps, tp), calls, hw, steps)
 
 
 def _compute(flops: float, batches: int, hw: Hardware, steps: int) -> Cost:

@@ -41,17 +41,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..core.matrix_layout import MatrixLayout
-from ..core.newton_schulz import (
-    DEFAULT_GRAM_RESTARTS,
-    gram_block_rows,
-    gram_blocks,
-    method_flops,
-    sharded_gram_flops,
-    sharded_ns_flops,
-    sharded_runs_gram,
-    splits_gram,
-)
-from .cost_model import Hardware, collective_time, ns_time
+from ..core.newton_schulz import method_flops
+from .cost_model import Hardware, collective_time, distributed_cost, ns_time
 from .teams import team_layout
 
 __all__ = ["GridSchedule", "schedule_grid"]
@@ -212,22 +203,10 @@ def _task(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: int, metho
 
 def _distributed_s(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: int,
                    method: str = "standard") -> float:
-    """Seconds of the distributed mode on each of ``tp`` ranks holding ``sub``'s shards: its NS
-    share, the Gram all-reduces, and B's row blocks all-gathered where it splits them (Gram
-    Newton–Schulz: one Gram all-reduce per restart block, the k × k iteration whole)."""
+    """Seconds of the distributed mode on each of ``tp`` ranks holding ``sub``'s shards
+    (``cost_model.distributed_cost``: NS share, Gram all-reduces, B's row gathers)."""
     k, cols = (sub.local_shape[1], sub.local_shape[0]) if sub.partition_dim == 0 else sub.local_shape
-    ring = 2 * (tp - 1) / tp * elem
-    if sharded_runs_gram(method, k, cols, tp):
-        grams = len(gram_blocks([None] * steps, DEFAULT_GRAM_RESTARTS))
-        return (ns_time(sharded_gram_flops(k, cols, steps), 1, hw, steps)
-                + collective_time("all_reduce", ring * grams * k * k, grams, tp, hw)
-                + collective_time("all_reduce", ring, 1, tp, hw, scalars=True))
-    seconds = (ns_time(sharded_ns_flops(k, cols, steps, tp), 1, hw, steps)
-               + collective_time("all_reduce", ring * steps * k * k, steps, tp, hw)
-               + collective_time("all_reduce", ring * 2, 2, tp, hw, scalars=True))
-    if splits_gram(k, cols, tp):
-        seconds += collective_time("all_gather", steps * (tp - 1) * gram_block_rows(k, tp) * k * elem, steps, tp, hw)
-    return seconds
+    return distributed_cost(k, cols, tp, hw, steps=steps, dtype_bytes=elem, method=method).total_s
 
 
 def _team_task(unit: MatrixLayout, team: int, hw: Hardware, steps: int, elem: int,

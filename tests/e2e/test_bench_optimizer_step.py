@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_muon.core.newton_schulz import ns_flops
+from megatron_muon.core.newton_schulz import method_flops, ns_flops
 
 ROOT = Path(__file__).resolve().parents[2]
 REPEATS = 2
@@ -25,6 +25,7 @@ FP32 = 4  # bytes: NS runs in fp32 on the CPU, so the owner exchange moves fp32
 EXPECTED_LABELS = {
     "ours owner", "ours duplicated", "ours distributed", "ours blockwise", "ours owner balanced",
     "ours MuonBP P=5 full step", "ours MuonBP P=5 block step", "ours MuonBP P=5 period avg",
+    "ours owner gram", "ours distributed gram",
     "megatron duplicated", "megatron distributed", "megatron blockwise",
     "megatron layer-wise (duplicated)", "megatron adam distopt",
 }
@@ -125,6 +126,9 @@ def test_ns_flops(report):
     # owner: NS once per sub-matrix somewhere in the TP group.
     assert sum(rows["ours owner"]["ns_flops_per_rank"]) == expected_ours
     assert rows["megatron adam distopt"]["ns_flops_max"] == 0
+    # --muon-ns-method gram: the Gram iteration's FLOPs where the aspect takes it, fewer in all
+    gram = sum(method_flops("gram", r, c, 5) for r, c in ours)
+    assert sum(rows["ours owner gram"]["ns_flops_per_rank"]) == gram < expected_ours
 
 
 def test_exactness_passed(report):
@@ -132,7 +136,8 @@ def test_exactness_passed(report):
     check = layout["exactness"]
     assert check["passed"] and check["tolerance"] == 1e-5
     checked = {k: v for k, v in check["max_abs_diff"].items() if "not checked" not in k}
-    assert len(checked) == 8 and max(checked.values()) <= check["tolerance"]
+    # 5 exact rows against ours owner, 6 against megatron duplicated (fc1 excluded), layer-wise's
+    assert len(checked) == 12 and max(checked.values()) <= check["tolerance"]
     # fc1 really differs (split vs fused gate/up): the check would see a wrong update.
     fc1 = next(v for k, v in check["max_abs_diff"].items() if "not checked" in k)
     assert fc1 > 10 * check["tolerance"]

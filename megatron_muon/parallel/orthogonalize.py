@@ -289,6 +289,8 @@ class _MicroGroup:
         """per entry: None for a unit with one DP owner, else where this rank's pieces of that
         team block lie in its piece of the unit (in gather order; empty where it holds none)."""
         self.holds: list[bool] = []
+        self.entry_of: dict[int, int] = {}
+        """a one-owner unit's only entry (a team unit's entries are found through ``runs``)."""
         """per entry of a one-owner unit: this rank sends the owner a piece of it."""
         self.broadcast: list[int] = []
         """member positions held whole on every DP rank: their owner broadcasts the result."""
@@ -352,6 +354,7 @@ class _Execution:
                         g.runs.append(tuple(r for p, r in zip(block.owned.gather, block.runs)
                                             if p.rank == self.dp_rank))
                 g.exchange = OwnerExchange(routes, dp_group, dtype=self.dtype, device=device)
+                g.entry_of = {u: e for e, (u, runs) in enumerate(zip(g.entries, g.runs)) if runs is None}
                 g.holds = [any(p.rank == self.dp_rank for p in route.gather) for route in routes]
                 g.owned = [g.entries[e] for e in g.exchange.owned]
                 g.broadcast = [j for j, u in enumerate(g.members) if self.matrices[u].dp_ranges is None]
@@ -485,15 +488,14 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver):
     yield
     got = back.wait()
     del back
-    entry_of = {u: e for e, u in enumerate(g.entries)}  # a one-owner unit's only entry
     for j, i in enumerate(g.members):
         if j in casts:
             mine, pending = casts.pop(j)
             pending.wait()
         elif run.teams is not None and run.teams[i] is not None:
             mine = run.team_piece(g, i, got)
-        elif got.get(entry_of[i]):
-            mine = got[entry_of[i]][0]
+        elif got.get(g.entry_of[i]):
+            mine = got[g.entry_of[i]][0]
         else:
             mine = torch.empty(0, dtype=dtype, device=run.device)
         deliver(i, mine)

@@ -84,6 +84,12 @@ class MuonConfig:
     ``GRAM_MIN_ASPECT``). In the distributed TP mode ``gram`` all-reduces the Gram once per block
     (2 a step, from 5) and every rank runs the Gram iteration whole. Default standard: see
     docs/performance.md §11 for the measurements that decide it."""
+    gram_fp16: bool = False
+    """run Gram Newton–Schulz's products in fp16 instead of bf16 (--muon-gram-fp16, DeepSpeed's
+    choice): 8× finer rounding at the same range of O(1) values after normalization. Only with
+    ``ns_method="gram"`` and ``fp32_matmul_prec="medium"`` (elsewhere it would be ignored, or
+    lower an fp32 NS's precision); the standard-iteration fallback stays bf16, and the exchanged
+    pieces stay ``ns_dtype``."""
     tp_mode: str = "owner"
     """how NS runs across TP shards: owner, duplicated, distributed, blockwise or auto
     (``plan/step_plan.py`` decides, ``parallel/`` runs them; docs/tp_modes.md). owner, the default
@@ -148,6 +154,10 @@ class MuonConfig:
             (isinstance(self.num_ns_steps, int) and self.num_ns_steps >= 1, "--muon-num-ns-steps",
              "an integer >= 1", self.num_ns_steps),
             (self.ns_method in NS_METHODS, "--muon-ns-method", f"one of {NS_METHODS}", self.ns_method),
+            (not self.gram_fp16 or (self.ns_method == "gram" and self.fp32_matmul_prec == "medium"),
+             "--muon-gram-fp16", "only with --muon-ns-method gram and --muon-fp32-matmul-prec medium "
+             "(bf16 Newton-Schulz)", _Shown(f"--muon-ns-method {self.ns_method} --muon-fp32-matmul-prec "
+                                            f"{self.fp32_matmul_prec}")),
             (0.0 <= self.momentum < 1.0, "--muon-momentum", "a value in [0, 1)", self.momentum),
             (self.dp_layout in DP_LAYOUTS, "--muon-dp-layout", f"one of {DP_LAYOUTS}", self.dp_layout),
             (isinstance(self.layout_alpha, (int, float)) and 0.0 <= self.layout_alpha <= 1.0,
@@ -204,7 +214,8 @@ class MuonConfig:
     def ns(self) -> NSOptions:
         """The Newton–Schulz settings, as one value."""
         return NSOptions(self.num_ns_steps, self.coefficient_type, dtype=self.ns_dtype, method=self.ns_method,
-                         fp32_precision=self.fp32_matmul_prec)
+                         fp32_precision=self.fp32_matmul_prec,
+                         gram_dtype=torch.float16 if self.gram_fp16 else None)
 
     def block_plan_settings(self) -> PlanSettings:
         """The plan settings of a MuonBP block step: blockwise, on local blocks with ``local``."""

@@ -260,9 +260,11 @@ def run_ns(args) -> dict:
         x = torch.randn(batch, r, c, device=device, dtype=torch.bfloat16)
         seconds = _timed(lambda x=x: newton_schulz(x), device, args.repeats)
         gram_s = _timed(lambda x=x: gram_newton_schulz(x), device, args.repeats)  # issue 25: both methods
+        gram16_s = _timed(lambda x=x: gram_newton_schulz(x, gram_dtype=torch.float16), device, args.repeats)
         flops = batch * ns_flops(r, c)
         rows.append(dict(matrix=label, shape=[r, c], batch=batch, ms=seconds * 1e3, tflops=flops / seconds / 1e12,
-                         fraction_of_peak=flops / seconds / peak if peak else None, gram_ms=gram_s * 1e3))
+                         fraction_of_peak=flops / seconds / peak if peak else None, gram_ms=gram_s * 1e3,
+                         gram_fp16_ms=gram16_s * 1e3))
     # One layer at TP8: the owner mode's busiest rank runs its owned sub-matrices, duplicated
     # runs all of them on every rank (compute only; the exchange is not timed here).
     layer = [subs["q"], subs["k/v"], subs["k/v"], subs["proj"], subs["gate/up"], subs["gate/up"], subs["fc2"]]
@@ -302,11 +304,12 @@ def markdown(results: dict) -> str:
     if "ns" in results:
         n = results["ns"]
         lines += ["## ns: bf16 Newton–Schulz, Llama-3-8B shapes, batches of 8 (5 quintic steps)", "",
-                  "| matrix | shape | median ms | TFLOP/s | of bf16 peak | Gram NS ms | gram ÷ standard |",
-                  "|---|---|---:|---:|---:|---:|---:|"]
+                  "| matrix | shape | median ms | TFLOP/s | of bf16 peak | Gram NS ms | gram ÷ standard "
+                  "| Gram, fp16 products, ms |", "|---|---|---:|---:|---:|---:|---:|---:|"]
         for r in n["rows"]:
             frac = f"{r['fraction_of_peak']:.0%}" if r["fraction_of_peak"] is not None else "—"
             gram = f"{r['gram_ms']:.2f} | {r['gram_ms'] / r['ms']:.2f}" if "gram_ms" in r else "— | —"
+            gram += f" | {r['gram_fp16_ms']:.2f}" if "gram_fp16_ms" in r else " | —"
             lines.append(f"| {r['matrix']} | {r['shape'][0]}x{r['shape'][1]} | {r['ms']:.2f} | {r['tflops']:.1f} "
                          f"| {frac} | {gram} |")
         lay = n["layer"]

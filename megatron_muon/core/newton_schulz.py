@@ -17,6 +17,10 @@ is the standard iteration's; in floating point Q drifts from a polynomial of R (
 round differently), which half precision makes visible (spurious negative eigenvalues of R), so
 the iteration *restarts* at the given steps: X ← Q·X, R ← X·Xᵀ, Q ← I (published: once, before
 step 3). Below ``GRAM_MIN_ASPECT`` (b/a) the standard iteration is cheaper and runs instead.
+``gram_dtype`` may run the Gram path's products in another half precision than X's: fp16 (as
+DeepSpeed does) rounds 8× finer than bf16, and after normalization every entry of R, M, Q and X
+is O(1) (‖X‖_F = 1 bounds |R_ij| by 1; Q's eigenvalues are the polynomial's gains, below
+3.5^steps), far inside fp16's range.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ __all__ = [
     "Coefficients",
     "coefficient_schedule",
     "GRAM_MIN_ASPECT",
+    "HALF_DTYPES",
     "NS_METHODS",
     "gram_block_rows",
     "gram_blocks",
@@ -152,6 +157,8 @@ FP32_PRECISIONS = ("medium", "high", "highest")
 TF32, medium bf16 inside the fp32 GEMM, highest IEEE fp32."""
 NS_METHODS = ("standard", "gram")
 """``--muon-ns-method``'s choices: the quintic on X, or Gram Newton–Schulz (module docstring)."""
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+"""the half precisions NS computes in (``NSOptions.gram_dtype`` picks between them)."""
 DEFAULT_GRAM_RESTARTS = (2,)
 """steps before which Gram Newton–Schulz restarts: once, before the third (DeepSpeed's)."""
 GRAM_MIN_ASPECT = 1.75
@@ -242,19 +249,23 @@ def gram_newton_schulz(
     *,
     eps: float = 1e-7,
     restarts: Sequence[int] = DEFAULT_GRAM_RESTARTS,
+    gram_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``newton_schulz`` by the Gram iteration (module docstring): the same polynomial, run on
     the short side's a × a Gram matrix, restarting before each step in ``restarts`` (0 < step <
     ``steps``; others are ignored). Same arguments, shapes, dtype rule and zero-row invariant as
     ``newton_schulz``, whatever the aspect (the fallback to the standard iteration is
-    ``NSOptions``'s, by ``GRAM_MIN_ASPECT``)."""
+    ``NSOptions``'s, by ``GRAM_MIN_ASPECT``). ``gram_dtype`` (None: ``x``'s): the dtype of every
+    product after normalization (R, the a × a iteration, Q·X); the result is cast back to
+    ``x``'s dtype."""
     _check_matrix(x, "gram_newton_schulz")
     schedule = coefficient_schedule(coefficients, steps)
     transposed = x.size(-2) > x.size(-1)
-    X = _normalized(x.mT if transposed else x, eps)
+    X = _normalized(x.mT if transposed else x, eps).to(gram_dtype or x.dtype)  # O(1) entries from here
     for block in gram_blocks(schedule, restarts):
         Q = gram_iteration(X @ X.mT, block)
         X = Q @ X
+    X = X.to(x.dtype)
     return X.mT if transposed else X
 
 
@@ -463,6 +474,10 @@ class NSOptions:
     fp32_precision: str = "highest"
     """torch's float32 matmul precision *inside* each Newton–Schulz call (``matmul_precision``):
     what an fp32 NS runs its GEMMs in, whatever the process has set around it."""
+    gram_dtype: torch.dtype | None = None
+    """the Gram iteration's product dtype (``gram_newton_schulz``); None = ``dtype``. Only with
+    ``method="gram"`` and a half-precision ``dtype`` (fp16 in place of bf16): anything else would
+    be ignored or lose precision silently, so it is refused."""
 
     def __post_init__(self) -> None:
         coefficient_schedule(self.coefficients, self.steps)  # one-line ValueError on bad steps / sets
@@ -475,12 +490,18 @@ class NSOptions:
         if self.fp32_precision not in FP32_PRECISIONS:
             raise ValueError(f"--muon-fp32-matmul-prec: expected one of {FP32_PRECISIONS}, got {self.fp32_precision!r}")
         object.__setattr__(self, "restarts", tuple(int(r) for r in self.restarts))
+        if self.gram_dtype is not None and not (
+                self.method == "gram" and self.dtype.itemsize == 2 and self.gram_dtype in HALF_DTYPES):
+            raise ValueError("--muon-gram-fp16: expected with --muon-ns-method gram and --muon-fp32-matmul-prec "
+                             f"medium (a half-precision NS), got method {self.method!r}, NS dtype {self.dtype}, "
+                             f"Gram dtype {self.gram_dtype}")
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """Newton–Schulz of ``x`` (a matrix or a stack) with these settings, in ``x``'s dtype."""
         with self.matmul_precision():
             if runs_gram(self.method, x.shape[-2], x.shape[-1]):
-                return gram_newton_schulz(x, self.steps, self.coefficients, eps=self.eps, restarts=self.restarts)
+                return gram_newton_schulz(x, self.steps, self.coefficients, eps=self.eps, restarts=self.restarts,
+                                          gram_dtype=self.gram_dtype)
             return newton_schulz(x, self.steps, self.coefficients, eps=self.eps)
 
     @contextlib.contextmanager

@@ -98,9 +98,11 @@ def _matrix_lines(plan: StepPlan) -> list[str]:
 
 
 def _ns_text(ns, layout) -> str:
-    """How this class's Newton–Schulz runs: the method (``gram`` only where it runs, by aspect),
-    the dtype and, in fp32, torch's matmul precision inside the call (high: TF32 on GPUs)."""
-    methods = sorted({"gram" if runs_gram(ns.method, r, c) else "standard" for r, c in layout.sub_global_shapes()})
+    """How this class's Newton–Schulz runs: the method (``gram`` only where it runs, by aspect,
+    with its product dtype when that differs), the dtype and, in fp32, torch's matmul precision
+    inside the call (high: TF32 on GPUs)."""
+    gram = "gram" if ns.gram_dtype is None else f"gram in {str(ns.gram_dtype).removeprefix('torch.')}"
+    methods = sorted({gram if runs_gram(ns.method, r, c) else "standard" for r, c in layout.sub_global_shapes()})
     dtype = str(ns.dtype).removeprefix("torch.")
     precision = f" at {ns.fp32_precision}" if ns.dtype == torch.float32 else ""
     return f"{'/'.join(methods)}, {dtype}{precision}"

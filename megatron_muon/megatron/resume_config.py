@@ -84,6 +84,7 @@ _HYPERPARAMETERS: tuple[tuple[str, str], ...] = (
     ("muon_num_ns_steps", "--muon-num-ns-steps"),
     ("muon_coefficient_type", "--muon-coefficient-type"),
     ("muon_ns_method", "--muon-ns-method"),
+    ("muon_gram_fp16", "--muon-gram-fp16"),
     ("muon_scale_mode", "--muon-scale-mode"),
     ("muon_extra_scale_factor", "--muon-extra-scale-factor"),
     ("muon_fp32_matmul_prec", "--muon-fp32-matmul-prec"),

@@ -199,6 +199,7 @@ def orthogonalize_sharded(
     hardware: Hardware | None = None,
     device: torch.device | None = None,
     ns_method: str = "standard",
+    gram_dtype: torch.dtype | None = None,
 ) -> list[torch.Tensor]:
     """Orthogonalize matrices that ``group`` holds in TP shards; return this rank's pieces.
 
@@ -229,6 +230,8 @@ def orthogonalize_sharded(
             this rank has no shard (``devices.resolve_device``).
         ns_method: ``standard`` or ``gram`` (``NSOptions.method``: Gram Newton–Schulz where the
             aspect makes it cheaper; in distributed mode one Gram all-reduce per restart block).
+        gram_dtype: with ``ns_method="gram"`` and half-precision shards, the dtype of the Gram
+            iteration's products (``NSOptions.gram_dtype``: float16, as --muon-gram-fp16).
 
     Returns:
         A list with ``shards[i].shape`` and dtype per entry (an empty matrix's is empty: a
@@ -252,7 +255,7 @@ def orthogonalize_sharded(
     work = [i for i, x in enumerate(out) if x is None]
     # One plan per dtype (first-seen order, the same on every rank): NS runs in each shard's dtype.
     for dtype, members in group_by(work, lambda i: shards[i].dtype).items():
-        ns = NSOptions(steps, coefficients, eps, dtype, method=ns_method)
+        ns = NSOptions(steps, coefficients, eps, dtype, method=ns_method, gram_dtype=gram_dtype)
         settings = PlanSettings(mode, ns, scale_mode=None, bucket_bytes=bucket_bytes,
                                 hardware=hardware if mode == "auto" else None, pipelined=mode in ("owner", "auto"))
         plan = _one_off_plan(tuple(subs[i] for i in members), size, settings)

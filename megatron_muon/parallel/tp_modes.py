@@ -160,7 +160,11 @@ def _distributed_gram(X: torch.Tensor, group, size: int, ns: NSOptions, schedule
     per block (``gram_blocks``: 2 with the published restart, against one per step), then every
     rank runs the k × k iteration on the same summed R, so every rank's Q is the same and Q·X acts
     on its own columns. The norm comes from the first Gram's trace (‖X‖_F² = tr X·Xᵀ), so besides
-    the overflow-safe scale's scalar all-reduce (``_normalize_distributed``) nothing else moves."""
+    the overflow-safe scale's scalar all-reduce (``_normalize_distributed``) nothing else moves.
+    With ``ns.gram_dtype`` everything after the normalization (the iteration, the later Grams and
+    their all-reduces, Q·X) runs in it; the first Gram is formed and summed in ``X``'s dtype,
+    because before the norm is known its entries are not bounded by 1."""
+    dtype = X.dtype
     share = max_abs(X).reshape(X.shape[0]) / size
     comm.all_reduce(share, group)
     scale = power_of_two_floor(share)[:, None, None]
@@ -170,10 +174,10 @@ def _distributed_gram(X: torch.Tensor, group, size: int, ns: NSOptions, schedule
         comm.all_reduce(R, group)
         if i == 0:
             norm = R.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None].sqrt().clamp(min=ns.eps / scale)
-            X = X.div_(norm)
-            R = R.div_(norm * norm)
+            X = X.div_(norm).to(ns.gram_dtype or dtype)
+            R = R.div_(norm * norm).to(X.dtype)
         X = gram_iteration(R, block) @ X
-    return X
+    return X.to(dtype)
 
 
 def _gathered_quintic(A: torch.Tensor, group, size: int, b: float, c: float) -> torch.Tensor:

@@ -8,6 +8,9 @@ CPU), per dtype: the median of ``--repeats`` timed calls of ``newton_schulz`` an
 counts predict (``gram_ns_flops`` ÷ ``ns_flops``). On CUDA each call is timed with events after a
 synchronize. The square class is the one ``--muon-ns-method gram`` runs the standard iteration
 on (``GRAM_MIN_ASPECT``); it is timed both ways so the fallback's decision can be read off.
+In bf16 a third column times Gram NS with its products in fp16 (``--muon-gram-fp16``). Every row
+also gives each variant's relative error (Frobenius) against float64 standard NS of the same
+(rounded) input: the polynomial all of them compute, so the error is rounding alone.
 """
 
 from __future__ import annotations
@@ -52,6 +55,10 @@ def _timed(fn, x, repeats: int) -> float:
     return statistics.median(samples)
 
 
+def _rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).norm() / want.norm()).item()
+
+
 def run(scale: int, repeats: int, dtypes: list[torch.dtype], device: torch.device) -> list[dict]:
     rows = []
     for name, r, c in CLASSES:
@@ -59,10 +66,16 @@ def run(scale: int, repeats: int, dtypes: list[torch.dtype], device: torch.devic
         x = torch.randn(rows_s, cols_s, generator=torch.Generator().manual_seed(0))
         for dtype in dtypes:
             xd = x.to(device=device, dtype=dtype)
-            standard = _timed(lambda m: newton_schulz(m, 5, "quintic"), xd, repeats)
-            gram = _timed(lambda m: gram_newton_schulz(m, 5, "quintic"), xd, repeats)
+            variants = {"standard": lambda m: newton_schulz(m, 5, "quintic"),
+                        "gram": lambda m: gram_newton_schulz(m, 5, "quintic")}
+            if dtype == torch.bfloat16:
+                variants["gram_fp16"] = lambda m: gram_newton_schulz(m, 5, "quintic", gram_dtype=torch.float16)
+            want = newton_schulz(xd.double(), 5, "quintic")
+            ms = {k: _timed(fn, xd, repeats) * 1e3 for k, fn in variants.items()}
+            error = {k: _rel_error(fn(xd), want) for k, fn in variants.items()}
             rows.append(dict(shape_class=name, shape=(rows_s, cols_s), dtype=str(dtype).removeprefix("torch."),
-                             standard_ms=standard * 1e3, gram_ms=gram * 1e3, ratio=gram / standard,
+                             standard_ms=ms["standard"], gram_ms=ms["gram"], gram_fp16_ms=ms.get("gram_fp16"),
+                             ratio=ms["gram"] / ms["standard"], error=error,
                              flop_ratio=gram_ns_flops(rows_s, cols_s) / ns_flops(rows_s, cols_s)))
     return rows
 
@@ -103,11 +116,15 @@ def main() -> None:
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     print(f"Newton-Schulz, 5 quintic steps, one process on {device} ({torch.get_num_threads()} threads), "
           f"shapes / {args.scale}, median of {args.repeats}\n")
-    print("| shape class | shape | dtype | standard ms | gram ms | gram ÷ standard | FLOP ratio |")
-    print("|---|---|---|---:|---:|---:|---:|")
+    print("| shape class | shape | dtype | standard ms | gram ms | gram ÷ standard | FLOP ratio | "
+          "gram, fp16 products, ms | rel. error: standard / gram / gram fp16 products |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---|")
     for row in run(args.scale, args.repeats, dtypes, device):
+        fp16 = "—" if row["gram_fp16_ms"] is None else f"{row['gram_fp16_ms']:.1f}"
+        errors = " / ".join(f"{e:.2e}" for e in row["error"].values())
         print(f"| {row['shape_class']} | {row['shape'][0]} x {row['shape'][1]} | {row['dtype']} | "
-              f"{row['standard_ms']:.1f} | {row['gram_ms']:.1f} | {row['ratio']:.2f} | {row['flop_ratio']:.2f} |")
+              f"{row['standard_ms']:.1f} | {row['gram_ms']:.1f} | {row['ratio']:.2f} | {row['flop_ratio']:.2f} | "
+              f"{fp16} | {errors} |")
     if args.sweep_short:
         print(f"\nAspect sweep, float32, short side {args.sweep_short}: gram ÷ standard time (FLOP ratio)\n")
         rows = sweep(args.sweep_short, args.repeats, torch.float32, device)

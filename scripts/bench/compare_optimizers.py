@@ -15,10 +15,13 @@ Runs (each optimizer × each LR of its grid; ``--optimizers`` picks a subset):
     muon       --optimizer muon --muon-tp-mode owner              lrs 3e-4, 1e-3, 3e-3
     blockmuon  --optimizer muon --muon-tp-mode blockwise          lrs 3e-4, 1e-3, 3e-3
     muonbp     --optimizer muon --muon-tp-mode owner --muonbp-period 5   (same lrs as muon)
+    muon_gram  --optimizer muon --muon-tp-mode owner --muon-ns-method gram   (not in the default set)
 
 all with ``--use-distributed-optimizer``, the same seed (same initial weights, same batches in
-the same order), weight decay 0.1, Adam betas (0.9, 0.95), clip-grad 1.0 and the same schedule:
-linear warmup over the first 10% of iterations, then cosine decay to 0.1 × lr at the last one.
+the same order; ``--seeds 1234,1,2`` runs every (optimizer, lr) once per seed, and the tables then
+show mean ± sample standard deviation over seeds, the best lr chosen by the mean), weight decay
+0.1, Adam betas (0.9, 0.95), clip-grad 1.0 and the same schedule: linear warmup over the first
+10% of iterations, then cosine decay to 0.1 × lr at the last one.
 
 Model (``--model default``): 4 layers, hidden 256, 4 heads in 2 query groups (GQA), sequence 256,
 Llama-style (RoPE, RMSNorm, SwiGLU, untied embeddings, no biases) with the CPU flags of
@@ -62,6 +65,11 @@ run), ``results.json`` (per run: curves of (iteration, lm loss) for training as 
 ``loss_curves.png`` (smoothed training loss and validation loss vs tokens, best lr of each).
 A failed run is recorded, shown as failed, and makes the script exit 1 after the others ran.
 
+``--reference NAME`` adds a table of every other optimizer's best and final validation loss minus
+NAME's at the same lr and seed (same weights, same batches): the Gram Newton–Schulz equivalence
+check (issue 25) is ``--optimizers muon,muon_gram --lr-grid muon=1e-3 --lr-grid muon_gram=1e-3
+--seeds 1234,1,2 --reference muon``.
+
 Caveat: at scale the paper (Khaled et al., arXiv 2510.16981) orders final losses as
 MuonBP ≈ Muon < BlockMuon < AdamW. A 0.4M-token run of a 3M-parameter model on 2 CPU cores is
 far from that regime (and TP=2 blocks are halves of small matrices), so it may not show that
@@ -94,13 +102,17 @@ OPTIMIZERS = {
     "muon": ("Muon", ["--optimizer", "muon", "--muon-tp-mode", "owner"]),
     "blockmuon": ("BlockMuon", ["--optimizer", "muon", "--muon-tp-mode", "blockwise"]),
     "muonbp": ("MuonBP (P=5)", ["--optimizer", "muon", "--muon-tp-mode", "owner", "--muonbp-period", "5"]),
+    "muon_gram": ("Muon, Gram NS", ["--optimizer", "muon", "--muon-tp-mode", "owner", "--muon-ns-method", "gram"]),
 }
 DEFAULT_LRS = {
     "adamw": [3e-4, 1e-3, 3e-3],
     "muon": [3e-4, 1e-3, 3e-3],
     "blockmuon": [3e-4, 1e-3, 3e-3],
     "muonbp": [3e-4, 1e-3, 3e-3],
+    "muon_gram": [3e-4, 1e-3, 3e-3],
 }
+DEFAULT_OPTIMIZERS = ("adamw", "muon", "blockmuon", "muonbp")
+DEFAULT_SEED = 1234  # Megatron's --seed default: the single-seed runs recorded so far used it
 MODELS = {
     "default": dict(num_layers=4, hidden_size=256, num_attention_heads=4, num_query_groups=2, seq_length=256),
     "tiny": dict(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, seq_length=64),
@@ -118,8 +130,14 @@ VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+)(?: on validati
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--optimizers", default=",".join(OPTIMIZERS), help="comma-separated subset of "
-                   + ", ".join(OPTIMIZERS))
+    p.add_argument("--optimizers", default=",".join(DEFAULT_OPTIMIZERS), help="comma-separated, from "
+                   + ", ".join(OPTIMIZERS) + f" (default: {','.join(DEFAULT_OPTIMIZERS)})")
+    p.add_argument("--seeds", default=str(DEFAULT_SEED),
+                   help="comma-separated Megatron --seed values; every (optimizer, lr) runs once per seed "
+                        "(weights and batch order follow the seed)")
+    p.add_argument("--reference", default=None, metavar="NAME",
+                   help="an optimizer of --optimizers: every other one's per-seed difference in best and "
+                        "final validation loss against it, at the same lr and seed, is tabulated")
     p.add_argument("--lr-grid", action="append", default=[], metavar="NAME=LR,LR,...",
                    help="replace an optimizer's LR grid (repeatable), e.g. muon=2e-3,5e-3,1e-2")
     p.add_argument("--model", choices=sorted(MODELS), default="default")
@@ -152,6 +170,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         if name not in OPTIMIZERS or not values:
             p.error(f"--lr-grid {item!r}: expected NAME=LR,LR,... with NAME in {', '.join(OPTIMIZERS)}")
         args.lrs[name] = [float(v) for v in values.split(",")]
+    try:
+        args.seeds = [int(v) for v in args.seeds.split(",") if v.strip()]
+    except ValueError:
+        p.error(f"--seeds {args.seeds!r}: expected comma-separated integers")
+    if not args.seeds or len(set(args.seeds)) != len(args.seeds):
+        p.error(f"--seeds {args.seeds}: expected at least one seed, none repeated")
+    if args.reference is not None and args.reference not in args.optimizers:
+        p.error(f"--reference {args.reference!r}: expected one of --optimizers ({', '.join(args.optimizers)})")
     if args.evals < 1 or args.eval_iters < 1 or args.train_iters < args.evals:
         p.error("need evals >= 1, eval-iters >= 1 and train-iters >= evals")
     return args
@@ -225,11 +251,16 @@ def parse_log(text: str) -> dict:
     return dict(train_loss=train, val_loss=val, ms_per_iteration=statistics.median(ms) if ms else None)
 
 
-def run_one(name: str, lr: float, flags: list[str], out_dir: Path, timeout: float) -> dict:
-    log_path = out_dir / f"{name}_lr{lr:g}.log"
+def run_name(name: str, lr: float, seed: int) -> str:
+    """A run's file stem; the default seed's keeps the name single-seed comparisons always had."""
+    return f"{name}_lr{lr:g}" + ("" if seed == DEFAULT_SEED else f"_seed{seed}")
+
+
+def run_one(name: str, lr: float, seed: int, flags: list[str], out_dir: Path, timeout: float) -> dict:
+    log_path = out_dir / f"{run_name(name, lr, seed)}.log"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ENTRY),
-           *flags, *OPTIMIZERS[name][1], "--lr", f"{lr:g}", "--min-lr", f"{lr / 10:g}"]
+           *flags, *OPTIMIZERS[name][1], "--lr", f"{lr:g}", "--min-lr", f"{lr / 10:g}", "--seed", str(seed)]
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="",  # the CPU comparison wherever it runs
                CUDA_DEVICE_MAX_CONNECTIONS="1",     # Megatron wants it with TP > 1
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))  # 2 ranks share the cores
@@ -248,7 +279,7 @@ def run_one(name: str, lr: float, flags: list[str], out_dir: Path, timeout: floa
                 raise
             log.write(f"\n[compare_optimizers] killed after --run-timeout {timeout:g} s\n")
     wall = time.time() - start
-    result = dict(optimizer=name, label=OPTIMIZERS[name][0], lr=lr, returncode=rc, wall_s=round(wall, 1),
+    result = dict(optimizer=name, label=OPTIMIZERS[name][0], lr=lr, seed=seed, returncode=rc, wall_s=round(wall, 1),
                   log=log_path.name, **parse_log(log_path.read_text(errors="replace")))
     losses = [v for _, v in result["train_loss"] + result["val_loss"]]
     ok = rc == 0 and result["train_loss"] and result["val_loss"] and all(map(math.isfinite, losses))
@@ -257,15 +288,17 @@ def run_one(name: str, lr: float, flags: list[str], out_dir: Path, timeout: floa
     return result
 
 
-def previous_runs(results_path: Path, flags: list[str]) -> dict[tuple[str, float], dict]:
-    """(optimizer, lr) → a successful run recorded with exactly these shared Megatron flags
-    (the per-run flags follow from the optimizer and the lr; the port is not among them)."""
+def previous_runs(results_path: Path, flags: list[str]) -> dict[tuple[str, float, int], dict]:
+    """(optimizer, lr, seed) → a successful run recorded with exactly these shared Megatron flags
+    (the per-run flags follow from the optimizer, the lr and the seed; the port is not among them;
+    a run recorded before seeds were a knob ran with the default seed)."""
     if not results_path.is_file():
         return {}
     recorded = json.loads(results_path.read_text())
     if recorded["meta"]["megatron_flags"] != flags:
         return {}
-    return {(r["optimizer"], r["lr"]): r for r in recorded["runs"] if r["status"] == "ok"}
+    runs = [dict(r, seed=r.get("seed", DEFAULT_SEED)) for r in recorded["runs"] if r["status"] == "ok"]
+    return {(r["optimizer"], r["lr"], r["seed"]): r for r in runs}
 
 
 def smooth(values: list[float], beta: float = 0.7) -> list[float]:
@@ -277,13 +310,69 @@ def smooth(values: list[float], beta: float = 0.7) -> list[float]:
     return out
 
 
-def best_runs(runs: list[dict]) -> dict[str, dict]:
-    best: dict[str, dict] = {}
+def cells(runs: list[dict]) -> dict[tuple[str, float], list[dict]]:
+    """(optimizer, lr) → its runs, one per seed, in run order."""
+    out: dict[tuple[str, float], list[dict]] = {}
     for r in runs:
-        if r["status"] == "ok" and (r["optimizer"] not in best
-                                    or r["best_val_loss"] < best[r["optimizer"]]["best_val_loss"]):
-            best[r["optimizer"]] = r
+        out.setdefault((r["optimizer"], r["lr"]), []).append(r)
+    return out
+
+
+def best_cells(runs: list[dict]) -> dict[str, list[dict]]:
+    """optimizer → the runs (one per seed) of its best lr: the lowest mean best validation loss
+    over seeds, among the lrs whose every seed finished (a mean over fewer seeds is not comparable)."""
+    best: dict[str, list[dict]] = {}
+    for (name, _), group in cells(runs).items():
+        if any(r["status"] != "ok" for r in group):
+            continue
+        if name not in best or mean_of(group, "best_val_loss") < mean_of(best[name], "best_val_loss"):
+            best[name] = group
     return best
+
+
+def best_runs(runs: list[dict]) -> dict[str, dict]:
+    """optimizer → the first seed's run at its best lr."""
+    return {name: group[0] for name, group in best_cells(runs).items()}
+
+
+def final_val(r: dict) -> float | None:
+    return r["val_loss"][-1][1] if r["status"] == "ok" else None
+
+
+def mean_of(group: list[dict], key: str) -> float:
+    values = [final_val(r) if key == "final_val_loss" else r[key] for r in group]
+    return statistics.fmean(values)
+
+
+def spread(values: list[float]) -> str:
+    """mean, and ± the sample standard deviation over seeds when there is more than one."""
+    if len(values) == 1:
+        return f"{values[0]:.4f}"
+    return f"{statistics.fmean(values):.4f} ± {statistics.stdev(values):.4f}"
+
+
+def reference_lines(runs: list[dict], reference: str) -> list[str]:
+    """Per (optimizer, lr, seed): best and final validation loss minus the reference's at the same
+    lr and seed (same weights, same batches), then each optimizer's largest |difference|."""
+    ref = {(r["lr"], r["seed"]): r for r in runs if r["optimizer"] == reference and r["status"] == "ok"}
+    label = OPTIMIZERS[reference][0]
+    lines = [f"## Against {label} (same lr, same seed)", "",
+             f"| optimizer | lr | seed | best val ({label}) | best val | Δ best | final val ({label}) | "
+             "final val | Δ final |", "|---|---|---|---|---|---|---|---|---|"]
+    worst: dict[str, list[float]] = {}
+    for r in runs:
+        base = ref.get((r["lr"], r["seed"]))
+        if r["optimizer"] == reference or r["status"] != "ok" or base is None:
+            continue
+        d_best, d_final = r["best_val_loss"] - base["best_val_loss"], final_val(r) - final_val(base)
+        worst.setdefault(r["label"], []).extend([abs(d_best), abs(d_final)])
+        lines.append(f"| {r['label']} | {r['lr']:g} | {r['seed']} | {base['best_val_loss']:.4f} | "
+                     f"{r['best_val_loss']:.4f} | {d_best:+.4f} | {final_val(base):.4f} | {final_val(r):.4f} | "
+                     f"{d_final:+.4f} |")
+    lines.append("")
+    lines += [f"- {name}: largest |Δ| over its runs {max(ds):.4f} ({len(ds) // 2} runs paired)"
+              for name, ds in worst.items()]
+    return lines + [""]
 
 
 def fmt(x, spec=".4f") -> str:
@@ -291,38 +380,47 @@ def fmt(x, spec=".4f") -> str:
 
 
 def markdown(runs: list[dict], meta: dict, lrs: dict) -> str:
-    best = best_runs(runs)
+    best = best_cells(runs)
     names = list(dict.fromkeys(r["optimizer"] for r in runs))
+    seeds = list(dict.fromkeys(r["seed"] for r in runs))
     lines = ["# Optimizer comparison (megatron-muon, TP=2 on CPU)", "",
              f"Model: {meta['model']}. Token budget per run: {meta['tokens_per_run']:,} "
              f"({meta['train_iters']} iterations × global batch {meta['global_batch_size']} × "
              f"sequence {meta['seq_length']}). Schedule: {meta['schedule']}. Validation: "
              f"{meta['validation']}.", "",
              "LR grids: " + "; ".join(f"{OPTIMIZERS[n][0]} {', '.join(f'{lr:g}' for lr in g)}"
-                                      for n, g in lrs.items() if n in names) + ".", "",
+                                      for n, g in lrs.items() if n in names) + ".",
+             f"Seeds: {', '.join(map(str, seeds))}" + (" (mean ± sample standard deviation over seeds)."
+                                                      if len(seeds) > 1 else "."), "",
              "## Best validation loss per optimizer", "",
-             "| optimizer | best lr | best val loss | final train loss | ms/iteration |",
-             "|---|---|---|---|---|"]
+             "| optimizer | best lr | best val loss | final val loss | final train loss | ms/iteration |",
+             "|---|---|---|---|---|---|"]
     for name in names:
-        r = best.get(name)
-        if r is None:
-            lines.append(f"| {OPTIMIZERS[name][0]} | failed | — | — | — |")
+        group = best.get(name)
+        if group is None:
+            lines.append(f"| {OPTIMIZERS[name][0]} | failed | — | — | — | — |")
             continue
+        r = group[0]
         edge = " (grid edge)" if len(lrs[name]) > 1 and r["lr"] in (min(lrs[name]), max(lrs[name])) else ""
-        lines.append(f"| {r['label']} | {r['lr']:g}{edge} | {r['best_val_loss']:.4f} | "
-                     f"{r['train_loss'][-1][1]:.4f} | {fmt(r['ms_per_iteration'], '.0f')} |")
+        ms = statistics.median(g["ms_per_iteration"] for g in group)
+        lines.append(f"| {r['label']} | {r['lr']:g}{edge} | {spread([g['best_val_loss'] for g in group])} | "
+                     f"{spread([final_val(g) for g in group])} | "
+                     f"{spread([g['train_loss'][-1][1] for g in group])} | {fmt(ms, '.0f')} |")
     lines += ["", "## Full sweep", "",
-              "| optimizer | lr | status | best val loss | final val loss | final train loss | ms/iteration | wall s |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| optimizer | lr | seed | status | best val loss | final val loss | final train loss | ms/iteration "
+              "| wall s |", "|---|---|---|---|---|---|---|---|---|"]
     for r in runs:
         ok = r["status"] == "ok"
-        lines.append(f"| {r['label']} | {r['lr']:g} | {r['status'] if ok else f'FAILED (rc {r["returncode"]})'} | "
+        lines.append(f"| {r['label']} | {r['lr']:g} | {r['seed']} | "
+                     f"{r['status'] if ok else f'FAILED (rc {r["returncode"]})'} | "
                      f"{fmt(r['best_val_loss'])} | {fmt(r['val_loss'][-1][1] if ok else None)} | "
                      f"{fmt(r['train_loss'][-1][1] if r['train_loss'] else None)} | "
                      f"{fmt(r['ms_per_iteration'], '.0f')} | {r['wall_s']:.0f} |")
-    lines += ["", "Best = the lr whose run reached the lowest validation loss (minimum over its "
-              "evaluations); \"grid edge\" means the grid should be extended that way.",
-              "", f"Command: `{meta['command']}`", ""]
+    lines += ["", "Best = the lr whose runs reached the lowest validation loss (minimum over a run's "
+              "evaluations, mean over seeds); \"grid edge\" means the grid should be extended that way.", ""]
+    if meta.get("reference"):
+        lines += reference_lines(runs, meta["reference"])
+    lines += [f"Command: `{meta['command']}`", ""]
     return "\n".join(lines)
 
 
@@ -333,12 +431,20 @@ def plot(runs: list[dict], tokens_per_iteration: int, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for r in best_runs(runs).values():
-        label = f"{r['label']}, lr {r['lr']:g}"
-        it, loss = zip(*r["train_loss"])
-        ax_train.plot([i * tokens_per_iteration for i in it], smooth(list(loss)), label=label)
-        it, loss = zip(*r["val_loss"])
-        ax_val.plot([i * tokens_per_iteration for i in it], loss, marker="o", label=label)
+    for group in best_cells(runs).values():
+        r = group[0]
+        label = f"{r['label']}, lr {r['lr']:g}" + (f", {len(group)} seeds" if len(group) > 1 else "")
+        for key, ax, smoothed in (("train_loss", ax_train, True), ("val_loss", ax_val, False)):
+            # The seeds' mean (every seed logs the same iterations), with their min-max band.
+            it = [i for i, _ in r[key]]
+            curves = [[v for _, v in g[key]] for g in group]
+            curves = [smooth(c) if smoothed else c for c in curves]
+            tokens = [i * tokens_per_iteration for i in it]
+            line, = ax.plot(tokens, [statistics.fmean(v) for v in zip(*curves)], label=label,
+                            marker=None if smoothed else "o")
+            if len(group) > 1:
+                ax.fill_between(tokens, [min(v) for v in zip(*curves)], [max(v) for v in zip(*curves)],
+                                color=line.get_color(), alpha=0.2)
     for ax, title in ((ax_train, "training loss (smoothed)"), (ax_val, "validation loss")):
         ax.set_title(title)
         ax.set_xlabel("tokens")
@@ -378,21 +484,21 @@ def main(argv=None) -> int:
         expected_train_iterations=expected_train_points(args.train_iters, args.log_interval),
         expected_val_iterations=expected_val_points(args.train_iters, eval_interval(args)),
         lr_grids={name: args.lrs[name] for name in args.optimizers},
+        seeds=args.seeds, reference=args.reference,
         megatron_flags=flags,
     )
     runs = []
-    total = sum(len(args.lrs[name]) for name in args.optimizers)
+    total = sum(len(args.lrs[name]) for name in args.optimizers) * len(args.seeds)
     done = previous_runs(out_dir / "results.json", flags) if args.reuse else {}
-    for name in args.optimizers:
-        for lr in args.lrs[name]:
-            print(f"[{len(runs) + 1}/{total}] {OPTIMIZERS[name][0]} lr {lr:g} ...", end=" ", flush=True)
-            r = done.get((name, lr)) or run_one(name, lr, flags, out_dir, args.run_timeout)
-            if (name, lr) in done:
-                print("(reused)", end=" ")
-            runs.append(r)
-            print(f"{r['status']}, best val {fmt(r['best_val_loss'])}, {r['wall_s']:.0f} s", flush=True)
-            # Written after every run, so an interrupted comparison keeps what it finished.
-            (out_dir / "results.json").write_text(json.dumps(dict(meta=meta, runs=runs), indent=1))
+    for name, lr, seed in ((n, lr, seed) for n in args.optimizers for lr in args.lrs[n] for seed in args.seeds):
+        print(f"[{len(runs) + 1}/{total}] {OPTIMIZERS[name][0]} lr {lr:g} seed {seed} ...", end=" ", flush=True)
+        r = done.get((name, lr, seed)) or run_one(name, lr, seed, flags, out_dir, args.run_timeout)
+        if (name, lr, seed) in done:
+            print("(reused)", end=" ")
+        runs.append(r)
+        print(f"{r['status']}, best val {fmt(r['best_val_loss'])}, {r['wall_s']:.0f} s", flush=True)
+        # Written after every run, so an interrupted comparison keeps what it finished.
+        (out_dir / "results.json").write_text(json.dumps(dict(meta=meta, runs=runs), indent=1))
     table = markdown(runs, meta, args.lrs)
     (out_dir / "results.md").write_text(table)
     plot(runs, tokens_per_iteration, out_dir / "loss_curves.png")

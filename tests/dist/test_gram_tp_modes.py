@@ -113,3 +113,52 @@ def test_the_gram_iteration_ran(world):
     want = sum(method_flops("gram", *shape, 5) for _, shape, _ in cases())
     assert want < sum(method_flops("standard", *shape, 5) for _, shape, _ in cases())
     assert all(r["duplicated"]["flops"] == want for r in ranks)
+
+
+# --muon-gram-fp16 on bf16 shards (the optimizer's NS dtype under --muon-fp32-matmul-prec medium).
+FP16_SHAPES = [(32, 112), (112, 32), (16, 128)]  # all run the Gram form whole (aspect >= 3.5)
+FP16_MODES = ("duplicated", "distributed", "owner")
+# Relative error (Frobenius) against float64 standard NS of the same bf16 input, where the Gram
+# form ran: measured 2.7e-3–3.7e-3 with fp16 products, 9.8e-3–1.4e-2 with bf16 ones (world 2
+# and 4, both partition dims). 5e-3 lies between: a mode that dropped gram_dtype fails.
+FP16_REL = 5e-3
+
+
+def _bf16(index: int, shape) -> torch.Tensor:
+    return full(index, shape).to(torch.bfloat16)
+
+
+def _fp16_worker(rank: int, world: int) -> dict:
+    out = {}
+    for pdim in (0, 1):
+        shards = [_bf16(i, s).chunk(world, dim=pdim)[rank].contiguous() for i, s in enumerate(FP16_SHAPES)]
+        for mode in FP16_MODES:
+            for fp16 in (False, True):
+                out[(pdim, mode, fp16)] = orthogonalize_sharded(
+                    shards, [pdim] * len(shards), mode=mode, steps=5, coefficients="quintic", ns_method="gram",
+                    gram_dtype=torch.float16 if fp16 else None, validate=False)
+    return out
+
+
+@pytest.mark.parametrize("t", (2, 4), ids=lambda t: f"world{t}")
+def test_fp16_gram_products_in_every_exact_mode(t):
+    """Each exact mode with fp16 Gram products matches float64 NS of the whole bf16 matrix within
+    FP16_REL where it ran the Gram form; where the distributed mode's shard runs the standard
+    form (the Gram would be the long side) the result is bitwise the one without fp16."""
+    ranks = run_world(t, _fp16_worker)
+    for (pdim, mode, fp16), _ in ranks[0].items():
+        if not fp16:
+            continue
+        for i, shape in enumerate(FP16_SHAPES):
+            got = torch.cat([r[(pdim, mode, True)][i] for r in ranks], dim=pdim)
+            assert got.dtype == torch.bfloat16
+            local = (shape[0] // t, shape[1]) if pdim == 0 else (shape[0], shape[1] // t)
+            k, cols = (local[1], local[0]) if pdim == 0 else local
+            if mode == "distributed" and not sharded_runs_gram("gram", k, cols, t):
+                assert all(torch.equal(r[(pdim, mode, True)][i], r[(pdim, mode, False)][i]) for r in ranks)
+                continue
+            want = newton_schulz(_bf16(i, shape).double(), 5, "quintic")
+            err = ((got.double() - want).norm() / want.norm()).item()
+            assert err <= FP16_REL, f"{mode} {shape} pdim {pdim}: {err:.2e}"
+            bf16 = torch.cat([r[(pdim, mode, False)][i] for r in ranks], dim=pdim).double()
+            assert ((bf16 - want).norm() / want.norm()).item() > FP16_REL  # the bound tells the two apart

@@ -85,5 +85,12 @@ def test_ns_method_benchmark_prints_both_methods_and_the_aspect_sweep():
                  "--dtypes", "float32,bfloat16", "--sweep-short", "16")
     rows = [line for line in table.splitlines() if line.startswith("| ") and " x " in line]
     assert len(rows) == 2 * len(bench.CLASSES)
+    for row in rows:  # bf16 rows also time Gram with fp16 products; every variant states its error
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        errors = [float(e) for e in cells[-1].split(" / ")]
+        assert (cells[-2] != "—") == (cells[2] == "bfloat16") and len(errors) == (3 if cells[2] == "bfloat16" else 2)
+        # fp32 rounding against the float64 polynomial: well under 1e-3; bf16's up to ~0.1 on these
+        # Gaussian matrices (the measured error of 5 steps in bf16), bounded at 0.3
+        assert all(0 <= e < (0.3 if cells[2] == "bfloat16" else 1e-3) for e in errors), row
     assert "| aspect | " + " | ".join(f"{a:g}" for a in bench.ASPECTS) + " |" in table
     assert "| time |" in table and "| FLOPs |" in table

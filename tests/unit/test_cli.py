@@ -46,6 +46,7 @@ FLAG_TO_FIELD = [
     ("--muon-coefficient-type polar_express", "coefficient_type", "polar_express"),
     ("--muon-num-ns-steps 7", "num_ns_steps", 7),
     ("--muon-ns-method gram", "ns_method", "gram"),
+    ("--muon-ns-method gram --muon-gram-fp16", "gram_fp16", True),
     ("--muon-tp-mode owner", "tp_mode", "owner"),
     ("--muon-tp-mode duplicated", "tp_mode", "duplicated"),
     ("--muon-tp-mode auto", "tp_mode", "auto"),
@@ -63,6 +64,8 @@ FLAG_TO_FIELD = [
 # (flags, the flag the ValueError must name)
 BAD_VALUES = [
     ("--muon-fp32-matmul-prec low", "--muon-fp32-matmul-prec"),
+    ("--muon-gram-fp16", "--muon-gram-fp16"),  # the standard method: it would be ignored
+    ("--muon-ns-method gram --muon-gram-fp16 --muon-fp32-matmul-prec high", "--muon-gram-fp16"),
     ("--muon-scalar-optimizer lion", "--muon-scalar-optimizer"),
     ("--muon-coefficient-type nope", "--muon-coefficient-type"),
     ("--muon-num-ns-steps 0", "--muon-num-ns-steps"),
@@ -134,7 +137,8 @@ def test_flag_maps_to_its_field(parser, flags, field, value):
     config = muon_config_from_args(_parse(parser, flags))
     assert getattr(config, field) == value
     others = {f: getattr(config, f) for f in MuonConfig.field_names() if f != field}
-    assert others == {f: getattr(CLI_DEFAULTS, f) for f in others}
+    needs = {"gram_fp16": {"ns_method": "gram"}}.get(field, {})  # a flag valid only beside another
+    assert others == {f: needs.get(f, getattr(CLI_DEFAULTS, f)) for f in others}
 
 
 def test_every_field_has_a_flag():

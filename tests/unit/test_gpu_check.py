@@ -42,10 +42,10 @@ def test_the_report_has_every_part():
                                          timing="cuda events")]),
                    equivalence=dict(ok=True, tolerance=1e-5, max_abs_error={"owner": 2e-6}, devices=["cuda:0"]),
                    ns=dict(rows=[dict(matrix="q", shape=[4096, 4096], ms=1.0, tflops=500.0, fraction_of_peak=0.5,
-                                      gram_ms=0.5)],
+                                      gram_ms=0.5, gram_fp16_ms=0.45)],
                            layer=dict(owner_busiest_ms=1.0, duplicated_ms=4.0, ratio=0.25)))
     text = gpu_check.markdown(results)
     assert text.startswith("# GPU check (NVIDIA H200, torch 2.11.0, d)")
     assert "| 10 | 4.1000 | muon | 0.000 | 1.50 (cuda events) |" in text
     assert "| owner | 2.00e-06 |" in text and "tensors on cuda:0" in text
-    assert "| q | 4096x4096 | 1.00 | 500.0 | 50% | 0.50 | 0.50 |" in text and "(0.25x)" in text
+    assert "| q | 4096x4096 | 1.00 | 500.0 | 50% | 0.50 | 0.50 | 0.45 |" in text and "(0.25x)" in text

@@ -141,4 +141,6 @@ def test_each_class_states_its_ns_method_dtype_and_precision():
     assert _ns_text(gram32, long) == "gram, float32 at high"
     assert _ns_text(gram32, square) == "standard, float32 at high"
     assert _ns_text(NSOptions(method="gram"), long) == "gram, bfloat16"
+    fp16 = NSOptions(method="gram", gram_dtype=torch.float16)  # --muon-gram-fp16
+    assert _ns_text(fp16, long) == "gram in float16, bfloat16" and _ns_text(fp16, square) == "standard, bfloat16"
     assert _ns_text(NSOptions(), long) == "standard, bfloat16"

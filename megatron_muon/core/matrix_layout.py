@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .newton_schulz import ns_flops
+from .newton_schulz import method_flops
 from .shapes import full_shape, shard_shape
 
 __all__ = ["MatrixLayout", "RowSplit"]
@@ -120,9 +120,10 @@ class MatrixLayout:
                              for n, v in zip(sizes, per_sub)])
         return pattern.repeat(groups)
 
-    def ns_cost(self, steps: int) -> int:
-        """NS FLOPs of the whole (global) sub-matrices: what the owner's TP group must do."""
-        return sum(ns_flops(r, c, steps) for r, c in self.sub_global_shapes())
+    def ns_cost(self, steps: int, method: str = "standard") -> int:
+        """NS FLOPs of the whole (global) sub-matrices with ``method`` (``--muon-ns-method``): what
+        the owner's TP group must do."""
+        return sum(method_flops(method, r, c, steps) for r, c in self.sub_global_shapes())
 
     # ---- DP pieces --------------------------------------------------------------------------
     def holders(self, dp_size: int) -> dict[int, int]:

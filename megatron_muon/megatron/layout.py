@@ -28,7 +28,7 @@ from megatron.core.utils import get_pg_size
 
 from ..config import MuonConfig
 from ..plan.balanced_layout import MAX_PADDING, PARAM_ALIGN, LayoutItem, balanced_layout
-from .catalogue import is_muon_matrix, layout_of, tag_qkv
+from .catalogue import is_muon_matrix, layout_of, tag_grouped_experts, tag_qkv
 from .checkpoint import check_saved_extents
 
 __all__ = ["balanced_buffer_layouts", "balanced_full_param_layout", "ddp_with_balanced_layout"]
@@ -66,6 +66,7 @@ def balanced_full_param_layout(
             megatron-core packs it (``balanced_layout``); 1.0 keeps every bucket whole-matrix.
     """
     tag_qkv([model_chunk])
+    tag_grouped_experts([model_chunk])  # TE's grouped fc1 costs as its gate and up halves, as the optimizer splits it
     named = [(n, p) for n, p in model_chunk.named_parameters() if p.requires_grad]
     layouts = balanced_buffer_layouts(named, bucket_size, dp_size, ddp_config, muon_config=muon_config,
                                       tp_size=tp_size, expert_dp_size=expert_dp_size, max_padding=max_padding)
@@ -78,7 +79,8 @@ def balanced_buffer_layouts(
 ) -> dict:
     """Per buffer (megatron-core's ``BufferKey``): ``(BufferLayout, PerBufferParamLayout)``.
 
-    ``named_params``: ``(name, param)`` in model order, QKV already tagged (``catalogue.tag_qkv``); the
+    ``named_params``: ``(name, param)`` in model order, QKV and grouped experts already tagged
+    (``catalogue.tag_qkv``, ``catalogue.tag_grouped_experts``); the
     arguments are ``balanced_full_param_layout``'s. Planning tools call this on meta params.
     """
     names = {p: n for n, p in named_params}
@@ -87,7 +89,8 @@ def balanced_buffer_layouts(
     for key, (group, indices) in group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32).items():
         dp = (expert_dp_size or dp_size) if key.is_expert_parallel else dp_size
         items = [
-            LayoutItem(p.numel(), layout_of(names[p], p, tp_size, muon_config).ns_cost(muon_config.num_ns_steps),
+            LayoutItem(p.numel(), layout_of(names[p], p, tp_size, muon_config).ns_cost(muon_config.num_ns_steps,
+                                                                                       muon_config.ns_method),
                        whole=True, own_bucket=getattr(p, "shared_embedding", False), row=p.shape[-1])
             if is_muon_matrix(p) else
             LayoutItem(p.numel(), own_bucket=getattr(p, "shared_embedding", False))

@@ -80,8 +80,8 @@ def rank_loads(costs: Sequence[float], owner_rank: Sequence[int], num_ranks: int
 
 
 def plan_dp_owners(layouts: Sequence[MatrixLayout], dp_size: int, steps: int = 5, *,
-                   pinnable: Sequence[bool] | None = None) -> list[int]:
-    """One DP owner per matrix: balanced on NS FLOPs, moving as little as possible.
+                   pinnable: Sequence[bool] | None = None, method: str = "standard") -> list[int]:
+    """One DP owner per matrix: balanced on NS FLOPs (of ``method``), moving as little as possible.
 
     A matrix lying wholly in one rank's range is pinned to that rank (it never moves) where
     ``pinnable`` allows it (None: everywhere); any other matrix held in DP ranges prefers the rank
@@ -89,7 +89,7 @@ def plan_dp_owners(layouts: Sequence[MatrixLayout], dp_size: int, steps: int = 5
     every rank holds everything) it is plain LPT.
     """
     fixed, prefer = dp_pins(layouts, dp_size, pinnable)
-    return plan_owners([lay.ns_cost(steps) for lay in layouts], dp_size, fixed=fixed, prefer=prefer)
+    return plan_owners([lay.ns_cost(steps, method) for lay in layouts], dp_size, fixed=fixed, prefer=prefer)
 
 
 def dp_pins(layouts: Sequence[MatrixLayout], dp_size: int,
@@ -110,7 +110,8 @@ def dp_pins(layouts: Sequence[MatrixLayout], dp_size: int,
     return fixed, prefer
 
 
-def plan_unit_owners(weights: Sequence[MatrixLayout], units: Sequence[Unit], dp_size: int, steps: int = 5) -> list[int]:
+def plan_unit_owners(weights: Sequence[MatrixLayout], units: Sequence[Unit], dp_size: int, steps: int = 5,
+                     method: str = "standard") -> list[int]:
     """One DP owner per unit (``units.split_units`` of ``weights``): ``plan_dp_owners`` on the
     units, a unit pinned to the rank holding it only when its whole weight lies there.
 
@@ -118,8 +119,8 @@ def plan_unit_owners(weights: Sequence[MatrixLayout], units: Sequence[Unit], dp_
     megatron layout: NS max/mean 1.038 against 1.011), while a weight whole on a rank (the
     balanced layout) still never moves.
     """
-    return plan_dp_owners([unit.layout for unit in units], dp_size, steps, pinnable=unit_pinnable(weights, units,
-                                                                                                 dp_size))
+    return plan_dp_owners([unit.layout for unit in units], dp_size, steps,
+                          pinnable=unit_pinnable(weights, units, dp_size), method=method)
 
 
 def unit_pinnable(weights: Sequence[MatrixLayout], units: Sequence[Unit], dp_size: int) -> list[bool]:

@@ -75,3 +75,25 @@ def test_three_d_expert_weight_refused_in_one_line():
     config = SimpleNamespace(fp16=False)
     with pytest.raises(ValueError, match=r"experts.stacked has shape \(2, 8, 16\).*moe_single_grouped_weight"):
         _check_supported(config, [chunk])
+
+
+def test_balanced_layout_costs_grouped_fc1_as_its_gate_and_up_halves(monkeypatch):
+    """The balanced ZeRO-1 layout is built when DDP wraps the chunk, before the optimizer tags
+    anything: it must tag the grouped experts itself, or it costs each expert's fc1 as one
+    2f × h matrix (2.25× the gate and up halves' FLOPs at DeepSeek-V3's 2048 × 7168). The
+    costs are read off the items handed to ``balanced_layout`` (a spy; the layout still runs)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    from megatron_muon.core.newton_schulz import ns_flops
+    from megatron_muon.megatron import layout as layout_module
+
+    seen = []
+    real = layout_module.balanced_layout
+    monkeypatch.setattr(layout_module, "balanced_layout", lambda items, *a, **k: seen.append(items) or real(items, *a, **k))
+    chunk = _chunk()  # untagged, as DDP receives it
+    chunk.config = SimpleNamespace(gated_linear_unit=True, num_attention_heads=2, num_query_groups=2, kv_channels=8)
+    layout_module.balanced_full_param_layout(chunk, None, 2, DistributedDataParallelConfig(
+        use_distributed_optimizer=True), muon_config=MuonConfig(), tp_size=TP)
+    costs = sorted(item.ns_flops for items in seen for item in items if item.whole)
+    assert costs == sorted([2 * ns_flops(FFN, HIDDEN)] * E + [ns_flops(HIDDEN, FFN)] * E)
+    assert 2 * ns_flops(FFN, HIDDEN) < ns_flops(2 * FFN, HIDDEN)  # what the untagged cost would be

@@ -33,6 +33,7 @@ from megatron.core.utils import get_pg_rank
 
 from ..config import MuonConfig
 from ..optimizer import MuonWithAdamW
+from ..parallel.devices import group_device
 from .catalogue import (
     describe_megatron_fsdp,
     describe_whole,
@@ -129,6 +130,27 @@ class MuonChainedOptimizer(ChainedOptimizer):
                         for o in self.chained_optimizers)):
             metadata["distrib_optim_sharding_type"] = "fully_reshardable"  # recorded with the checkpoint
         return super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+
+    @torch.no_grad()
+    def prepare_grads(self) -> bool:
+        """Megatron's found-inf check, then one decision for the whole job.
+
+        Megatron reduces each optimizer's flag over its own grad-stats group (TP x PP for the
+        dense one without the distributed optimizer, expert TP x EP x PP for the experts) and ORs
+        the chain's flags. That agrees across DP only while every DP rank holds bitwise the same
+        reduced gradients; the Muon step's collectives span the DP group (the owner exchange),
+        the expert DP group and the DP teams, so a rank that skipped while its peers stepped
+        would leave them waiting in an all-to-all (a hang on NCCL). The flag is therefore summed
+        over the default group: one scalar, only when a grad scaler makes Megatron check at all
+        (``--loss-scale``), after Megatron's own host read of the flag. Every rank calls it, in
+        the same place of every step."""
+        found = super().prepare_grads()
+        if (not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
+                or all(getattr(o, "grad_scaler", None) is None for o in self.chained_optimizers)):
+            return found
+        flag = torch.tensor([1.0 if found else 0.0], device=group_device(None))
+        torch.distributed.all_reduce(flag)  # not comm.all_reduce: not part of the Muon plan's bytes
+        return bool(flag.item() > 0)
 
 
 class MainParamGroups(torch.optim.Optimizer):

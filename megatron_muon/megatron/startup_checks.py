@@ -30,6 +30,8 @@ import math
 import os
 from pathlib import Path
 
+import torch
+
 from .cli import flag_default, muon_config_from_args
 from .errors import UserInputError
 
@@ -51,6 +53,7 @@ def check_supported_args(args) -> None:
          f"--ckpt-format {args.ckpt_format}: --optimizer muon supports torch and torch_dist "
          "(fsdp_dtensor with --use-megatron-fsdp)"),
         *_training_rejections(args),
+        *_optimizer_flag_rejections(args),
         *_megatron_fsdp_rejections(args),
         *_torch_fsdp2_rejections(args),
         (getattr(args, "dump_param_to_param_group_map", None) is not None,
@@ -130,6 +133,60 @@ def _ignored_setting_rejections(args) -> list[tuple[bool, str]]:
          "drop one of them"),
         (not getattr(args, "muon_split_fc1", True) and not getattr(args, "swiglu", False),
          "--muon-no-split-fc1: only a SwiGLU fc1 (--swiglu) has gate and up halves to split; drop the flag"),
+    ]
+
+
+_FP32_NAMES = ("fp32", torch.float32)
+"""a dtype flag's fp32, before and after Megatron's ``validate_args`` maps the name to a dtype."""
+
+
+def _optimizer_flag_rejections(args) -> list[tuple[bool, str]]:
+    """megatron-core 0.19.2 optimizer and DDP flags the Muon step cannot honour (the audit of every
+    such flag, with each verdict: docs/megatron_optimizer.md#megatron-flags-and-the-muon-step)."""
+    tp = getattr(args, "tensor_model_parallel_size", 1)
+    etp = getattr(args, "expert_tensor_parallel_size", None) or tp
+
+    def cut_again(shards_dest: str, remat_dest: str, size: int) -> int | None:
+        """the weight shards a GTP flag asks for, where it cuts a TP shard again (else None)."""
+        shards, remat = getattr(args, shards_dest, None), getattr(args, remat_dest, 1) or 1
+        if shards is not None and shards > size:
+            return shards
+        return size * remat if remat > 1 else None
+
+    gtp, expert_gtp = (cut_again("tensor_parallel_num_weight_shards", "gtp_weight_remat_size", tp),
+                       cut_again("expert_tensor_parallel_num_weight_shards", "expert_gtp_weight_remat_size", etp))
+    fsdp_main = getattr(args, "megatron_fsdp_main_params_dtype", "fp32")
+    return [
+        (getattr(args, "overlap_param_gather_with_optimizer_step", False),
+         "--overlap-param-gather-with-optimizer-step: not supported with --optimizer muon (one Muon optimizer "
+         "steps every model chunk, and Megatron's chained step asserts the first optimizer holds one chunk: it "
+         "would fail at the first step); drop the flag"),
+        (getattr(args, "optimizer_cuda_graph", False),
+         "--optimizer-cuda-graph: not supported with --optimizer muon (the step reads the scheduled lr and "
+         "weight decay, MuonBP's step kind and its step counters on the host; a captured graph would replay the "
+         "capture iteration's values forever); drop the flag"),
+        (gtp is not None,
+         f"--tensor-parallel-num-weight-shards {gtp}: not supported with --optimizer muon (GTP weight sharding "
+         "cuts each TP shard again across GTP peers, and megatron-muon would orthogonalize every slice on its "
+         f"own); drop the flag or set it to --tensor-model-parallel-size {tp}"),
+        (expert_gtp is not None,
+         f"--expert-tensor-parallel-num-weight-shards {expert_gtp}: not supported with --optimizer muon (GTP "
+         "weight sharding cuts each expert TP shard again, and megatron-muon would orthogonalize every slice on "
+         f"its own); drop the flag or set it to the expert tensor-parallel size {etp}"),
+        *[(getattr(args, dest, "fp32") not in _FP32_NAMES,
+           f"--{dest.replace('_', '-')} {getattr(args, dest, None)}: not supported with --optimizer muon (a "
+           "precision-aware-optimizer setting; Muon keeps fp32 main params, grads and state, and Megatron's "
+           "OptimizerConfig would refuse it after the model is built); drop the flag")
+          for dest in ("main_grads_dtype", "main_params_dtype", "exp_avg_dtype", "exp_avg_sq_dtype")],
+        (getattr(args, "use_megatron_fsdp", False) and (fsdp_main not in (*_FP32_NAMES, "auto", None) or (
+            fsdp_main in ("auto", None) and getattr(args, "bf16", False))),
+         f"--megatron-fsdp-main-params-dtype {'auto' if fsdp_main is None else fsdp_main}: not supported with "
+         "--optimizer muon (Muon keeps fp32 main weights and momentum; this gives 16-bit main weights"
+         f"{', as the model is --bf16' if fsdp_main in ('auto', None) else ''}, and 16-bit momentum with them); "
+         "pass fp32, the default"),
+        (getattr(args, "freeze_all_layers", False),
+         "--freeze-all-layers: not supported with --optimizer muon (no parameter is left to optimize, and "
+         "megatron-muon builds no stub optimizer); drop the flag"),
     ]
 
 

@@ -247,7 +247,8 @@ def orthogonalize_sharded(
 
         hardware = hardware_profile("detect")
     if validate and size > 1 and mode != "blockwise":
-        validate_across_ranks(subs, mode, steps, size, group, device, hardware if mode == "auto" else None)
+        validate_across_ranks(subs, mode, steps, size, group, device, hardware if mode == "auto" else None,
+                              dtypes=[x.dtype for x in shards])
     # An empty matrix (a zero dim) has an empty update: answered here, so that no mode, cost
     # model or exchange ever sees a zero-size matrix. Every rank drops the same ones (the shapes
     # were just checked to agree), so the collectives below still line up.
@@ -376,7 +377,8 @@ class _Execution:
         self.row_scales = [_row_scales(lay, scales, device) for lay, scales in zip(self.matrices, plan.scales)]
         if validate and tp_size > 1 and settings.tp_mode != "blockwise":
             validate_across_ranks(work.subs, settings.tp_mode, settings.ns.steps, tp_size, tp_group, device,
-                                  settings.hardware if settings.tp_mode == "auto" else None)
+                                  settings.hardware if settings.tp_mode == "auto" else None,
+                                  dtypes=[self.dtype] * len(work.subs))
 
     def run_blocking(self, g: _MicroGroup, subs: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """The sub-matrices of ``g`` outside the pipelined owner exchange, mode by mode."""

@@ -289,13 +289,23 @@ def _hardware_tag(hardware) -> int:
     return zlib.crc32(repr(dataclasses.astuple(hardware)).encode())
 
 
-def validate_across_ranks(specs, mode, steps, size, group, device, hardware=None) -> None:
+_DTYPE_CODES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+"""dtype → its index here in the validation table (any other dtype: ``len``)."""
+
+
+def _dtype_code(dtype: torch.dtype | None) -> int:
+    return -1 if dtype is None else (_DTYPE_CODES.index(dtype) if dtype in _DTYPE_CODES else len(_DTYPE_CODES))
+
+
+def validate_across_ranks(specs, mode, steps, size, group, device, hardware=None, dtypes=None) -> None:
     """Check with two small all-gathers that every rank describes the same matrices.
 
     Must run before any payload collective: mismatched sizes would otherwise hang or corrupt
     an all-gather. The first call compares list length, mode and steps; the second, per
-    matrix, both dims and the partition_dim (a sharded dim may legitimately be equal only
-    because the split is even, which is the claim being checked).
+    matrix, both dims, the partition_dim (a sharded dim may legitimately be equal only
+    because the split is even, which is the claim being checked) and the dtype its pieces
+    travel in (``dtypes``, one per spec; None: not compared): on NCCL two ranks posting one
+    collective with different dtypes move different byte counts, a hang or garbage.
     """
     # auto: ranks with different hardware constants (``detect`` on mixed GPUs) would choose
     # different modes and their collectives would not line up: compare a checksum of them too
@@ -307,7 +317,7 @@ def validate_across_ranks(specs, mode, steps, size, group, device, hardware=None
         # The dry run (torch's fake group, meta tensors): the gathers are issued, so their devices
         # and sizes are checked, but no value moves; scripts/dry_run.py checks sizes instead.
         if specs:
-            mine = torch.empty(len(specs), 3, dtype=torch.int64, device=device)
+            mine = torch.empty(len(specs), 4, dtype=torch.int64, device=device)
             comm.all_gather([torch.empty_like(mine) for _ in range(size)], mine, group, tag="shape_check")
         return
     lengths = [int(h[0]) for h in headers]
@@ -319,20 +329,28 @@ def validate_across_ranks(specs, mode, steps, size, group, device, hardware=None
         )
     if not specs:
         return
+    codes = [_dtype_code(None)] * len(specs) if dtypes is None else [_dtype_code(d) for d in dtypes]
     mine = torch.tensor(
-        [[*s.local_shape, -1 if s.partition_dim is None else s.partition_dim] for s in specs],
+        [[*s.local_shape, -1 if s.partition_dim is None else s.partition_dim, code] for s, code in zip(specs, codes)],
         dtype=torch.int64,
         device=device,
     )
     everyone = [torch.empty_like(mine) for _ in range(size)]
     comm.all_gather(everyone, mine, group, tag="shape_check")
-    table = torch.stack(everyone)  # (rank, matrix, [rows, cols, pdim])
+    table = torch.stack(everyone)  # (rank, matrix, [rows, cols, pdim, dtype code])
     for k, s in enumerate(specs):
         rows = table[:, k, :]
-        if not bool((rows == rows[0]).all()):
-            per_rank = [tuple(r.tolist()) for r in rows]
+        if not bool((rows[:, :3] == rows[0, :3]).all()):
+            per_rank = [tuple(r.tolist()[:3]) for r in rows]
             raise ValueError(
                 f"orthogonalize_sharded: {_describe(s)}: ranks disagree on (rows, cols, partition_dim): "
                 f"{per_rank}; a sharded matrix must be split evenly, so every rank's shard has the same "
                 f"shape {_where(mode, size)}"
+            )
+        if not bool((rows[:, 3] == rows[0, 3]).all()):
+            names = [str(_DTYPE_CODES[c]).removeprefix("torch.") if 0 <= c < len(_DTYPE_CODES) else "other"
+                     for c in rows[:, 3].tolist()]
+            raise ValueError(
+                f"orthogonalize_sharded: {_describe(s)}: ranks disagree on its dtype: {names} per rank; every "
+                f"rank must pass the same dtype for one matrix {_where(mode, size)}"
             )

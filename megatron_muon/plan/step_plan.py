@@ -222,7 +222,8 @@ def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: 
                 team, teams = 1, None
     dp_owners = None
     if exchanges_dp:
-        dp_owners = schedule.dp_owners if schedule else tuple(plan_unit_owners(matrices, units, dp_size, ns.steps, ns.method))
+        dp_owners = (schedule.dp_owners if schedule
+                     else tuple(plan_unit_owners(matrices, units, dp_size, ns.steps, ns.method)))
     # Micro-groups are cut on full-matrix bytes: the TP owner holds whole matrices, and a full
     # matrix is at least the TP-local shard the DP exchange moves, so one cap bounds both.
     element = ns.dtype_bytes

@@ -37,6 +37,9 @@ def _cases(rank: int):
             [GOOD, torch.ones(8 + rank, 6)], [0, 0], mode="duplicated"
         ),
         "partition_dim_differs": lambda: orthogonalize_sharded([GOOD], [rank], mode="owner"),
+        "dtype_differs": lambda: orthogonalize_sharded(
+            [GOOD, GOOD.to(torch.bfloat16 if rank else torch.float32)], [0, 0], mode="owner"
+        ),
         "count_differs": lambda: orthogonalize_sharded([GOOD] * (1 + rank), [0] * (1 + rank), mode="distributed"),
         "steps_bad": lambda: orthogonalize_sharded([GOOD], [0], mode="owner", steps=0),
         "coefficients_bad": lambda: orthogonalize_sharded([GOOD], [0], mode="owner", coefficients="x"),
@@ -72,6 +75,8 @@ EXPECTED = {
     ],
     "partition_dim_differs": [r"matrix 0 .*\[\(8, 6, 0\), \(8, 6, 1\)\]", r"mode='owner', group size 2"],
     "count_differs": [r"matrices per rank \[1, 2\]", r"mode='distributed', group size 2"],
+    "dtype_differs": [r"matrix 1 \(local shape \(8, 6\), partition_dim 0\): ranks disagree on its dtype: "
+                      r"\['float32', 'bfloat16'\] per rank", r"mode='owner', group size 2"],
     "steps_bad": [r"steps must be an integer >= 1, got 0"],
     "coefficients_bad": [r"unknown coefficient set 'x'"],
 }

@@ -45,6 +45,25 @@ def test_nan_step_is_skipped_and_changes_nothing(dist_opt, bf16):
         assert r.oks[2], "training must resume after a skipped step"
 
 
+# One decision on every rank (MuonChainedOptimizer.prepare_grads): here the NaN lies on one DP
+# rank only, which Megatron's per-optimizer reduction (over TP x PP, not DP) would not see on the
+# other rank: that rank would step into the DP owner exchange alone. TP1 x DP2 dense, and
+# TP1 x EP2 with experts (two optimizers in the chain), without the distributed optimizer.
+SPLIT_NAN = [Run(tp=1, dist_opt=False, bf16=True, loss_scale=1.0, nan_step=1, probe=_snapshot),
+             Run(tp=1, ep=2, dist_opt=False, bf16=True, loss_scale=1.0, nan_step=1, probe=_snapshot,
+                 moe=dict(experts=4, topk=2))]
+
+
+@pytest.mark.parametrize("run", SPLIT_NAN, ids=["dp2-dense", "ep2-moe"])
+def test_a_nan_on_one_dp_rank_skips_the_step_on_every_rank(run):
+    results = run_world(2, train_all, [run])
+    assert [r.oks[:3] for (r,) in results] == [[True, False, True]] * 2
+    for (r,) in results:
+        before, after = r.probes[0], r.probes[1]
+        assert all(torch.equal(before["params"][k], after["params"][k]) for k in before["params"])
+        assert before["muon_steps"] == after["muon_steps"]
+
+
 def _errors_worker(rank: int, world: int) -> dict:
     from megatron_muon.config import MuonConfig
     from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer

@@ -99,4 +99,5 @@ def test_bad_seeds_and_reference_are_one_line_errors(capsys):
         assert needle in capsys.readouterr().err
     args = compare.parse_args(["--seeds", "1234,1,2"])
     assert args.seeds == [1234, 1, 2] and args.optimizers == list(compare.DEFAULT_OPTIMIZERS)
-    assert compare.run_name("muon", 1e-3, 1234) == "muon_lr0.001" and compare.run_name("muon", 1e-3, 2) == "muon_lr0.001_seed2"
+    assert compare.run_name("muon", 1e-3, 1234) == "muon_lr0.001"
+    assert compare.run_name("muon", 1e-3, 2) == "muon_lr0.001_seed2"

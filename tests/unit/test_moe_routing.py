@@ -89,7 +89,8 @@ def test_balanced_layout_costs_grouped_fc1_as_its_gate_and_up_halves(monkeypatch
 
     seen = []
     real = layout_module.balanced_layout
-    monkeypatch.setattr(layout_module, "balanced_layout", lambda items, *a, **k: seen.append(items) or real(items, *a, **k))
+    monkeypatch.setattr(layout_module, "balanced_layout",
+                        lambda items, *a, **k: seen.append(items) or real(items, *a, **k))
     chunk = _chunk()  # untagged, as DDP receives it
     chunk.config = SimpleNamespace(gated_linear_unit=True, num_attention_heads=2, num_query_groups=2, kv_channels=8)
     layout_module.balanced_full_param_layout(chunk, None, 2, DistributedDataParallelConfig(

@@ -118,15 +118,9 @@ case "$cmd" in
             fi
         fi
         port="$("$venv/bin/python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-        # Megatron's validate_args wants this whenever TP > 1 (kernel ordering on pre-Blackwell
-        # GPUs); Megatron-FSDP and torch FSDP2 refuse it (they overlap communication on more than
-        # one connection).
-        if grep -qE '^use_(megatron_fsdp|torch_fsdp2): *true' "$config" \
-                || [[ " $* " == *" --use-megatron-fsdp "* || " $* " == *" --use-torch-fsdp2 "* ]]; then
-            unset CUDA_DEVICE_MAX_CONNECTIONS
-        else
-            export CUDA_DEVICE_MAX_CONNECTIONS=1
-        fi
+        # CUDA_DEVICE_MAX_CONNECTIONS: 1 for TP, unset for Megatron-FSDP / FSDP2
+        source scripts/cuda_connections.sh
+        set_cuda_connections "$config" "$@"
         # The config and ARGS, checked as the job's rank 0 of 2 will check them before torchrun
         # starts anything (megatron_muon.megatron.preflight): a mistake is one line and exit 2.
         config_text="$("$venv/bin/python" -m megatron_muon.megatron.preflight --lines --nproc 2 \

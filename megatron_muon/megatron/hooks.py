@@ -80,6 +80,8 @@ import sys
 import time
 import traceback
 
+import torch
+
 from .cli import add_muon_args, muon_config_from_args
 from .errors import UserInputError, install_excepthook, print_error
 from .resume_config import check_other_optimizer, check_resume_config
@@ -276,15 +278,15 @@ def _wrap_training_log(training_log):
         from megatron.training import get_args
 
         margs = get_args()
-        if getattr(margs, ACTIVE, False) and _BUILT:
-            iteration = kwargs["iteration"] if "iteration" in kwargs else args[3]
-            if iteration % max(1, getattr(margs, "tensorboard_log_interval", 1)) == 0:
-                write_scalars(_BUILT, iteration)
+        iteration = kwargs["iteration"] if "iteration" in kwargs else args[3]
+        on_log_iteration = iteration % max(1, getattr(margs, "tensorboard_log_interval", 1)) == 0
+        if getattr(margs, ACTIVE, False) and _BUILT and on_log_iteration:
+            write_scalars(_BUILT, iteration)
+        args, kwargs = _max_logit_read(args, kwargs, on_log_iteration)
         if not (getattr(margs, ACTIVE, False) and getattr(margs, "muon_log_stats", False) and _BUILT):
             return training_log(*args, **kwargs)
         printer = training.print_rank_last
         qk_text = ""
-        iteration = kwargs["iteration"] if "iteration" in kwargs else args[3]
         if _CLIPS and (iteration % margs.log_interval == 0 or kwargs.get("is_first_iteration", False)):
             # a reduction over the model-parallel group, on every rank, on the iterations that print
             # (training_log's own condition for the iteration line)
@@ -305,11 +307,30 @@ def _wrap_training_log(training_log):
     return wrapper
 
 
+_MAX_LOGIT_ARG = 10
+"""``training_log``'s positional index of ``max_attention_logit`` (megatron-core 0.19.2)."""
+
+
+def _max_logit_read(args: tuple, kwargs: dict, on_log_iteration: bool) -> tuple[tuple, dict]:
+    """``training_log``'s arguments with the max logit (a device tensor from ``_wrap_clip_qk``)
+    read to the host on the iterations it is written (TensorBoard / W&B), and only then: the
+    one host sync it costs falls where Megatron already syncs to print the losses."""
+    value = kwargs.get("max_attention_logit", args[_MAX_LOGIT_ARG] if len(args) > _MAX_LOGIT_ARG else None)
+    if not isinstance(value, torch.Tensor):
+        return args, kwargs
+    value = float(value) if on_log_iteration else 0.0  # not written on other iterations
+    if "max_attention_logit" in kwargs:
+        return args, {**kwargs, "max_attention_logit": value}
+    return (*args[:_MAX_LOGIT_ARG], value, *args[_MAX_LOGIT_ARG + 1:]), kwargs
+
+
 def _wrap_clip_qk(clip_qk):
     """``training.py`` calls ``clip_qk(model, log_max_only=not args.qk_clip)`` after
     ``optimizer.step()``. With the plugin, the clip has already run inside the step, on the main
     params (``qk_clip.py``), so this clips nothing: it returns this rank's max logit of the last
-    step (as upstream's does, a host sync) for ``--log-max-attention-logit``'s scalar, 0.0 without it."""
+    step for ``--log-max-attention-logit``'s scalar (0.0 without it) as a device tensor, without
+    the host sync upstream's makes every step; ``training_log``'s wrapper reads it on the
+    iterations that write it (``_max_logit_read``)."""
     @functools.wraps(clip_qk)
     def wrapper(model, log_max_only=False):
         from megatron.training import get_args
@@ -319,8 +340,8 @@ def _wrap_clip_qk(clip_qk):
             return clip_qk(model, log_max_only=log_max_only)
         if not getattr(margs, "log_max_attention_logit", False):
             return 0.0
-        values = [clip.last_max_logit for clip in _CLIPS if clip.last_max_logit is not None]
-        return max(float(v) for v in values) if values else 0.0
+        values = [clip.last_max_logit.float() for clip in _CLIPS if clip.last_max_logit is not None]
+        return torch.stack(values).max() if values else 0.0
 
     setattr(wrapper, _ORIGINAL, clip_qk)
     return wrapper

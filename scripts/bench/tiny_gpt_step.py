@@ -68,17 +68,29 @@ def build_ours(tp, device, *, dist_opt, tp_mode, dp_mode="owner", period=None, p
     return ddp, get_megatron_muon_optimizer(opt_config, [ddp], muon)
 
 
-def measured_step(ddp, opt, grads) -> tuple[float, str, dict]:
-    """(slowest rank's seconds, step kind, this rank's bytes by primitive) of one step."""
+def measured_step(ddp, opt, grads, device) -> tuple[float, str, dict]:
+    """(slowest rank's seconds, step kind, this rank's bytes by primitive) of one step: CUDA events
+    on a GPU (after a synchronize, so queued work does not count), the host clock on the CPU; the
+    slowest rank's time by an all-reduce on the collective's own device (NCCL takes CUDA tensors)."""
     from megatron_muon import comm_stats
+    from megatron_muon.parallel.devices import group_device
 
     setup.fill_main_grads(ddp, grads)
     dist.barrier()
     with comm_stats() as stats:
-        start = time.perf_counter()
-        opt.step()
-        seconds = time.perf_counter() - start
-    slowest = torch.tensor([seconds], dtype=torch.float64)
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda.synchronize()
+            begin.record()
+            opt.step()
+            end.record()
+            end.synchronize()
+            seconds = begin.elapsed_time(end) / 1e3
+        else:
+            start = time.perf_counter()
+            opt.step()
+            seconds = time.perf_counter() - start
+    slowest = torch.tensor([seconds], dtype=torch.float64, device=group_device())
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     inner = setup.muon_inner(opt)
     return slowest.item(), (inner.last_step_kind if inner else "muon") or "muon", dict(stats.bytes_by_primitive)
@@ -99,9 +111,9 @@ def rank_main(rank: int, world: int, device, tp: int, args) -> list[dict]:
             for optimizer, tp_mode, dp_mode in configs(args):
                 ddp, opt = build_ours(tp, device, dist_opt=optimizer == "distributed", tp_mode=tp_mode, dp_mode=dp_mode)
                 grads = setup.make_grads(ddp.module, ps.get_tensor_model_parallel_rank(), tp, device)
-                measured_step(ddp, opt, grads)  # the first step also runs the one-time shape check
+                measured_step(ddp, opt, grads, device)  # the first step also runs the one-time shape check
                 out.append(dict(optimizer=optimizer, tp_mode=tp_mode, dp_mode=dp_mode,
-                                bytes=measured_step(ddp, opt, grads)[2]))
+                                bytes=measured_step(ddp, opt, grads, device)[2]))
             return out
         rows = {"ours, owner": build_ours(tp, device, dist_opt=False, tp_mode="owner", precision="medium"),
                 f"ours, MuonBP P={args.period}": build_ours(tp, device, dist_opt=False, tp_mode="owner",
@@ -112,7 +124,7 @@ def rank_main(rank: int, world: int, device, tp: int, args) -> list[dict]:
         steps = {label: [] for label in rows}
         for i in range(args.warmup + args.steps):
             for label, (ddp, opt) in rows.items():
-                step = measured_step(ddp, opt, grads)
+                step = measured_step(ddp, opt, grads, device)
                 if i >= args.warmup:
                     steps[label].append(step)
         return [dict(label=label, steps=s) for label, s in steps.items()]

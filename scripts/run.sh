@@ -49,12 +49,14 @@ find_python312() {
 ensure_venv() {
     local py stamp
     py="$(find_python312)"
-    # The stamp covers only what decides the installed set: the pinned requirements and the
-    # interpreter (the package itself is installed editable, so code edits need no rebuild).
-    stamp="$("$py" - "$repo/pyproject.toml" <<'PY' | sha256sum | cut -d' ' -f1
+    # The stamp covers only what decides the installed set: the lock file, the package's declared
+    # requirements and the interpreter (the package itself is installed editable, so code edits
+    # need no rebuild).
+    stamp="$("$py" - "$repo/pyproject.toml" "$repo/scripts/requirements.lock" <<'PY' | sha256sum | cut -d' ' -f1
 import json, sys, tomllib
 project = tomllib.load(open(sys.argv[1], "rb"))["project"]
-print(json.dumps([project["dependencies"], project.get("optional-dependencies", {}), sys.version]))
+print(json.dumps([project["dependencies"], project.get("optional-dependencies", {}), open(sys.argv[2]).read(),
+                  sys.version]))
 PY
 )"
     if [[ -x "$venv/bin/python" && -f "$venv/.requirements-stamp" \
@@ -65,7 +67,11 @@ PY
     rm -rf "$venv"
     "$py" -m venv "$venv"
     "$venv/bin/python" -m pip install --quiet --upgrade pip
-    "$venv/bin/python" -m pip install --quiet -e "$repo[test]"
+    # Exact versions from the lock, then the package itself without resolving again; pip check
+    # fails the setup if the lock no longer satisfies the package's declared ranges.
+    "$venv/bin/python" -m pip install --quiet -r "$repo/scripts/requirements.lock"
+    "$venv/bin/python" -m pip install --quiet --no-deps -e "$repo"
+    "$venv/bin/python" -m pip check
     echo "$stamp" > "$venv/.requirements-stamp"
 }
 

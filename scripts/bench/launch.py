@@ -32,13 +32,14 @@ def backend_for(world: int) -> str:
     return "nccl" if gpus and dist.is_nccl_available() else "gloo"
 
 
-def launch(world: int, body, *args, timeout: float = 600.0, tag: str = "bench") -> list:
+def launch(world: int, body, *args, timeout: float = 600.0, tag: str = "bench", backend: str | None = None) -> list:
     """Run ``body(rank, world, device, *args)`` on ``world`` spawned ranks; results by rank.
 
     ``body`` must be a module-level function (spawn pickles it by name); the default process
-    group is up while it runs and is destroyed after it.
+    group is up while it runs and is destroyed after it. ``backend``: None = ``backend_for(world)``
+    (NCCL with a GPU per rank, gloo on the CPU otherwise); ``gloo`` forces the CPU.
     """
-    backend = backend_for(world)
+    backend = backend or backend_for(world)
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix=f"{tag}-rdzv-") as tmp:

@@ -1,5 +1,6 @@
-"""scripts/gpu_check.py's CPU rehearsal, run as a process: the TP2 x DP2 equivalence over gloo
-with CPU tensors (the same code the GPU run uses with CUDA ones) and the Newton-Schulz timings.
+"""scripts/gpu_check.py's CPU rehearsal of every part, run as a process: Megatron's loop with a
+save and a bitwise resume (gloo, fp32), the TP2 x DP2 equivalence over gloo with CPU tensors (the
+same code the GPU run uses with CUDA ones) and the Newton-Schulz timings.
 Its argument handling and report writer are checked in this process by
 ``tests/unit/test_gpu_check.py``. The GPU run itself goes into docs/performance.md when a task
 is lent a GPU."""
@@ -14,13 +15,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_cpu_rehearsal_runs_the_gloo_equivalence(tmp_path):
+def test_cpu_rehearsal_runs_every_part(tmp_path):
     out = tmp_path / "check"
-    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--device", "cpu", "--parts", "equivalence,ns",
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check", "--device", "cpu", "--train-iters", "10",
                            "--scale", "64", "--repeats", "1", "--out", str(out)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     report = json.loads((out / "gpu_check.json").read_text())
+    train = report["train"]
+    assert train["ok"] and train["loss_falls"] and train["resume"]["bitwise"], train.get("log_tail")
+    assert [r["iteration"] for r in train["rows"]] == [1, 5, 10] and train["resume"]["compared"] == [10]
+    assert all(r["kind"] == "muon" for r in train["rows"])
+    assert report["versions"]["torch"]["in_range"] is True
     eq = report["equivalence"]
     assert eq["ok"] and eq["devices"] == ["cpu"] and set(eq["max_abs_error"]) == {"owner", "duplicated", "distributed",
                                                                         "optimizer (owner)"}

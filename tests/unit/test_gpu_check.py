@@ -13,7 +13,6 @@ from scripts import gpu_check
 
 @pytest.mark.parametrize("argv, message", [
     (["--parts", "bogus"], "--parts: expected a comma-separated subset"),
-    (["--parts", "train", "--device", "cpu"], "--parts train needs --device cuda"),
     (["--device", "cpu", "--parts", "ns", "--scale", "0"], "--scale must be >= 1, got 0"),
     (["--device", "cuda"], "--device cuda: no CUDA device is visible here"),
 ])
@@ -24,22 +23,50 @@ def test_bad_arguments_are_named(argv, message, tmp_path, capsys, monkeypatch):
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_train_command_is_megatrons_loop_on_one_gpu():
-    cmd = gpu_check.train_command(50, 29500, te=False)
+def test_train_command_is_megatrons_loop_on_one_gpu(tmp_path):
+    cmd = gpu_check.train_command(50, 29500, device="cuda", te=False, apex=False, save=tmp_path)
     assert cmd[1:4] == ["-m", "torch.distributed.run", "--nproc-per-node"] and cmd[4] == "1"
     flags = " ".join(cmd)
     for flag in ("--bf16", "--muon-tp-mode owner", "--optimizer muon", "--train-iters 50",
-                 "--tensor-model-parallel-size 1", "--transformer-impl local", "--muon-log-stats"):
+                 "--tensor-model-parallel-size 1", "--transformer-impl local", "--muon-log-stats",
+                 f"--save {tmp_path} --save-interval 25",
+                 # without apex, Megatron's apex-backed defaults fail at model construction
+                 "--no-gradient-accumulation-fusion", "--no-persist-layer-norm", "--no-masked-softmax-fusion",
+                 "--no-rope-fusion"):
         assert flag in flags, flag
-    assert "--distributed-backend" not in flags  # Megatron's default: NCCL
-    assert "--transformer-impl transformer_engine" in " ".join(gpu_check.train_command(50, 29500, te=True))
+    assert "--distributed-backend" not in flags and "--load" not in flags  # Megatron's default: NCCL
+    te_apex = " ".join(gpu_check.train_command(50, 29500, device="cuda", te=True, apex=True, save=tmp_path))
+    assert "--transformer-impl transformer_engine" in te_apex
+    assert "--no-gradient-accumulation-fusion" not in te_apex and "--no-rope-fusion" not in te_apex
+    resumed = " ".join(gpu_check.train_command(50, 29500, device="cuda", te=True, apex=True, save=tmp_path,
+                                               load_step=25))
+    assert f"--load {tmp_path} --ckpt-step 25" in resumed
+    cpu = " ".join(gpu_check.train_command(10, 29500, device="cpu", te=True, apex=True, save=tmp_path))
+    assert "--distributed-backend gloo" in cpu and "--bf16" not in cpu and "--transformer-impl local" in cpu
+
+
+def test_equivalence_needs_a_gpu_per_rank():
+    assert gpu_check.equivalence_world("cuda", 8) == (4, None)
+    assert gpu_check.equivalence_world("cuda", 2) == (2, None)
+    ranks, reason = gpu_check.equivalence_world("cuda", 1)
+    assert ranks == 0 and "needs 2 GPUs" in reason and "has 1" in reason
+    assert gpu_check.equivalence_world("cpu", 0) == (4, None)
+
+
+def test_versions_are_checked_against_the_declared_ranges():
+    v = gpu_check.versions()
+    assert v["torch"]["installed"] and v["torch"]["in_range"] is True  # this environment is the lock's
+    assert v["megatron-core"]["in_range"] is True
+    assert v["transformer-engine"]["installed"] is None and v["transformer-engine"]["in_range"] is None  # CPU
 
 
 def test_the_report_has_every_part():
     results = dict(device="NVIDIA H200", torch="2.11.0", date="d", command="c",
-                   train=dict(ok=True, returncode=0, spec="local", wall_s=30.0,
+                   versions={"torch": dict(installed="2.11.0", declared=">=2.11,<2.16", in_range=True)},
+                   train=dict(ok=True, returncode=0, spec="local", wall_s=30.0, apex=False, loss_falls=True,
                               rows=[dict(iteration=10, loss=4.1, kind="muon", mb_sent=0.0, orth_ms=1.5,
-                                         timing="cuda events")]),
+                                         timing="cuda events")],
+                              resume=dict(from_iteration=5, compared=[10], bitwise=True)),
                    equivalence=dict(ok=True, tolerance=1e-5, max_abs_error={"owner": 2e-6}, devices=["cuda:0"]),
                    ns=dict(rows=[dict(matrix="q", shape=[4096, 4096], ms=1.0, tflops=500.0, fraction_of_peak=0.5,
                                       gram_ms=0.5, gram_fp16_ms=0.45)],
@@ -47,5 +74,9 @@ def test_the_report_has_every_part():
     text = gpu_check.markdown(results)
     assert text.startswith("# GPU check (NVIDIA H200, torch 2.11.0, d)")
     assert "| 10 | 4.1000 | muon | 0.000 | 1.50 (cuda events) |" in text
+    assert "| torch | 2.11.0 | >=2.11,<2.16 | yes |" in text and "NCCL, bf16" in text
+    assert "iterations [10] bitwise equal to the uninterrupted run (grad norms" in text
+    skipped = gpu_check.markdown(dict(results, equivalence=dict(ok=True, skipped="needs 2 GPUs ...")))
+    assert "## equivalence: skipped\n\nneeds 2 GPUs ..." in skipped
     assert "| owner | 2.00e-06 |" in text and "tensors on cuda:0" in text
     assert "| q | 4096x4096 | 1.00 | 500.0 | 50% | 0.50 | 0.50 | 0.45 |" in text and "(0.25x)" in text

@@ -317,9 +317,9 @@ def test_empty_matrices_are_a_no_op(world, mode):
 
 
 def _shape_check_bytes(t: int, num_matrices: int) -> int:
-    # Header (4 int64: count, mode, steps, auto's hardware checksum) and table (3 int64 per
-    # matrix), each all-gathered: input × (t − 1).
-    return (4 + 3 * num_matrices) * 8 * (t - 1)
+    # Header (4 int64: count, mode, steps, auto's hardware checksum) and table (4 int64 per matrix:
+    # rows, cols, partition dim, dtype), each all-gathered: input × (t − 1).
+    return (4 + 4 * num_matrices) * 8 * (t - 1)
 
 
 def test_owner_traffic_equals_analytic_total(world):

@@ -11,6 +11,11 @@ on (``GRAM_MIN_ASPECT``); it is timed both ways so the fallback's decision can b
 In bf16 a third column times Gram NS with its products in fp16 (``--muon-gram-fp16``). Every row
 also gives each variant's relative error (Frobenius) against float64 standard NS of the same
 (rounded) input: the polynomial all of them compute, so the error is rounding alone.
+
+``--gradients`` adds the same errors on real gradients: a one-layer Llama-3-8B-shaped GPT scaled
+down by 16 (Megatron's ``GPTModel``, one gloo process on the CPU), one forward and backward on
+random tokens, each weight's gradient per sub-matrix as the optimizer splits it (QKV's q, k, v;
+fc1's gate and up), in fp32, bf16 and fp16, with the range of the result's singular values.
 """
 
 from __future__ import annotations
@@ -80,6 +85,59 @@ def run(scale: int, repeats: int, dtypes: list[torch.dtype], device: torch.devic
     return rows
 
 
+def _gradients_body(rank: int, world: int, device: torch.device) -> dict:
+    """The tiny GPT's gradient sub-matrices (fp32 numpy arrays: they cross the process boundary
+    by value), by name (spawned by ``launch``)."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_muon.megatron.cpu_patches import apply_cpu_patches
+    from scripts.bench import optimizer_step_setup as setup
+
+    apply_cpu_patches()
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    try:
+        shape = setup.scaled_llama3_8b(16, 1, 512)
+        model, _ = setup.build_gpt(shape, 1, torch.device("cpu"))
+        tokens = torch.randint(0, 512, (4, 64), generator=torch.Generator().manual_seed(0))
+        position_ids = torch.arange(64).expand(4, 64)
+        mask = torch.tril(torch.ones(64, 64, dtype=torch.bool)).logical_not()[None, None]
+        model(tokens, position_ids, mask, labels=torch.roll(tokens, -1, dims=1)).float().mean().backward()
+        layer = model.decoder.layers[0]
+        q = shape.num_heads // shape.num_query_groups * shape.head_dim
+        qkv = layer.self_attention.linear_qkv.weight.grad.view(shape.num_query_groups, q + 2 * shape.head_dim, -1)
+        fc1 = layer.mlp.linear_fc1.weight.grad
+        subs = {"q": qkv[:, :q].reshape(-1, shape.hidden), "k": qkv[:, q:q + shape.head_dim].reshape(-1, shape.hidden),
+                "proj": layer.self_attention.linear_proj.weight.grad, "gate": fc1[: fc1.shape[0] // 2],
+                "up": fc1[fc1.shape[0] // 2:], "fc2": layer.mlp.linear_fc2.weight.grad}
+        return {name: g.detach().contiguous().numpy().copy() for name, g in subs.items()}
+    finally:
+        ps.destroy_model_parallel()
+
+
+def gradient_accuracy() -> list[dict]:
+    """Per gradient sub-matrix and dtype: relative error of standard, Gram and (half precision)
+    Gram-with-fp16-products NS against float64 standard NS of the same rounded input, and the
+    spread (min, max) of the Gram result's singular values."""
+    from scripts.bench.launch import launch
+
+    grads = launch(1, _gradients_body, tag="ns-gradients", backend="gloo")[0]
+    rows = []
+    for name, array in grads.items():
+        g = torch.from_numpy(array)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = g.to(dtype)
+            want = newton_schulz(x.double(), 5, "quintic")
+            gram = gram_newton_schulz(x, 5, "quintic")
+            sv = torch.linalg.svdvals(gram.double())
+            rows.append(dict(matrix=name, shape=tuple(g.shape), dtype=str(dtype).removeprefix("torch."),
+                             standard=_rel_error(newton_schulz(x, 5, "quintic"), want),
+                             gram=_rel_error(gram, want),
+                             gram_fp16=_rel_error(gram_newton_schulz(x, 5, "quintic", gram_dtype=torch.float16), want)
+                             if dtype == torch.bfloat16 else None,
+                             sigma=(sv.min().item(), sv.max().item())))
+    return rows
+
+
 ASPECTS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5)
 """long side ÷ short side of the sweep that places ``GRAM_MIN_ASPECT``."""
 
@@ -104,6 +162,9 @@ def main() -> None:
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated torch dtypes")
     parser.add_argument("--sweep-short", type=int, default=256,
                         help="short side of the aspect sweep (fp32; 0: no sweep)")
+    parser.add_argument("--gradients", action="store_true",
+                        help="also the errors on a tiny GPT's gradients (module docstring)")
+    parser.add_argument("--no-timing", action="store_true", help="skip the timed shape classes")
     args = parser.parse_args()
     if args.scale < 1 or args.repeats < 1:
         parser.error("--scale and --repeats must be >= 1")
@@ -114,6 +175,20 @@ def main() -> None:
             parser.error(f"--dtypes: {name!r} is not a floating-point torch dtype")
         dtypes.append(dtype)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if args.gradients:
+        print("Accuracy on a tiny GPT's gradients (Llama-3-8B shapes / 16, one layer, one backward on random "
+              "tokens): relative error against float64 standard NS of the same rounded input\n")
+        print("| matrix | shape | dtype | standard | gram | gram, fp16 products | gram ÷ standard | "
+              "singular values of the gram result |")
+        print("|---|---|---|---:|---:|---:|---:|---|")
+        for r in gradient_accuracy():
+            fp16 = "—" if r["gram_fp16"] is None else f"{r['gram_fp16']:.2e}"
+            print(f"| {r['matrix']} | {r['shape'][0]} x {r['shape'][1]} | {r['dtype']} | {r['standard']:.2e} | "
+                  f"{r['gram']:.2e} | {fp16} | {r['gram'] / r['standard']:.2f} | "
+                  f"{r['sigma'][0]:.3f} – {r['sigma'][1]:.3f} |")
+        print()
+    if args.no_timing:
+        return
     print(f"Newton-Schulz, 5 quintic steps, one process on {device} ({torch.get_num_threads()} threads), "
           f"shapes / {args.scale}, median of {args.repeats}\n")
     print("| shape class | shape | dtype | standard ms | gram ms | gram ÷ standard | FLOP ratio | "

@@ -49,9 +49,12 @@ from __future__ import annotations
 
 import os
 
-# No device is used: hide any GPU before torch looks, so Megatron's CUDA-isms take the patched path
-# (cpu_patches, viewing the meta device) on a GPU machine too, instead of allocating real buffers.
-os.environ["CUDA_VISIBLE_DEVICES"] = ""
+if __name__ == "__main__":
+    # No device is used: hide any GPU before torch looks, so Megatron's CUDA-isms take the patched
+    # path (cpu_patches, viewing the meta device) on a GPU machine too, instead of allocating real
+    # buffers. Only when run as the dry run: scripts/gpu_check.py imports ``time_rank`` to run the
+    # same step on a GPU's real tensors.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 import argparse
 import json
@@ -164,9 +167,10 @@ def _moe_fields(shape: ModelShape, ep: int, etp: int) -> dict:
 
 def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, dp_layout: str = "balanced",
                ep: int = 1, etp: int | None = None, fsdp: str | None = None, muonbp: tuple | None = None,
-               vpp: int = 1):
+               vpp: int = 1, device: torch.device | None = None):
     """Megatron's state, model, DDP (on the ``dp_layout`` buffer layout, as ``--muon-dp-layout``
-    gives it) and our optimizer for ``rank``, all on meta; with ``vpp`` > 1 one model chunk per
+    gives it) and our optimizer for ``rank``, all on ``device`` (meta; a real device for ``time_rank``:
+    the parameters, and Megatron's buffers where it allocates them; None: meta); with ``vpp`` > 1 one model chunk per
     virtual stage, each in its own DDP, one optimizer over them (as ``get_model`` builds them). With ``fsdp`` (a
     ``--data-parallel-sharding-strategy``) Megatron-FSDP's ``FullyShardedDataParallel`` wraps the
     model instead of DDP (``--use-megatron-fsdp``: its own layout; ``dp_layout`` is unused).
@@ -185,6 +189,7 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
     from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
 
     etp = tp if etp is None else etp  # Megatron's default expert-TP size
+    device = torch.device("meta") if device is None else device
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=tp * pp * dp)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                                  virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
@@ -219,7 +224,7 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
                     layer.submodules.self_attention.submodules.core_attention = NoCoreAttention
         else:
             spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-        with torch.device("meta"):  # the layers allocate on the default device under use_cpu_initialization
+        with device:  # the layers allocate on the default device under use_cpu_initialization
             model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=8192,
                              share_embeddings_and_output_weights=False, position_embedding_type="rope",
                              pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
@@ -418,6 +423,48 @@ def run_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout: str = "balanced", ep: 
                     peak_extra_bytes_all=max(r["peak_extra_bytes"] for r in results.values()),
                     groups=sorted({ranks for ranks, _, _ in recorder.trace if ranks is not None}),
                     errors=recorder.errors, trace=recorder.trace)
+    finally:
+        teardown()
+
+
+def time_rank(shape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, device: torch.device,
+              repeats: int) -> dict:
+    """The dense optimizer's step of ``rank`` on real tensors on ``device``, under the fake process
+    group: the collectives move no data, but their buffers, the Newton–Schulz kernels and the
+    update are real. Gradients are random (their values do not change the step's work); one step
+    first (the one-time shape check and allocations), then the median of ``repeats`` steps, timed
+    with CUDA events on a GPU (the host clock on the CPU). With the plan's NS FLOPs and bytes of
+    this rank. The CPU rehearsal applies cpu_patches first (``gpu_check``)."""
+    import statistics
+
+    parts, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, device=device)
+    try:
+        part = parts[0]
+        inner = part["inner"]
+        for group in inner.param_groups:
+            for p in group["params"]:
+                p.grad = torch.randn_like(p)
+        inner.init_state()
+        inner.step()
+        times = []
+        for _ in range(repeats):
+            if device.type == "cuda":
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize()
+                begin.record()
+                inner.step()
+                end.record()
+                end.synchronize()
+                times.append(begin.elapsed_time(end) / 1e3)
+            else:
+                start = time.perf_counter()
+                inner.step()
+                times.append(time.perf_counter() - start)
+        plan = inner.plan
+        here = part["dp_rank"] * part["tp"] + part["tp_rank"]
+        return dict(rank=rank, **slot, step_s=statistics.median(times), repeats=repeats, device=str(inner.device),
+                    matrices=len(plan.matrices), plan_ns_flops=plan.ns_flops[here],
+                    plan_ns_flops_max=max(plan.ns_flops), plan_bytes_sent=plan.bytes_sent[here])
     finally:
         teardown()
 

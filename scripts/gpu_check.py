@@ -19,6 +19,10 @@
   NCCL, every rank on its own GPU (4 GPUs: TP2 x DP2; 2 or 3: TP2 x DP1; 1: skipped, and the
   report says why); the rehearsal: 4 gloo ranks on the CPU. Megatron's own wrappers around the
   optimizer are not in it (tests/megatron/test_megatron_optimizer.py covers them on CPU).
+* ``real-step``: rank 0 of Llama-3 8B and 70B at TP8 x DP8 and 405B at TP8 x PP16 x DP64: the
+  dry run's model, DDP and optimizer (``scripts/dry_run.py``) on real tensors under torch's fake
+  process group, so one GPU runs one rank of a 512- or 8192-GPU layout; its step timed with CUDA
+  events, next to the plan's NS FLOPs at the hardware's matmul rate and the cost model's step.
 * ``ns``: Newton–Schulz in bf16 on Llama-3-8B's matrix shapes, batched as the optimizer batches
   them: TFLOP/s and the fraction of the GPU's dense bf16 peak; and one layer's matrices at TP8 as
   the owner mode runs them (each rank: its owned matrices) against duplicated (each rank: all of
@@ -42,7 +46,9 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("train", "equivalence", "ns")
+PARTS = ("train", "equivalence", "real-step", "ns")
+# real-step: (model, TP, PP, DP) of the production layouts whose rank 0 is stepped
+REAL_STEP_LAYOUTS = (("llama3-8b", 8, 1, 8), ("llama3-70b", 8, 1, 8), ("llama3-405b", 8, 16, 64))
 # Dense bf16 peak by device name (NVIDIA datasheets), for the fraction-of-peak column.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 GRAD_NORM = re.compile(r"grad norm: ([0-9.]+) \|")
@@ -296,6 +302,39 @@ def _equivalence_body(rank: int, world: int, device: torch.device) -> dict:
     return _equivalence_rank(rank, world, device)
 
 
+# ---- real-step -----------------------------------------------------------------------------------
+
+
+def run_real_step(args) -> dict:
+    """Rank 0 of each ``REAL_STEP_LAYOUTS`` entry: the real optimizer step (scripts/dry_run.py's
+    model, DDP and optimizer, built on real tensors) under torch's fake process group, so one GPU
+    runs a rank of a 512-GPU layout: the collectives move nothing, while their buffers, devices and
+    the Newton–Schulz kernels are real. Shapes divided by ``--scale``. Next to it: this rank's NS
+    FLOPs from the plan at the detected hardware's matmul rate (the cost model's compute term),
+    and the cost model's whole step for the busiest rank on h100-sxm (communication included)."""
+    from megatron_muon.plan.auto_mode import hardware_profile
+    from scripts import dry_run
+
+    device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cpu":
+        from megatron_muon.megatron.cpu_patches import apply_cpu_patches
+
+        apply_cpu_patches()
+    hw = hardware_profile("detect")
+    rows, started = [], time.perf_counter()
+    for model, tp, pp, dp in REAL_STEP_LAYOUTS:
+        shape = dry_run.MODELS[model]
+        shape = shape.scaled(args.scale) if args.scale > 1 else shape
+        res = dry_run.time_rank(shape, tp, pp, dp, 0, "owner", device, args.repeats)
+        busiest = dry_run.cost_model_row(shape, tp, pp, dp, "owner")
+        rows.append(dict(model=model, layout=f"TP{tp} x PP{pp} x DP{dp}", scale=args.scale, step_ms=res["step_s"] * 1e3,
+                         device=res["device"], matrices=res["matrices"], ns_gflop=res["plan_ns_flops"] / 1e9,
+                         predicted_ns_ms=res["plan_ns_flops"] / hw.matmul_flops * 1e3, hardware=hw.name,
+                         busiest_step_ms_h100=busiest["step_ms_h100"]))
+    ok = all(r["device"] == str(device) for r in rows)
+    return dict(ok=ok, rows=rows, wall_s=time.perf_counter() - started)
+
+
 # ---- ns ------------------------------------------------------------------------------------------
 
 
@@ -420,6 +459,18 @@ def markdown(results: dict) -> str:
                   "|---|---:|"]
         lines += [f"| {mode} | {err:.2e} |" for mode, err in e["max_abs_error"].items()]
         lines += ["", f"{'ok' if e['ok'] else 'FAILED'}: bound {e['tolerance']:g} (fp32 NS, summation order only)", ""]
+    if "real-step" in results:
+        r = results["real-step"]
+        lines += ["## real-step: rank 0's optimizer step on real tensors, fake process group (no data moves)", "",
+                  "| model | layout | shapes / | Muon matrices | NS GFLOP (plan) | step ms | NS ms predicted "
+                  "(this rank, plan FLOPs at the matmul rate) | busiest rank's whole step, cost model, h100-sxm ms |",
+                  "|---|---|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {x['model']} | {x['layout']} | {x['scale']} | {x['matrices']} | {x['ns_gflop']:.2f} | "
+                  f"{x['step_ms']:.2f} | {x['predicted_ns_ms']:.2f} ({x['hardware']}) | "
+                  f"{x['busiest_step_ms_h100']:.1f} |"
+                  for x in r["rows"]]
+        lines += ["", f"{'ok' if r['ok'] else 'FAILED'}: every step ran on the device it was built on "
+                  f"({r['wall_s']:.0f} s).", ""]
     if "ns" in results:
         n = results["ns"]
         lines += ["## ns: bf16 Newton–Schulz, Llama-3-8B shapes, batches of 8 (5 quintic steps)", "",
@@ -444,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    command="python -m scripts.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:]),
                    versions=versions())
-    for part, run in (("train", run_train), ("equivalence", run_equivalence), ("ns", run_ns)):
+    for part, run in (("train", run_train), ("equivalence", run_equivalence), ("real-step", run_real_step),
+                      ("ns", run_ns)):
         if part in args.parts:
             results[part] = run(args)
     args.out.mkdir(parents=True, exist_ok=True)

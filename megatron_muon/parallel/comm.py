@@ -101,6 +101,11 @@ def group_size(group: dist.ProcessGroup | None) -> int:
     return dist.get_world_size(group)
 
 
+def is_fake(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` runs on torch's fake backend (the dry run): its collectives move nothing."""
+    return dist.is_available() and dist.is_initialized() and str(dist.get_backend(group)) == "fake"
+
+
 def group_rank(group: dist.ProcessGroup | None) -> int:
     """This process's rank within ``group``; 0 when torch.distributed is not up."""
     if not dist.is_available() or not dist.is_initialized():

@@ -313,9 +313,10 @@ def validate_across_ranks(specs, mode, steps, size, group, device, hardware=None
                           device=device)
     headers = [torch.empty_like(header) for _ in range(size)]
     comm.all_gather(headers, header, group, tag="shape_check")
-    if device.type == "meta":
-        # The dry run (torch's fake group, meta tensors): the gathers are issued, so their devices
-        # and sizes are checked, but no value moves; scripts/dry_run.py checks sizes instead.
+    if device.type == "meta" or comm.is_fake(group):
+        # The dry run (torch's fake group; meta tensors, or real ones in gpu_check's real-step): the
+        # gathers are issued, so their devices and sizes are checked, but no value moves (what they
+        # return is uninitialized memory); scripts/dry_run.py checks sizes across ranks instead.
         if specs:
             mine = torch.empty(len(specs), 4, dtype=torch.int64, device=device)
             comm.all_gather([torch.empty_like(mine) for _ in range(size)], mine, group, tag="shape_check")

@@ -1,6 +1,7 @@
 """scripts/gpu_check.py's CPU rehearsal of every part, run as a process: Megatron's loop with a
 save and a bitwise resume (gloo, fp32), the TP2 x DP2 equivalence over gloo with CPU tensors (the
-same code the GPU run uses with CUDA ones) and the Newton-Schulz timings.
+same code the GPU run uses with CUDA ones), the real step of production layouts' rank 0 on CPU
+tensors under the fake process group (shapes / 64), and the Newton-Schulz timings.
 Its argument handling and report writer are checked in this process by
 ``tests/unit/test_gpu_check.py``. The GPU run itself goes into docs/performance.md when a task
 is lent a GPU."""
@@ -27,6 +28,10 @@ def test_cpu_rehearsal_runs_every_part(tmp_path):
     assert [r["iteration"] for r in train["rows"]] == [1, 5, 10] and train["resume"]["compared"] == [10]
     assert all(r["kind"] == "muon" for r in train["rows"])
     assert report["versions"]["torch"]["in_range"] is True
+    real = report["real-step"]  # rank 0 of each production layout, shapes / 64, on CPU tensors
+    assert real["ok"] and [r["model"] for r in real["rows"]] == ["llama3-8b", "llama3-70b", "llama3-405b"]
+    assert [r["matrices"] for r in real["rows"]] == [128, 320, 28]  # all 32 / 80 layers; 405B's first stage
+    assert all(r["device"] == "cpu" and r["step_ms"] > 0 and r["ns_gflop"] > 0 for r in real["rows"])
     eq = report["equivalence"]
     assert eq["ok"] and eq["devices"] == ["cpu"] and set(eq["max_abs_error"]) == {"owner", "duplicated", "distributed",
                                                                         "optimizer (owner)"}

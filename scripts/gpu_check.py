@@ -35,6 +35,8 @@ ranges pyproject.toml declares.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -325,7 +327,8 @@ def run_real_step(args) -> dict:
     for model, tp, pp, dp in REAL_STEP_LAYOUTS:
         shape = dry_run.MODELS[model]
         shape = shape.scaled(args.scale) if args.scale > 1 else shape
-        res = dry_run.time_rank(shape, tp, pp, dp, 0, "owner", device, args.repeats)
+        with contextlib.redirect_stdout(io.StringIO()):  # the optimizer's startup report: not this report's
+            res = dry_run.time_rank(shape, tp, pp, dp, 0, "owner", device, args.repeats)
         busiest = dry_run.cost_model_row(shape, tp, pp, dp, "owner")
         rows.append(dict(model=model, layout=f"TP{tp} x PP{pp} x DP{dp}", scale=args.scale, step_ms=res["step_s"] * 1e3,
                          device=res["device"], matrices=res["matrices"], ns_gflop=res["plan_ns_flops"] / 1e9,

@@ -139,8 +139,9 @@ class MuonConfig:
     matrix, and ``local``'s blocks, cut at flat-range boundaries, have no convergence measurement
     yet; the two agree wherever matrices lie whole on one DP rank (the balanced layout, DDP)."""
     log_stats: bool = False
-    """append the last step's kind (muon / full / block), bytes sent and orthogonalize time to
-    Megatron's iteration log line (--muon-log-stats)."""
+    """append the last step's kind (muon / full / block), bytes sent, orthogonalize time, the Muon
+    parameters' global norm and the update's RMS per step kind to Megatron's iteration log line
+    (--muon-log-stats)."""
 
     def __post_init__(self) -> None:
         checks = [

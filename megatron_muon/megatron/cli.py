@@ -271,7 +271,9 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--muon-log-stats", action="store_true",
         help="Append to Megatron's iteration log line what the last optimizer step did: the TP "
              "mode, its kind (muon, or MuonBP's full / block), the bytes megatron-muon sent from the "
-             "logging rank and the wall time of its orthogonalize step.",
+             "logging rank, the wall time of its orthogonalize step, the Muon parameters' global norm "
+             "and the applied update's RMS per kind of step (one all-reduce on the iterations that "
+             "print; TensorBoard / W&B get the same scalars as muon/param_norm, muon/update_rms_<kind>).",
     )
     # Every default, of upstream's flags (Megatron's parser or the fallback above) and of ours:
     # MuonConfig's, but None for the flags that must tell "not given" apart.

@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 
 from ..config import MUONBP_BLOCKS, MuonConfig
+from ..core.block_grid import parse_grid
 from ..core.newton_schulz import COEFFICIENT_SETS, NS_METHODS
 
 __all__ = ["FIELD_OF_DEST", "add_muon_args", "flag_default", "muon_config_from_args"]
@@ -53,13 +54,14 @@ FIELD_OF_DEST = {
     "muonbp_period": "muonbp_period",
     "muonbp_block_lr_mult": "muonbp_block_lr_mult",
     "muonbp_block": "muonbp_block",
+    "muonbp_block_grid": "muonbp_block_grid",
     "muon_log_stats": "log_stats",
 }
 """The ``args`` attribute (argparse dest) of each flag → the ``MuonConfig`` field it sets: every
 field has one."""
 
 _NONE_UNTIL_GIVEN = ("muon_auto_hardware", "muon_dp_layout", "muon_layout_alpha", "muonbp_period",
-                     "muonbp_block_lr_mult", "muonbp_block")
+                     "muonbp_block_lr_mult", "muonbp_block", "muonbp_block_grid")
 """dests whose parser default is None (not given), so that ``startup_checks`` can refuse them where
 they would be ignored; None stands for the field's default (``muon_config_from_args``)."""
 
@@ -252,6 +254,14 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "--muonbp-period and with period 1 (no block steps).",
     )
     group.add_argument(
+        "--muonbp-block-grid", type=str, default=None, metavar="RxC",
+        help="With --muonbp-period and --muonbp-block tp_shard: on block steps, orthogonalize each "
+             "local matrix (a TP shard, or a matrix every TP rank holds whole) as R x C blocks, each "
+             "scaled by its own shape, still without communication: any block count at TP1, finer "
+             "blocks than the layout's at TP > 1. R and C must divide every local matrix (the "
+             "split QKV and fc1 parts included). Default: the local matrix itself (BlockMuon's block).",
+    )
+    group.add_argument(
         "--muon-reset-optimizer-state", action="store_true",
         help="With --load: load the checkpoint's model weights, iteration, LR/WD schedule and RNG "
              "state, and start the optimizer state afresh (Muon momentum and Adam moments zero, Adam's "
@@ -304,5 +314,9 @@ def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
     for dest, field in FIELD_OF_DEST.items():
         value = getattr(args, dest, None)
         if value is not None:
-            given[field] = int(round(value * MB)) if field == "owner_bucket_bytes" else value
+            if field == "owner_bucket_bytes":
+                value = int(round(value * MB))
+            elif field == "muonbp_block_grid" and isinstance(value, str):
+                value = parse_grid(value)  # "RxC"; a one-line ValueError naming the flag
+            given[field] = value
     return MuonConfig(**given)

@@ -138,9 +138,17 @@ class MuonConfig:
     tp_shard is the default because its update does not depend on where the DP layout cuts a
     matrix, and ``local``'s blocks, cut at flat-range boundaries, have no convergence measurement
     yet; the two agree wherever matrices lie whole on one DP rank (the balanced layout, DDP)."""
+    muonbp_block_grid: tuple[int, int] | None = None
+    """MuonBP's block grid (--muonbp-block-grid RxC): on block steps each local matrix (a TP shard,
+    or a matrix every TP rank holds whole) is orthogonalized as R x C blocks, scaled by the block's
+    shape, still with no communication (``core.block_grid``). None: the local matrix is the block
+    (BlockMuon's). Makes any block count reachable at TP1, and finer blocks than the layout's at
+    TP > 1. With --muonbp-block tp_shard only; R and C must divide every local matrix (checked
+    when the plan is built)."""
     log_stats: bool = False
-    """append the last step's kind (muon / full / block), bytes sent and orthogonalize time to
-    Megatron's iteration log line (--muon-log-stats)."""
+    """append the last step's kind (muon / full / block), bytes sent, orthogonalize time, the Muon
+    parameters' global norm and the update's RMS per step kind to Megatron's iteration log line
+    (--muon-log-stats)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -174,10 +182,23 @@ class MuonConfig:
                 (_finite(self.muonbp_block_lr_mult) and self.muonbp_block_lr_mult > 0, "--muonbp-block-lr-mult",
                  "a finite value > 0", self.muonbp_block_lr_mult),
                 (self.muonbp_block in MUONBP_BLOCKS, "--muonbp-block", f"one of {MUONBP_BLOCKS}", self.muonbp_block),
+                (self.muonbp_block_grid is None or self.muonbp_block == "tp_shard", "--muonbp-block-grid",
+                 "--muonbp-block tp_shard (a grid of the local matrix; local blocks are cut by the DP layout)",
+                 _Shown(f"--muonbp-block {self.muonbp_block}")),
                 (self.muonbp_period == 0 or self.tp_mode != "blockwise", "--muon-tp-mode",
                  f"an exact mode (owner, duplicated, distributed or auto) for the full steps of --muonbp-period "
                  f"{self.muonbp_period}", self.tp_mode),
             ]
+        grid = self.muonbp_block_grid
+        checks.append((grid is None or (isinstance(grid, tuple) and len(grid) == 2 and all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in grid)), "--muonbp-block-grid",
+            "RxC with integers R, C >= 1", grid))
+        checks.append((grid is None or self.muonbp_period not in (None, 1), "--muonbp-block-grid",
+                       "--muonbp-period P other than 1 as well (without MuonBP, or with period 1, there are "
+                       "no block steps)",
+                       _Shown(f"{grid[0]}x{grid[1]} " + ("without it" if self.muonbp_period is None
+                                                         else f"with --muonbp-period {self.muonbp_period}"))
+                       if isinstance(grid, tuple) and len(grid) == 2 else grid))
         for ok, flag, expected, got in checks:
             if not ok:
                 raise ValueError(f"{flag}: expected {expected}, got {got!r}")
@@ -219,7 +240,8 @@ class MuonConfig:
 
     def block_plan_settings(self) -> PlanSettings:
         """The plan settings of a MuonBP block step: blockwise, on local blocks with ``local``."""
-        return dataclasses.replace(self.plan_settings("blockwise"), local_blocks=self.muonbp_block == "local")
+        return dataclasses.replace(self.plan_settings("blockwise"), local_blocks=self.muonbp_block == "local",
+                                   block_grid=self.muonbp_block_grid or (1, 1))
 
     def plan_settings(self, tp_mode: str | None = None) -> PlanSettings:
         """What a step plan needs from this config; ``tp_mode`` overrides the field (MuonBP's block

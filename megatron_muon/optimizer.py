@@ -184,6 +184,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.last_step_kind: str | None = None
         """``"muon"``, ``"full"`` or ``"block"``: what the last applied step did (for logs)."""
         self._last_stats: dict = {}
+        self._norms: dict[str, torch.Tensor] = {}
+        self._counted: tuple[list[bool], torch.Tensor] | None = None
         self._timer: StepTimer | None = None
         self._device: torch.device | None = None
         # muon_steps is MuonBP's phase: it travels in state_dict() so a resume keeps the schedule.
@@ -285,6 +287,32 @@ class MuonWithAdamW(torch.optim.Optimizer):
             return {}
         return dict(self._last_stats, orthogonalize_ms=self._timer.elapsed_ms(), timing=self._timer.clock)
 
+    @property
+    def step_norms(self) -> dict[str, torch.Tensor]:
+        """Per step kind (``muon``, or MuonBP's ``full`` / ``block``), the last such step's sums on
+        this rank, ``[Σθ², Σu², n]`` (fp32, on the optimizer's device): the Muon parameters after
+        the step, the update applied to them (``lr·scale·O``; weight decay is not in it) and their
+        element count, over the pieces this rank counts (``_counted_pieces``: every element of a
+        Muon matrix on exactly one rank). Summed over every rank they give the global parameter
+        norm and the update's RMS. Device tensors, never read on the step's path: a log reads
+        them (``megatron.hooks``)."""
+        return dict(self._norms)
+
+    def _counted_pieces(self) -> tuple[list[bool], torch.Tensor]:
+        """Per matrix: whether this rank counts its piece in ``step_norms``, and the counted
+        elements (a device scalar, made once). A piece cut over DP is counted by the rank holding
+        it, a matrix every DP rank holds whole by DP rank 0; a TP shard by its TP rank, a matrix
+        every TP rank holds whole by TP rank 0. PP stages and expert ranks hold different matrices."""
+        if self._counted is None:
+            cat = self._catalogue
+            dp_rank = comm.group_rank(cat.dp_group) if cat.dp_group is not None else 0
+            tp_rank = comm.group_rank(cat.tp_group) if cat.tp_group is not None else 0
+            counted = [p is not None and (lay.dp_ranges is not None or dp_rank == 0)
+                       and (lay.partition_dim is not None or tp_rank == 0) for lay, p in zip(cat.layouts, cat.params)]
+            numel = sum(to_local(p).numel() for p, c in zip(cat.params, counted) if c)
+            self._counted = counted, torch.tensor(float(numel), device=self.device)
+        return self._counted
+
     def init_state(self) -> None:
         """Create every param's state now (Megatron's checkpointing reads state before step 1).
 
@@ -338,13 +366,19 @@ class MuonWithAdamW(torch.optim.Optimizer):
                   for p in params]
         step_lr = [-group_of[id(p)]["lr"] * lr_mult if p is not None else 0.0 for p in params]
 
+        counted, numel = self._counted_pieces()
+        update_sq = torch.zeros((), dtype=torch.float32, device=device)
+
         def apply(i: int, update: torch.Tensor, scale: float) -> None:
             p = params[i]
             if p is None or p.grad is None:
                 return
             # θ ← θ − lr·(scale·O): the scalar scale rides in add_'s alpha instead of a scaled copy.
             p = to_local(p)
-            p.add_(update.reshape_as(p), alpha=step_lr[i] * scale)
+            alpha = step_lr[i] * scale
+            p.add_(update.reshape_as(p), alpha=alpha)
+            if counted[i]:  # Σ(alpha·O)², on the device
+                update_sq.add_(torch.linalg.vector_norm(update, dtype=torch.float32).square(), alpha=alpha * alpha)
 
         if self._timer is None:  # built once: its CUDA events are recorded again every step
             self._timer = StepTimer(device)
@@ -355,6 +389,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
             orthogonalize_updates(pieces, self.plans[kind], self._step_groups, apply)
         self._timer.stop()
         self._last_stats = dict(kind=kind, bytes_sent=stats.bytes_sent, ns_flops=stats.ns_flops)
+        mine = [to_local(p) for p, c in zip(params, counted) if c]
+        param_sq = (torch.stack(torch._foreach_norm(mine)).float().square().sum() if mine
+                    else torch.zeros((), dtype=torch.float32, device=device))
+        self._norms[kind] = torch.stack([param_sq, update_sq, numel])
 
     def _momentum_and_decay(self, live: list[torch.Tensor], group_of: dict[int, dict]) -> dict[int, torch.Tensor]:
         """B ← B.lerp(G, 1 − μ); U ← G.lerp(B, μ) or B; θ ← θ·(1 − lr·wd); id(θ) → flat U.

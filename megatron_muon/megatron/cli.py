@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 
 from ..config import MUONBP_BLOCKS, MuonConfig
+from ..core.block_grid import parse_grid
 from ..core.newton_schulz import COEFFICIENT_SETS, NS_METHODS
 
 __all__ = ["FIELD_OF_DEST", "add_muon_args", "flag_default", "muon_config_from_args"]
@@ -53,13 +54,14 @@ FIELD_OF_DEST = {
     "muonbp_period": "muonbp_period",
     "muonbp_block_lr_mult": "muonbp_block_lr_mult",
     "muonbp_block": "muonbp_block",
+    "muonbp_block_grid": "muonbp_block_grid",
     "muon_log_stats": "log_stats",
 }
 """The ``args`` attribute (argparse dest) of each flag → the ``MuonConfig`` field it sets: every
 field has one."""
 
 _NONE_UNTIL_GIVEN = ("muon_auto_hardware", "muon_dp_layout", "muon_layout_alpha", "muonbp_period",
-                     "muonbp_block_lr_mult", "muonbp_block")
+                     "muonbp_block_lr_mult", "muonbp_block", "muonbp_block_grid")
 """dests whose parser default is None (not given), so that ``startup_checks`` can refuse them where
 they would be ignored; None stands for the field's default (``muon_config_from_args``)."""
 
@@ -252,6 +254,14 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              "--muonbp-period and with period 1 (no block steps).",
     )
     group.add_argument(
+        "--muonbp-block-grid", type=str, default=None, metavar="RxC",
+        help="With --muonbp-period and --muonbp-block tp_shard: on block steps, orthogonalize each "
+             "local matrix (a TP shard, or a matrix every TP rank holds whole) as R x C blocks, each "
+             "scaled by its own shape, still without communication: any block count at TP1, finer "
+             "blocks than the layout's at TP > 1. R and C must divide every local matrix (the "
+             "split QKV and fc1 parts included). Default: the local matrix itself (BlockMuon's block).",
+    )
+    group.add_argument(
         "--muon-reset-optimizer-state", action="store_true",
         help="With --load: load the checkpoint's model weights, iteration, LR/WD schedule and RNG "
              "state, and start the optimizer state afresh (Muon momentum and Adam moments zero, Adam's "
@@ -271,7 +281,9 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--muon-log-stats", action="store_true",
         help="Append to Megatron's iteration log line what the last optimizer step did: the TP "
              "mode, its kind (muon, or MuonBP's full / block), the bytes megatron-muon sent from the "
-             "logging rank and the wall time of its orthogonalize step.",
+             "logging rank, the wall time of its orthogonalize step, the Muon parameters' global norm "
+             "and the applied update's RMS per kind of step (one all-reduce on the iterations that "
+             "print; TensorBoard / W&B get the same scalars as muon/param_norm, muon/update_rms_<kind>).",
     )
     # Every default, of upstream's flags (Megatron's parser or the fallback above) and of ours:
     # MuonConfig's, but None for the flags that must tell "not given" apart.
@@ -302,5 +314,9 @@ def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
     for dest, field in FIELD_OF_DEST.items():
         value = getattr(args, dest, None)
         if value is not None:
-            given[field] = int(round(value * MB)) if field == "owner_bucket_bytes" else value
+            if field == "owner_bucket_bytes":
+                value = int(round(value * MB))
+            elif field == "muonbp_block_grid" and isinstance(value, str):
+                value = parse_grid(value)  # "RxC"; a one-line ValueError naming the flag
+            given[field] = value
     return MuonConfig(**given)

@@ -212,6 +212,47 @@ _BUILT: list = []  # the MuonWithAdamW optimizers the dispatcher built (for the 
 _CLIPS: list = []  # their qk_clip.QKClip, with --qk-clip / --log-max-attention-logit
 
 
+_STEP_KINDS = ("muon", "full", "block")
+
+
+def norm_scalars(optimizers) -> dict[str, float]:
+    """The Muon parameters' global norm after the last step (``muon/param_norm``) and each step
+    kind's update RMS (``muon/update_rms_<kind>``, kinds that have run): every optimizer's
+    ``step_norms`` summed over all ranks by one all-reduce of a fixed kinds x 3 table. A
+    collective: every rank calls it on the same iterations (``_wrap_training_log``'s condition
+    reads only the run's arguments)."""
+    import math
+
+    import torch.distributed as dist
+
+    from ..parallel.devices import group_device
+
+    device = group_device(None)
+    table = torch.zeros(len(_STEP_KINDS), 3, dtype=torch.float32, device=device)
+    for inner in optimizers:
+        for kind, sums in inner.step_norms.items():
+            table[_STEP_KINDS.index(kind)] += sums.to(device)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(table)
+    rows = table.tolist()  # the one host read, on a logging iteration
+    out = {}
+    last = next((o.last_step_kind for o in optimizers if o.last_step_kind is not None), None)
+    if last is not None:
+        out["muon/param_norm"] = math.sqrt(rows[_STEP_KINDS.index(last)][0])
+    out.update({f"muon/update_rms_{kind}": math.sqrt(update_sq / n)
+                for kind, (_, update_sq, n) in zip(_STEP_KINDS, rows) if n > 0})
+    return out
+
+
+def norm_text(norms: dict[str, float]) -> str:
+    """`` muon param norm: 12.35 | muon update rms: full 1.2E-03, block 4.5E-04 |`` (empty without norms)."""
+    if not norms:
+        return ""
+    rms = ", ".join(f"{k.removeprefix('muon/update_rms_')} {v:.3E}" for k, v in norms.items()
+                    if k.startswith("muon/update_rms_"))
+    return f" muon param norm: {norms.get('muon/param_norm', float('nan')):.4f} | muon update rms: {rms} |"
+
+
 def stats_text(optimizers) -> str:
     """`` muon mode: owner | muon step: full | muon bytes sent: 1.23 MB | muon orthogonalize: 4.5 ms |`` for the
     last step of the dense optimizer, and for a model with experts (the chain's second optimizer, over
@@ -251,15 +292,16 @@ def muon_scalars(optimizers) -> dict[str, float]:
     return out
 
 
-def write_scalars(optimizers, iteration: int) -> None:
-    """Hand ``muon_scalars`` to Megatron's TensorBoard and W&B writers, where configured (Megatron
-    creates them on the last rank only; elsewhere this does nothing and reads no CUDA event)."""
+def write_scalars(optimizers, iteration: int, norms: dict[str, float] | None = None) -> None:
+    """Hand ``muon_scalars`` and ``norms`` (``norm_scalars``) to Megatron's TensorBoard and W&B
+    writers, where configured (Megatron creates them on the last rank only; elsewhere this does
+    nothing and reads no CUDA event)."""
     from megatron.training.global_vars import get_tensorboard_writer, get_wandb_writer
 
     tensorboard, wandb = get_tensorboard_writer(), get_wandb_writer()
     if tensorboard is None and wandb is None:
         return
-    scalars = muon_scalars(optimizers)
+    scalars = {**muon_scalars(optimizers), **(norms or {})}
     if tensorboard is not None:
         for name, value in scalars.items():
             tensorboard.add_scalar(name, value, iteration)
@@ -280,21 +322,27 @@ def _wrap_training_log(training_log):
         margs = get_args()
         iteration = kwargs["iteration"] if "iteration" in kwargs else args[3]
         on_log_iteration = iteration % max(1, getattr(margs, "tensorboard_log_interval", 1)) == 0
-        if getattr(margs, ACTIVE, False) and _BUILT and on_log_iteration:
-            write_scalars(_BUILT, iteration)
+        active = getattr(margs, ACTIVE, False) and bool(_BUILT)
+        prints = iteration % margs.log_interval == 0 or kwargs.get("is_first_iteration", False)
+        writes = bool(getattr(margs, "tensorboard_dir", None) or getattr(margs, "wandb_project", None))
+        # the same condition on every rank (the run's arguments only): norm_scalars is a collective
+        norms = (norm_scalars(_BUILT) if active and ((getattr(margs, "muon_log_stats", False) and prints)
+                                                     or (writes and on_log_iteration)) else {})
+        if active and on_log_iteration:
+            write_scalars(_BUILT, iteration, norms)
         args, kwargs = _max_logit_read(args, kwargs, on_log_iteration)
         if not (getattr(margs, ACTIVE, False) and getattr(margs, "muon_log_stats", False) and _BUILT):
             return training_log(*args, **kwargs)
         printer = training.print_rank_last
         qk_text = ""
-        if _CLIPS and (iteration % margs.log_interval == 0 or kwargs.get("is_first_iteration", False)):
+        if _CLIPS and prints:
             # a reduction over the model-parallel group, on every rank, on the iterations that print
             # (training_log's own condition for the iteration line)
             qk_text = "".join(clip.log_text() for clip in _CLIPS)
 
         def print_with_stats(message):
             if " iteration " in message and message.rstrip().endswith("|"):
-                message = message.rstrip() + stats_text(_BUILT) + qk_text
+                message = message.rstrip() + stats_text(_BUILT) + norm_text(norms) + qk_text
             printer(message)
 
         training.print_rank_last = print_with_stats

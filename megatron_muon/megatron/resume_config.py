@@ -92,6 +92,7 @@ _HYPERPARAMETERS: tuple[tuple[str, str], ...] = (
     ("muon_split_fc1", "--muon-split-fc1"),
     ("muonbp_block_lr_mult", "--muonbp-block-lr-mult"),
     ("muonbp_block", "--muonbp-block"),
+    ("muonbp_block_grid", "--muonbp-block-grid"),
 )
 """Muon settings a resume may change on purpose: the next steps use the new value (reported)."""
 

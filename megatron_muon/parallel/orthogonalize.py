@@ -331,6 +331,7 @@ class _Execution:
         """per unit, [lo, hi) of this DP rank's piece of its weight that the unit's piece is."""
         self.tp_group, self.device = tp_group, device
         self.dtype, self.ns, self.bucket_bytes = settings.ns.dtype, settings.ns, settings.bucket_bytes
+        self.block_grid = settings.block_grid
         self.tp_rank = comm.group_rank(tp_group)
         self.work = plan.work[self.dp_rank]
         self.teams = plan.teams
@@ -387,7 +388,7 @@ class _Execution:
             # a team's blocks: the distributed mode over the team, as a TP group runs it on shards
             group, mode = (self.team_group, "distributed") if mode == "team" else (self.tp_group, mode)
             results = run_blocking_mode(mode, [subs[p] for p in positions], [self.work.subs[p] for p in positions],
-                                        group, self.ns, self.bucket_bytes)
+                                        group, self.ns, self.bucket_bytes, self.block_grid)
             done.update(zip(positions, results))
         return done
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.block_grid import block_shape, join_blocks, split_blocks
 from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import (
     NSOptions,
@@ -66,11 +67,14 @@ __all__ = ["check_local_shards", "run_blocking_mode", "validate_across_ranks"]
 
 
 def run_blocking_mode(mode: str, shards: list[torch.Tensor], subs: list[MatrixLayout], group, ns: NSOptions,
-                      bucket_bytes: int) -> list[torch.Tensor]:
+                      bucket_bytes: int, grid: tuple[int, int] = (1, 1)) -> list[torch.Tensor]:
     """NS of ``shards`` (same order as ``subs``) in a mode's own blocking implementation: every
     mode but the pipelined owner exchange. ``owner`` here is the one-rank case (TP 1), where every
-    exact mode is NS of the whole matrix on its rank."""
-    if mode == "blockwise" or comm.group_size(group) == 1:
+    exact mode is NS of the whole matrix on its rank. ``grid``: blockwise only, each local matrix
+    orthogonalized as R x C blocks (``core.block_grid``; the plan checked that they divide)."""
+    if mode == "blockwise":
+        return _local(shards, subs, ns, grid)
+    if comm.group_size(group) == 1:
         return _local(shards, subs, ns)
     if mode == "distributed":  # its own products, outside NSOptions.__call__: the precision set here
         with ns.matmul_precision():
@@ -78,11 +82,12 @@ def run_blocking_mode(mode: str, shards: list[torch.Tensor], subs: list[MatrixLa
     return _duplicated(shards, subs, group, ns, bucket_bytes)
 
 
-def _local(shards, subs, ns: NSOptions) -> list[torch.Tensor]:
-    """NS of what each rank holds, batched by shape and dtype (blockwise; replicated matrices)."""
+def _local(shards, subs, ns: NSOptions, grid: tuple[int, int] = (1, 1)) -> list[torch.Tensor]:
+    """NS of what each rank holds, batched by shape and dtype (blockwise, in ``grid``'s blocks;
+    replicated matrices)."""
     out: list[torch.Tensor | None] = [None] * len(shards)
     for positions in group_by(range(len(shards)), lambda k: (subs[k].local_shape, shards[k].dtype)).values():
-        _ns_into(out, shards, positions, subs[positions[0]].local_shape, ns)
+        _ns_into(out, shards, positions, subs[positions[0]].local_shape, ns, grid)
     return out
 
 
@@ -215,11 +220,18 @@ def _normalize_distributed(X: torch.Tensor, group, size: int, eps: float) -> tor
     return X.div_(sq_norms.sqrt().clamp(min=eps / scale))
 
 
-def _ns_into(out, shards, positions, shape: tuple[int, int], ns: NSOptions) -> None:
-    """Run NS on these ranks' own (same-shape) matrices as one batch and file the results."""
+def _ns_into(out, shards, positions, shape: tuple[int, int], ns: NSOptions,
+             grid: tuple[int, int] = (1, 1)) -> None:
+    """Run NS on these ranks' own (same-shape) matrices as one batch (each as ``grid``'s blocks,
+    all of them in the batch) and file the results."""
     X = torch.stack([shards[k] for k in positions])
-    comm.record_ns_flops(len(positions) * ns.flops(*shape))
-    for k, piece in zip(positions, ns(X).unbind(0)):
+    if grid != (1, 1):
+        comm.record_ns_flops(len(positions) * grid[0] * grid[1] * ns.flops(*block_shape(shape, grid)))
+        result = join_blocks(ns(split_blocks(X, grid)), grid, shape)
+    else:
+        comm.record_ns_flops(len(positions) * ns.flops(*shape))
+        result = ns(X)
+    for k, piece in zip(positions, result.unbind(0)):
         out[k] = piece
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from ..core.block_grid import block_shape, check_grid
 from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import (
     NSOptions,
@@ -88,6 +89,9 @@ class PlanSettings:
     """MuonBP's local block steps (``--muonbp-block local``, with ``tp_mode`` blockwise): every DP
     rank orthogonalizes the blocks of its own pieces (``local_blocks.fragment_blocks``), nothing
     moves between ranks."""
+    block_grid: tuple[int, int] = (1, 1)
+    """MuonBP's block grid (``--muonbp-block-grid RxC``, with ``tp_mode`` blockwise): each local
+    matrix orthogonalized as R x C blocks, scaled by the block's shape (``core.block_grid``)."""
 
 
 @dataclass(frozen=True)
@@ -249,7 +253,7 @@ def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: 
                                  settings, schedule, blocks) for d in range(dp_size))
     blockwise = settings.tp_mode == "blockwise"
     scales = tuple(_scales(lay, blockwise, settings) for lay in layouts)
-    flops, dp_sent, tp_sent = _costs(layouts, dp_owners, work, dp_size, tp_size, ns, teams, team)
+    flops, dp_sent, tp_sent = _costs(layouts, dp_owners, work, dp_size, tp_size, ns, teams, team, settings.block_grid)
     return StepPlan(matrices, units, dp_size, tp_size, settings, dp_owners, micro_groups, work, scales, flops,
                     dp_sent, tp_sent, teams=teams, team_size=team)
 
@@ -309,6 +313,16 @@ def _check(matrices, dp_size: int, tp_size: int, settings: PlanSettings) -> None
         raise ValueError(f"--muon-scale-mode: expected one of {SCALE_MODES}, got {settings.scale_mode!r}")
     if settings.bucket_bytes <= 0:
         raise ValueError(f"--muon-owner-bucket-size-mb: expected a positive size, got {settings.bucket_bytes} bytes")
+    grid = settings.block_grid
+    if grid != (1, 1) and (settings.tp_mode != "blockwise" or settings.local_blocks):
+        raise ValueError(f"--muonbp-block-grid {grid[0]}x{grid[1]}: MuonBP's block steps of TP shards only "
+                         f"(--muonbp-block tp_shard), got tp mode {settings.tp_mode!r}"
+                         f"{' with local blocks' if settings.local_blocks else ''}")
+    if grid != (1, 1):
+        for lay in matrices:
+            for k, shape in enumerate(lay.sub_local_shapes()):
+                check_grid(lay.name if len(lay.sub_local_shapes()) == 1 else f"{lay.name} (sub-matrix {k})", shape,
+                           grid)
     if settings.local_blocks and settings.tp_mode != "blockwise":
         raise ValueError(f"--muonbp-block local: block steps only (tp mode blockwise), got tp mode "
                          f"{settings.tp_mode!r}")
@@ -357,7 +371,8 @@ def _owner_work(matrices, owned: list[int], tp_size: int, settings: PlanSettings
 def _scales(layout: MatrixLayout, blockwise: bool, settings: PlanSettings) -> tuple[float, ...]:
     """Per sub-matrix scale: its global shape's (its local, TP shard, shape in blockwise mode, as
     Megatron scales BlockMuon); 1.0 everywhere without a scale mode."""
-    shapes = layout.sub_local_shapes() if blockwise else layout.sub_global_shapes()
+    shapes = ([block_shape(s, settings.block_grid) for s in layout.sub_local_shapes()] if blockwise
+              else layout.sub_global_shapes())
     if settings.scale_mode is None:
         return (1.0,) * len(shapes)
     return tuple(muon_scale(r, c, settings.scale_mode, settings.extra_scale_factor) for r, c in shapes)
@@ -366,7 +381,8 @@ def _scales(layout: MatrixLayout, blockwise: bool, settings: PlanSettings) -> tu
 # ---- per-rank FLOPs and bytes ---------------------------------------------------------------------
 
 
-def _costs(matrices, dp_owners, work, dp: int, tp: int, ns: NSOptions, teams=None, team: int = 1):
+def _costs(matrices, dp_owners, work, dp: int, tp: int, ns: NSOptions, teams=None, team: int = 1,
+           grid: tuple[int, int] = (1, 1)):
     """(NS FLOPs, DP bytes, TP bytes) per rank, by ``comm.py``'s convention (what leaves a rank);
     a DP team's all-reduces count with the TP bytes (the bytes of a unit's wide mode)."""
     flops, dp_sent, tp_sent = [0.0] * (tp * dp), [0.0] * (tp * dp), [0.0] * (tp * dp)
@@ -385,7 +401,7 @@ def _costs(matrices, dp_owners, work, dp: int, tp: int, ns: NSOptions, teams=Non
         for sub, mode, owner in zip(w.subs, w.modes, w.tp_owners):
             for j in range(tp):
                 f, b = _sub_cost(sub, "distributed", None, 0, sub.tp_size, ns) if mode == "team" else \
-                    _sub_cost(sub, mode, owner, j, tp, ns)
+                    _sub_cost(sub, mode, owner, j, tp, ns, grid)
                 flops[d * tp + j] += f
                 tp_sent[d * tp + j] += b
     return tuple(int(f) for f in flops), tuple(round(b) for b in dp_sent), tuple(round(b) for b in tp_sent)
@@ -418,12 +434,15 @@ def _team_dp_bytes(layout: MatrixLayout, t: int, team: int, elem: int) -> dict[i
     return out
 
 
-def _sub_cost(sub: MatrixLayout, mode: str, owner: int | None, j: int, tp: int, ns: NSOptions) -> tuple[float, float]:
-    """(NS FLOPs, bytes sent) of one sub-matrix on TP rank ``j``."""
+def _sub_cost(sub: MatrixLayout, mode: str, owner: int | None, j: int, tp: int, ns: NSOptions,
+              grid: tuple[int, int] = (1, 1)) -> tuple[float, float]:
+    """(NS FLOPs, bytes sent) of one sub-matrix on TP rank ``j`` (blockwise: in ``grid``'s blocks)."""
     local, full, elem = sub.local_shape, sub.full_shape, ns.dtype_bytes
     local_n, full_n = sub.numel, full[0] * full[1]
     sharded = sub.is_sharded
-    if mode == "blockwise" or (not sharded and mode != "owner"):  # NS of what the rank holds
+    if mode == "blockwise":  # NS of what the rank holds, block by block
+        return grid[0] * grid[1] * ns.flops(*block_shape(local, grid)), 0
+    if not sharded and mode != "owner":  # NS of what the rank holds
         return ns.flops(*local), 0
     if mode == "duplicated":
         return ns.flops(*full), (tp - 1) * local_n * elem

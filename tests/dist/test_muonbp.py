@@ -83,6 +83,17 @@ def _worker(rank: int, world: int) -> dict:
         p.data.copy_(q)
     resumed = _run(rank, bp, STEPS - 2, start=2, opt_and_params=fresh)
     out["resumed"] = (resumed[0], first[1] + resumed[1], first[2] + resumed[2])
+    # The same with --muonbp-block-grid 2x2: the grid is a plan setting, not state, so a resume
+    # is bitwise as well.
+    grid = MuonConfig(tp_mode="owner", muonbp_period=3, muonbp_block_lr_mult=0.5, muonbp_block_grid=(2, 2), **BASE)
+    out["p3-grid"] = _run(rank, grid, STEPS)[:3]
+    first = _run(rank, grid, 2)
+    fresh = _optimizer(rank, grid)
+    fresh[1].load_state_dict(first[3].state_dict())
+    for p, q in zip(fresh[0], first[0]):
+        p.data.copy_(q)
+    resumed = _run(rank, grid, STEPS - 2, start=2, opt_and_params=fresh)
+    out["resumed-grid"] = (resumed[0], first[1] + resumed[1], first[2] + resumed[2])
     return out
 
 
@@ -118,6 +129,14 @@ def test_resume_keeps_the_phase(ranks):
     for r in ranks:
         assert r["resumed"][1] == r["p3"][1]
         assert all(torch.equal(a, b) for a, b in zip(r["resumed"][0], r["p3"][0]))
+
+
+def test_block_grid_resumes_bitwise_and_changes_the_block_steps(ranks):
+    for r in ranks:
+        assert r["resumed-grid"][1] == r["p3-grid"][1] == r["p3"][1]
+        assert all(torch.equal(a, b) for a, b in zip(r["resumed-grid"][0], r["p3-grid"][0]))
+        assert all(b == 0 for kind, b in zip(r["p3-grid"][1], r["p3-grid"][2]) if kind == "block")
+        assert not all(torch.equal(a, b) for a, b in zip(r["p3-grid"][0], r["p3"][0]))  # finer blocks, other update
 
 
 def test_block_step_learning_rate_by_hand():

@@ -58,6 +58,7 @@ FLAG_TO_FIELD = [
     ("--muonbp-period 0", "muonbp_period", 0),  # 0 (BlockMuon) is valid with any mode
     ("--muonbp-block-lr-mult 0.5", "muonbp_block_lr_mult", 0.5),
     ("--muonbp-block local", "muonbp_block", "local"),
+    ("--muonbp-period 2 --muonbp-block-grid 2x4", "muonbp_block_grid", (2, 4)),
     ("--muon-log-stats", "log_stats", True),
 ]
 
@@ -137,7 +138,8 @@ def test_flag_maps_to_its_field(parser, flags, field, value):
     config = muon_config_from_args(_parse(parser, flags))
     assert getattr(config, field) == value
     others = {f: getattr(config, f) for f in MuonConfig.field_names() if f != field}
-    needs = {"gram_fp16": {"ns_method": "gram"}}.get(field, {})  # a flag valid only beside another
+    needs = {"gram_fp16": {"ns_method": "gram"},  # flags valid only beside another
+             "muonbp_block_grid": {"muonbp_period": 2}}.get(field, {})
     assert others == {f: needs.get(f, getattr(CLI_DEFAULTS, f)) for f in others}
 
 

@@ -60,6 +60,11 @@ def test_writers_get_the_scalars(monkeypatch):
     write_scalars([_inner("muon")], 40)
     assert ("muon/orthogonalize_ms", 4.5, 40) in tensorboard.scalars and len(tensorboard.scalars) == 4
     assert wandb.logged == [(muon_scalars([_inner("muon")]), 40)]
+    norms = {"muon/param_norm": 12.5, "muon/update_rms_muon": 1e-3}  # hooks.norm_scalars' reduced figures
+    write_scalars([_inner("muon")], 42, norms)
+    assert ("muon/param_norm", 12.5, 42) in tensorboard.scalars and ("muon/update_rms_muon", 1e-3, 42) in \
+        tensorboard.scalars
+    assert wandb.logged[-1] == ({**muon_scalars([_inner("muon")]), **norms}, 42)
     monkeypatch.setattr(global_vars, "_GLOBAL_TENSORBOARD_WRITER", None)
     monkeypatch.setattr(global_vars, "_GLOBAL_WANDB_WRITER", None)
     write_scalars([_inner("muon")], 41)  # no writer configured: nothing to do, nothing raised

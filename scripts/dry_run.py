@@ -427,6 +427,17 @@ def run_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout: str = "balanced", ep: 
         teardown()
 
 
+def busiest_rank(shape, tp: int, pp: int, dp: int, tp_mode: str, device: torch.device) -> int:
+    """The first stage's rank with the most NS FLOPs by the plan (rank 0's build, on ``device``)."""
+    parts, slot = build_rank(shape, tp, pp, dp, 0, tp_mode, device=device)
+    try:
+        flops = parts[0]["inner"].plan.ns_flops  # per (dp, tp) of the stage's grid
+        dp_rank, tp_rank = divmod(max(range(len(flops)), key=flops.__getitem__), tp)
+        return tp_rank + tp * dp_rank  # stage 0: Megatron's order, TP fastest, then DP
+    finally:
+        teardown()
+
+
 def time_rank(shape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, device: torch.device,
               repeats: int) -> dict:
     """The dense optimizer's step of ``rank`` on real tensors on ``device``, under the fake process

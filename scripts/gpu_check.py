@@ -19,10 +19,11 @@
   NCCL, every rank on its own GPU (4 GPUs: TP2 x DP2; 2 or 3: TP2 x DP1; 1: skipped, and the
   report says why); the rehearsal: 4 gloo ranks on the CPU. Megatron's own wrappers around the
   optimizer are not in it (tests/megatron/test_megatron_optimizer.py covers them on CPU).
-* ``real-step``: rank 0 of Llama-3 8B and 70B at TP8 x DP8 and 405B at TP8 x PP16 x DP64: the
-  dry run's model, DDP and optimizer (``scripts/dry_run.py``) on real tensors under torch's fake
-  process group, so one GPU runs one rank of a 512- or 8192-GPU layout; its step timed with CUDA
-  events, next to the plan's NS FLOPs at the hardware's matmul rate and the cost model's step.
+* ``real-step``: the busiest rank (by the plan's NS FLOPs, first stage) of Llama-3 8B and 70B at
+  TP8 x DP8 and 405B at TP8 x PP16 x DP64: the dry run's model, DDP and optimizer
+  (``scripts/dry_run.py``) on real tensors under torch's fake process group, so one GPU runs one
+  rank of a 64- or 8192-GPU layout; its step timed with CUDA events, next to the plan's NS FLOPs
+  at the hardware's matmul rate and the cost model's step.
 * ``ns``: Newton–Schulz in bf16 on Llama-3-8B's matrix shapes, batched as the optimizer batches
   them: TFLOP/s and the fraction of the GPU's dense bf16 peak; and one layer's matrices at TP8 as
   the owner mode runs them (each rank: its owned matrices) against duplicated (each rank: all of
@@ -49,7 +50,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("train", "equivalence", "real-step", "ns")
-# real-step: (model, TP, PP, DP) of the production layouts whose rank 0 is stepped
+# real-step: (model, TP, PP, DP) of the production layouts whose first stage's busiest rank is stepped
 REAL_STEP_LAYOUTS = (("llama3-8b", 8, 1, 8), ("llama3-70b", 8, 1, 8), ("llama3-405b", 8, 16, 64))
 # Dense bf16 peak by device name (NVIDIA datasheets), for the fraction-of-peak column.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -308,7 +309,8 @@ def _equivalence_body(rank: int, world: int, device: torch.device) -> dict:
 
 
 def run_real_step(args) -> dict:
-    """Rank 0 of each ``REAL_STEP_LAYOUTS`` entry: the real optimizer step (scripts/dry_run.py's
+    """The first stage's busiest rank (by its plan's NS FLOPs) of each ``REAL_STEP_LAYOUTS`` entry:
+    the real optimizer step (scripts/dry_run.py's
     model, DDP and optimizer, built on real tensors) under torch's fake process group, so one GPU
     runs a rank of a 512-GPU layout: the collectives move nothing, while their buffers, devices and
     the Newton–Schulz kernels are real. Shapes divided by ``--scale``. Next to it: this rank's NS
@@ -328,9 +330,11 @@ def run_real_step(args) -> dict:
         shape = dry_run.MODELS[model]
         shape = shape.scaled(args.scale) if args.scale > 1 else shape
         with contextlib.redirect_stdout(io.StringIO()):  # the optimizer's startup report: not this report's
-            res = dry_run.time_rank(shape, tp, pp, dp, 0, "owner", device, args.repeats)
+            rank = dry_run.busiest_rank(shape, tp, pp, dp, "owner", device)
+            res = dry_run.time_rank(shape, tp, pp, dp, rank, "owner", device, args.repeats)
         busiest = dry_run.cost_model_row(shape, tp, pp, dp, "owner")
-        rows.append(dict(model=model, layout=f"TP{tp} x PP{pp} x DP{dp}", scale=args.scale, step_ms=res["step_s"] * 1e3,
+        rows.append(dict(model=model, layout=f"TP{tp} x PP{pp} x DP{dp}", rank=rank, scale=args.scale,
+                         step_ms=res["step_s"] * 1e3,
                          device=res["device"], matrices=res["matrices"], ns_gflop=res["plan_ns_flops"] / 1e9,
                          predicted_ns_ms=res["plan_ns_flops"] / hw.matmul_flops * 1e3, hardware=hw.name,
                          busiest_step_ms_h100=busiest["step_ms_h100"]))
@@ -464,11 +468,13 @@ def markdown(results: dict) -> str:
         lines += ["", f"{'ok' if e['ok'] else 'FAILED'}: bound {e['tolerance']:g} (fp32 NS, summation order only)", ""]
     if "real-step" in results:
         r = results["real-step"]
-        lines += ["## real-step: rank 0's optimizer step on real tensors, fake process group (no data moves)", "",
-                  "| model | layout | shapes / | Muon matrices | NS GFLOP (plan) | step ms | NS ms predicted "
+        lines += ["## real-step: the busiest rank's optimizer step on real tensors, fake process group (no data "
+                  "moves)", "",
+                  "| model | layout | rank | shapes / | Muon matrices | NS GFLOP (plan) | step ms | NS ms predicted "
                   "(this rank, plan FLOPs at the matmul rate) | busiest rank's whole step, cost model, h100-sxm ms |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {x['model']} | {x['layout']} | {x['scale']} | {x['matrices']} | {x['ns_gflop']:.2f} | "
+                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [f"| {x['model']} | {x['layout']} | {x.get('rank', 0)} | {x['scale']} | {x['matrices']} | "
+                  f"{x['ns_gflop']:.2f} | "
                   f"{x['step_ms']:.2f} | {x['predicted_ns_ms']:.2f} ({x['hardware']}) | "
                   f"{x['busiest_step_ms_h100']:.1f} |"
                   for x in r["rows"]]

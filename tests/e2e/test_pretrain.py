@@ -176,3 +176,26 @@ def test_fsdp2_demo_config_trains(tmp_path, demo_data):
     losses = [float(m) for m in re.findall(r"lm loss: ([0-9.E+-]+)", out)]
     assert len(losses) == 11 and losses[-1] < losses[0] - 1.0, losses
     assert len(re.findall(r"muon bytes sent: 0\.0[0-9]+ MB", out)) == 11  # every matrix's rows, every step
+
+
+def test_block_grid_through_megatrons_loop_resumes_bitwise(tmp_path):
+    """--muonbp-period 2 --muonbp-block-grid 2x2 in Megatron's loop (TP2): block steps send
+    nothing, and a resume from the checkpoint of iteration 3 logs bitwise the uninterrupted run's
+    grad norms and final loss (the grid is a plan setting; the phase travels in the checkpoint)."""
+    ckpt = tmp_path / "ckpt"
+    # dropout off: the comparison is of the optimizer's state, not of the CPU dropout RNG's restore
+    grid = ["--muonbp-period", "2", "--muonbp-block-grid", "2x2", "--log-interval", "1", "--attention-dropout", "0.0",
+            "--hidden-dropout", "0.0"]
+    out = first_out = run_tiny([*grid, "--train-iters", "6", "--save", str(ckpt), "--save-interval", "3"], tmp_path)
+    rows = _iterations(out)
+    assert [it for it, *_ in rows] == [1, 2, 3, 4, 5, 6], out[-4000:]
+    assert [kind for *_, kind, _ in rows] == ["full", "block"] * 3
+    assert all(sent == 0 for *_, kind, sent in rows if kind == "block")
+    out = run_tiny([*grid, "--train-iters", "6", "--load", str(ckpt), "--ckpt-step", "3"], tmp_path)
+    resumed = _iterations(out)
+    assert [it for it, *_ in resumed] == [4, 5, 6], out[-4000:]
+    norms = re.compile(r"iteration\s+(\d+)/.*?grad norm: ([0-9.]+) \|")
+    first = dict(norms.findall(first_out))
+    after = norms.findall(out)
+    assert len(after) == 3 and all(first[it] == g for it, g in after), (first, after)
+    assert resumed[-1][3] == rows[-1][3] and [r[5] for r in resumed] == [r[5] for r in rows[3:]]

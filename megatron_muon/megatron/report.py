@@ -209,6 +209,10 @@ def startup_report(plans: Mapping[str, StepPlan], model_chunks, config: MuonConf
     else:
         lines.append(f"  MuonBP: period {config.muonbp_period} (a full step when t % P == 0), block-step lr x "
                      f"{config.muonbp_block_lr_mult} (eta_block / eta_full)")
+    if config.muonbp_block_grid is not None:
+        r, c = config.muonbp_block_grid
+        lines.append(f"  MuonBP block grid {r}x{c}: a block step orthogonalizes each local matrix as {r * c} blocks "
+                     f"({r} row bands x {c} column bands), each scaled by its own shape")
     return "\n".join(lines + list(resume or []))
 
 

@@ -110,6 +110,9 @@ def test_the_muonbp_line_says_what_each_period_does():
     assert line(muonbp_period=1) == ["  MuonBP: period 1: every step a full step (exactly Muon)"]
     assert line(muonbp_period=5, muonbp_block_lr_mult=0.5) == [
         "  MuonBP: period 5 (a full step when t % P == 0), block-step lr x 0.5 (eta_block / eta_full)"]
+    assert line(muonbp_period=4, muonbp_block_grid=(2, 4))[1] == (
+        "  MuonBP block grid 2x4: a block step orthogonalizes each local matrix as 8 blocks (2 row bands x 4 column "
+        "bands), each scaled by its own shape")
 
 
 def test_an_imbalanced_owner_plan_says_what_auto_would_plan():

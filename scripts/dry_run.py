@@ -448,6 +448,8 @@ def time_rank(shape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, device:
     this rank. The CPU rehearsal applies cpu_patches first (``gpu_check``)."""
     import statistics
 
+    from megatron_muon.optimizer import StepTimer
+
     parts, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, device=device)
     try:
         part = parts[0]
@@ -457,20 +459,8 @@ def time_rank(shape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, device:
                 p.grad = torch.randn_like(p)
         inner.init_state()
         inner.step()
-        times = []
-        for _ in range(repeats):
-            if device.type == "cuda":
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize()
-                begin.record()
-                inner.step()
-                end.record()
-                end.synchronize()
-                times.append(begin.elapsed_time(end) / 1e3)
-            else:
-                start = time.perf_counter()
-                inner.step()
-                times.append(time.perf_counter() - start)
+        timer = StepTimer(device)
+        times = [timer.measure(inner.step) for _ in range(repeats)]
         plan = inner.plan
         here = part["dp_rank"] * part["tp"] + part["tp_rank"]
         return dict(rank=rank, **slot, step_s=statistics.median(times), repeats=repeats, device=str(inner.device),

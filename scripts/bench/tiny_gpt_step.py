@@ -73,23 +73,13 @@ def measured_step(ddp, opt, grads, device) -> tuple[float, str, dict]:
     on a GPU (after a synchronize, so queued work does not count), the host clock on the CPU; the
     slowest rank's time by an all-reduce on the collective's own device (NCCL takes CUDA tensors)."""
     from megatron_muon import comm_stats
+    from megatron_muon.optimizer import StepTimer
     from megatron_muon.parallel.devices import group_device
 
     setup.fill_main_grads(ddp, grads)
     dist.barrier()
     with comm_stats() as stats:
-        if device.type == "cuda":
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            begin.record()
-            opt.step()
-            end.record()
-            end.synchronize()
-            seconds = begin.elapsed_time(end) / 1e3
-        else:
-            start = time.perf_counter()
-            opt.step()
-            seconds = time.perf_counter() - start
+        seconds = StepTimer(device).measure(opt.step)
     slowest = torch.tensor([seconds], dtype=torch.float64, device=group_device())
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     inner = setup.muon_inner(opt)

@@ -127,6 +127,7 @@ DROPPED_CONFIG_KEYS = ("save", "load", "save_interval", "ckpt_format", "optimize
 
 ITERATION_LINE = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): ([0-9.]+) \|"
                             r".*?lm loss: ([0-9.EeNnAaIiFf+-]+) \|")
+PARAM_NORM = re.compile(r"muon param norm: ([0-9.EeNnAaIiFf+-]+) \|")
 VALIDATION_LINE = re.compile(r"validation loss at iteration (\d+)(?: on validation set)? \| "
                              r"lm loss value: ([0-9.EeNnAaIiFf+-]+) \|")
 
@@ -252,7 +253,14 @@ def parse_log(text: str) -> dict:
     for m in VALIDATION_LINE.finditer(text):
         by_iteration.setdefault(int(m[1]), []).append(float(m[2]))
     val = [(it, sum(v) / len(v)) for it, v in sorted(by_iteration.items())]
-    return dict(train_loss=train, val_loss=val, ms_per_iteration=statistics.median(ms) if ms else None)
+    # --muon-log-stats: the Muon matrices' global parameter norm after the step, per logged iteration.
+    norms = []
+    for m in ITERATION_LINE.finditer(text):
+        end = text.find("\n", m.start())
+        if n := PARAM_NORM.search(text, m.start(), len(text) if end < 0 else end):
+            norms.append((int(m[1]), float(n[1])))
+    return dict(train_loss=train, val_loss=val, param_norm=norms,
+                ms_per_iteration=statistics.median(ms) if ms else None)
 
 
 def run_name(name: str, lr: float, seed: int) -> str:
@@ -260,14 +268,24 @@ def run_name(name: str, lr: float, seed: int) -> str:
     return f"{name}_lr{lr:g}" + ("" if seed == DEFAULT_SEED else f"_seed{seed}")
 
 
-def run_one(name: str, lr: float, seed: int, flags: list[str], out_dir: Path, timeout: float) -> dict:
-    log_path = out_dir / f"{run_name(name, lr, seed)}.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(ENTRY),
-           *flags, *OPTIMIZERS[name][1], "--lr", f"{lr:g}", "--min-lr", f"{lr / 10:g}", "--seed", str(seed)]
+def run_training(flags: list[str], log_path: Path, timeout: float, nproc: int = 2) -> dict:
+    """One run of Megatron's loop (``scripts/pretrain_gpt.py`` with ``flags``) on CPU, its stdout
+    and stderr in ``log_path``: returncode, wall_s, status (ok = exit 0, logged losses, all finite),
+    the parsed curves and best_val_loss. ``nproc`` ranks under torchrun; one rank runs the entry
+    directly with torchrun's variables set (no launcher interpreter to import torch in)."""
+    port = str(free_port())
+    if nproc == 1:
+        cmd = [sys.executable, str(ENTRY), *flags]
+        launch_env = dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", port, str(ENTRY), *flags]
+        launch_env = {}
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="",  # the CPU comparison wherever it runs
                CUDA_DEVICE_MAX_CONNECTIONS="1",     # Megatron wants it with TP > 1
-               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))  # 2 ranks share the cores
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),  # ranks share the cores
+               **launch_env)
     start = time.time()
     with open(log_path, "w") as log:
         log.write("$ " + shlex.join(cmd) + "\n")
@@ -281,15 +299,21 @@ def run_one(name: str, lr: float, seed: int, flags: list[str], out_dir: Path, ti
             rc = proc.wait()
             if not isinstance(err, subprocess.TimeoutExpired):
                 raise
-            log.write(f"\n[compare_optimizers] killed after --run-timeout {timeout:g} s\n")
+            log.write(f"\n[{Path(sys.argv[0]).stem}] killed after --run-timeout {timeout:g} s\n")
     wall = time.time() - start
-    result = dict(optimizer=name, label=OPTIMIZERS[name][0], lr=lr, seed=seed, returncode=rc, wall_s=round(wall, 1),
-                  log=log_path.name, **parse_log(log_path.read_text(errors="replace")))
+    result = dict(returncode=rc, wall_s=round(wall, 1), log=log_path.name,
+                  **parse_log(log_path.read_text(errors="replace")))
     losses = [v for _, v in result["train_loss"] + result["val_loss"]]
     ok = rc == 0 and result["train_loss"] and result["val_loss"] and all(map(math.isfinite, losses))
     result["status"] = "ok" if ok else "failed"
     result["best_val_loss"] = min(v for _, v in result["val_loss"]) if ok else None
     return result
+
+
+def run_one(name: str, lr: float, seed: int, flags: list[str], out_dir: Path, timeout: float) -> dict:
+    run_flags = [*flags, *OPTIMIZERS[name][1], "--lr", f"{lr:g}", "--min-lr", f"{lr / 10:g}", "--seed", str(seed)]
+    result = run_training(run_flags, out_dir / f"{run_name(name, lr, seed)}.log", timeout)
+    return dict(optimizer=name, label=OPTIMIZERS[name][0], lr=lr, seed=seed, **result)
 
 
 def previous_runs(results_path: Path, flags: list[str]) -> dict[tuple[str, float, int], dict]:

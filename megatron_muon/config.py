@@ -64,6 +64,10 @@ class MuonConfig:
     """orthogonalize Q, K and V of a fused QKV weight separately, per query group."""
     split_fc1: bool = True
     """orthogonalize the gate and up halves of a fused SwiGLU fc1 separately (upstream #6688)."""
+    split_in_proj: bool = True
+    """orthogonalize a Mamba mixer's fused ``in_proj`` by role, z, x, B, C and dt apart (the rows
+    megatron-core's ``partition_sizes`` marks): five different linear maps, as Q, K and V are.
+    Upstream megatron-core orthogonalizes it whole."""
     scale_mode: str = "spectral"
     """update scale by shape: spectral, shape_scaling or unit_rms_norm (``scaling.py``)."""
     extra_scale_factor: float = 1.0

@@ -137,10 +137,16 @@ def _device() -> torch.device:
 
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    """``GPTModel`` for this pipeline stage (the signature ``megatron.training.get_model`` calls)."""
+    """``GPTModel`` for this pipeline stage (the signature ``megatron.training.get_model`` calls);
+    ``HybridModel`` with ``--hybrid-layer-pattern`` (``megatron_muon.megatron.hybrid``)."""
     args = get_args()
     if config is None:
         config = core_transformer_config_from_args(args)
+    if args.hybrid_layer_pattern is not None:
+        from megatron_muon.megatron.hybrid import hybrid_model
+
+        return hybrid_model(args, config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+                            pg_collection=pg_collection)
     spec_kwargs = dict(
         num_experts=args.num_experts,
         moe_grouped_gemm=args.moe_grouped_gemm,

@@ -20,6 +20,9 @@ PARAMS = [
     ("fc1", (2 * 10, 16), 0, (1, (10, 10))),  # [gate; up]
     ("fc2", (16, 10), 1, None),
     ("router", (6, 16), None, None),  # not TP-split: every TP rank holds all of it
+    # a Mamba mixer's in_proj: [z 8; x 8; B 4; C 4; dt 2] rows per TP rank, each role TP-sharded on
+    # its own (megatron-core's partition_sizes), so the global role is the TP ranks' parts in order
+    ("in_proj", (26, 16), 0, (1, (8, 8, 4, 4, 2))),
 ]
 FP32_ATOL = 1e-5  # fp32 NS; only summation order differs (see test_tp_modes.FP32_ATOL)
 

@@ -6,7 +6,8 @@ One module for every question about a model's matrices:
   everything else AdamW (upstream's rule; an MoE router's weight is a Muon matrix too);
 * **tags**: fused QKV weights (``is_qkv``, ``qkv_split_shapes``, set here by module as upstream's
   emerging-optimizer path does) split per query group; a gated fc1 (``partition_stride == 2``,
-  or ``gated_fc1`` on Transformer Engine's grouped experts) splits into gate and up;
+  or ``gated_fc1`` on Transformer Engine's grouped experts) splits into gate and up; a Mamba
+  ``in_proj`` (megatron-core's ``partition_sizes``) into z, x, B, C and dt;
 * **the layout** of each matrix (``layout_of``: TP shard, split dim, fused rows, DP ranges);
 * **one describe per backend**, each returning the ``MatrixCatalogue`` the inner optimizer is
   built from (every matrix, the tensor this rank updates, the DP and TP groups) and the map from
@@ -105,6 +106,14 @@ def layout_of(name: str, param: torch.nn.Parameter, tp_size: int, muon_config: M
     elif (muon_config.split_fc1 and (getattr(param, "partition_stride", 1) == 2 or getattr(param, "gated_fc1", False))
           and partition_dim in (0, None)):
         split = RowSplit(1, (rows // 2, rows // 2))  # a gated fc1 holds [gate; up] on every TP rank
+    elif muon_config.split_in_proj and getattr(param, "partition_sizes", None) is not None:
+        # A Mamba in_proj: megatron-core shards each of z, x, B, C, dt over TP on its own and marks
+        # this rank's rows per role (``partition_sizes``), so role k's whole matrix is the TP ranks'
+        # k-th blocks in rank order, as for fc1's gate and up.
+        sizes = tuple(int(n) for n in param.partition_sizes)
+        if sum(sizes) != rows or partition_dim not in (0, None):
+            raise ValueError(f"{name}: partition_sizes {list(sizes)} do not describe its {rows} local rows")
+        split = RowSplit(1, sizes)
     return MatrixLayout(name, (rows, cols), partition_dim if partition_dim in (0, 1) else None, tp_size, split,
                         dp_ranges)
 

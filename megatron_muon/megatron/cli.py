@@ -38,6 +38,7 @@ FIELD_OF_DEST = {
     "muon_nesterov": "nesterov",
     "muon_split_qkv": "split_qkv",
     "muon_split_fc1": "split_fc1",
+    "muon_split_mamba_in_proj": "split_in_proj",
     "muon_scale_mode": "scale_mode",
     "muon_extra_scale_factor": "extra_scale_factor",
     "muon_fp32_matmul_prec": "fp32_matmul_prec",
@@ -172,6 +173,15 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument(
         "--muon-no-split-fc1", action="store_false", dest="muon_split_fc1",
         help="Orthogonalize a fused SwiGLU fc1 weight as one matrix (like --muon-no-split-qkv).",
+    )
+    group.add_argument(
+        "--muon-split-mamba-in-proj", action="store_true", dest="muon_split_mamba_in_proj",
+        help="Orthogonalize a Mamba mixer's fused in_proj by role: z, x, B, C and dt apart "
+             f"(megatron-core's partition_sizes). Default: {_on_off('split_in_proj')}.",
+    )
+    group.add_argument(
+        "--muon-no-split-mamba-in-proj", action="store_false", dest="muon_split_mamba_in_proj",
+        help="Orthogonalize a Mamba in_proj as one matrix, as upstream megatron-core does.",
     )
     group.add_argument(
         "--muon-auto-hardware", type=str, default=None, metavar="PROFILE_OR_JSON",

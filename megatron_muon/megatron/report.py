@@ -41,7 +41,7 @@ from ..plan.step_plan import StepPlan
 from .catalogue import is_muon_matrix, packed_in_backprop_order
 from .resume_config import report_lines
 
-__all__ = ["name_pattern", "startup_report"]
+__all__ = ["MAMBA_RULES", "name_pattern", "routing_note", "startup_report"]
 
 # Parameter names that should never reach Muon; flagged when they do.
 _SUSPICIOUS = ("position_embeddings", "embedding", "output_layer")
@@ -51,6 +51,27 @@ ROUTER_RULE = ("MoE router: Muon, as upstream megatron-core routes it (every 2-D
 """How the report marks an MoE router's weight (``[experts, hidden]``, 2-D): upstream's
 emerging-optimizer path (``_is_nonlinear_or_embedding`` in megatron-core 0.19.2's
 ``optimizer/emerging_optimizers.py``) sends it to Muon, and so does ``is_muon_matrix``."""
+
+MAMBA_RULES = {
+    ".mixer.in_proj.": "Mamba in_proj: z, x, B, C, dt orthogonalized apart, five maps of different roles, as Q, K, V "
+                       "(--muon-no-split-mamba-in-proj: whole, as upstream)",
+    ".mixer.out_proj.": "Mamba out_proj: a hidden-to-hidden map, Muon as attention's linear_proj",
+    ".mixer.conv1d_weight": "Mamba conv1d: a depthwise filter per channel (3-D), not a map between spaces: AdamW",
+    ".mixer.conv1d_bias": "Mamba conv1d bias: AdamW",
+    ".mixer.A_log": "Mamba A_log: per-head decay (1-D): AdamW",
+    ".mixer.D": "Mamba D: per-head skip gain (1-D): AdamW",
+    ".mixer.dt_bias": "Mamba dt_bias: per-head step bias (1-D): AdamW",
+    ".mixer.norm.": "Mamba gated norm gain (1-D): AdamW",
+}
+"""Why each Mamba mixer parameter goes where it goes (``is_muon_matrix``: 2-D and not an embedding;
+the in_proj split: ``catalogue.layout_of``), the note the report puts on its line."""
+
+
+def routing_note(pattern: str) -> str:
+    """The report's note on a name pattern's routing ('' for none)."""
+    if ".router." in pattern:
+        return ROUTER_RULE
+    return next((note for key, note in MAMBA_RULES.items() if key in pattern), "")
 
 
 def name_pattern(name: str) -> str:
@@ -89,8 +110,8 @@ def _matrix_lines(plan: StepPlan) -> list[str]:
         lay = plan.matrices[members[0]]
         modes = sorted({m for i in members for m in plan.tp_modes_of(i)})
         flag = "  NOTE: this name usually belongs to AdamW" if any(s in pattern for s in _SUSPICIOUS) else ""
-        if ".router." in pattern:
-            flag = f"  {ROUTER_RULE}"
+        if note := routing_note(pattern):
+            flag = f"  {note}"
         shapes = " + ".join(f"{r}x{c}" for r, c in lay.sub_global_shapes())
         lines.append(f"  muon   {pattern:<50} x{len(members):<4} NS on {shapes} ({_ns_text(plan.settings.ns, lay)})  "
                      f"tp mode {'/'.join(modes)}{flag}")
@@ -184,7 +205,8 @@ def startup_report(plans: Mapping[str, StepPlan], model_chunks, config: MuonConf
     if experts:
         lines += _matrix_lines(expert_plan)
     for pattern, count in adam.items():
-        lines.append(f"  adamw  {pattern:<50} x{count}")
+        note = routing_note(pattern)
+        lines.append(f"  adamw  {pattern:<50} x{count}" + (f"  {note}" if note else ""))
     if plan.dp_size > 1:
         lines.append(_cut_line(plan, config, buffer_layout(model_chunks)))
     lines += _plan_lines(plans, config, "this stage")

@@ -119,6 +119,11 @@ def settings_differences(margs, ckpt_args) -> list[str]:
     if getattr(margs, "swiglu", False) and getattr(margs, "muon_split_fc1", False):
         # megatron-core 0.19.2 orthogonalizes a fused SwiGLU fc1 whole; megatron-muon splits it by default
         out.append("fc1 gate and up orthogonalized apart (--muon-split-fc1; --muon-no-split-fc1 keeps upstream's)")
+    mamba = "M" in (getattr(margs, "hybrid_layer_pattern", None) or "")
+    if mamba and getattr(margs, "muon_split_mamba_in_proj", False):
+        # upstream orthogonalizes a Mamba in_proj whole; megatron-muon splits it by role by default
+        out.append("Mamba in_proj's z, x, B, C, dt orthogonalized apart (--muon-split-mamba-in-proj; "
+                   "--muon-no-split-mamba-in-proj keeps upstream's)")
     return out
 
 

@@ -90,6 +90,7 @@ _HYPERPARAMETERS: tuple[tuple[str, str], ...] = (
     ("muon_fp32_matmul_prec", "--muon-fp32-matmul-prec"),
     ("muon_split_qkv", "--muon-no-split-qkv"),
     ("muon_split_fc1", "--muon-split-fc1"),
+    ("muon_split_mamba_in_proj", "--muon-split-mamba-in-proj"),
     ("muonbp_block_lr_mult", "--muonbp-block-lr-mult"),
     ("muonbp_block", "--muonbp-block"),
     ("muonbp_block_grid", "--muonbp-block-grid"),

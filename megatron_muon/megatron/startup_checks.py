@@ -133,6 +133,10 @@ def _ignored_setting_rejections(args) -> list[tuple[bool, str]]:
          "drop one of them"),
         (not getattr(args, "muon_split_fc1", True) and not getattr(args, "swiglu", False),
          "--muon-no-split-fc1: only a SwiGLU fc1 (--swiglu) has gate and up halves to split; drop the flag"),
+        (not getattr(args, "muon_split_mamba_in_proj", True) and "M" not in (getattr(args, "hybrid_layer_pattern", None)
+                                                                              or ""),
+         "--muon-no-split-mamba-in-proj: only a Mamba layer (M in --hybrid-layer-pattern) has an in_proj to split; "
+         "drop the flag"),
     ]
 
 

@@ -38,6 +38,8 @@ FLAG_TO_FIELD = [
     ("--muon-no-split-qkv", "split_qkv", False),
     ("--muon-no-split-fc1", "split_fc1", False),
     ("--muon-no-split-fc1 --muon-split-fc1", "split_fc1", True),
+    ("--muon-no-split-mamba-in-proj", "split_in_proj", False),
+    ("--muon-no-split-mamba-in-proj --muon-split-mamba-in-proj", "split_in_proj", True),
     ("--muon-scale-mode unit_rms_norm", "scale_mode", "unit_rms_norm"),
     ("--muon-scale-mode shape_scaling", "scale_mode", "shape_scaling"),
     ("--muon-extra-scale-factor 0.2", "extra_scale_factor", 0.2),

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 EXPECTED_CONFIGS = {"tiny-cpu", "gpt-125m-muon", "llama3-8b-tp8-owner", "llama3-8b-tp8-muonbp",
                     "llama3-70b-tp8-pp4-owner", "moe-tiny-cpu", "moonlight-16b-a3b-ep8", "tiny-cpu-fsdp",
-                    "tiny-cpu-fsdp2"}
+                    "tiny-cpu-fsdp2", "hybrid-tiny-cpu"}
 
 
 @pytest.fixture(scope="module")
@@ -281,6 +281,9 @@ def test_config_passes_megatrons_parse_and_validate(installed, monkeypatch, path
     assert args.global_batch_size % args.micro_batch_size == 0
     for key in ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "lr",
                 "tensor_model_parallel_size", "pipeline_model_parallel_size", "muon_tp_mode"):
+        if key == "num_layers" and "hybrid_layer_pattern" in data:  # the pattern sets the layer count
+            assert args.num_layers == len(data["hybrid_layer_pattern"]) and key not in data
+            continue
         assert getattr(args, key) == data[key], key
     assert args.num_layers % args.pipeline_model_parallel_size == 0
     config = muon_config_from_args(args)
@@ -343,6 +346,16 @@ def test_moe_configs_are_what_they_say(installed, monkeypatch):
     assert big.moe_layer_freq == [0] + [1] * 26
     assert big.multi_latent_attention and not big.qk_clip
     assert big.overlap_grad_reduce and big.overlap_param_gather
+
+
+def test_hybrid_config_is_what_it_says(installed, monkeypatch):
+    """The CPU HybridModel demo: attention, MLP, attention, MoE (the pattern sets 4 layers), EP2 over
+    its 2 ranks, QK-clip on, through Megatron's parser."""
+    _as_on_a_gpu_node(installed, monkeypatch)
+    args = _parse_and_validate(installed, monkeypatch, load_yaml_args(ROOT / "configs" / "hybrid-tiny-cpu.yaml"))
+    assert args.hybrid_layer_pattern == "*-*E" and args.num_layers == 4
+    assert (args.num_experts, args.expert_model_parallel_size, args.tensor_model_parallel_size) == (4, 2, 1)
+    assert args.qk_clip and args.transformer_impl == "local" and args.save == "checkpoints/hybrid-tiny-cpu"
 
 
 def test_fsdp_config_is_what_it_says(installed, monkeypatch):

@@ -1,0 +1,114 @@
+"""``HybridModel`` (``--hybrid-layer-pattern``), megatron-core 0.19.2's successor of ``GPTModel``.
+
+The pattern gives one symbol per layer: ``*`` attention, ``-`` MLP, ``E`` MoE, ``M`` Mamba (a
+Llama-style 2-layer GPT is ``*-*-``). ``hybrid_model`` builds it for ``model_provider`` as
+``megatron.training`` would, with the layer specs:
+
+* ``--transformer-impl transformer_engine``: upstream's ``hybrid_stack_spec`` (Transformer
+  Engine linears, attention and norms, fused pre-norms; Mamba via mamba_ssm), or ``--spec``;
+* ``--transformer-impl local``: ``local_hybrid_stack_spec`` below, the local GPT layer spec's
+  parts per layer kind (what ``get_gpt_layer_local_spec`` gives a ``GPTModel``), and a Mamba layer
+  of megatron-core's ``MambaMixer`` between ``ColumnParallelLinear`` / ``RowParallelLinear``.
+  Upstream's ``HybridStack`` hard-codes Transformer Engine's norm for its final norm;
+  ``TorchNormHybridStack`` makes the same norm with the local spec's torch norm, under the same
+  name (``decoder.final_norm``), so checkpoints keep their keys.
+
+Mamba layers need mamba_ssm's kernels (CUDA) to run a forward; attention, MLP and MoE layers run
+anywhere. Routing of a Mamba mixer's parameters (docs/megatron_optimizer.md, "Model classes"):
+``in_proj`` and ``out_proj`` are Muon matrices, ``in_proj`` split by role into z, x, B, C and dt
+(``partition_sizes``, set by megatron-core; ``--muon-no-split-mamba-in-proj`` keeps it whole);
+``conv1d_weight`` (3-D), ``A_log``, ``D``, ``dt_bias`` and the norms go to AdamW.
+"""
+
+from __future__ import annotations
+
+__all__ = ["TorchNormHybridStack", "hybrid_model", "local_hybrid_stack_spec"]
+
+from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+
+
+class TorchNormHybridStack(HybridStack):
+    """``HybridStack`` whose final norm is the torch norm of the local spec (``WrappedTorchNorm``:
+    LayerNorm or RMSNorm as ``config.normalization`` says) instead of Transformer Engine's."""
+
+    def __init__(self, config, submodules, *args, post_layer_norm: bool = True, **kwargs):
+        from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+        super().__init__(config, submodules, *args, post_layer_norm=False, **kwargs)
+        self.post_layer_norm = post_layer_norm  # forward applies final_norm when this is set
+        if self.post_process and post_layer_norm:
+            self.final_norm = WrappedTorchNorm(config=config, hidden_size=config.hidden_size,
+                                               eps=config.layernorm_epsilon)
+
+
+def local_hybrid_stack_spec(num_experts: int | None, normalization: str, qk_layernorm: bool = False) -> ModuleSpec:
+    """The hybrid stack of local (non-Transformer-Engine) layers: each layer kind takes its parts
+    of the local GPT layer spec (attention: input norm + self-attention; MLP and MoE: pre-MLP norm
+    + MLP or MoE), and Mamba the local mixer."""
+    from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+    from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+    from megatron.core.ssm.mlp_layer import MLPLayer
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+    from megatron.core.transformer.transformer_layer import (
+        MoETransformerLayer,
+        TransformerLayer,
+        TransformerLayerSubmodules,
+    )
+
+    dense = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm).submodules
+    attention = TransformerLayerSubmodules(input_layernorm=dense.input_layernorm,
+                                           self_attention=dense.self_attention, self_attn_bda=dense.self_attn_bda)
+    mlp = TransformerLayerSubmodules(pre_mlp_layernorm=dense.pre_mlp_layernorm, mlp=dense.mlp,
+                                     mlp_bda=dense.mlp_bda)
+    layers = dict(
+        attention_layer=ModuleSpec(module=TransformerLayer, submodules=attention),
+        mlp_layer=ModuleSpec(module=MLPLayer, submodules=mlp),
+        mamba_layer=ModuleSpec(module=MambaLayer, submodules=MambaLayerSubmodules(
+            norm=WrappedTorchNorm,
+            mixer=ModuleSpec(module=MambaMixer, submodules=MambaMixerSubmodules(
+                in_proj=ColumnParallelLinear, out_proj=RowParallelLinear)),
+            mamba_bda=get_bias_dropout_add)),
+    )
+    if num_experts:
+        moe = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization=normalization,
+                                       qk_layernorm=qk_layernorm).submodules
+        layers["moe_layer"] = ModuleSpec(module=MoETransformerLayer, submodules=TransformerLayerSubmodules(
+            pre_mlp_layernorm=moe.pre_mlp_layernorm, mlp=moe.mlp, mlp_bda=moe.mlp_bda))
+    return ModuleSpec(module=TorchNormHybridStack, submodules=HybridStackSubmodules(**layers))
+
+
+def hybrid_model(args, config, *, pre_process: bool, post_process: bool, vp_stage=None, pg_collection=None):
+    """``HybridModel`` for this pipeline stage from Megatron's parsed ``args`` (as ``model_provider``
+    is called by ``megatron.training.get_model``)."""
+    import importlib
+
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    if getattr(args, "spec", None) and len(args.spec) == 2:  # --spec MODULE NAME, as upstream's hybrid entry
+        module, name = args.spec
+        spec = getattr(importlib.import_module(module), name)
+    elif args.transformer_impl == "transformer_engine":
+        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as spec
+    else:
+        spec = local_hybrid_stack_spec(args.num_experts, args.normalization, args.qk_layernorm)
+    return HybridModel(
+        config=config,
+        hybrid_stack_spec=spec,
+        vocab_size=args.padded_vocab_size,
+        max_sequence_length=args.max_position_embeddings,
+        hybrid_layer_pattern=args.hybrid_layer_pattern,
+        pre_process=pre_process,
+        post_process=post_process,
+        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+        parallel_output=True,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        position_embedding_type=args.position_embedding_type,
+        rotary_percent=args.rotary_percent,
+        rotary_base=args.rotary_base,
+        pg_collection=pg_collection,
+        vp_stage=vp_stage,
+    )

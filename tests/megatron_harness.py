@@ -161,7 +161,9 @@ def global_name(model, name: str) -> str:
         from megatron.core import parallel_state as ps
 
         at = parts.index("local_experts") + 1
-        local = len(model.decoder.layers[0].mlp.experts.local_experts)
+        # the layer this name is in (a hybrid stack's layer 0 may hold no experts)
+        layer = model.decoder.layers[int(name.split(".")[2])]
+        local = len(layer.mlp.experts.local_experts)
         parts[at] = str(ps.get_expert_model_parallel_rank() * local + int(parts[at]))
     return ".".join(parts)
 
@@ -241,6 +243,7 @@ def build_tiny_gpt(
     fsdp: str | None = None,
     mla: dict | None = None,
     fsdp2: bool = False,
+    hybrid: str | None = None,
 ) -> list:
     """The tiny GPT on this rank's TP x PP slot, wrapped like ``megatron.training.get_model``.
 
@@ -283,6 +286,9 @@ def build_tiny_gpt(
     ``MLASelfAttention`` around ``mla_attention.MLACoreAttention``, plain RoPE), its sizes:
     ``q_lora_rank`` (None: one ``linear_q_proj``), ``kv_lora_rank``, ``qk_head_dim``,
     ``qk_pos_emb_head_dim``, ``v_head_dim`` (``MLA`` by default); ``HEADS`` heads, no query groups.
+    ``hybrid``: a ``HybridModel`` of this layer pattern (``*`` attention, ``-`` MLP, ``E`` MoE with
+    ``moe``'s experts; ``num_layers`` must be its length) built with megatron-muon's local hybrid
+    stack spec (``megatron_muon.megatron.hybrid``), instead of the ``GPTModel``; PP1, no VPP.
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -294,6 +300,7 @@ def build_tiny_gpt(
     assert VOCAB % tp == 0 and FFN % tp == 0 and GROUPS % tp == 0, "tiny GPT supports tp in 1, 2"
     assert num_layers % (pp * (vpp or 1)) == 0
     assert init in ("by_name", "megatron")
+    assert hybrid is None or (len(hybrid) == num_layers and pp == 1 and vpp is None and mla is None), hybrid
     dtype = torch.bfloat16 if bf16 else torch.float32
     config = (MLATransformerConfig if mla is not None else TransformerConfig)(
         num_layers=num_layers,
@@ -329,21 +336,25 @@ def build_tiny_gpt(
         # the local spec is what --transformer-impl local builds; FSDP2's wrapper reads this to
         # skip wrapping ColumnParallelLinear (inside an already sharded TransformerLayer)
         **(dict(transformer_impl="local") if fsdp2 else {}),
+        **(dict(is_hybrid_model=True) if hybrid else {}),
     )
     def build_chunk(vp_stage):
         first = ps.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
         last = ps.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
-        model = GPTModel(
-            config=config,
-            transformer_layer_spec=_layer_spec(config, moe, vp_stage, mla is not None),
-            vocab_size=VOCAB,
-            max_sequence_length=SEQ,
-            pre_process=first,
-            post_process=last,
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="rope",
-            vp_stage=vp_stage,
-        )
+        if hybrid:
+            model = _hybrid_model(config, hybrid, moe)
+        else:
+            model = GPTModel(
+                config=config,
+                transformer_layer_spec=_layer_spec(config, moe, vp_stage, mla is not None),
+                vocab_size=VOCAB,
+                max_sequence_length=SEQ,
+                pre_process=first,
+                post_process=last,
+                share_embeddings_and_output_weights=False,
+                position_embedding_type="rope",
+                vp_stage=vp_stage,
+            )
         if init == "by_name":
             _init_by_name(model, seed, ps.get_tensor_model_parallel_rank(), tp, num_layers)
         if bf16:
@@ -392,6 +403,20 @@ def build_tiny_gpt(
         return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, full_param_layout=layout)
 
     return [build_chunk(i) for i in range(vpp)] if vpp else [build_chunk(None)]
+
+
+def _hybrid_model(config, pattern: str, moe: dict | None):
+    """A ``HybridModel`` of ``pattern`` (PP1) with the local hybrid stack spec the entry script uses."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_muon.megatron.hybrid import local_hybrid_stack_spec
+
+    assert not config.sequence_parallel, "the local spec's torch norm refuses sequence parallelism"
+    return HybridModel(config=config, hybrid_stack_spec=local_hybrid_stack_spec(
+        moe.get("experts", 4) if moe else None, "RMSNorm"), vocab_size=VOCAB, max_sequence_length=SEQ,
+        hybrid_layer_pattern=pattern, share_embeddings_and_output_weights=False, position_embedding_type="rope",
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 
 class SequenceParallelTorchNorm:

@@ -212,6 +212,9 @@ class Run:
     """for the test: some Muon matrix is expected to be cut across DP ranks."""
     resume: bool = False
     """for the test: the run is also saved, rebuilt, loaded and resumed."""
+    hybrid: str | None = None
+    """a ``HybridModel`` of this layer pattern (``*`` attention, ``-`` MLP, ``E`` MoE) instead of the
+    GPT; ``layers`` must be its length (``build_tiny_gpt``'s ``hybrid``)."""
 
     def __post_init__(self):
         object.__setattr__(self, "muon", _settings(self.muon, MUON_KEYS, "muon"))
@@ -225,6 +228,8 @@ class Run:
             raise TypeError("Run: Megatron-FSDP implies dist_opt=True")
         if self.layout not in LAYOUTS:
             raise TypeError(f"Run.layout: expected one of {LAYOUTS}, got {self.layout!r}")
+        if self.hybrid is not None and len(self.hybrid) != self.layers:
+            raise TypeError(f"Run.hybrid {self.hybrid!r}: expected layers={len(self.hybrid)}, got {self.layers}")
 
     def __repr__(self) -> str:  # the settings that differ from the defaults
         changed = [f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self)
@@ -238,7 +243,7 @@ class Run:
 
 
 REFERENCE_FIELDS = ("layers", "seed", "steps", "batch", "data_seed", "fresh_batches", "microbatches", "clip", "moe",
-                    "mla", "qk_clip")
+                    "mla", "qk_clip", "hybrid")
 """The fields ``reference`` reads; the others describe how a distributed run gets there."""
 
 
@@ -355,7 +360,7 @@ def build(run: Run):
                            bucket_size=run.bucket_size, seed=run.seed, num_layers=run.layers, dp_layout=run.layout,
                            muon_config=muon_config, vpp=run.vpp, overlap=run.overlap,
                            layout_bucket_size=run.layout_bucket_size, moe=_dict(run.moe), fsdp=run.sharding,
-                           mla=_dict(run.mla), fsdp2=run.wrap == "fsdp2")
+                           mla=_dict(run.mla), fsdp2=run.wrap == "fsdp2", hybrid=run.hybrid)
     if run.overlap:  # megatron.training hands the schedule no_sync only with --overlap-grad-reduce
         no_sync = [chunk.no_sync for chunk in model]
         get_model_config(model[0]).no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
@@ -564,7 +569,8 @@ def _reference(run: Run) -> Trace:
 
     from megatron_muon import Muon
 
-    model = build_tiny_gpt(1, 1, seed=run.seed, num_layers=run.layers, moe=_dict(run.moe), mla=_dict(run.mla))
+    model = build_tiny_gpt(1, 1, seed=run.seed, num_layers=run.layers, moe=_dict(run.moe), mla=_dict(run.mla),
+                           hybrid=run.hybrid)
     assert not any(is_expert(p) for p in model[0].parameters())  # one process: every expert is local
     initial = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
     qk_clip = _ReferenceClip(model[0], run) if run.qk_clip is not None else None

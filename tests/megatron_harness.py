@@ -337,6 +337,7 @@ def build_tiny_gpt(
         # skip wrapping ColumnParallelLinear (inside an already sharded TransformerLayer)
         **(dict(transformer_impl="local") if fsdp2 else {}),
         **(dict(is_hybrid_model=True) if hybrid else {}),
+        **(MAMBA if hybrid and "M" in hybrid else {}),
     )
     def build_chunk(vp_stage):
         first = ps.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
@@ -403,6 +404,12 @@ def build_tiny_gpt(
         return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, full_param_layout=layout)
 
     return [build_chunk(i) for i in range(vpp)] if vpp else [build_chunk(None)]
+
+
+MAMBA = dict(mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=16)
+"""A Mamba mixer at hidden 64 (``M`` in ``hybrid``): d_inner 128 (expand 2), 8 heads of 16, 2 groups,
+state 16; in_proj rows [z 128; x 128; B 32; C 32; dt 8] (each TP2-divisible). Its construction needs
+``mamba_stand_ins``: megatron-core's mixer refuses to build without mamba_ssm, and no forward runs."""
 
 
 def _hybrid_model(config, pattern: str, moe: dict | None):

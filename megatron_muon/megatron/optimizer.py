@@ -185,7 +185,10 @@ def _check_supported(config: OptimizerConfig, model_chunks) -> None:
         raise ValueError("--num-distributed-optimizer-instances > 1: not supported with Muon yet")
     for chunk in model_chunks:
         for name, p in chunk.named_parameters():
-            if p.requires_grad and p.dim() > 2:
+            # A depthwise convolution's filters ([channels, 1, kernel], a Mamba mixer's
+            # conv1d_weight) are no stack of matrices: AdamW, as upstream routes every non-2-D tensor.
+            depthwise = p.dim() == 3 and p.shape[1] == 1
+            if p.requires_grad and p.dim() > 2 and not depthwise:
                 # TE >= 2.14's single grouped weight holds every local expert's matrix in one
                 # tensor; routed by dimension it would silently go to AdamW.
                 raise ValueError(

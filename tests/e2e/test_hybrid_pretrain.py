@@ -1,0 +1,70 @@
+"""``HybridModel`` through Megatron's own loop (``scripts/pretrain_gpt.py --hybrid-layer-pattern``).
+
+* The tiny GPT's flags with ``--hybrid-layer-pattern *-*-`` at TP2: 6 iterations saved at 3, then
+  a resume from that checkpoint that logs bitwise the uninterrupted run's grad norms and final loss
+  (the optimizer's bitwise resume at TP2 × DP2: ``tests/megatron/test_hybrid_model.py``).
+* ``configs/hybrid-tiny-cpu.yaml`` as a user runs it (``*-*E``: attention, MLP, attention, MoE at
+  EP2, QK-clip on the byte-level demo data): the same save and bitwise resume, the experts' own
+  optimizer, the clip's 8 heads (2 attention layers × 4).
+
+Dropout is off in both (the configs' choice): the comparison is of the optimizer's state.
+"""
+
+from __future__ import annotations
+
+import re
+
+from entry_harness import REPO, TINY, launch
+
+GRAD_NORM = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|")
+
+
+def _run(args, cwd, timeout=300) -> str:
+    job = launch(args, cwd, timeout=timeout)
+    assert job.returncode == 0, f"pretrain_gpt.py failed (rc={job.returncode}):\n{job.out[-6000:]}"
+    return job.out
+
+
+def _save_and_resume(args: list[str], tmp_path) -> tuple[str, str]:
+    """6 iterations saved at 3, then 4-6 again from that checkpoint; asserts the resumed
+    iterations' grad norms and the final loss are bitwise the first run's."""
+    ckpt = str(tmp_path / "ckpt")
+    common = [*args, "--train-iters", "6", "--log-interval", "1", "--lr-warmup-iters", "1", "--eval-iters", "0"]
+    first = _run([*common, "--save", ckpt, "--load", ckpt, "--save-interval", "3"], tmp_path)
+    resumed = _run([*common, "--load", ckpt, "--ckpt-step", "3"], tmp_path)
+    assert re.search(r"loading distributed checkpoint from \S+ at iteration 3", resumed), resumed[-4000:]
+    before = {it: (loss, norm) for it, loss, norm in GRAD_NORM.findall(first)}
+    after = GRAD_NORM.findall(resumed)
+    assert [it for it, *_ in after] == ["4", "5", "6"], resumed[-4000:]
+    # Every resumed step's grad norm, and the last loss. Not every logged loss: on CPU the loss
+    # Megatron logs two iterations after a resume differs while that step's grad norm (the same
+    # weights on the same batch) and every later value are bitwise equal, with GPTModel as well
+    # (found in issue 26, not explained yet); the state resumes exactly.
+    for it, _, norm in after:
+        assert before[it][1] == norm, f"iteration {it}: grad norm {before[it][1]} before, {norm} resumed"
+    assert before["6"][0] == after[-1][1], f"final loss {before['6'][0]} before, {after[-1][1]} resumed"
+    return first, resumed
+
+
+def test_hybrid_pattern_trains_and_resumes_bitwise(tmp_path):
+    args = [*TINY, "--hybrid-layer-pattern", "*-*-", "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
+    first, _ = _save_and_resume(args, tmp_path)
+    assert "GPTModel IS DEPRECATED" not in first  # a HybridModel was built
+    assert "megatron-muon: Muon on 8 matrices" in first
+    assert re.search(r"muon +decoder\.layers\.\*\.self_attention\.linear_qkv\.weight +x2 +NS on 64x64 \+ 64x64 \+ "
+                     r"64x64", first)  # the QKV split into q, k and v (global shapes), as in the GPT
+    assert re.search(r"adamw +decoder\.final_norm\.weight +x1", first)
+    losses = [float(loss) for _, loss, _ in GRAD_NORM.findall(first)]
+    assert losses[-1] < losses[0], losses
+
+
+def test_hybrid_demo_config_with_moe_and_qk_clip_resumes_bitwise(tmp_path, demo_data):
+    from megatron_muon.megatron.yaml_config import load_yaml_args
+
+    (tmp_path / "data").symlink_to(demo_data)
+    config = load_yaml_args(REPO / "configs" / "hybrid-tiny-cpu.yaml")
+    first, resumed = _save_and_resume(config, tmp_path)
+    assert "(4 expert matrices of this EP rank)" in first and "experts: EP 2 x expert-TP 1" in first
+    assert re.search(r"muon +decoder\.layers\.\*\.mlp\.router\.weight +x1", first)
+    assert len(re.findall(r"qk-clip heads clipped: \d+/8 \(tau 1\)", first)) == 6
+    assert len(re.findall(r"qk-clip heads clipped: \d+/8 \(tau 1\)", resumed)) == 3

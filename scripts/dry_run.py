@@ -6,6 +6,7 @@
     python scripts/dry_run.py --model mixtral-8x7b --tp 2 --ep 8 --dp 64 --tp-mode duplicated
     python scripts/dry_run.py --model deepseek-v3 --tp 1 --ep 8 --pp 16 --dp 64
     python scripts/dry_run.py --model llama3-70b --tp 8 --dp 8 --fsdp optim_grads_params
+    python scripts/dry_run.py --model nemotron-h-8b --tp 8 --dp 64 --tp-mode auto
 
 For each chosen rank it builds what a Megatron job builds on that rank — the real megatron-core
 ``GPTModel`` (local spec, bf16) with meta parameters, Megatron's DDP buffers and ZeRO-1 ranges,
@@ -19,6 +20,11 @@ data moves; shapes propagate, and:
 * every collective's sizes are checked against the plan: split sizes add up to the buffers, and
   for each pair of simulated ranks in one group the collectives line up in order and kind, and
   what one sends the other expects (``all_to_all`` splits, ``all_gather`` sizes).
+
+Hybrid models (``--model nemotron-h-8b``; issue 28): megatron-core's ``HybridModel`` with the
+entry's local hybrid stack spec (``megatron_muon.megatron.hybrid``), one pipeline stage; its Mamba
+mixers are built without mamba_ssm's kernels (``mamba_mixer_without_kernels``: their parameters
+only, which is all the step needs). No cost-model or planner-table row (GPT shapes only).
 
 MoE models (``--ep``, ``--etp``; issue 14): megatron-core's MoE layers (local spec,
 ``SequentialMLP``) on Megatron's expert-parallel groups; both optimizers of the chain (dense, and
@@ -75,9 +81,9 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from megatron_muon.config import MUONBP_BLOCKS  # noqa: E402
-from megatron_muon.core.models import LLAMA3, MOE_MODELS, ModelShape  # noqa: E402
+from megatron_muon.core.models import HYBRID_MODELS, LLAMA3, MOE_MODELS, ModelShape  # noqa: E402
 
-MODELS = {**{f"llama3-{k.lower()}": v for k, v in LLAMA3.items()}, **MOE_MODELS}
+MODELS = {**{f"llama3-{k.lower()}": v for k, v in LLAMA3.items()}, **MOE_MODELS, **HYBRID_MODELS}
 RANK_KINDS = ("first", "last", "no-first-piece", "idle-dp-owner", "pp-stages", "busiest", "expert-dp-group",
               "expert-tp-group")
 
@@ -165,6 +171,41 @@ def _moe_fields(shape: ModelShape, ep: int, etp: int) -> dict:
     return fields
 
 
+def _hybrid_fields(shape: ModelShape) -> dict:
+    """``TransformerConfig`` fields of a hybrid model: its Mamba mixers' sizes, a non-gated MLP's
+    activation (squared ReLU), ``is_hybrid_model`` (as ``--hybrid-layer-pattern`` sets it)."""
+    if shape.hybrid_pattern is None:
+        return {}
+    fields = dict(is_hybrid_model=True)
+    if shape.mamba is not None:
+        m = shape.mamba
+        fields.update(mamba_num_heads=m.num_heads, mamba_head_dim=m.head_dim, mamba_state_dim=m.state_dim,
+                      mamba_num_groups=m.num_groups)
+    if not shape.gated_mlp:
+        from megatron.core.activations import squared_relu
+
+        fields.update(activation_func=squared_relu)
+    return fields
+
+
+def _hybrid_model(shape: ModelShape, config, vocab: int, device: torch.device):
+    """megatron-core's ``HybridModel`` with the entry's local hybrid stack spec (PP1), its Mamba
+    mixers built without mamba_ssm's kernels (``mamba_mixer_without_kernels``: parameters only)."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_muon.megatron.hybrid import local_hybrid_stack_spec, mamba_mixer_without_kernels
+
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(0)  # the mixer draws conv1d and dt under the model-parallel RNG tracker
+    with mamba_mixer_without_kernels(device), device:
+        return HybridModel(config=config, hybrid_stack_spec=local_hybrid_stack_spec(None, "RMSNorm"),
+                           vocab_size=vocab, max_sequence_length=8192, hybrid_layer_pattern=shape.hybrid_pattern,
+                           share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                           pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+
+
 def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, dp_layout: str = "balanced",
                ep: int = 1, etp: int | None = None, fsdp: str | None = None, muonbp: tuple | None = None,
                vpp: int = 1, device: torch.device | None = None):
@@ -198,11 +239,12 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
     config = (MLATransformerConfig if shape.mla is not None else TransformerConfig)(
         num_layers=shape.num_layers, hidden_size=shape.hidden, ffn_hidden_size=shape.ffn_hidden,
         num_attention_heads=shape.num_heads, num_query_groups=shape.num_query_groups, kv_channels=shape.head_dim,
-        gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+        gated_linear_unit=shape.gated_mlp, normalization="RMSNorm", add_bias_linear=False,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, use_cpu_initialization=True, perform_initialization=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, **_layer_split(shape, pp, vpp), **_moe_fields(shape, ep, etp),
+        **_hybrid_fields(shape), **({} if not shape.gated_mlp else dict(activation_func=F.silu)),
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
     )
     # Megatron pads the vocabulary to a multiple of --make-vocab-size-divisible-by (128) x TP.
@@ -216,20 +258,26 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
                              **(dict(muonbp_period=muonbp[0], muonbp_block=muonbp[1]) if muonbp else {}))
     chunks = []
     for vp_stage in (range(vpp) if vpp > 1 else [None]):
-        if shape.num_experts or shape.mla is not None:  # per-layer specs (first dense layers), this stage's
-            spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
-                                              vp_stage=vp_stage)
-            if shape.mla is not None:
-                for layer in spec.layer_specs:
-                    layer.submodules.self_attention.submodules.core_attention = NoCoreAttention
+        if shape.hybrid_pattern is not None:
+            model = _hybrid_model(shape, config, vocab, device)
         else:
-            spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-        with device:  # the layers allocate on the default device under use_cpu_initialization
-            model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=8192,
-                             share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                             pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
-                             post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
-                             vp_stage=vp_stage)
+            if shape.num_experts or shape.mla is not None:  # per-layer specs (first dense layers), this stage's
+                spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
+                                                  vp_stage=vp_stage)
+                if shape.mla is not None:
+                    for layer in spec.layer_specs:
+                        layer.submodules.self_attention.submodules.core_attention = NoCoreAttention
+            else:
+                spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+            with device:  # the layers allocate on the default device under use_cpu_initialization
+                model = GPTModel(config=config, transformer_layer_spec=spec, vocab_size=vocab,
+                                 max_sequence_length=8192, share_embeddings_and_output_weights=False,
+                                 position_embedding_type="rope",
+                                 pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None,
+                                                                        vp_stage=vp_stage),
+                                 post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None,
+                                                                        vp_stage=vp_stage),
+                                 vp_stage=vp_stage)
         module = Float16Module(config, model)
         layout = None
         if fsdp is not None:
@@ -630,6 +678,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--fsdp with --pp {args.pp}: megatron-core 0.19.2's Megatron-FSDP builds its DP x TP mesh "
                      "from every rank of the job (world size = DP x TP x EP), so it cannot be built with pipeline "
                      "parallelism")
+    if shape.hybrid_pattern is not None and (args.pp > 1 or args.vpp > 1):
+        parser.error(f"--pp {args.pp}: {args.model} is a hybrid model; the dry run builds it as one pipeline stage "
+                     "(a hybrid pattern's stages are marked in the pattern itself, '|')")
     etp = args.tp if args.etp is None else args.etp
     if not shape.num_experts and (args.ep > 1 or etp != args.tp):
         parser.error(f"--ep / --etp: {args.model} has no experts")
@@ -661,7 +712,8 @@ def main(argv: list[str] | None = None) -> int:
                                      args.vpp)
     errors = [f"rank {r}: {e}" for r, res in results.items() for e in res["errors"]]
     errors += cross_rank_errors({r: res["trace"] for r, res in results.items()})
-    moe = bool(shape.num_experts) or shape.mla is not None  # the cost model and planner table: dense GQA only
+    # the cost model and planner table: dense GQA GPTs only
+    moe = bool(shape.num_experts) or shape.mla is not None or shape.hybrid_pattern is not None
     # the cost model knows DDP's buffer layouts only
     predicted = (None if moe or args.fsdp else
                  cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout))

@@ -42,13 +42,24 @@ fc1 / fc2; a shared expert (``shared_experts.linear_fc1`` / ``linear_fc2``) is a
 ``linear_q_up_proj`` (heads·(qk_head + rope) × q_lora), ``linear_kv_down_proj`` ((kv_lora + rope) ×
 hidden), ``linear_kv_up_proj`` (heads·(qk_head + v_head) × kv_lora), ``linear_proj`` (hidden ×
 heads·v_head); no fused QKV to split.
+
+Hybrid shapes (issue 28): megatron-core's ``HybridModel``, one symbol per layer of
+``hybrid_pattern`` (``M`` Mamba, ``*`` attention, ``-`` MLP, ``E`` MoE). Nemotron-H-8B, from
+NVIDIA's Nemotron-H (arXiv 2504.03624) as Megatron-Bridge documents it (docs/models/llm/nemotronh.md)
+and the HF ``config.json`` of nvidia/Nemotron-H-8B-Base-8K: 52 layers
+``M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-`` (24 Mamba-2, 4 attention, 24 MLP), hidden
+4096, attention 32 heads / 8 kv heads of 128, MLP 21504 with squared ReLU (not gated: fc1 is one
+matrix), Mamba-2 128 heads of 64 (d_inner 8192), 8 groups, state 128, conv kernel 4, vocab 131072.
+A Mamba mixer holds ``in_proj`` ((2·d_inner + 2·groups·state + heads) × hidden, rows [z; x; B;
+C; dt], ColumnParallel, each role sharded on its own) and ``out_proj`` (hidden × d_inner,
+RowParallel); its conv1d, A_log, D, dt_bias and norm are not matrices.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["LLAMA3", "MOE_MODELS", "MLAShape", "ModelShape", "llama3_matrices"]
+__all__ = ["HYBRID_MODELS", "LLAMA3", "MOE_MODELS", "MLAShape", "MambaShape", "ModelShape", "llama3_matrices"]
 
 
 @dataclass(frozen=True)
@@ -65,6 +76,26 @@ class MLAShape:
     """query/key RoPE channels per head (``--qk-pos-emb-head-dim``)."""
     v_head_dim: int
     """value channels per head (``--v-head-dim``)."""
+
+
+@dataclass(frozen=True)
+class MambaShape:
+    """A Mamba-2 mixer's sizes (megatron-core's ``mamba_*`` config fields)."""
+
+    num_heads: int
+    head_dim: int
+    state_dim: int
+    num_groups: int
+
+    @property
+    def d_inner(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def in_proj_sub_rows(self) -> tuple[int, int, int, int, int]:
+        """Rows of z, x, B, C and dt in ``in_proj`` (whole, all TP ranks)."""
+        bc = self.num_groups * self.state_dim
+        return self.d_inner, self.d_inner, bc, bc, self.num_heads
 
 
 @dataclass(frozen=True)
@@ -100,6 +131,13 @@ class ModelShape:
     """leading dense layers (of ``ffn_hidden``) before the MoE layers (DeepSeek's first_k_dense_replace)."""
     mla: MLAShape | None = None
     """multi-latent attention's sizes; None: grouped-query attention."""
+    hybrid_pattern: str | None = None
+    """a ``HybridModel``'s layers, one symbol each (``M`` Mamba, ``*`` attention, ``-`` MLP, ``E``
+    MoE); None: a GPT (every layer attention + MLP). ``num_layers`` is its length."""
+    mamba: MambaShape | None = None
+    """the Mamba mixers' sizes (with ``M`` in ``hybrid_pattern``)."""
+    gated_mlp: bool = True
+    """SwiGLU fc1 (gate and up, 2·ffn_hidden rows); False: one ffn_hidden × hidden matrix (squared ReLU)."""
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) holds experts."""
@@ -130,6 +168,9 @@ class ModelShape:
         expert-TP group) and the shared expert's ``shared_experts.linear_fc1`` / ``linear_fc2``;
         MLA layers list its five projections instead of linear_qkv and linear_proj.
         """
+        if self.hybrid_pattern is not None:
+            raise NotImplementedError(f"ModelShape.matrices: {self.name}: hybrid shapes are built by the dry run "
+                                      "(scripts/dry_run.py), not listed for the cost model")
         out = []
         for i in range(self.num_layers):
             mlp = [("linear_fc1", 2 * self.ffn_hidden, self.hidden, 0), ("linear_fc2", self.hidden, self.ffn_hidden, 1)]
@@ -192,6 +233,14 @@ MOE_MODELS: dict[str, ModelShape] = {
                                            qk_pos_emb_head_dim=64, v_head_dim=128)),
 }
 """Mixture-of-experts models (module docstring: sources; the DeepSeek-V3 shape has no MTP module)."""
+
+_NEMOTRON_H_8B_PATTERN = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+HYBRID_MODELS: dict[str, ModelShape] = {
+    "nemotron-h-8b": ModelShape("nemotron-h-8b", len(_NEMOTRON_H_8B_PATTERN), 4096, 32, 8, 128, 21504, 131072,
+                                hybrid_pattern=_NEMOTRON_H_8B_PATTERN, gated_mlp=False,
+                                mamba=MambaShape(num_heads=128, head_dim=64, state_dim=128, num_groups=8)),
+}
+"""Hybrid (Mamba + attention + MLP) models (module docstring: sources)."""
 
 
 def llama3_matrices(model: str) -> list[tuple[str, int, int, int]]:

@@ -22,8 +22,11 @@ anywhere. Routing of a Mamba mixer's parameters (docs/megatron_optimizer.md, "Mo
 
 from __future__ import annotations
 
-__all__ = ["TorchNormHybridStack", "hybrid_model", "local_hybrid_stack_spec"]
+__all__ = ["TorchNormHybridStack", "hybrid_model", "local_hybrid_stack_spec", "mamba_mixer_without_kernels"]
 
+import contextlib
+
+import torch
 from megatron.core.models.hybrid.hybrid_block import HybridStack, HybridStackSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 
@@ -112,3 +115,31 @@ def hybrid_model(args, config, *, pre_process: bool, post_process: bool, vp_stag
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
+
+
+class _GatedNormParams(torch.nn.Module):
+    """mamba_ssm's ``RMSNormGated`` as the optimizer sees it: one gain of ``hidden_size`` entries."""
+
+    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+
+
+@contextlib.contextmanager
+def mamba_mixer_without_kernels(device="cpu"):
+    """Build megatron-core's ``MambaMixer`` where mamba_ssm is not installed, for what needs only its
+    parameters (the dry run on the meta device, the routing tests on CPU); no forward can run.
+
+    Inside the block: the mixer's mamba_ssm check passes, its ``torch.cuda.current_device()``
+    allocations go to ``device``, and mamba_ssm's gated RMSNorm is a module with the same one
+    parameter (``weight``, d_inner / TP). Every other parameter, shape and TP attribute is
+    megatron-core's own. Restored on exit."""
+    from megatron.core.ssm import mamba_mixer
+
+    saved = (mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm, torch.cuda.current_device)
+    mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm = True, _GatedNormParams
+    torch.cuda.current_device = lambda: device
+    try:
+        yield
+    finally:
+        mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm, torch.cuda.current_device = saved

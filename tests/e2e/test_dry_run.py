@@ -72,6 +72,26 @@ def test_llama3_at_tp8_dp8(tmp_path, model):
     assert report["cost_model"]["ns_flops_max"] > 0 and report["cost_model"]["step_ms_h100"] > 0
 
 
+def test_nemotron_h_hybrid_at_tp8_dp8(tmp_path):
+    """A HybridModel (issue 28): Nemotron-H-8B's 52 layers (24 Mamba, 4 attention, 24 MLP) built by
+    the entry's local hybrid stack spec on the meta device, its Mamba mixers without mamba_ssm's
+    kernels (parameters only): the step equals its plan, every collective on the step device."""
+    proc, report = _dry_run(tmp_path, "--model", "nemotron-h-8b", "--tp", "8", "--dp", "8")
+    assert report["errors"] == [] and report["cost_model"] is None  # the cost model knows GPTs only
+    for rank, res in report["ranks"].items():
+        assert res["device"] == "meta" and res["trace"] > 0, rank
+        assert res["matrices"] == 24 * 2 + 4 * 2 + 24 * 2, rank  # in/out_proj, qkv/proj, fc1/fc2
+        assert res["ns_flops"] == res["plan_ns_flops"] > 0, rank
+        assert res["bytes_by_collective"]["all_to_all"] == res["plan_bytes_sent"], rank
+    out = proc.stdout
+    assert out.count("megatron-muon: Muon on 104 matrices") == 1
+    # in_proj by role at its global shapes (d_inner 8192; 8 groups x state 128; 128 heads), fc1 whole
+    assert re.search(r"muon +decoder\.layers\.\*\.mixer\.in_proj\.weight +x24 +NS on 8192x4096 \+ 8192x4096 \+ "
+                     r"1024x4096 \+ 1024x4096 \+ 128x4096 ", out)
+    assert re.search(r"muon +decoder\.layers\.\*\.mlp\.linear_fc1\.weight +x24 +NS on 21504x4096 ", out)
+    assert re.search(r"adamw +decoder\.layers\.\*\.mixer\.conv1d_weight +x24 +Mamba conv1d", out)
+
+
 def test_megatron_layout_cuts_matrices_and_moves_them(tmp_path):
     """--dp-layout megatron (megatron-core's buffer layout): matrices are cut, the DP exchange
     moves them, and the step still does what the plans and the planner table say."""

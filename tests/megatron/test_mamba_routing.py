@@ -2,11 +2,12 @@
 
 The mixer is built inside a ``HybridModel`` of pattern ``M*-`` (Mamba, attention, MLP) with the
 entry's local hybrid stack spec, at TP1 and at TP2. Megatron-core refuses to build the mixer
-without mamba_ssm and allocates on ``torch.cuda.current_device()``; three stand-ins, for the
-construction only, let it build on CPU: the mamba_ssm flag, the device, and the gated RMSNorm
-(mamba_ssm's ``RMSNormGated``: one ``weight`` of d_inner / TP entries, which is all the optimizer
-sees of it). Every parameter, its shape and its TP attributes are megatron-core's own. No forward
-runs (the selective scan is a mamba_ssm CUDA kernel): the step takes a seeded gradient.
+without mamba_ssm and allocates on ``torch.cuda.current_device()``;
+``hybrid.mamba_mixer_without_kernels`` lets it build on CPU, for the construction only: the
+mamba_ssm flag, the device, and the gated RMSNorm (mamba_ssm's ``RMSNormGated``: one ``weight``
+of d_inner / TP entries, which is all the optimizer sees of it). Every parameter, its shape and
+its TP attributes are megatron-core's own. No forward runs (the selective scan is a mamba_ssm
+CUDA kernel): the step takes a seeded gradient.
 
 Checked: the parameter names and shapes; the routing (``in_proj`` and ``out_proj`` to Muon, the
 3-D ``conv1d_weight``, ``conv1d_bias``, ``A_log``, ``D``, ``dt_bias`` and the norms to AdamW);
@@ -18,40 +19,19 @@ the real optimizer (owner mode) at TP2 against single-process Muon on the whole 
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 from dist_harness import run_world
 from megatron_harness import HIDDEN, MAMBA, destroy_megatron
 from training_harness import ATOL, LR, MUON, WD, Run, build, start
 
+from megatron_muon.megatron.hybrid import mamba_mixer_without_kernels
+
 D_INNER = 2 * HIDDEN
 HEADS = D_INNER // MAMBA["mamba_head_dim"]
 BC = MAMBA["mamba_num_groups"] * MAMBA["mamba_state_dim"]
 ROLES = (D_INNER, D_INNER, BC, BC, HEADS)  # z, x, B, C, dt rows of the whole in_proj
 PATTERN = "M*-"
-
-
-class GatedNormStandIn(torch.nn.Module):
-    """mamba_ssm's ``RMSNormGated`` as the optimizer sees it: one gain of ``hidden_size`` entries."""
-
-    def __init__(self, hidden_size, eps=1e-5, group_size=None, norm_before_gate=True, device=None, dtype=None):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
-
-
-@contextlib.contextmanager
-def mamba_stand_ins():
-    from megatron.core.ssm import mamba_mixer
-
-    saved = (mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm, torch.cuda.current_device)
-    mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm = True, GatedNormStandIn
-    torch.cuda.current_device = lambda: "cpu"
-    try:
-        yield
-    finally:
-        mamba_mixer.HAVE_MAMBA_SSM, mamba_mixer.ExtendedRMSNorm, torch.cuda.current_device = saved
 
 
 def _grad(name: str, shape) -> torch.Tensor:
@@ -75,7 +55,7 @@ def inspect(rank: int, world: int, tp: int) -> dict:
 
     run = Run(tp=tp, hybrid=PATTERN, layers=len(PATTERN), dist_opt=False)
     start(run)
-    with mamba_stand_ins():
+    with mamba_mixer_without_kernels():
         model, optimizer, scheduler = build(run)
     chunk = model[0].module
     out = dict(params={}, notes={})

@@ -193,10 +193,9 @@ def _hybrid_model(shape: ModelShape, config, vocab: int, device: torch.device):
     mixers built without mamba_ssm's kernels (``mamba_mixer_without_kernels``: parameters only)."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     from megatron_muon.megatron.hybrid import local_hybrid_stack_spec, mamba_mixer_without_kernels
-
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     model_parallel_cuda_manual_seed(0)  # the mixer draws conv1d and dt under the model-parallel RNG tracker
     with mamba_mixer_without_kernels(device), device:

@@ -13,7 +13,7 @@ Checked: the parameter names and shapes; the routing (``in_proj`` and ``out_proj
 3-D ``conv1d_weight``, ``conv1d_bias``, ``A_log``, ``D``, ``dt_bias`` and the norms to AdamW);
 ``in_proj`` split by role from megatron-core's ``partition_sizes`` into z, x, B, C and dt, whose
 global shapes are the same at TP1 and TP2 (each role is TP-sharded on its own, so role k's whole
-matrix is the TP ranks' k-th blocks in rank order); the startup report's notes; and one step of
+matrix is the TP ranks' k-th blocks in rank order); the startup report's notes; QK-clip's layers (the attention only, the mixer left alone); and one step of
 the real optimizer (owner mode) at TP2 against single-process Muon on the whole roles.
 """
 
@@ -72,6 +72,17 @@ def inspect(rank: int, world: int, tp: int) -> dict:
     out["out_proj_layout"] = (layout_of("out_proj", out_proj, tp, MuonConfig()).partition_dim,
                               layout_of("out_proj", out_proj, tp, MuonConfig()).full_shape)
 
+    # QK-clip on this model: the clipper's attention layers (only layer 1's; the mixer has no core attention).
+    from megatron_muon.megatron.qk_clip import build_qk_clip
+
+    config = model[0].config
+    config.qk_clip, config.qk_clip_threshold, config.qk_clip_alpha = True, 0.09, 0.5
+    dense = optimizer.chained_optimizers[0]
+    clipper = build_qk_clip(model, dense.matrix_of_param, ps.get_data_parallel_group(), 0)
+    out["qk_clip_attentions"] = [a.name for a in clipper.attentions]
+    out["qk_clip_weights"] = [w.name for a in clipper.attentions for w in a.weights]
+    config.qk_clip = False
+
     # One step: every grad zero but in_proj's, which gets this rank's rows of one seeded whole gradient.
     tp_rank = ps.get_tensor_model_parallel_rank()
     whole = _grad("in_proj", (sum(ROLES), HIDDEN))
@@ -125,6 +136,12 @@ def test_in_proj_splits_by_role_into_the_same_global_matrices(inspected, tp):
     assert subs == [(r, HIDDEN) for r in ROLES] and full == (sum(ROLES), HIDDEN)
     assert inspected[tp]["layout_split_False"][1] == [(sum(ROLES), HIDDEN)]  # --muon-no-split-mamba-in-proj
     assert inspected[tp]["out_proj_layout"] == ((1 if tp > 1 else None), (HIDDEN, D_INNER))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_qk_clip_takes_the_attention_layer_and_leaves_the_mixer(inspected, tp):
+    assert inspected[tp]["qk_clip_attentions"] == ["chunk0.module.decoder.layers.1.self_attention"]
+    assert inspected[tp]["qk_clip_weights"] == ["chunk0.module.decoder.layers.1.self_attention.linear_qkv.weight"]
 
 
 def test_report_says_why(inspected):

@@ -13,8 +13,9 @@ Checked: the parameter names and shapes; the routing (``in_proj`` and ``out_proj
 3-D ``conv1d_weight``, ``conv1d_bias``, ``A_log``, ``D``, ``dt_bias`` and the norms to AdamW);
 ``in_proj`` split by role from megatron-core's ``partition_sizes`` into z, x, B, C and dt, whose
 global shapes are the same at TP1 and TP2 (each role is TP-sharded on its own, so role k's whole
-matrix is the TP ranks' k-th blocks in rank order); the startup report's notes; QK-clip's layers (the attention only, the mixer left alone); and one step of
-the real optimizer (owner mode) at TP2 against single-process Muon on the whole roles.
+matrix is the TP ranks' k-th blocks in rank order); the startup report's notes; QK-clip's
+layers (the attention only, the mixer left alone); and one step of the real optimizer (owner
+mode) at TP2 against single-process Muon on the whole roles.
 """
 
 from __future__ import annotations

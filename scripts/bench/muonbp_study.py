@@ -173,6 +173,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--run-timeout", type=float, default=1800, help="seconds before a run is killed")
     p.add_argument("--reuse", action="store_true",
                    help="keep --out-dir's successful runs whose Megatron flags are unchanged")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: rewrite results.md and the PNGs from --out-dir's results.json")
     args = p.parse_args(argv)
     if args.workers < 1:
         p.error(f"--workers: expected an integer >= 1, got {args.workers}")
@@ -248,6 +250,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     size = args.size
     out_dir = args.out_dir.resolve()
+    if args.report_only:
+        recorded = json.loads((out_dir / "results.json").read_text())
+        size = StudySize(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded["meta"]["study"].items()})
+        print(report.write(recorded["runs"], recorded["meta"], size, out_dir))
+        return 0
     out_dir.mkdir(parents=True, exist_ok=True)
     data_dir = args.data_dir.resolve()
     if not (data_dir / "train_text_document.bin").is_file():

@@ -125,6 +125,15 @@ def test_report_on_a_synthetic_smoke_study(tmp_path):
     for name in ("ablation_heatmap.png", "large_lr.png", "comparison.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "results.md").read_text() == md
+    # --report-only: the same tables again from results.json, nothing run
+    import dataclasses
+    import json
+
+    (tmp_path / "results.md").unlink()
+    meta["study"] = dataclasses.asdict(size)
+    (tmp_path / "results.json").write_text(json.dumps(dict(meta=meta, runs=runs)))
+    assert study.main(["--report-only", "--out-dir", str(tmp_path)]) == 0
+    assert (tmp_path / "results.md").read_text() == md
 
 
 def test_param_norm_curve_is_parsed_from_the_stats_line():

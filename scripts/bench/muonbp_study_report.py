@@ -143,12 +143,16 @@ def large_lr_lines(records, size: StudySize, lr_muon: float) -> tuple[list[str],
         lines.append(f"| {v.label} | " + " | ".join(
             f"{spread_text(g)} | {_norm_end(g)}" for g in (cell(records, v, round(lr_muon * f, 9)) for f in factors))
             + " |")
-    top = round(lr_muon * factors[-1], 9)
-    block = cell(records, stable[1], top)
-    vs = {v.label: paired(block, cell(records, v, top)) for v in (stable[0], stable[2])}
-    lines += ["", f"At {factors[-1]:g}×, BlockMuon − each (paired): "
-              + "; ".join(f"{k} {diff_text(d)}" for k, d in vs.items()) + ".", ""]
-    return lines, dict(factor=factors[-1], vs=vs, block_failed=sum(r["status"] != "ok" for r in block))
+    per_factor = {}  # factor > 1 → (BlockMuon − Muon, BlockMuon − MuonBP, BlockMuon's failed seeds)
+    lines.append("")
+    for f in size.lr_factors:
+        lr = round(lr_muon * f, 9)
+        block = cell(records, stable[1], lr)
+        per_factor[f] = (paired(block, cell(records, stable[0], lr)), paired(block, cell(records, stable[2], lr)),
+                         sum(r["status"] != "ok" for r in block))
+        lines.append(f"At {f:g}×, BlockMuon − Muon {diff_text(per_factor[f][0])}, BlockMuon − MuonBP "
+                     f"{diff_text(per_factor[f][1])} (paired).")
+    return lines + [""], per_factor
 
 
 def write(records: list[dict], meta: dict, size: StudySize, out_dir: Path) -> str:
@@ -206,7 +210,7 @@ def write(records: list[dict], meta: dict, size: StudySize, out_dir: Path) -> st
 
     lines += ["## The paper's claims at this size", "", "| claim | paper | measured | held |", "|---|---|---|---|"]
     lines += _claim_rows(abl, big, paired(cell(records, bp, lrs[bp]), cell(records, muon, lr_muon)),
-                         best_other, paired(dual[best_other], dual[1.0]) if best_other is not None else None, size)
+                         best_mult, paired(dual[best_other], dual[1.0]) if best_other is not None else None, size)
     lines += ["", f"Command: `{meta['command']}`", ""]
     text = "\n".join(lines)
     (out_dir / "results.md").write_text(text)
@@ -215,31 +219,42 @@ def write(records: list[dict], meta: dict, size: StudySize, out_dir: Path) -> st
 
 
 def _claim_rows(abl, big, bp_vs_muon, best_mult, best_vs_one, size) -> list[str]:
+    """One row per claim; "held" says where it held, resolved (|mean| > 2 standard errors) or not."""
     def verdict(ok: bool, diffs) -> str:
         noisy = any(d is None or not resolved(d) for d in diffs)
         return ("yes" if ok else "no") + (", within seed noise" if noisy else "")
 
     gaps = abl["gaps"]
     ns = list(gaps)
-    ok1 = all(d is not None and d[0] > 0 for d in gaps.values()) and gaps[ns[-1]] and gaps[ns[0]] \
-        and gaps[ns[-1]][0] > gaps[ns[0]][0]
+    held = [n for n, d in gaps.items() if d is not None and d[0] > 0 and resolved(d)]
+    grows = all(gaps[a] is not None and gaps[b] is not None and gaps[a][0] <= gaps[b][0] for a, b in zip(ns, ns[1:]))
+    where = ("at every block count" if held == ns else f"at {', '.join(map(str, held))} blocks" if held
+             else "at no block count")
     row1 = (f"| 1. smaller P lowers the loss at every block count, more so with more blocks | P=2 vs 16 at "
             f"TP 2/4/8/16: +0.037 / +0.092 / +0.079 / +0.113 | P={_period_name(abl['p_hi'])} − P={abl['p_lo']}: "
-            + "; ".join(f"{n}: {diff_text(d)}" for n, d in gaps.items()) + f" | {verdict(bool(ok1), gaps.values())} |")
-    vs = big["vs"]
-    ok2 = big["block_failed"] > 0 or all(d is not None and d[0] > 0 for d in vs.values())
-    row2 = (f"| 2. BlockMuon is unstable at a large lr | 8B: BlockMuon ppl 24.68 vs Muon 13.40, MuonBP 12.97 | "
-            f"at {big['factor']:g}× Muon's lr, BlockMuon − Muon / MuonBP: "
-            + "; ".join(diff_text(d) for d in vs.values())
-            + (f"; BlockMuon diverged in {big['block_failed']} seeds" if big["block_failed"] else "")
-            + f" | {verdict(ok2, [] if big['block_failed'] else vs.values())} |")
+            + "; ".join(f"{n}: {diff_text(d)}" for n, d in gaps.items())
+            + f" | {'yes' if held == ns else 'partly' if held else 'no'}: lower {where} (resolved); the gap "
+            + ("grows" if grows else "does not grow monotonically") + " with the block count |")
+    parts, held2 = [], []
+    for f, (vs_muon, vs_bp, failed) in big.items():
+        ok = failed > 0 or (vs_muon is not None and vs_bp is not None and vs_muon[0] > 0 and vs_bp[0] > 0)
+        held2.append(ok and (failed > 0 or (resolved(vs_muon) and resolved(vs_bp))))
+        parts.append(f"{f:g}×: {verdict(ok, [] if failed else [vs_muon, vs_bp])}")
+    row2 = ("| 2. BlockMuon is unstable at a large lr | 8B: BlockMuon ppl 24.68 vs Muon 13.40, MuonBP 12.97 | "
+            "BlockMuon − Muon / − MuonBP at "
+            + "; ".join(f"{f:g}×: {diff_text(a)} / {diff_text(b)}" + (f", diverged in {n} seeds" if n else "")
+                        for f, (a, b, n) in big.items())
+            + f" | {'yes' if all(held2) else 'partly' if any(held2) else 'no'} ({'; '.join(parts)}) |")
     ok3 = bp_vs_muon is not None and bp_vs_muon[0] <= 0
     row3 = (f"| 3. MuonBP ≤ Muon at the best lr | 960M: 15.12 vs 15.33 ppl; 8B: 12.77 vs 12.90 | MuonBP − Muon "
             f"{diff_text(bp_vs_muon)} | {verdict(ok3, [bp_vs_muon])} |")
     lo = size.blocks ** -0.5
-    ok4 = best_vs_one is not None and best_vs_one[0] < 0 and lo - 1e-9 <= best_mult < 1.0
-    row4 = (f"| 4. two lrs beat one; best η_block/η_full in [1/√(rc), 1] | theory | best multiplier other than 1: "
-            f"{compare.fmt(best_mult, '.4g')}, − mult 1 {diff_text(best_vs_one)} | {verdict(ok4, [best_vs_one])} |")
+    in_range = best_mult is not None and lo - 1e-9 <= best_mult <= 1.0 + 1e-9
+    two_beat_one = best_vs_one is not None and best_vs_one[0] < 0
+    row4 = (f"| 4. two lrs beat one; best η_block/η_full in [1/√(rc), 1] | theory | best multiplier "
+            f"{compare.fmt(best_mult, '.4g')}; the best other than 1 − mult 1: {diff_text(best_vs_one)} | optimum in "
+            f"[{lo:.3g}, 1]: {'yes' if in_range else 'no'}; two lrs beat one: "
+            f"{verdict(two_beat_one, [best_vs_one])} |")
     return [row1, row2, row3, row4]
 
 

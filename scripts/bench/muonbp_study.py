@@ -118,8 +118,8 @@ class StudySize:
 
 
 FULL = StudySize(
-    # 4 layers, hidden 128, 4 heads / 2 groups, ffn 512, seq 128; batch 16: 2,048 tokens a step,
-    # 200 steps = 409,600 tokens; 4 evaluations of 8 batches (16,384 tokens) each.
+    # 4 layers, hidden 128, 4 heads / 2 groups, ffn 320 (Megatron's SwiGLU default), seq 128; batch 16:
+    # 2,048 tokens a step, 200 steps = 409,600 tokens; 4 evaluations of 8 batches (16,384 tokens) each.
     model_argv=("--hidden-size", "128", "--num-layers", "4", "--seq-length", "128", "--train-iters", "200",
                 "--micro-batch-size", "16", "--global-batch-size", "16", "--evals", "4", "--eval-iters", "8",
                 "--log-interval", "10"),

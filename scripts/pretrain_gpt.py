@@ -142,24 +142,9 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     args = get_args()
     if config is None:
         config = core_transformer_config_from_args(args)
-    if args.hybrid_layer_pattern is not None:
-        from megatron_muon.megatron.hybrid import hybrid_model
-
-        return hybrid_model(args, config, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-                            pg_collection=pg_collection)
-    spec_kwargs = dict(
-        num_experts=args.num_experts,
-        moe_grouped_gemm=args.moe_grouped_gemm,
-        qk_layernorm=args.qk_layernorm,
-        multi_latent_attention=args.multi_latent_attention,
-    )
-    if args.transformer_impl == "transformer_engine":
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
-    else:
-        layer_spec = get_gpt_layer_local_spec(**spec_kwargs, normalization=args.normalization)
-    return GPTModel(
+    # What GPTModel and HybridModel take alike (LanguageModule's arguments), from the same flags.
+    model_kwargs = dict(
         config=config,
-        transformer_layer_spec=layer_spec,
         vocab_size=args.padded_vocab_size,
         max_sequence_length=args.max_position_embeddings,
         pre_process=pre_process,
@@ -173,6 +158,21 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
         pg_collection=pg_collection,
         vp_stage=vp_stage,
     )
+    if args.hybrid_layer_pattern is not None:
+        from megatron_muon.megatron.hybrid import hybrid_model
+
+        return hybrid_model(args, **model_kwargs)
+    spec_kwargs = dict(
+        num_experts=args.num_experts,
+        moe_grouped_gemm=args.moe_grouped_gemm,
+        qk_layernorm=args.qk_layernorm,
+        multi_latent_attention=args.multi_latent_attention,
+    )
+    if args.transformer_impl == "transformer_engine":
+        layer_spec = get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
+    else:
+        layer_spec = get_gpt_layer_local_spec(**spec_kwargs, normalization=args.normalization)
+    return GPTModel(transformer_layer_spec=layer_spec, **model_kwargs)
 
 
 def get_batch(data_iterator, vp_stage=None):

@@ -114,6 +114,21 @@ def launch(args: list[str], cwd, *, nproc: int = 2, entry: Path = ENTRY, env: di
     return Job(proc.returncode, None, proc.stdout, proc.stderr)
 
 
+def bench_script_env() -> dict:
+    """The environment of a ``python -m scripts.bench.X`` subprocess started from a tmp directory."""
+    return dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
+
+
+def sources_dataset(tmp_path: Path) -> Path:
+    """A byte-level dataset of this package's own sources (scripts/prepare_data.py, 20% validation)
+    in ``tmp_path / "data"``, for the benchmark scripts' end-to-end runs."""
+    data = tmp_path / "data"
+    subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--out", str(data),
+                    "--input", str(REPO / "megatron_muon"), "--valid-fraction", "0.2"],
+                   check=True, capture_output=True, env=bench_script_env(), timeout=120)
+    return data
+
+
 def run_tiny(args: list[str], cwd: Path, torchrun: bool = False) -> str:
     job = launch([*TINY, *args], cwd, timeout=240, torchrun=torchrun)
     assert job.returncode == 0, f"pretrain_gpt.py failed (rc={job.returncode}):\n{job.out[-6000:]}"

@@ -24,6 +24,7 @@ compare with live here, each with its reason.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -461,6 +462,30 @@ def trace(run: Run, model, optimizer, done: list[Step]) -> Trace:
 def _train(run: Run) -> Trace:
     model, optimizer, scheduler = build(run)
     return trace(run, model, optimizer, steps(run, model, optimizer, scheduler))
+
+
+def resumed_params(run: Run, path: str, sharding: str) -> dict:
+    """``run`` for ``run.steps - 1`` steps, a torch_dist save (``sharding``: the distributed
+    optimizer's format) into ``path``, a rebuild from other initial weights (seed 999), a load and
+    the last step: this rank's params (``local_params``), to compare bitwise with the
+    uninterrupted run's. In an initialized world, between runs (it starts and destroys Megatron)."""
+    from checkpoint_harness import load_torch_dist, save_torch_dist
+
+    os.makedirs(path, exist_ok=True)
+    start(run)
+    model, optimizer, scheduler = build(run)
+    steps(run, model, optimizer, scheduler, count=run.steps - 1)
+    save_torch_dist(path, model, optimizer, scheduler, sharding)
+    del model, optimizer, scheduler  # their process groups' gloo threads end with them
+    destroy_megatron()
+    start(run)
+    model, optimizer, scheduler = build(dataclasses.replace(run, seed=999))
+    load_torch_dist(path, model, optimizer, scheduler)
+    steps(run, model, optimizer, scheduler, first=run.steps - 1, count=1)
+    params = local_params(model)
+    del model, optimizer, scheduler
+    destroy_megatron()
+    return params
 
 
 def train(run: Run) -> Trace:

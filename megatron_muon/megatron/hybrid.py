@@ -84,9 +84,10 @@ def local_hybrid_stack_spec(num_experts: int | None, normalization: str, qk_laye
     return ModuleSpec(module=TorchNormHybridStack, submodules=HybridStackSubmodules(**layers))
 
 
-def hybrid_model(args, config, *, pre_process: bool, post_process: bool, vp_stage=None, pg_collection=None):
-    """``HybridModel`` for this pipeline stage from Megatron's parsed ``args`` (as ``model_provider``
-    is called by ``megatron.training.get_model``)."""
+def hybrid_model(args, **model_kwargs):
+    """``HybridModel`` for this pipeline stage from Megatron's parsed ``args``: the layer pattern and
+    the stack spec here; ``model_kwargs`` are what ``GPTModel`` takes alike (config, vocabulary,
+    stage, embeddings, RoPE, process groups), built by the entry's ``model_provider``."""
     import importlib
 
     from megatron.core.models.hybrid.hybrid_model import HybridModel
@@ -98,23 +99,7 @@ def hybrid_model(args, config, *, pre_process: bool, post_process: bool, vp_stag
         from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as spec
     else:
         spec = local_hybrid_stack_spec(args.num_experts, args.normalization, args.qk_layernorm)
-    return HybridModel(
-        config=config,
-        hybrid_stack_spec=spec,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        hybrid_layer_pattern=args.hybrid_layer_pattern,
-        pre_process=pre_process,
-        post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-        pg_collection=pg_collection,
-        vp_stage=vp_stage,
-    )
+    return HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern=args.hybrid_layer_pattern, **model_kwargs)
 
 
 class _GatedNormParams(torch.nn.Module):
@@ -126,7 +111,7 @@ class _GatedNormParams(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def mamba_mixer_without_kernels(device="cpu"):
+def mamba_mixer_without_kernels(device):
     """Build megatron-core's ``MambaMixer`` where mamba_ssm is not installed, for what needs only its
     parameters (the dry run on the meta device, the routing tests on CPU); no forward can run.
 

@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from entry_harness import bench_script_env, sources_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_comparison_runs_and_writes_results(tmp_path):
-    data = tmp_path / "data"
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))  # -m scripts.bench from tmp
-    subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--out", str(data),
-                    "--input", str(REPO / "megatron_muon"), "--valid-fraction", "0.2"],
-                   check=True, capture_output=True, env=env, timeout=120)
+    data, env = sources_dataset(tmp_path), bench_script_env()
     out = tmp_path / "compare"
     cmd = [sys.executable, "-m", "scripts.bench.compare_optimizers", "--optimizers", "adamw,muonbp,muon_gram",
            "--lr-grid", "adamw=3e-3", "--lr-grid", "muonbp=5e-3", "--lr-grid", "muon_gram=5e-3",

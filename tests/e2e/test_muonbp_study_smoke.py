@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from entry_harness import bench_script_env, sources_dataset
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_smoke_study_runs_every_phase(tmp_path):
-    data = tmp_path / "data"
-    env = dict(os.environ, PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))  # -m scripts.bench from tmp
-    subprocess.run([sys.executable, str(REPO / "scripts" / "prepare_data.py"), "--out", str(data),
-                    "--input", str(REPO / "megatron_muon"), "--valid-fraction", "0.2"],
-                   check=True, capture_output=True, env=env, timeout=120)
+    data, env = sources_dataset(tmp_path), bench_script_env()
     out = tmp_path / "study"
     cmd = [sys.executable, "-m", "scripts.bench.muonbp_study", "--smoke", "--data-dir", str(data),
            "--out-dir", str(out)]

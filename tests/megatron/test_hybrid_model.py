@@ -25,11 +25,8 @@ import os
 
 import pytest
 import torch
-from checkpoint_harness import load_torch_dist as _load
-from checkpoint_harness import save_torch_dist as _save
 from dist_harness import run_world
-from megatron_harness import destroy_megatron
-from training_harness import ATOL, MOE, NORM_RTOL, K, Run, build, local_params, references, start, steps, train
+from training_harness import ATOL, MOE, NORM_RTOL, Run, references, resumed_params, train
 
 # fp32. Muon matrices: the GPT's bound (training_harness.ATOL, 2e-6: TP2's reduction order moves
 # grads in the last bits); measured max 6.0e-7 (TP2 × DP2, linear_fc2). Grad norms: NORM_RTOL.
@@ -64,21 +61,7 @@ def train_runs(rank: int, world: int, root: str) -> list[tuple]:
     for index, run in enumerate(RUNS):
         result, resumed = train(run), None
         if run.resume:
-            path = os.path.join(root, f"run{index}")
-            os.makedirs(path, exist_ok=True)
-            start(run)
-            model, optimizer, scheduler = build(run)
-            steps(run, model, optimizer, scheduler, count=K - 1)
-            _save(path, model, optimizer, scheduler, "dp_reshardable")
-            del model, optimizer, scheduler
-            destroy_megatron()
-            start(run)
-            model, optimizer, scheduler = build(dataclasses.replace(run, seed=999))
-            _load(path, model, optimizer, scheduler)
-            steps(run, model, optimizer, scheduler, first=K - 1, count=1)
-            resumed = local_params(model)
-            del model, optimizer, scheduler
-            destroy_megatron()
+            resumed = resumed_params(run, os.path.join(root, f"run{index}"), "dp_reshardable")
         out.append((result, resumed))
     return out
 

@@ -56,7 +56,7 @@ def inspect(rank: int, world: int, tp: int) -> dict:
 
     run = Run(tp=tp, hybrid=PATTERN, layers=len(PATTERN), dist_opt=False)
     start(run)
-    with mamba_mixer_without_kernels():
+    with mamba_mixer_without_kernels(torch.device("cpu")):  # the CPU tests' device
         model, optimizer, scheduler = build(run)
     chunk = model[0].module
     out = dict(params={}, notes={})

@@ -27,16 +27,12 @@ expert-TP shards) must NOT match the reference, so the comparison can fail.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
 import torch
-from checkpoint_harness import load_torch_dist as _load
-from checkpoint_harness import save_torch_dist as _save
 from dist_harness import run_world
-from megatron_harness import destroy_megatron
-from training_harness import MOE, K, Run, build, local_params, references, start, steps, train
+from training_harness import MOE, Run, references, resumed_params, train
 
 # fp32 throughout. The distributed runs sum the same products in another order (TP2's
 # RowParallel all-reduces and vocab-parallel cross entropy, the sequence-parallel reduce-scatters,
@@ -101,21 +97,7 @@ def train_runs(rank: int, world: int, root: str) -> list[tuple]:
         if run.resume:  # EP2 x expert-DP2 and TP2 x EP2 (expert-TP2): save, rebuild, load, step
             resumed = {}
             for sharding in ("dp_reshardable", "fully_reshardable"):
-                path = os.path.join(root, f"run{index}-{sharding}")
-                os.makedirs(path, exist_ok=True)
-                start(run)
-                model, optimizer, scheduler = build(run)
-                steps(run, model, optimizer, scheduler, count=K - 1)
-                _save(path, model, optimizer, scheduler, sharding)
-                del model, optimizer, scheduler  # their process groups' gloo threads end with them
-                destroy_megatron()
-                start(run)
-                model, optimizer, scheduler = build(dataclasses.replace(run, seed=999))
-                _load(path, model, optimizer, scheduler)
-                steps(run, model, optimizer, scheduler, first=K - 1, count=1)
-                resumed[sharding] = local_params(model)
-                del model, optimizer, scheduler
-                destroy_megatron()
+                resumed[sharding] = resumed_params(run, os.path.join(root, f"run{index}-{sharding}"), sharding)
         out.append((result, resumed))
     return out
 

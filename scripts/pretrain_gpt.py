@@ -8,8 +8,10 @@ megatron-core 0.19.2, whose ``megatron.training`` it drives unchanged):
 
 * ``megatron_muon.megatron.hooks.install()`` runs before anything parses the command line, so
   ``--optimizer muon`` and every ``--muon-*`` flag are known to every Megatron parser;
-* ``model_provider`` builds ``GPTModel`` with the local layer spec (``--transformer-impl local``;
-  the Transformer Engine spec is used only with ``--transformer-impl transformer_engine``);
+* the model is a ``ModelConfig`` (``model_config_from_args``), as in upstream's entries:
+  ``GPTModel``, or ``HybridModel`` with ``--hybrid-layer-pattern``; Megatron's builder picks the
+  local layer spec with ``--transformer-impl local`` and Transformer Engine's with
+  ``--transformer-impl transformer_engine``;
 * data: megatron-core's ``GPTDataset`` through ``BlendedMegatronDatasetBuilder``, from
   ``--data-path`` or ``--train-data-path/--valid-data-path`` (an indexed dataset prefix, e.g. the
   byte-level one read with ``--tokenizer-type NullTokenizer --vocab-size 257``), or
@@ -86,10 +88,6 @@ from megatron.core.datasets.gpt_dataset import (  # noqa: E402
 )
 from megatron.core.enums import ModelType  # noqa: E402
 from megatron.core.models.gpt import GPTModel  # noqa: E402
-from megatron.core.models.gpt.gpt_layer_specs import (  # noqa: E402
-    get_gpt_layer_local_spec,
-    get_gpt_layer_with_transformer_engine_spec,
-)
 from megatron.core.rerun_state_machine import get_rerun_state_machine  # noqa: E402
 from megatron.core.tokenizers.utils.build_tokenizer import build_tokenizer  # noqa: E402
 from megatron.core.utils import get_attr_wrapped_model, get_batch_on_this_tp_rank  # noqa: E402
@@ -100,11 +98,11 @@ from megatron.training import (  # noqa: E402
     print_rank_0,
     set_startup_timestamps,
 )
-from megatron.training.argument_utils import pretrain_cfg_container_from_args  # noqa: E402
-from megatron.training.arguments import (  # noqa: E402
-    core_transformer_config_from_args,
-    parse_and_validate_args,
+from megatron.training.argument_utils import (  # noqa: E402
+    gpt_config_from_args,
+    pretrain_cfg_container_from_args,
 )
+from megatron.training.arguments import parse_and_validate_args  # noqa: E402
 from megatron.training.utils import (  # noqa: E402
     get_blend_and_blend_per_split,
     is_first_or_last_pipeline_stage,
@@ -136,43 +134,19 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None):
-    """``GPTModel`` for this pipeline stage (the signature ``megatron.training.get_model`` calls);
-    ``HybridModel`` with ``--hybrid-layer-pattern`` (``megatron_muon.megatron.hybrid``)."""
-    args = get_args()
-    if config is None:
-        config = core_transformer_config_from_args(args)
-    # What GPTModel and HybridModel take alike (LanguageModule's arguments), from the same flags.
-    model_kwargs = dict(
-        config=config,
-        vocab_size=args.padded_vocab_size,
-        max_sequence_length=args.max_position_embeddings,
-        pre_process=pre_process,
-        post_process=post_process,
-        fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
-        parallel_output=True,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        position_embedding_type=args.position_embedding_type,
-        rotary_percent=args.rotary_percent,
-        rotary_base=args.rotary_base,
-        pg_collection=pg_collection,
-        vp_stage=vp_stage,
-    )
+def model_config_from_args(args):
+    """The model as Megatron's ``ModelConfig``, made as upstream's ``pretrain_gpt.py`` and
+    ``pretrain_hybrid.py`` make it: ``gpt_config_from_args`` (``GPTModel``; its builder picks the
+    local or Transformer Engine layer spec from ``--transformer-impl``, the MoE block spec with
+    ``--num-experts``), or with ``--hybrid-layer-pattern`` ``hybrid.hybrid_model_config``
+    (``HybridModel``). ``setup_model_and_optimizer`` builds it with the config's builder and wraps
+    it in DDP through ``megatron.training.models.dist_utils``, where the hooks lay out the
+    balanced buffers."""
     if args.hybrid_layer_pattern is not None:
-        from megatron_muon.megatron.hybrid import hybrid_model
+        from megatron_muon.megatron.hybrid import hybrid_model_config
 
-        return hybrid_model(args, **model_kwargs)
-    spec_kwargs = dict(
-        num_experts=args.num_experts,
-        moe_grouped_gemm=args.moe_grouped_gemm,
-        qk_layernorm=args.qk_layernorm,
-        multi_latent_attention=args.multi_latent_attention,
-    )
-    if args.transformer_impl == "transformer_engine":
-        layer_spec = get_gpt_layer_with_transformer_engine_spec(**spec_kwargs)
-    else:
-        layer_spec = get_gpt_layer_local_spec(**spec_kwargs, normalization=args.normalization)
-    return GPTModel(transformer_layer_spec=layer_spec, **model_kwargs)
+        return hybrid_model_config(args)
+    return gpt_config_from_args(args)
 
 
 def get_batch(data_iterator, vp_stage=None):
@@ -291,9 +265,8 @@ def main() -> None:
     args = parse_and_validate_args(args_defaults={"tokenizer_type": "GPT2BPETokenizer"})
     if CPU_PATCHES:
         print_rank_0(f"> no CUDA: megatron_muon.megatron.cpu_patches applied {len(CPU_PATCHES)} patches")
-    cfg = pretrain_cfg_container_from_args(args)  # no ModelConfig: the model comes from model_provider
-    pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step,
-             model_provider=model_provider)
+    cfg = pretrain_cfg_container_from_args(args, model_config_from_args(args))
+    pretrain(cfg, train_valid_test_datasets_provider, ModelType.encoder_or_decoder, forward_step)
     # Leave together: a rank that exits while a peer's gloo worker threads still run can abort
     # in the C++ runtime ("terminate called without an active exception", seen on a loaded CPU
     # host after training had finished), which fails the job although its work is done.

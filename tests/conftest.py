@@ -41,14 +41,13 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def hooks_restored(monkeypatch):
     """check_command_line installs the hooks into megatron.training; put everything back after."""
-    from megatron.training import arguments, training, yaml_arguments
+    import importlib
 
-    for module, names in ((arguments, ("add_megatron_arguments", "validate_args")),
-                          (yaml_arguments, ("validate_yaml",)),
-                          (training, ("get_megatron_optimizer", "training_log", "clip_qk", "wrap_model_chunks_with_ddp",
-                                      "save_checkpoint", "load_checkpoint"))):
-        for name in names:
-            monkeypatch.setattr(module, name, getattr(module, name))
+    from megatron_muon.megatron.hooks import HOOKED
+
+    for module_name, name in HOOKED:
+        module = importlib.import_module(module_name)
+        monkeypatch.setattr(module, name, getattr(module, name))
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # as scripts/run.sh exports it
 

@@ -92,18 +92,13 @@ def _global_state() -> tuple:
     """What a job may change in this process that the worker cannot restore (Megatron's global args,
     the functions hooks replace, the harness modules' constants): compared before and after each
     job; a difference retires the pool after the job's results are returned."""
-    training = sys.modules.get("megatron.training.training")
-    arguments = sys.modules.get("megatron.training.arguments")
+    from megatron_muon.megatron.hooks import HOOKED
+
     global_vars = sys.modules.get("megatron.training.global_vars")
-    yaml_arguments = sys.modules.get("megatron.training.yaml_arguments")
-    functions = tuple(
-        id(getattr(module, name, None))
-        for module, names in ((arguments, ("add_megatron_arguments", "validate_args", "parse_args")),
-                              (yaml_arguments, ("validate_yaml",)),
-                              (training, ("get_megatron_optimizer", "training_log", "clip_qk",
-                                          "wrap_model_chunks_with_ddp", "save_checkpoint", "load_checkpoint")))
-        if module is not None for name in names
-    )
+    # parse_args too: the CLI tests replace it
+    functions = tuple(id(getattr(sys.modules[module], name, None))
+                      for module, name in (*HOOKED, ("megatron.training.arguments", "parse_args"))
+                      if module in sys.modules)
     args = getattr(global_vars, "_GLOBAL_ARGS", None) if global_vars is not None else None
     # The harness modules' constants (the tiny GPT's sizes, the tolerances): a job that sets one
     # for its own runs would hand its model to the next job.

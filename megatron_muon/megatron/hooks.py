@@ -1,12 +1,13 @@
-"""Nine hooks that let upstream Megatron-LM's training loop (``pretrain_gpt.py``) use megatron-muon.
+"""Ten hooks that let upstream Megatron-LM's training loop (``pretrain_gpt.py``, ``pretrain_hybrid.py``) use megatron-muon.
 
 Usage: call ``install()`` before Megatron first parses the command line
-(``patches/pretrain_gpt.patch`` adds exactly these two lines to ``pretrain_gpt.py``)::
+(``patches/pretrain_gpt.patch`` and ``patches/pretrain_hybrid.patch`` add exactly these two lines
+to each entry)::
 
     import megatron_muon.megatron.hooks
     megatron_muon.megatron.hooks.install()
 
-``install()`` (idempotent) replaces nine module attributes of megatron-core 0.19.2's training
+``install()`` (idempotent) replaces ten module attributes (``HOOKED``) of megatron-core 0.19.2's training
 package, and ``sys.excepthook`` (``errors.py``: an uncaught ``UserInputError`` is one line and
 exit code 2); each exists because Megatron itself would do something else:
 
@@ -44,6 +45,9 @@ exit code 2); each exists because Megatron itself would do something else:
    chunk's buffer gets our layout (every Muon matrix whole in one DP shard) instead of
    ``DistributedOptimizer.compute_full_param_layout``'s. Megatron's own seam: DDP accepts a
    ``full_param_layout``, which is how its layer-wise optimizer lays out its buffers.
+   ``megatron.training.models.dist_utils._ddp_wrap`` (10.) is the same seam on the other path.
+   Before the optimizer is built, ``check_balanced_layout_applied`` refuses in one line a DDP
+   chunk that neither hook laid out, so the layout asked for is never silently megatron-core's.
 
 6. ``megatron.training.yaml_arguments.validate_yaml``: Megatron's experimental ``--yaml-cfg``
    validates with it instead of ``validate_args``, so none of the above would run; with
@@ -68,6 +72,14 @@ exit code 2); each exists because Megatron itself would do something else:
    when Transformer Engine is older or absent (the local attention's logit is tracked by us).
    With ``--muon-log-stats`` the log line also gets the clipped heads and the max logit.
 
+10. ``megatron.training.models.dist_utils._ddp_wrap``: when ``pretrain`` is given a
+    ``ModelConfig`` (``GPTModelConfig`` / ``HybridModelConfig``: upstream's ``pretrain_gpt.py`` and
+    ``pretrain_hybrid.py`` on core_r0.19.0 and main, and ``scripts/pretrain_gpt.py``),
+    ``setup_model_and_optimizer`` builds the model with the config's builder and wraps it in DDP
+    here, not in ``get_model``. For the call, the module's ``DistributedDataParallel`` is
+    ``layout.ddp_with_balanced_layout`` (as 5.); Megatron-FSDP, FSDP2 and the layer-wise optimizer
+    keep theirs.
+
 ``--optimizer dist_muon`` (deprecated upstream) and the other emerging optimizers keep upstream's
 implementations, and none of the checks above applies to them.
 """
@@ -75,6 +87,7 @@ implementations, and none of the checks above applies to them.
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import sys
 import time
@@ -189,6 +202,7 @@ def _wrap_get_megatron_optimizer(get_megatron_optimizer):
                     "parse_and_validate_args (and --yaml-cfg is not supported)"
                 )
             if active:
+                check_balanced_layout_applied(args, config, model_chunks)
                 optimizer = get_megatron_muon_optimizer(
                     config, model_chunks, muon_config_from_args(args),
                     config_overrides=config_overrides, pg_collection=pg_collection,
@@ -588,22 +602,84 @@ def _wrap_wrap_model_chunks_with_ddp(wrap_model_chunks_with_ddp):
     return wrapper
 
 
+def _wrap_ddp_wrap(ddp_wrap):
+    """``megatron.training.models.dist_utils._ddp_wrap``: the DDP wrap of Megatron's
+    ``ModelConfig`` builders (``GPTModelBuilder`` / ``HybridModelBuilder.build_distributed_models``,
+    what ``setup_model_and_optimizer`` runs when ``pretrain`` is given a model config, as upstream's
+    ``pretrain_gpt.py`` and ``pretrain_hybrid.py`` do). It constructs the module-level
+    ``DistributedDataParallel``; for the balanced layout that name is our factory for the call."""
+
+    signature = inspect.signature(ddp_wrap)
+    # what selects another wrapper than plain DDP (the last one only on Megatron-LM main)
+    other_wrappers = ("use_megatron_fsdp", "use_torch_fsdp2", "use_layer_wise_distributed_optimizer")
+
+    @functools.wraps(ddp_wrap)
+    def wrapper(*args, **kwargs):
+        from megatron.training import get_args
+        from megatron.training.models import dist_utils
+
+        call = signature.bind(*args, **kwargs).arguments
+        margs = get_args()
+        if (getattr(margs, ACTIVE, False) and call["ddp_config"].use_distributed_optimizer
+                and not any(call.get(name) for name in other_wrappers)):
+            muon_config = muon_config_from_args(margs)
+            if muon_config.dp_layout == "balanced":
+                from .layout import ddp_with_balanced_layout
+
+                megatron_ddp = dist_utils.DistributedDataParallel
+                dist_utils.DistributedDataParallel = ddp_with_balanced_layout(muon_config)
+                try:
+                    return ddp_wrap(*args, **kwargs)
+                finally:
+                    dist_utils.DistributedDataParallel = megatron_ddp
+        return ddp_wrap(*args, **kwargs)
+
+    setattr(wrapper, _ORIGINAL, ddp_wrap)
+    return wrapper
+
+
+def check_balanced_layout_applied(args, config, model_chunks) -> None:
+    """``--muon-dp-layout balanced`` (the default) with the distributed optimizer: every DDP chunk
+    must carry ``layout.BALANCED_MARK``. A chunk without it was wrapped on a path neither DDP hook
+    reaches, and would train on megatron-core's layout while the run says balanced."""
+    if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
+        return
+    if not getattr(config, "use_distributed_optimizer", False) or muon_config_from_args(args).dp_layout != "balanced":
+        return
+    from .layout import BALANCED_MARK
+
+    for index, chunk in enumerate(model_chunks):
+        if not getattr(chunk, BALANCED_MARK, False):
+            raise UserInputError(
+                f"--muon-dp-layout balanced: model chunk {index} ({type(chunk).__name__}) was wrapped in DDP "
+                "outside megatron.training's get_model / ModelConfig builders, so its buffers have "
+                "megatron-core's layout; build it with full_param_layout=megatron_muon.megatron.layout."
+                "balanced_full_param_layout(...), or pass --muon-dp-layout megatron")
+
+
+_HOOKS = (
+    ("megatron.training.arguments", "add_megatron_arguments", _wrap_add_megatron_arguments),
+    ("megatron.training.arguments", "validate_args", _wrap_validate_args),
+    ("megatron.training.yaml_arguments", "validate_yaml", _wrap_validate_yaml),
+    ("megatron.training.training", "get_megatron_optimizer", _wrap_get_megatron_optimizer),
+    ("megatron.training.training", "training_log", _wrap_training_log),
+    ("megatron.training.training", "clip_qk", _wrap_clip_qk),
+    ("megatron.training.training", "wrap_model_chunks_with_ddp", _wrap_wrap_model_chunks_with_ddp),
+    ("megatron.training.models.dist_utils", "_ddp_wrap", _wrap_ddp_wrap),
+    ("megatron.training.training", "save_checkpoint", _wrap_save_checkpoint),
+    ("megatron.training.training", "load_checkpoint", _wrap_load_checkpoint),
+)
+
+HOOKED = tuple((module, name) for module, name, _ in _HOOKS)
+"""Every ``(module, attribute)`` that ``install`` replaces (tests restore them after a test)."""
+
+
 def install() -> None:
     """Install the hooks into ``megatron.training``; calling it again changes nothing."""
-    from megatron.training import arguments, training, yaml_arguments
+    import importlib
 
-    hooks = [
-        (arguments, "add_megatron_arguments", _wrap_add_megatron_arguments),
-        (arguments, "validate_args", _wrap_validate_args),
-        (yaml_arguments, "validate_yaml", _wrap_validate_yaml),
-        (training, "get_megatron_optimizer", _wrap_get_megatron_optimizer),
-        (training, "training_log", _wrap_training_log),
-        (training, "clip_qk", _wrap_clip_qk),
-        (training, "wrap_model_chunks_with_ddp", _wrap_wrap_model_chunks_with_ddp),
-        (training, "save_checkpoint", _wrap_save_checkpoint),
-        (training, "load_checkpoint", _wrap_load_checkpoint),
-    ]
-    for module, name, wrap in hooks:
+    for module_name, name, wrap in _HOOKS:
+        module = importlib.import_module(module_name)
         if not hasattr(getattr(module, name), _ORIGINAL):
             setattr(module, name, wrap(getattr(module, name)))
     install_excepthook()

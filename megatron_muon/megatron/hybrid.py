@@ -1,10 +1,10 @@
 """``HybridModel`` (``--hybrid-layer-pattern``), megatron-core 0.19.2's successor of ``GPTModel``.
 
 The pattern gives one symbol per layer: ``*`` attention, ``-`` MLP, ``E`` MoE, ``M`` Mamba (a
-Llama-style 2-layer GPT is ``*-*-``). ``hybrid_model`` builds it for ``model_provider`` as
-``megatron.training`` would, with the layer specs:
+Llama-style 2-layer GPT is ``*-*-``). ``hybrid_model_config`` describes it as upstream's
+``pretrain_hybrid.py`` does, for Megatron's ``HybridModelBuilder``, with the layer specs:
 
-* ``--transformer-impl transformer_engine``: upstream's ``hybrid_stack_spec`` (Transformer
+* ``--transformer-impl transformer_engine``: upstream's default stack spec (Transformer
   Engine linears, attention and norms, fused pre-norms; Mamba via mamba_ssm), or ``--spec``;
 * ``--transformer-impl local``: ``local_hybrid_stack_spec`` below, the local GPT layer spec's
   parts per layer kind (what ``get_gpt_layer_local_spec`` gives a ``GPTModel``), and a Mamba layer
@@ -22,7 +22,7 @@ anywhere. Routing of a Mamba mixer's parameters (docs/megatron_optimizer.md, "Mo
 
 from __future__ import annotations
 
-__all__ = ["TorchNormHybridStack", "hybrid_model", "local_hybrid_stack_spec", "mamba_mixer_without_kernels"]
+__all__ = ["TorchNormHybridStack", "hybrid_model_config", "local_hybrid_stack_spec", "mamba_mixer_without_kernels"]
 
 import contextlib
 
@@ -84,22 +84,18 @@ def local_hybrid_stack_spec(num_experts: int | None, normalization: str, qk_laye
     return ModuleSpec(module=TorchNormHybridStack, submodules=HybridStackSubmodules(**layers))
 
 
-def hybrid_model(args, **model_kwargs):
-    """``HybridModel`` for this pipeline stage from Megatron's parsed ``args``: the layer pattern and
-    the stack spec here; ``model_kwargs`` are what ``GPTModel`` takes alike (config, vocabulary,
-    stage, embeddings, RoPE, process groups), built by the entry's ``model_provider``."""
-    import importlib
+def hybrid_model_config(args):
+    """Megatron's ``HybridModelConfig`` for the parsed flags, as upstream's ``pretrain_hybrid.py``
+    makes it (``hybrid_config_from_args``: the pattern, ``--spec MODULE NAME`` if given), and
+    ``setup_model_and_optimizer`` builds it with ``HybridModelBuilder``. Its default stack spec is
+    Transformer Engine's; with ``--transformer-impl local`` and no ``--spec`` it is
+    ``local_hybrid_stack_spec``."""
+    from megatron.training.argument_utils import hybrid_config_from_args
 
-    from megatron.core.models.hybrid.hybrid_model import HybridModel
-
-    if getattr(args, "spec", None) and len(args.spec) == 2:  # --spec MODULE NAME, as upstream's hybrid entry
-        module, name = args.spec
-        spec = getattr(importlib.import_module(module), name)
-    elif args.transformer_impl == "transformer_engine":
-        from megatron.core.models.hybrid.hybrid_layer_specs import hybrid_stack_spec as spec
-    else:
-        spec = local_hybrid_stack_spec(args.num_experts, args.normalization, args.qk_layernorm)
-    return HybridModel(hybrid_stack_spec=spec, hybrid_layer_pattern=args.hybrid_layer_pattern, **model_kwargs)
+    config = hybrid_config_from_args(args)
+    if config.hybrid_stack_spec is None and args.transformer_impl == "local":
+        config.hybrid_stack_spec = local_hybrid_stack_spec(args.num_experts, args.normalization, args.qk_layernorm)
+    return config
 
 
 class _GatedNormParams(torch.nn.Module):

@@ -8,7 +8,8 @@ it in. ``balanced_full_param_layout`` computes ours instead, with the same buffe
 (``group_params_for_buffers``), the same bucket size and the same alignment rules, from
 ``plan.balanced_layout``: every Muon matrix whole inside one DP shard.
 
-The hook (``hooks.py``) hands ``wrap_model_chunks_with_ddp`` a DDP factory
+The hooks (``hooks.py``) hand Megatron's two DDP wrappers (``wrap_model_chunks_with_ddp`` of
+``get_model``, ``models.dist_utils._ddp_wrap`` of the ``ModelConfig`` builders) a DDP factory
 (``ddp_with_balanced_layout``) that builds this layout for its chunk; Megatron's distributed
 optimizer then shards the buffer as always and ``MuonDistributedOptimizer`` finds every matrix
 on one DP rank, so ``plan_dp_owners`` pins each to the rank that holds it and the DP exchange
@@ -31,7 +32,7 @@ from ..plan.balanced_layout import MAX_PADDING, PARAM_ALIGN, LayoutItem, balance
 from .catalogue import is_muon_matrix, layout_of, tag_grouped_experts, tag_qkv
 from .checkpoint import check_saved_extents
 
-__all__ = ["balanced_buffer_layouts", "balanced_full_param_layout", "ddp_with_balanced_layout"]
+__all__ = ["BALANCED_MARK", "balanced_buffer_layouts", "balanced_full_param_layout", "ddp_with_balanced_layout"]
 
 
 def shard_divisor(dp_size: int, ddp_config) -> int:
@@ -108,19 +109,30 @@ def balanced_buffer_layouts(
     return out
 
 
-def ddp_with_balanced_layout(muon_config: MuonConfig):
-    """A drop-in for the ``DP`` class ``wrap_model_chunks_with_ddp`` constructs: megatron-core's
-    ``DistributedDataParallel`` given ``balanced_full_param_layout`` for its chunk.
+BALANCED_MARK = "megatron_muon_balanced_layout"
+"""Attribute set (True) on a DDP chunk whose buffers ``ddp_with_balanced_layout`` laid out; the
+training hooks refuse ``--muon-dp-layout balanced`` when a chunk lacks it (its DDP was built on
+a path the hooks do not reach, so the layout asked for would be silently megatron-core's)."""
 
-    The bucket size and DP size follow ``DistributedDataParallel.__init__``'s own rules (its
-    default bucket size, none without ``overlap_grad_reduce``, none on a pipeline stage after
-    the first or with ``disable_bucketing``), so the layout's buckets are the ones DDP would form.
+
+def ddp_with_balanced_layout(muon_config: MuonConfig):
+    """A drop-in for the ``DP`` class Megatron's DDP wrappers construct
+    (``training.wrap_model_chunks_with_ddp``, and ``models.dist_utils._ddp_wrap`` of the
+    ``ModelConfig`` builders): megatron-core's ``DistributedDataParallel`` given
+    ``balanced_full_param_layout`` for its chunk, and marked with ``BALANCED_MARK``.
+
+    A ``full_param_layout`` passed in is megatron-core's (``_ddp_wrap`` computes one for any
+    class it takes for plain DDP); with the distributed optimizer it is replaced by ours, which
+    is what this factory is for. The bucket size and DP size follow
+    ``DistributedDataParallel.__init__``'s own rules (its default bucket size, none without
+    ``overlap_grad_reduce``, none on a pipeline stage after the first or with
+    ``disable_bucketing``), so the layout's buckets are the ones DDP would form.
     """
 
     def build(*, config, ddp_config, module, disable_bucketing=False, pg_collection=None, full_param_layout=None):
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        if full_param_layout is None and ddp_config.use_distributed_optimizer:
+        if ddp_config.use_distributed_optimizer:
             groups = ProcessGroupCollection.setup_process_groups_for_ddp(pg_collection, config, ddp_config)
             dp_size = get_pg_size(groups["intra_dp_cp_group"])
             bucket_size = ddp_config.bucket_size
@@ -142,6 +154,7 @@ def ddp_with_balanced_layout(muon_config: MuonConfig):
         if ddp_config.use_distributed_optimizer:  # our layout and megatron-core's buffers agree
             names = {id(p): n for n, p in module.named_parameters()}
             check_saved_extents(ddp.buffers + ddp.expert_parallel_buffers, names, exact=True)
+            setattr(ddp, BALANCED_MARK, True)
         return ddp
 
     return build

@@ -12,6 +12,7 @@ same dispatch on a real one-rank GPT, with the config Megatron builds from the p
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 import pytest
@@ -237,9 +238,8 @@ def installed(megatron, monkeypatch):
     from megatron_muon.megatron import hooks
 
     arguments, training = megatron
-    for module, name in [(arguments, "add_megatron_arguments"), (arguments, "validate_args"),
-                         (training, "training_log"), (training, "clip_qk"),
-                         (training, "get_megatron_optimizer")]:
+    for module_name, name in hooks.HOOKED:
+        module = importlib.import_module(module_name)
         monkeypatch.setattr(module, name, getattr(module, name))
     monkeypatch.setenv("WORLD_SIZE", "1")
     monkeypatch.setenv("RANK", "0")
@@ -291,12 +291,13 @@ def test_every_megatron_parser_knows_our_flags_after_install(installed, monkeypa
 def test_install_is_idempotent(installed):
     from megatron_muon.megatron import hooks
 
-    arguments, training = installed
-    before = (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer,
-              training.training_log, training.wrap_model_chunks_with_ddp)
+    def hooked():
+        return [getattr(sys.modules[module], name) for module, name in hooks.HOOKED]
+
+    before = hooked()
+    assert all(hasattr(f, "__megatron_muon_original__") for f in before)
     hooks.install()
-    assert (arguments.add_megatron_arguments, arguments.validate_args, training.get_megatron_optimizer,
-            training.training_log, training.wrap_model_chunks_with_ddp) == before
+    assert hooked() == before
 
 
 REJECTED = [

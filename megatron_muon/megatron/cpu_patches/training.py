@@ -154,6 +154,18 @@ def patch_get_model() -> None:
     m.get_model = _get_model_cpu
 
 
+def patch_model_builders() -> None:
+    """megatron/training/models/dist_utils.py: ``_ddp_wrap``, the DDP wrap of the ``ModelConfig``
+    builders (``setup_model_and_optimizer`` with a model config: ``GPTModelBuilder`` /
+    ``HybridModelBuilder.build_distributed_models``), wraps the chunks on a side stream
+    (``torch.cuda.Stream()``, ``torch.cuda.stream(...)``, ``current_stream().wait_stream``): device
+    view (null streams). Its caller moves the chunks to the GPU only without
+    ``use_cpu_initialization``, which every CPU run sets (the layers need it to build on the CPU)."""
+    from megatron.training.models import dist_utils as m
+
+    _retarget_device_view(m, "_ddp_wrap", names=("Stream", "stream", "current_stream"))
+
+
 def patch_pretrain() -> None:
     """megatron/training/training.py: ``pretrain`` all-reduces its start timestamps from
     ``torch.tensor([...], dtype=torch.double, device='cuda')`` (program start, train start):

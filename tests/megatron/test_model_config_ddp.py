@@ -1,0 +1,111 @@
+"""The balanced layout on Megatron's ``ModelConfig`` path: ``GPTModelBuilder.build_distributed_models``.
+
+Upstream's ``pretrain_gpt.py`` and ``pretrain_hybrid.py`` (and ours) hand ``pretrain`` a model
+config; ``setup_model_and_optimizer`` then builds the model with its builder and wraps it in DDP
+in ``megatron.training.models.dist_utils._ddp_wrap``, not in ``training.wrap_model_chunks_with_ddp``.
+At TP1 x DP2, with the hooks installed and Megatron's args saying ``--optimizer muon``:
+
+* ``--muon-dp-layout balanced``: the real builder's DDP chunk carries ``layout.BALANCED_MARK``
+  and every Muon matrix lies inside one DP rank's shard of its bucket;
+* ``--muon-dp-layout megatron``: the chunk is megatron-core's (no mark), and the same buffers laid
+  out by megatron-core cut at least one matrix (so the first check can fail);
+* the dispatcher's check refuses a chunk without the mark under ``balanced`` in the table's one line
+  (``api-ddp-outside-hooks``), and accepts the builder's.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch.nn.functional as F
+from bad_inputs_table import expected_line
+from dist_harness import run_world
+from megatron_harness import destroy_megatron, init_megatron
+
+# Three layers (an even count puts megatron-core's DP2 midpoint between two layers): its one
+# bucket, halved over DP2, is cut inside layer 1's fc1 (checked in the megatron run below).
+LAYERS, HIDDEN, FFN, HEADS, VOCAB, SEQ = 3, 64, 192, 4, 128, 16
+
+
+def _matrices_cut(chunk) -> list[str]:
+    """Names of the Muon matrices whose buffer range crosses a DP shard boundary of its bucket."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_muon.megatron.catalogue import is_muon_matrix
+
+    dp = ps.get_data_parallel_world_size()
+    names = {p: n for n, p in chunk.module.named_parameters()}
+    cut = []
+    for buffer in chunk.buffers:
+        for param, (start, end, bucket_id) in buffer.param_index_map.items():
+            bucket = buffer.buckets[bucket_id]
+            shard = bucket.grad_data.numel() // dp
+            if is_muon_matrix(param) and (start - bucket.offset) // shard != (end - 1 - bucket.offset) // shard:
+                cut.append(names[param])
+    return cut
+
+
+def _builder_worker(rank: int, world: int, dp_layout: str) -> dict:
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.training import global_vars
+    from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
+
+    from megatron_muon.megatron import hooks
+    from megatron_muon.megatron.errors import UserInputError
+    from megatron_muon.megatron.layout import BALANCED_MARK
+
+    pg = init_megatron(1, 1)
+    saved_args = global_vars._GLOBAL_ARGS
+    modules = {module: __import__(module, fromlist=["_"]) for module, _ in hooks.HOOKED}
+    saved = {(module, name): getattr(modules[module], name) for module, name in hooks.HOOKED}
+    args = argparse.Namespace(megatron_muon=True, muon_dp_layout=dp_layout)
+    try:
+        hooks.install()
+        global_vars._GLOBAL_ARGS = args
+        config = TransformerConfig(
+            num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=FFN, num_attention_heads=HEADS,
+            gated_linear_unit=True, activation_func=F.silu, normalization="RMSNorm", add_bias_linear=False,
+            use_cpu_initialization=True, bias_activation_fusion=False, masked_softmax_fusion=False,
+            apply_rope_fusion=False, gradient_accumulation_fusion=False)
+        model_config = GPTModelConfig(
+            transformer=config, vocab_size=VOCAB, seq_length=SEQ, share_embeddings_and_output_weights=False,
+            position_embedding_type="rope", transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"))
+        chunks = GPTModelBuilder(model_config).build_distributed_models(
+            pg, ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True))
+        out = dict(marked=[getattr(c, BALANCED_MARK, False) for c in chunks],
+                   cut=[name for c in chunks for name in _matrices_cut(c)])
+        try:
+            hooks.check_balanced_layout_applied(
+                argparse.Namespace(megatron_muon=True, muon_dp_layout="balanced"),
+                argparse.Namespace(use_distributed_optimizer=True), chunks)
+            out["check"] = None
+        except UserInputError as e:
+            out["check"] = str(e)
+        return out
+    finally:
+        global_vars._GLOBAL_ARGS = saved_args
+        for (module, name), value in saved.items():
+            setattr(modules[module], name, value)
+        destroy_megatron()
+
+
+@pytest.fixture(scope="module")
+def built() -> dict:
+    return {layout: run_world(2, _builder_worker, layout) for layout in ("balanced", "megatron")}
+
+
+def test_builder_path_lays_out_balanced_buffers(built):
+    for rank, out in enumerate(built["balanced"]):
+        assert out["marked"] == [True], (rank, out)
+        assert out["cut"] == [], (rank, out["cut"])
+        assert out["check"] is None, out["check"]
+
+
+def test_megatron_layout_is_left_alone_and_the_check_refuses_it(built):
+    for out in built["megatron"]:
+        assert out["marked"] == [False]
+        assert out["cut"], "megatron-core's layout cuts no matrix here: the balanced run above proves nothing"
+        assert expected_line("api-ddp-outside-hooks").fullmatch(out["check"]), out["check"]

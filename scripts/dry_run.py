@@ -22,8 +22,8 @@ data moves; shapes propagate, and:
   what one sends the other expects (``all_to_all`` splits, ``all_gather`` sizes).
 
 Hybrid models (``--model nemotron-h-8b``; issue 28): megatron-core's ``HybridModel`` with the
-entry's local hybrid stack spec (``megatron_muon.megatron.hybrid``), one pipeline stage; its Mamba
-mixers are built without mamba_ssm's kernels (``mamba_mixer_without_kernels``: their parameters
+entry's local hybrid stack spec (``megatron_muon.megatron.hybrid``), its pattern cut into ``--pp``
+stages with ``|`` (``staged_pattern``); its Mamba mixers are built without mamba_ssm's kernels (``mamba_mixer_without_kernels``: their parameters
 only, which is all the step needs). No cost-model or planner-table row (GPT shapes only).
 
 MoE models (``--ep``, ``--etp``; issue 14): megatron-core's MoE layers (local spec,
@@ -81,7 +81,7 @@ from torch.utils._pytree import tree_leaves
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
 from megatron_muon.config import MUONBP_BLOCKS  # noqa: E402
-from megatron_muon.core.models import HYBRID_MODELS, LLAMA3, MOE_MODELS, ModelShape  # noqa: E402
+from megatron_muon.core.models import HYBRID_MODELS, LLAMA3, MOE_MODELS, ModelShape, staged_pattern  # noqa: E402
 
 MODELS = {**{f"llama3-{k.lower()}": v for k, v in LLAMA3.items()}, **MOE_MODELS, **HYBRID_MODELS}
 RANK_KINDS = ("first", "last", "no-first-piece", "idle-dp-owner", "pp-stages", "busiest", "expert-dp-group",
@@ -189,8 +189,10 @@ def _hybrid_fields(shape: ModelShape) -> dict:
 
 
 def _hybrid_model(shape: ModelShape, config, vocab: int, device: torch.device):
-    """megatron-core's ``HybridModel`` with the entry's local hybrid stack spec (PP1), its Mamba
-    mixers built without mamba_ssm's kernels (``mamba_mixer_without_kernels``: parameters only)."""
+    """This pipeline stage of megatron-core's ``HybridModel`` (the pattern cut by ``staged_pattern``)
+    with the entry's local hybrid stack spec, its Mamba mixers built without mamba_ssm's kernels
+    (``mamba_mixer_without_kernels``: parameters only)."""
+    from megatron.core import parallel_state as ps
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.process_groups_config import ProcessGroupCollection
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -200,8 +202,10 @@ def _hybrid_model(shape: ModelShape, config, vocab: int, device: torch.device):
     model_parallel_cuda_manual_seed(0)  # the mixer draws conv1d and dt under the model-parallel RNG tracker
     with mamba_mixer_without_kernels(device), device:
         return HybridModel(config=config, hybrid_stack_spec=local_hybrid_stack_spec(None, "RMSNorm"),
-                           vocab_size=vocab, max_sequence_length=8192, hybrid_layer_pattern=shape.hybrid_pattern,
+                           vocab_size=vocab, max_sequence_length=8192,
+                           hybrid_layer_pattern=staged_pattern(shape.hybrid_pattern, config.pipeline_model_parallel_size),
                            share_embeddings_and_output_weights=False, position_embedding_type="rope",
+                           pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                            pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 
@@ -242,7 +246,8 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, bf16=True, params_dtype=torch.bfloat16,
         pipeline_dtype=torch.bfloat16, use_cpu_initialization=True, perform_initialization=False,
         bias_activation_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        gradient_accumulation_fusion=False, **_layer_split(shape, pp, vpp), **_moe_fields(shape, ep, etp),
+        gradient_accumulation_fusion=False, **({} if shape.hybrid_pattern else _layer_split(shape, pp, vpp)),
+        **_moe_fields(shape, ep, etp),
         **_hybrid_fields(shape), **({} if not shape.gated_mlp else dict(activation_func=F.silu)),
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
     )
@@ -677,9 +682,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--fsdp with --pp {args.pp}: megatron-core 0.19.2's Megatron-FSDP builds its DP x TP mesh "
                      "from every rank of the job (world size = DP x TP x EP), so it cannot be built with pipeline "
                      "parallelism")
-    if shape.hybrid_pattern is not None and (args.pp > 1 or args.vpp > 1):
-        parser.error(f"--pp {args.pp}: {args.model} is a hybrid model; the dry run builds it as one pipeline stage "
-                     "(a hybrid pattern's stages are marked in the pattern itself, '|')")
+    if shape.hybrid_pattern is not None:
+        try:
+            staged_pattern(shape.hybrid_pattern, args.pp)
+        except ValueError as e:
+            parser.error(f"--pp {args.pp}: {e}")
+    if shape.hybrid_pattern is not None and args.vpp > 1:
+        parser.error(f"--vpp {args.vpp}: {args.model} is a hybrid model; the dry run cuts its pattern into --pp "
+                     "stages only (virtual stages would be pp x vpp '|' segments)")
     etp = args.tp if args.etp is None else args.etp
     if not shape.num_experts and (args.ep > 1 or etp != args.tp):
         parser.error(f"--ep / --etp: {args.model} has no experts")

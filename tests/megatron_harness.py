@@ -300,7 +300,7 @@ def build_tiny_gpt(
     assert VOCAB % tp == 0 and FFN % tp == 0 and GROUPS % tp == 0, "tiny GPT supports tp in 1, 2"
     assert num_layers % (pp * (vpp or 1)) == 0
     assert init in ("by_name", "megatron")
-    assert hybrid is None or (len(hybrid) == num_layers and pp == 1 and vpp is None and mla is None), hybrid
+    assert hybrid is None or (len(hybrid) == num_layers and vpp is None and mla is None), hybrid
     dtype = torch.bfloat16 if bf16 else torch.float32
     config = (MLATransformerConfig if mla is not None else TransformerConfig)(
         num_layers=num_layers,
@@ -343,7 +343,7 @@ def build_tiny_gpt(
         first = ps.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
         last = ps.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
         if hybrid:
-            model = _hybrid_model(config, hybrid, moe)
+            model = _hybrid_model(config, hybrid, moe, pp, first, last)
         else:
             model = GPTModel(
                 config=config,
@@ -412,18 +412,21 @@ state 16; in_proj rows [z 128; x 128; B 32; C 32; dt 8] (each TP2-divisible). It
 ``mamba_stand_ins``: megatron-core's mixer refuses to build without mamba_ssm, and no forward runs."""
 
 
-def _hybrid_model(config, pattern: str, moe: dict | None):
-    """A ``HybridModel`` of ``pattern`` (PP1) with the local hybrid stack spec the entry script uses."""
+def _hybrid_model(config, pattern: str, moe: dict | None, pp: int, first: bool, last: bool):
+    """This PP stage's ``HybridModel`` of ``pattern`` with the local hybrid stack spec the entry
+    script uses. At ``pp`` > 1 the pattern is cut into stages with megatron-core's separator
+    (``staged_pattern``: ``*-*-`` at PP2 is ``*-|*-``), as a user writes ``--hybrid-layer-pattern``."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
+    from megatron_muon.core.models import staged_pattern
     from megatron_muon.megatron.hybrid import local_hybrid_stack_spec
 
     assert not config.sequence_parallel, "the local spec's torch norm refuses sequence parallelism"
     return HybridModel(config=config, hybrid_stack_spec=local_hybrid_stack_spec(
         moe.get("experts", 4) if moe else None, "RMSNorm"), vocab_size=VOCAB, max_sequence_length=SEQ,
-        hybrid_layer_pattern=pattern, share_embeddings_and_output_weights=False, position_embedding_type="rope",
-        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        hybrid_layer_pattern=staged_pattern(pattern, pp), share_embeddings_and_output_weights=False,
+        position_embedding_type="rope", pre_process=first, post_process=last, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 
 class SequenceParallelTorchNorm:

@@ -59,7 +59,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-__all__ = ["HYBRID_MODELS", "LLAMA3", "MOE_MODELS", "MLAShape", "MambaShape", "ModelShape", "llama3_matrices"]
+__all__ = ["HYBRID_MODELS", "LLAMA3", "MOE_MODELS", "MLAShape", "MambaShape", "ModelShape", "llama3_matrices",
+           "staged_pattern"]
 
 
 @dataclass(frozen=True)
@@ -248,3 +249,25 @@ def llama3_matrices(model: str) -> list[tuple[str, int, int, int]]:
     if model not in LLAMA3:
         raise ValueError(f"llama3_matrices: unknown model {model!r}; expected one of {list(LLAMA3)}")
     return LLAMA3[model].matrices()
+
+
+def staged_pattern(pattern: str, pp: int) -> str:
+    """A hybrid layer pattern (one symbol per layer) cut into ``pp`` pipeline stages with
+    megatron-core's ``|``, as a user writes ``--hybrid-layer-pattern`` at PP > 1 (megatron-core
+    deprecates the pattern without separators there). Even when ``pp`` divides the layers; else
+    middle stages of ceil(layers / pp) and the rest split between the first and last, the split
+    the dry run gives a GPT (Nemotron-H-8B's 52 layers at PP4: 4 x 13; at PP8: 5 + 6 x 7 + 5).
+    Raises ``ValueError`` when the layers cannot fill ``pp`` stages that way."""
+    layers = len(pattern)
+    if pp < 1 or "|" in pattern:
+        raise ValueError(f"expected an unstaged pattern and pp >= 1, got {pattern!r} and {pp}")
+    if layers % pp == 0:
+        sizes = [layers // pp] * pp
+    else:
+        middle = -(-layers // pp)
+        rest = layers - middle * (pp - 2)
+        if pp < 3 or rest // 2 < 1:
+            raise ValueError(f"{layers} layers do not split over {pp} pipeline stages")
+        sizes = [rest // 2, *([middle] * (pp - 2)), rest - rest // 2]
+    cuts = [sum(sizes[:i]) for i in range(pp + 1)]
+    return "|".join(pattern[cuts[i]:cuts[i + 1]] for i in range(pp))

@@ -639,17 +639,25 @@ def _wrap_ddp_wrap(ddp_wrap):
 
 
 def check_balanced_layout_applied(args, config, model_chunks) -> None:
-    """``--muon-dp-layout balanced`` (the default) with the distributed optimizer: every DDP chunk
-    must carry ``layout.BALANCED_MARK``. A chunk without it was wrapped on a path neither DDP hook
-    reaches, and would train on megatron-core's layout while the run says balanced."""
+    """``--muon-dp-layout balanced`` (the default) with the distributed optimizer: the module every
+    DDP chunk wraps must carry ``layout.BALANCED_MARK`` (set by ``balanced_full_param_layout``). A
+    chunk without it was wrapped on a path neither DDP hook reaches, and would train on
+    megatron-core's layout while the run says balanced."""
     if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
         return
     if not getattr(config, "use_distributed_optimizer", False) or muon_config_from_args(args).dp_layout != "balanced":
         return
     from .layout import BALANCED_MARK
 
+    def marked(module) -> bool:  # DDP -> Float16Module -> the model: the layout marked the one DDP wraps
+        while module is not None:
+            if getattr(module, BALANCED_MARK, False):
+                return True
+            module = getattr(module, "module", None)
+        return False
+
     for index, chunk in enumerate(model_chunks):
-        if not getattr(chunk, BALANCED_MARK, False):
+        if not marked(chunk):
             raise UserInputError(
                 f"--muon-dp-layout balanced: model chunk {index} ({type(chunk).__name__}) was wrapped in DDP "
                 "outside megatron.training's get_model / ModelConfig builders, so its buffers have "

@@ -54,6 +54,9 @@ def balanced_full_param_layout(
 ) -> FullParamLayout:
     """The balanced ``FullParamLayout`` of one (un-wrapped) model chunk.
 
+    Marks ``model_chunk`` with ``BALANCED_MARK`` (what the training hooks check before the optimizer
+    is built).
+
     Args:
         model_chunk: the chunk DDP will wrap (its ``config`` names the attention shape, for the
             QKV split that sets each matrix's NS FLOPs).
@@ -71,6 +74,7 @@ def balanced_full_param_layout(
     named = [(n, p) for n, p in model_chunk.named_parameters() if p.requires_grad]
     layouts = balanced_buffer_layouts(named, bucket_size, dp_size, ddp_config, muon_config=muon_config,
                                       tp_size=tp_size, expert_dp_size=expert_dp_size, max_padding=max_padding)
+    setattr(model_chunk, BALANCED_MARK, True)
     return FullParamLayout(layouts={key: full for key, (_, full) in layouts.items()})
 
 
@@ -110,16 +114,17 @@ def balanced_buffer_layouts(
 
 
 BALANCED_MARK = "megatron_muon_balanced_layout"
-"""Attribute set (True) on a DDP chunk whose buffers ``ddp_with_balanced_layout`` laid out; the
-training hooks refuse ``--muon-dp-layout balanced`` when a chunk lacks it (its DDP was built on
-a path the hooks do not reach, so the layout asked for would be silently megatron-core's)."""
+"""Attribute set (True) on a model chunk (the module DDP wraps) by ``balanced_full_param_layout``;
+the training hooks refuse ``--muon-dp-layout balanced`` when a DDP chunk's module lacks it (its DDP
+was built on a path the hooks do not reach, so the layout asked for would be silently
+megatron-core's)."""
 
 
 def ddp_with_balanced_layout(muon_config: MuonConfig):
     """A drop-in for the ``DP`` class Megatron's DDP wrappers construct
     (``training.wrap_model_chunks_with_ddp``, and ``models.dist_utils._ddp_wrap`` of the
     ``ModelConfig`` builders): megatron-core's ``DistributedDataParallel`` given
-    ``balanced_full_param_layout`` for its chunk, and marked with ``BALANCED_MARK``.
+    ``balanced_full_param_layout`` for its chunk (which marks the chunk with ``BALANCED_MARK``).
 
     A ``full_param_layout`` passed in is megatron-core's (``_ddp_wrap`` computes one for any
     class it takes for plain DDP); with the distributed optimizer it is replaced by ours, which
@@ -154,7 +159,6 @@ def ddp_with_balanced_layout(muon_config: MuonConfig):
         if ddp_config.use_distributed_optimizer:  # our layout and megatron-core's buffers agree
             names = {id(p): n for n, p in module.named_parameters()}
             check_saved_extents(ddp.buffers + ddp.expert_parallel_buffers, names, exact=True)
-            setattr(ddp, BALANCED_MARK, True)
         return ddp
 
     return build

@@ -92,6 +92,24 @@ def test_nemotron_h_hybrid_at_tp8_dp8(tmp_path):
     assert re.search(r"adamw +decoder\.layers\.\*\.mixer\.conv1d_weight +x24 +Mamba conv1d", out)
 
 
+def test_nemotron_h_hybrid_at_tp8_pp8_dp8(tmp_path):
+    """The hybrid model in a pipeline: the 52-layer pattern cut into 8 stages with megatron-core's
+    ``|`` (5 + 6 x 7 + 5 layers), each stage's HybridModel with its own layers (two Muon matrices
+    each: in/out_proj, qkv/proj or fc1/fc2), the embedding on the first and the output layer on the
+    last; the step of the first rank of every stage equals its plan."""
+    proc, report = _dry_run(tmp_path, "--model", "nemotron-h-8b", "--tp", "8", "--pp", "8", "--dp", "8",
+                            "--ranks", "pp-stages")
+    assert report["errors"] == []
+    stages = {res["pp"]: res for res in report["ranks"].values()}
+    assert sorted(stages) == list(range(8))
+    for stage, res in stages.items():
+        layers = 5 if stage in (0, 7) else 7
+        assert res["device"] == "meta" and res["matrices"] == 2 * layers, (stage, res["matrices"])
+        assert res["ns_flops"] == res["plan_ns_flops"] > 0, stage
+        assert res["bytes_by_collective"]["all_to_all"] == res["plan_bytes_sent"], stage
+    assert proc.stdout.count("megatron-muon: Muon on 10 matrices") == 1  # the first stage's report
+
+
 def test_megatron_layout_cuts_matrices_and_moves_them(tmp_path):
     """--dp-layout megatron (megatron-core's buffer layout): matrices are cut, the DP exchange
     moves them, and the step still does what the plans and the planner table say."""

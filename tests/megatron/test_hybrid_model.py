@@ -9,7 +9,9 @@ weights in 4 hybrid layers) and ``*E*E`` (MoE layers: 4 experts, top-2). World 4
   other initial weights, loaded, and stepped once: bitwise the uninterrupted run) and with plain DDP;
 * ``*-*-`` at TP2 × DP2 with QK-clip (τ crossed by some heads at every step): the attention layers
   clip as in the GPT, each DP rank on its half of the batch;
-* ``*E*E`` at EP2 × expert-DP2 (TP1), the experts with their own chained optimizer.
+* ``*E*E`` at EP2 × expert-DP2 (TP1), the experts with their own chained optimizer;
+* ``*-|*-`` at PP2 × DP2 (TP1) with the balanced layout: each pipeline stage holds two of the
+  layers (megatron-core's ``|`` stage separator), saved and resumed bitwise as the first run.
 
 The reference is the same HybridModel on one process (TP1, every expert local): megatron_muon's
 single-process ``Muon`` on every matrix (QKV split per query group, fc1 into gate and up, the
@@ -46,11 +48,12 @@ RUNS = [
     Run(tp=2, dist_opt=True, qk_clip=(TAU, ALPHA), batch=4, split_batch=True, **DENSE),
     Run(tp=1, ep=2, dist_opt=True, moe=MOE, hybrid="*E*E", layers=4),
     Run(tp=2, dist_opt=True, tp_mode="blockwise", **DENSE),  # BlockMuon: must NOT match (the test can fail)
+    Run(tp=1, pp=2, dist_opt=True, layout="balanced", resume=True, **DENSE),  # "*-|*-": a stage per rank pair
 ]
 
 
 def _run_id(run: Run) -> str:
-    return "-".join([run.hybrid, f"tp{run.tp}", f"ep{run.ep}", "distopt" if run.dist_opt else "ddp", run.tp_mode,
+    return "-".join([run.hybrid, f"tp{run.tp}", f"pp{run.pp}", f"ep{run.ep}", "distopt" if run.dist_opt else "ddp", run.tp_mode,
                      *(["qkclip"] if run.qk_clip else [])])
 
 
@@ -61,7 +64,9 @@ def train_runs(rank: int, world: int, root: str) -> list[tuple]:
     for index, run in enumerate(RUNS):
         result, resumed = train(run), None
         if run.resume:
-            resumed = resumed_params(run, os.path.join(root, f"run{index}"), "dp_reshardable")
+            # the balanced layout's buffers are not megatron-core's packing: fully_reshardable
+            sharding = "fully_reshardable" if run.layout == "balanced" else "dp_reshardable"
+            resumed = resumed_params(run, os.path.join(root, f"run{index}"), sharding)
         out.append((result, resumed))
     return out
 
@@ -100,6 +105,8 @@ def test_matches_single_process_reference(trained, reference, index):
     assert adamw[0] <= (ATOL_MOE_ADAMW if run.moe else ATOL_ADAMW), f"{_run_id(run)}: {adamw[1]} off by {adamw[0]:.2e}"
     for step, (got, norm) in enumerate(zip(result.grad_norms, want.grad_norms)):
         assert abs(got - norm) <= NORM_RTOL * norm, f"{_run_id(run)} step {step}: grad norm {got} vs {norm}"
+    if run.layout == "balanced":  # every matrix whole on one DP rank of its stage: nothing travels across DP
+        assert result.cut == 0, f"{_run_id(run)}: {result.cut} matrices cut across DP"
     if run.moe:
         assert result.chained == 2 and any(".local_experts.3." in n for n in want.full)
         assert not any("mlp.router" in n for n in want.full if n.startswith("decoder.layers.0."))
@@ -117,8 +124,9 @@ def test_qk_clip_changes_the_hybrid_model(reference):
     assert worst > 100 * ATOL, f"clipping moves the weights by only {worst:.2e}"
 
 
-def test_bitwise_resume(trained):
-    index = next(i for i, run in enumerate(RUNS) if run.resume)
+@pytest.mark.parametrize("index", [i for i, run in enumerate(RUNS) if run.resume],
+                         ids=[_run_id(run) for run in RUNS if run.resume])
+def test_bitwise_resume(trained, index):
     for r in trained:
         result, resumed = r[index]
         for name, t in result.local.items():

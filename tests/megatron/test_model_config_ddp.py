@@ -5,7 +5,7 @@ config; ``setup_model_and_optimizer`` then builds the model with its builder and
 in ``megatron.training.models.dist_utils._ddp_wrap``, not in ``training.wrap_model_chunks_with_ddp``.
 At TP1 x DP2, with the hooks installed and Megatron's args saying ``--optimizer muon``:
 
-* ``--muon-dp-layout balanced``: the real builder's DDP chunk carries ``layout.BALANCED_MARK``
+* ``--muon-dp-layout balanced``: the model the builder wraps in DDP carries ``layout.BALANCED_MARK``
   and every Muon matrix lies inside one DP rank's shard of its bucket;
 * ``--muon-dp-layout megatron``: the chunk is megatron-core's (no mark), and the same buffers laid
   out by megatron-core cut at least one matrix (so the first check can fail);
@@ -75,7 +75,7 @@ def _builder_worker(rank: int, world: int, dp_layout: str) -> dict:
             position_embedding_type="rope", transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"))
         chunks = GPTModelBuilder(model_config).build_distributed_models(
             pg, ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True))
-        out = dict(marked=[getattr(c, BALANCED_MARK, False) for c in chunks],
+        out = dict(marked=[getattr(c.module, BALANCED_MARK, False) for c in chunks],  # fp32: DDP wraps the model
                    cut=[name for c in chunks for name in _matrices_cut(c)])
         try:
             hooks.check_balanced_layout_applied(

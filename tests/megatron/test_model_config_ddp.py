@@ -1,4 +1,4 @@
-"""The balanced layout on Megatron's ``ModelConfig`` path: ``GPTModelBuilder.build_distributed_models``.
+"""The balanced layout on both of Megatron's DDP paths: the ``ModelConfig`` builders and ``get_model``'s.
 
 Upstream's ``pretrain_gpt.py`` and ``pretrain_hybrid.py`` (and ours) hand ``pretrain`` a model
 config; ``setup_model_and_optimizer`` then builds the model with its builder and wraps it in DDP
@@ -6,7 +6,9 @@ in ``megatron.training.models.dist_utils._ddp_wrap``, not in ``training.wrap_mod
 At TP1 x DP2, with the hooks installed and Megatron's args saying ``--optimizer muon``:
 
 * ``--muon-dp-layout balanced``: the model the builder wraps in DDP carries ``layout.BALANCED_MARK``
-  and every Muon matrix lies inside one DP rank's shard of its bucket;
+  and every Muon matrix lies inside one DP rank's shard of its bucket; the same for the same model
+  wrapped by ``training.wrap_model_chunks_with_ddp``, what ``get_model`` calls for an entry that
+  passes a model provider (hook 5);
 * ``--muon-dp-layout megatron``: the chunk is megatron-core's (no mark), and the same buffers laid
   out by megatron-core cut at least one matrix (so the first check can fail);
 * the dispatcher's check refuses a chunk without the mark under ``balanced`` in the table's one line
@@ -50,7 +52,7 @@ def _builder_worker(rank: int, world: int, dp_layout: str) -> dict:
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
-    from megatron.training import global_vars
+    from megatron.training import global_vars, training
     from megatron.training.models.gpt import GPTModelBuilder, GPTModelConfig
 
     from megatron_muon.megatron import hooks
@@ -73,10 +75,15 @@ def _builder_worker(rank: int, world: int, dp_layout: str) -> dict:
         model_config = GPTModelConfig(
             transformer=config, vocab_size=VOCAB, seq_length=SEQ, share_embeddings_and_output_weights=False,
             position_embedding_type="rope", transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"))
-        chunks = GPTModelBuilder(model_config).build_distributed_models(
-            pg, ddp_config=DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True))
+        ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True)
+        builder = GPTModelBuilder(model_config)
+        chunks = builder.build_distributed_models(pg, ddp_config=ddp_config)
+        # the model-provider path: get_model wraps its chunks with wrap_model_chunks_with_ddp (hook 5)
+        provided = training.wrap_model_chunks_with_ddp([builder.build_model(pg)], config, ddp_config)
         out = dict(marked=[getattr(c.module, BALANCED_MARK, False) for c in chunks],  # fp32: DDP wraps the model
-                   cut=[name for c in chunks for name in _matrices_cut(c)])
+                   cut=[name for c in chunks for name in _matrices_cut(c)],
+                   provider_marked=[getattr(c.module, BALANCED_MARK, False) for c in provided],
+                   provider_cut=[name for c in provided for name in _matrices_cut(c)])
         try:
             hooks.check_balanced_layout_applied(
                 argparse.Namespace(megatron_muon=True, muon_dp_layout="balanced"),
@@ -99,13 +106,13 @@ def built() -> dict:
 
 def test_builder_path_lays_out_balanced_buffers(built):
     for rank, out in enumerate(built["balanced"]):
-        assert out["marked"] == [True], (rank, out)
-        assert out["cut"] == [], (rank, out["cut"])
+        assert out["marked"] == [True] and out["provider_marked"] == [True], (rank, out)
+        assert out["cut"] == [] and out["provider_cut"] == [], (rank, out)
         assert out["check"] is None, out["check"]
 
 
 def test_megatron_layout_is_left_alone_and_the_check_refuses_it(built):
     for out in built["megatron"]:
-        assert out["marked"] == [False]
-        assert out["cut"], "megatron-core's layout cuts no matrix here: the balanced run above proves nothing"
+        assert out["marked"] == [False] and out["provider_marked"] == [False]
+        assert out["cut"] and out["provider_cut"], "megatron-core's layout cuts no matrix: the balanced run proves nothing"
         assert expected_line("api-ddp-outside-hooks").fullmatch(out["check"]), out["check"]

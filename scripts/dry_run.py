@@ -23,8 +23,9 @@ data moves; shapes propagate, and:
 
 Hybrid models (``--model nemotron-h-8b``; issue 28): megatron-core's ``HybridModel`` with the
 entry's local hybrid stack spec (``megatron_muon.megatron.hybrid``), its pattern cut into ``--pp``
-stages with ``|`` (``staged_pattern``); its Mamba mixers are built without mamba_ssm's kernels (``mamba_mixer_without_kernels``: their parameters
-only, which is all the step needs). No cost-model or planner-table row (GPT shapes only).
+stages with ``|`` (``staged_pattern``); its Mamba mixers are built without mamba_ssm's kernels
+(``mamba_mixer_without_kernels``: their parameters only, which is all the step needs). No
+cost-model or planner-table row (GPT shapes only).
 
 MoE models (``--ep``, ``--etp``; issue 14): megatron-core's MoE layers (local spec,
 ``SequentialMLP``) on Megatron's expert-parallel groups; both optimizers of the chain (dense, and
@@ -200,10 +201,10 @@ def _hybrid_model(shape: ModelShape, config, vocab: int, device: torch.device):
     from megatron_muon.megatron.hybrid import local_hybrid_stack_spec, mamba_mixer_without_kernels
 
     model_parallel_cuda_manual_seed(0)  # the mixer draws conv1d and dt under the model-parallel RNG tracker
+    pattern = staged_pattern(shape.hybrid_pattern, config.pipeline_model_parallel_size)
     with mamba_mixer_without_kernels(device), device:
         return HybridModel(config=config, hybrid_stack_spec=local_hybrid_stack_spec(None, "RMSNorm"),
-                           vocab_size=vocab, max_sequence_length=8192,
-                           hybrid_layer_pattern=staged_pattern(shape.hybrid_pattern, config.pipeline_model_parallel_size),
+                           vocab_size=vocab, max_sequence_length=8192, hybrid_layer_pattern=pattern,
                            share_embeddings_and_output_weights=False, position_embedding_type="rope",
                            pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                            pg_collection=ProcessGroupCollection.use_mpu_process_groups())

@@ -426,7 +426,8 @@ def _hybrid_model(config, pattern: str, moe: dict | None, pp: int, first: bool, 
     return HybridModel(config=config, hybrid_stack_spec=local_hybrid_stack_spec(
         moe.get("experts", 4) if moe else None, "RMSNorm"), vocab_size=VOCAB, max_sequence_length=SEQ,
         hybrid_layer_pattern=staged_pattern(pattern, pp), share_embeddings_and_output_weights=False,
-        position_embedding_type="rope", pre_process=first, post_process=last, pg_collection=ProcessGroupCollection.use_mpu_process_groups())
+        position_embedding_type="rope", pre_process=first, post_process=last,
+        pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 
 class SequenceParallelTorchNorm:

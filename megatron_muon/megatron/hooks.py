@@ -1,4 +1,5 @@
-"""Ten hooks that let upstream Megatron-LM's training loop (``pretrain_gpt.py``, ``pretrain_hybrid.py``) use megatron-muon.
+"""Ten hooks that let upstream Megatron-LM's training loop use megatron-muon (``pretrain_gpt.py``,
+``pretrain_hybrid.py``).
 
 Usage: call ``install()`` before Megatron first parses the command line
 (``patches/pretrain_gpt.patch`` and ``patches/pretrain_hybrid.patch`` add exactly these two lines

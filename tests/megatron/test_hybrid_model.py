@@ -53,8 +53,8 @@ RUNS = [
 
 
 def _run_id(run: Run) -> str:
-    return "-".join([run.hybrid, f"tp{run.tp}", f"pp{run.pp}", f"ep{run.ep}", "distopt" if run.dist_opt else "ddp", run.tp_mode,
-                     *(["qkclip"] if run.qk_clip else [])])
+    return "-".join([run.hybrid, f"tp{run.tp}", f"pp{run.pp}", f"ep{run.ep}", "distopt" if run.dist_opt else "ddp",
+                     run.tp_mode, *(["qkclip"] if run.qk_clip else [])])
 
 
 def train_runs(rank: int, world: int, root: str) -> list[tuple]:

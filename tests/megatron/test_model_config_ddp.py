@@ -114,5 +114,5 @@ def test_builder_path_lays_out_balanced_buffers(built):
 def test_megatron_layout_is_left_alone_and_the_check_refuses_it(built):
     for out in built["megatron"]:
         assert out["marked"] == [False] and out["provider_marked"] == [False]
-        assert out["cut"] and out["provider_cut"], "megatron-core's layout cuts no matrix: the balanced run proves nothing"
+        assert out["cut"] and out["provider_cut"], "megatron-core's layout cut nothing: the balanced run proves nothing"
         assert expected_line("api-ddp-outside-hooks").fullmatch(out["check"]), out["check"]

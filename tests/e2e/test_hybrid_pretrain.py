@@ -27,23 +27,25 @@ def _run(args, cwd, timeout=300) -> str:
 
 
 def _save_and_resume(args: list[str], tmp_path) -> tuple[str, str]:
-    """6 iterations saved at 3, then 4-6 again from that checkpoint; asserts the resumed
-    iterations' grad norms and the final loss are bitwise the first run's."""
+    """6 iterations saved at 3, then 4-6 again from that checkpoint; asserts that the resumed
+    iterations' grad norms and losses are the first run's."""
     ckpt = str(tmp_path / "ckpt")
     common = [*args, "--train-iters", "6", "--log-interval", "1", "--lr-warmup-iters", "1", "--eval-iters", "0"]
     first = _run([*common, "--save", ckpt, "--load", ckpt, "--save-interval", "3"], tmp_path)
     resumed = _run([*common, "--load", ckpt, "--ckpt-step", "3"], tmp_path)
     assert re.search(r"loading distributed checkpoint from \S+ at iteration 3", resumed), resumed[-4000:]
     before = {it: (loss, norm) for it, loss, norm in GRAD_NORM.findall(first)}
-    after = GRAD_NORM.findall(resumed)
-    assert [it for it, *_ in after] == ["4", "5", "6"], resumed[-4000:]
-    # Every resumed step's grad norm, and the last loss. Not every logged loss: on CPU the loss
-    # Megatron logs two iterations after a resume differs while that step's grad norm (the same
-    # weights on the same batch) and every later value are bitwise equal, with GPTModel as well
-    # (found in issue 26, not explained yet); the state resumes exactly.
-    for it, _, norm in after:
+    after = {it: (loss, norm) for it, loss, norm in GRAD_NORM.findall(resumed)}
+    assert list(after) == ["4", "5", "6"], resumed[-4000:]
+    for it, (_, norm) in after.items():
         assert before[it][1] == norm, f"iteration {it}: grad norm {before[it][1]} before, {norm} resumed"
-    assert before["6"][0] == after[-1][1], f"final loss {before['6'][0]} before, {after[-1][1]} resumed"
+    assert after["4"][0] == before["4"][0] and after["6"][0] == before["6"][0], (before, after)
+    # Megatron logs a process's first iteration without resetting its loss accumulator
+    # (training_log's is_first_iteration), so the line after it is the mean of the two: the
+    # resumed iteration 5 logs (loss 4 + loss 5) / 2 of the first run's (which started at 1).
+    # Each figure is printed to 7 significant digits: 1e-6 relative covers the rounding.
+    mean = (float(before["4"][0]) + float(before["5"][0])) / 2
+    assert abs(float(after["5"][0]) - mean) <= 1e-6 * mean, f"iteration 5: {after['5'][0]} resumed, mean {mean}"
     return first, resumed
 
 

@@ -87,7 +87,7 @@ def test_pretrain_with_qk_clip(tmp_path):
         assert heads == 8 and tau == 0.05 and 0 < clipped <= heads and top > tau
     assert len(_iterations(out)) == 3, "the iteration line lost the muon stats"
     # --muon-log-stats also prints the Muon parameters' global norm and the update's RMS
-    # (hooks.norm_scalars, one all-reduce on the iterations that print)
+    # (log_stats.norm_scalars, one all-reduce on the iterations that print)
     norms = re.findall(r"iteration\s+(\d+)/.* muon param norm: ([0-9.]+) \| muon update rms: muon ([0-9.E+-]+) \|", out)
     assert [int(i) for i, *_ in norms] == [1, 2, 4] and all(float(n) > 0 for _, n, _ in norms), norms
     # Megatron's warmup starts at lr 0: the first step applies nothing, the later ones do

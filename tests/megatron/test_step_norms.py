@@ -1,4 +1,4 @@
-"""``MuonWithAdamW.step_norms`` and ``hooks.norm_scalars``: the Muon parameters' global norm and
+"""``MuonWithAdamW.step_norms`` and ``log_stats.norm_scalars``: the Muon parameters' global norm and
 the applied update's RMS, summed over ranks, against the one-process reference's whole matrices.
 
 One step from the same initial weights: the reference's θ1 − θ0·(1 − lr·wd) is the applied update
@@ -17,7 +17,7 @@ MUON_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", 
 
 def _norms(model, optimizer) -> dict:
     """A ``Run.probe``: this rank's ``step_norms`` (lists), and the reduced scalars."""
-    from megatron_muon.megatron.hooks import norm_scalars
+    from megatron_muon.megatron.log_stats import norm_scalars
 
     inners = [o.optimizer for o in optimizer.chained_optimizers]
     return dict(local={k: v.tolist() for k, v in inners[0].step_norms.items()}, scalars=norm_scalars(inners))
@@ -50,7 +50,7 @@ def test_norms_equal_the_reference_matrices(run):
 
 
 def test_norm_text_formats_what_it_is_given():
-    from megatron_muon.megatron.hooks import norm_text
+    from megatron_muon.megatron.log_stats import norm_text
 
     assert norm_text({}) == ""
     assert norm_text({"muon/param_norm": 12.3456, "muon/update_rms_full": 1.2e-3, "muon/update_rms_block": 4.5e-4}) == (

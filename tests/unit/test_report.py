@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_muon.megatron.hooks import muon_scalars, write_scalars
+from megatron_muon.megatron.log_stats import muon_scalars, write_scalars
 from megatron_muon.megatron.report import name_pattern
 
 
@@ -60,7 +60,7 @@ def test_writers_get_the_scalars(monkeypatch):
     write_scalars([_inner("muon")], 40)
     assert ("muon/orthogonalize_ms", 4.5, 40) in tensorboard.scalars and len(tensorboard.scalars) == 4
     assert wandb.logged == [(muon_scalars([_inner("muon")]), 40)]
-    norms = {"muon/param_norm": 12.5, "muon/update_rms_muon": 1e-3}  # hooks.norm_scalars' reduced figures
+    norms = {"muon/param_norm": 12.5, "muon/update_rms_muon": 1e-3}  # log_stats.norm_scalars' reduced figures
     write_scalars([_inner("muon")], 42, norms)
     assert ("muon/param_norm", 12.5, 42) in tensorboard.scalars and ("muon/update_rms_muon", 1e-3, 42) in \
         tensorboard.scalars

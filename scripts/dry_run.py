@@ -24,8 +24,9 @@ data moves; shapes propagate, and:
 Hybrid models (``--model nemotron-h-8b``; issue 28): megatron-core's ``HybridModel`` with the
 entry's local hybrid stack spec (``megatron_muon.megatron.hybrid``), its pattern cut into ``--pp``
 stages with ``|`` (``staged_pattern``); its Mamba mixers are built without mamba_ssm's kernels
-(``mamba_mixer_without_kernels``: their parameters only, which is all the step needs). No
-cost-model or planner-table row (GPT shapes only).
+(``mamba_mixer_without_kernels``: their parameters only, which is all the step needs). The cost
+model's prediction is printed (``step_cost.model_weights`` lists the hybrid layers' weights), no
+planner-table row (GPT shapes only).
 
 MoE models (``--ep``, ``--etp``; issue 14): megatron-core's MoE layers (local spec,
 ``SequentialMLP``) on Megatron's expert-parallel groups; both optimizers of the chain (dense, and
@@ -722,11 +723,14 @@ def main(argv: list[str] | None = None) -> int:
                                      args.vpp)
     errors = [f"rank {r}: {e}" for r, res in results.items() for e in res["errors"]]
     errors += cross_rank_errors({r: res["trace"] for r, res in results.items()})
-    # the cost model and planner table: dense GQA GPTs only
+    # the cost model: dense GQA GPTs, and hybrid models without MoE layers on the balanced layout
+    # (its replay of megatron-core's layout knows GPT layers only); DDP's buffer layouts only.
+    # The planner table: dense GQA GPTs.
     moe = bool(shape.num_experts) or shape.mla is not None or shape.hybrid_pattern is not None
-    # the cost model knows DDP's buffer layouts only
-    predicted = (None if moe or args.fsdp else
-                 cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout))
+    modeled = not (shape.num_experts or shape.mla is not None or args.fsdp or (
+        shape.hybrid_pattern is not None and ("E" in shape.hybrid_pattern or args.dp_layout != "balanced")))
+    predicted = (cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout)
+                 if modeled else None)
     planned = (planner_rows(args.model, args.tp, args.pp, args.dp, args.dp_layout, args.fsdp)
                if args.tp_mode == "owner" and not moe else None)
     for rank, res in results.items():

@@ -170,8 +170,7 @@ class ModelShape:
         MLA layers list its five projections instead of linear_qkv and linear_proj.
         """
         if self.hybrid_pattern is not None:
-            raise NotImplementedError(f"ModelShape.matrices: {self.name}: hybrid shapes are built by the dry run "
-                                      "(scripts/dry_run.py), not listed for the cost model")
+            return self._hybrid_matrices()
         out = []
         for i in range(self.num_layers):
             mlp = [("linear_fc1", 2 * self.ffn_hidden, self.hidden, 0), ("linear_fc2", self.hidden, self.ffn_hidden, 1)]
@@ -185,6 +184,24 @@ class ModelShape:
                             ("shared_experts.linear_fc2", self.hidden, self.shared_expert_ffn, 1)]
             out += [(f"layers.{i}.{name}", rows, cols, pdim) for name, rows, cols, pdim in (*self._attention(), *mlp)]
         return out
+
+    def _hybrid_matrices(self) -> list[tuple[str, int, int, int]]:
+        """``matrices`` of a hybrid model, layer by layer of its pattern: a Mamba layer's
+        ``mixer.in_proj`` ([z; x; B; C; dt] rows, ColumnParallel) and ``mixer.out_proj``
+        (RowParallel); an attention layer's QKV and projection; an MLP layer's fc1 (2·ffn rows
+        when gated) and fc2. MoE layers (``E``) are not listed (as for a GPT's cost model: the dry
+        run measures them)."""
+        if "E" in self.hybrid_pattern:
+            raise NotImplementedError(f"ModelShape.matrices: {self.name}: MoE layers in a hybrid pattern; "
+                                      "scripts/dry_run.py measures them")
+        m = self.mamba
+        fc1_rows = (2 if self.gated_mlp else 1) * self.ffn_hidden
+        kinds = {"M": [("mixer.in_proj", sum(m.in_proj_sub_rows) if m else 0, self.hidden, 0),
+                       ("mixer.out_proj", self.hidden, m.d_inner if m else 0, 1)],
+                 "*": self._attention(),
+                 "-": [("linear_fc1", fc1_rows, self.hidden, 0), ("linear_fc2", self.hidden, self.ffn_hidden, 1)]}
+        return [(f"layers.{i}.{name}", rows, cols, pdim) for i, symbol in enumerate(self.hybrid_pattern)
+                for name, rows, cols, pdim in kinds[symbol]]
 
     def _attention(self) -> list[tuple[str, int, int, int]]:
         m = self.mla

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.matrix_layout import MatrixLayout, RowSplit
-from ..core.models import ModelShape
+from ..core.models import ModelShape, staged_pattern
 from ..core.newton_schulz import NSOptions, ns_flops
 from ..core.shapes import shard_shape
 from . import exchange
@@ -86,17 +86,24 @@ class ModelWeights:
     """how many other parameter tensors (each costs kernels in a per-tensor step)."""
     num_layers: int
     """transformer layers, for splitting over pipeline stages."""
+    hybrid_pattern: str | None = None
+    """a hybrid model's layer pattern (``ModelShape.hybrid_pattern``): its stages are the ones
+    ``core.models.staged_pattern`` cuts, its layers hold different weights."""
 
 
-def model_weights(model: ModelShape, *, split_fc1: bool = True) -> ModelWeights:
+def model_weights(model: ModelShape, *, split_fc1: bool = True, split_in_proj: bool = True) -> ModelWeights:
     """``model``'s weights as the optimizer sees them: QKV split into q, k, v (all groups of each
     together, as the optimizer batches them), fc1 into gate and up when ``split_fc1`` (ours;
     megatron-core 0.19.2 orthogonalizes fc1 whole); untied embedding and output, two norms per
-    layer and the final norm to AdamW. Dense GQA models only: experts (EP, expert-DP) and MLA
-    are not modeled (``scripts/dry_run.py`` measures MoE layouts instead)."""
+    layer and the final norm to AdamW. Dense GQA models and hybrid ones without MoE layers (a
+    Mamba ``in_proj`` split into z, x, B, C and dt when ``split_in_proj``, ours' default; its
+    conv1d, A_log, D, dt_bias and gated norm to AdamW, TP-sharded; one norm per layer): experts
+    (EP, expert-DP) and MLA are not modeled (``scripts/dry_run.py`` measures MoE layouts instead)."""
     if model.num_experts or model.mla is not None:
         raise NotImplementedError(f"model_weights: {model.name}: the cost model covers dense models with "
                                   "grouped-query attention; MoE / MLA layouts: scripts/dry_run.py")
+    if model.hybrid_pattern is not None:
+        return _hybrid_weights(model, split_in_proj)
     sub_rows = {"linear_qkv": model.qkv_sub_rows,
                 "linear_fc1": (model.ffn_hidden, model.ffn_hidden) if split_fc1 else ()}
     weights = tuple(
@@ -107,6 +114,31 @@ def model_weights(model: ModelShape, *, split_fc1: bool = True) -> ModelWeights:
     return ModelWeights(model.name, weights, adam_sharded_numel=2 * model.vocab * model.hidden,
                         adam_replicated_numel=(2 * model.num_layers + 1) * model.hidden,
                         adam_tensors=2 * model.num_layers + 3, num_layers=model.num_layers)
+
+
+_MAMBA_CONV = 4  # megatron-core's MambaMixer d_conv
+
+
+def _hybrid_weights(model: ModelShape, split_in_proj: bool) -> ModelWeights:
+    """``model_weights`` of a hybrid model (no MoE layers)."""
+    sub_rows = {"linear_qkv": model.qkv_sub_rows,
+                "linear_fc1": (model.ffn_hidden, model.ffn_hidden) if model.gated_mlp else (),
+                "in_proj": model.mamba.in_proj_sub_rows if model.mamba and split_in_proj else ()}
+    weights = tuple(
+        Weight(name, rows, cols, pdim, sub_rows.get(name.rsplit(".", 1)[-1], ()),
+               model.num_query_groups if name.endswith("linear_qkv") else 1)
+        for name, rows, cols, pdim in model.matrices()
+    )
+    mambas = model.hybrid_pattern.count("M")
+    mixer_vectors = 0
+    if model.mamba is not None:  # per mixer, TP-sharded: conv1d weight and bias, A_log, D, dt_bias, gated norm
+        m = model.mamba
+        conv_dim = m.d_inner + 2 * m.num_groups * m.state_dim
+        mixer_vectors = conv_dim * (_MAMBA_CONV + 1) + 3 * m.num_heads + m.d_inner
+    return ModelWeights(model.name, weights, adam_sharded_numel=2 * model.vocab * model.hidden + mambas * mixer_vectors,
+                        adam_replicated_numel=(model.num_layers + 1) * model.hidden,
+                        adam_tensors=model.num_layers + 6 * mambas + 3, num_layers=model.num_layers,
+                        hybrid_pattern=model.hybrid_pattern)
 
 
 def model_params(model: ModelWeights) -> int:
@@ -120,7 +152,11 @@ def _local_numel(w: Weight, tp: int) -> int:
 
 def _stage_weights(model: ModelWeights, pp: int) -> list[Weight]:
     """The weights of the first pipeline stage (stages hold equal layer counts; it also holds
-    the embedding, so it is the busiest stage for the optimizer)."""
+    the embedding, so it is the busiest stage for the optimizer). A hybrid model's first stage:
+    the first segment ``staged_pattern`` cuts, its weights by their layer index."""
+    if model.hybrid_pattern is not None:
+        layers = len(staged_pattern(model.hybrid_pattern, pp).split("|")[0])
+        return [w for w in model.weights if int(w.name.split(".")[1]) < layers]
     per_layer = len(model.weights) // model.num_layers
     return list(model.weights[: per_layer * (model.num_layers // pp)])
 
@@ -174,6 +210,9 @@ def optimizer_step_cost(
         elementwise("muon elementwise", muon_local / shard * _MUON_BYTES(ns_bytes), len(weights) * _MUON_KERNELS)
         elementwise("adam", adam_local / shard * _ADAM_BYTES, adam_tensors * _ADAM_KERNELS)
         moved = 0
+        if optimizer == "ours" and dp > 1 and dp_layout == "megatron" and model.hybrid_pattern is not None:
+            raise NotImplementedError(f"optimizer_step_cost: {model.name}: the replay of megatron-core's buffer "
+                                      "layout knows GPT layers only; dp_layout='balanced' for a hybrid model")
         if optimizer == "ours" and dp > 1:
             norm = model.adam_replicated_numel // (2 * model.num_layers + 1)
             moved = dp_cut_elements(weights, tp, dp, dp_layout=dp_layout, bucket_numel=bucket_numel,

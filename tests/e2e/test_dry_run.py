@@ -219,6 +219,10 @@ def test_bad_arguments_are_named(tmp_path):
     assert proc.returncode == 2 and "--vpp 2: virtual stages need --pp >= 2" in proc.stderr
     proc = _script("--model", "llama3-8b", "--pp", "2", "--vpp", "3")
     assert proc.returncode != 0 and "do not split into 2 x 3 virtual stages" in proc.stderr
+    proc = _script("--model", "nemotron-h-8b", "--pp", "16")  # middle stages of 4 leave nothing for the ends
+    assert proc.returncode == 2 and "--pp 16: 52 layers do not split over 16 pipeline stages" in proc.stderr
+    proc = _script("--model", "nemotron-h-8b", "--pp", "2", "--vpp", "2")
+    assert proc.returncode == 2 and "--vpp 2: nemotron-h-8b is a hybrid model" in proc.stderr
 
 
 def _moe_counts(model: str, ep: int, layers) -> tuple[int, int]:

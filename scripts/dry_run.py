@@ -190,8 +190,9 @@ def _hybrid_fields(shape: ModelShape) -> dict:
     return fields
 
 
-def _hybrid_model(shape: ModelShape, config, vocab: int, device: torch.device):
-    """This pipeline stage of megatron-core's ``HybridModel`` (the pattern cut by ``staged_pattern``)
+def _hybrid_model(shape: ModelShape, config, vocab: int, device: torch.device, vp_stage: int | None):
+    """This (virtual) pipeline stage of megatron-core's ``HybridModel`` (the pattern cut into
+    PP x VPP segments by ``staged_pattern``; megatron-core gives rank r's chunk v segment v x PP + r)
     with the entry's local hybrid stack spec, its Mamba mixers built without mamba_ssm's kernels
     (``mamba_mixer_without_kernels``: parameters only)."""
     from megatron.core import parallel_state as ps
@@ -202,12 +203,15 @@ def _hybrid_model(shape: ModelShape, config, vocab: int, device: torch.device):
     from megatron_muon.megatron.hybrid import local_hybrid_stack_spec, mamba_mixer_without_kernels
 
     model_parallel_cuda_manual_seed(0)  # the mixer draws conv1d and dt under the model-parallel RNG tracker
-    pattern = staged_pattern(shape.hybrid_pattern, config.pipeline_model_parallel_size)
+    stages = config.pipeline_model_parallel_size * (config.virtual_pipeline_model_parallel_size or 1)
+    pattern = staged_pattern(shape.hybrid_pattern, stages)
     with mamba_mixer_without_kernels(device), device:
         return HybridModel(config=config, hybrid_stack_spec=local_hybrid_stack_spec(None, "RMSNorm"),
                            vocab_size=vocab, max_sequence_length=8192, hybrid_layer_pattern=pattern,
                            share_embeddings_and_output_weights=False, position_embedding_type="rope",
-                           pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                           pre_process=ps.is_pipeline_first_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+                           post_process=ps.is_pipeline_last_stage(ignore_virtual=vp_stage is None, vp_stage=vp_stage),
+                           vp_stage=vp_stage,
                            pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 
@@ -265,7 +269,7 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
     chunks = []
     for vp_stage in (range(vpp) if vpp > 1 else [None]):
         if shape.hybrid_pattern is not None:
-            model = _hybrid_model(shape, config, vocab, device)
+            model = _hybrid_model(shape, config, vocab, device, vp_stage)
         else:
             if shape.num_experts or shape.mla is not None:  # per-layer specs (first dense layers), this stage's
                 spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm",
@@ -686,12 +690,9 @@ def main(argv: list[str] | None = None) -> int:
                      "parallelism")
     if shape.hybrid_pattern is not None:
         try:
-            staged_pattern(shape.hybrid_pattern, args.pp)
+            staged_pattern(shape.hybrid_pattern, args.pp * args.vpp)
         except ValueError as e:
-            parser.error(f"--pp {args.pp}: {e}")
-    if shape.hybrid_pattern is not None and args.vpp > 1:
-        parser.error(f"--vpp {args.vpp}: {args.model} is a hybrid model; the dry run cuts its pattern into --pp "
-                     "stages only (virtual stages would be pp x vpp '|' segments)")
+            parser.error(f"--pp {args.pp} --vpp {args.vpp}: {e}")
     etp = args.tp if args.etp is None else args.etp
     if not shape.num_experts and (args.ep > 1 or etp != args.tp):
         parser.error(f"--ep / --etp: {args.model} has no experts")

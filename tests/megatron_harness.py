@@ -300,7 +300,7 @@ def build_tiny_gpt(
     assert VOCAB % tp == 0 and FFN % tp == 0 and GROUPS % tp == 0, "tiny GPT supports tp in 1, 2"
     assert num_layers % (pp * (vpp or 1)) == 0
     assert init in ("by_name", "megatron")
-    assert hybrid is None or (len(hybrid) == num_layers and vpp is None and mla is None), hybrid
+    assert hybrid is None or (len(hybrid) == num_layers and mla is None), hybrid
     dtype = torch.bfloat16 if bf16 else torch.float32
     config = (MLATransformerConfig if mla is not None else TransformerConfig)(
         num_layers=num_layers,
@@ -343,7 +343,7 @@ def build_tiny_gpt(
         first = ps.is_pipeline_first_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
         last = ps.is_pipeline_last_stage(ignore_virtual=vpp is None, vp_stage=vp_stage)
         if hybrid:
-            model = _hybrid_model(config, hybrid, moe, pp, first, last)
+            model = _hybrid_model(config, hybrid, moe, pp * (vpp or 1), first, last, vp_stage)
         else:
             model = GPTModel(
                 config=config,
@@ -412,10 +412,12 @@ state 16; in_proj rows [z 128; x 128; B 32; C 32; dt 8] (each TP2-divisible). It
 ``mamba_stand_ins``: megatron-core's mixer refuses to build without mamba_ssm, and no forward runs."""
 
 
-def _hybrid_model(config, pattern: str, moe: dict | None, pp: int, first: bool, last: bool):
-    """This PP stage's ``HybridModel`` of ``pattern`` with the local hybrid stack spec the entry
-    script uses. At ``pp`` > 1 the pattern is cut into stages with megatron-core's separator
-    (``staged_pattern``: ``*-*-`` at PP2 is ``*-|*-``), as a user writes ``--hybrid-layer-pattern``."""
+def _hybrid_model(config, pattern: str, moe: dict | None, stages: int, first: bool, last: bool, vp_stage):
+    """This (virtual) pipeline stage's ``HybridModel`` of ``pattern`` with the local hybrid stack
+    spec the entry script uses. With ``stages`` > 1 (PP x VPP) the pattern is cut into stages with
+    megatron-core's separator (``staged_pattern``: ``*-*-`` at PP2 is ``*-|*-``, at PP2 x VPP2
+    ``*|-|*|-``), as a user writes ``--hybrid-layer-pattern``; megatron-core derives the virtual
+    stages from the segments, rank r's chunk v holding segment v x PP + r."""
     from megatron.core.models.hybrid.hybrid_model import HybridModel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -425,8 +427,8 @@ def _hybrid_model(config, pattern: str, moe: dict | None, pp: int, first: bool, 
     assert not config.sequence_parallel, "the local spec's torch norm refuses sequence parallelism"
     return HybridModel(config=config, hybrid_stack_spec=local_hybrid_stack_spec(
         moe.get("experts", 4) if moe else None, "RMSNorm"), vocab_size=VOCAB, max_sequence_length=SEQ,
-        hybrid_layer_pattern=staged_pattern(pattern, pp), share_embeddings_and_output_weights=False,
-        position_embedding_type="rope", pre_process=first, post_process=last,
+        hybrid_layer_pattern=staged_pattern(pattern, stages), share_embeddings_and_output_weights=False,
+        position_embedding_type="rope", pre_process=first, post_process=last, vp_stage=vp_stage,
         pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 

@@ -58,6 +58,8 @@ from __future__ import annotations
 
 import torch
 
+from .catalogue import param_names
+
 __all__ = [
     "CANONICAL_STATE_KEYS",
     "MuonCheckpointMixin",
@@ -272,8 +274,18 @@ class MuonCheckpointMixin:
         if isinstance(saved, torch.Tensor):
             rng = self._get_model_param_range_map(model_param)["param"]
             weights = model_param.detach().view(-1)[rng.start:rng.end]
-            self.weight_mismatches.append((self._param_name(model_param), mismatched_elements(saved, weights)))
-        load_canonical_state(main_param, state, algorithm, tensors, name=self._param_name(model_param))
+            self.weight_mismatches.append((self._model_param_name(model_param), mismatched_elements(saved, weights)))
+        load_canonical_state(main_param, state, algorithm, tensors, name=self._model_param_name(model_param))
+
+    def _model_param_name(self, model_param) -> str:
+        """The param's name for messages: Megatron's (``_param_name``) with one model chunk;
+        ``chunk{c}.{name}`` with several (virtual pipeline stages), whose names repeat from chunk
+        to chunk (each numbers its layers from 0), which Megatron's ``_param_name`` refuses."""
+        if len(self.model_chunks) == 1:
+            return self._param_name(model_param)
+        if "_chunk_param_names" not in self.__dict__:
+            self._chunk_param_names = param_names(self.model_chunks)
+        return self._chunk_param_names[id(model_param)]
 
     @property
     def weight_mismatches(self) -> list:

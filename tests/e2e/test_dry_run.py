@@ -115,6 +115,17 @@ def test_nemotron_h_hybrid_at_tp8_pp8_dp8(tmp_path):
     assert proc.stdout.count("megatron-muon: Muon on 10 matrices") == 1  # the first stage's report
 
 
+def test_nemotron_h_hybrid_with_virtual_stages(tmp_path):
+    """PP4 x VPP2: the pattern in 8 segments (5 + 6 x 7 + 5 layers), two chunks per rank, each its own
+    DDP, one optimizer over both (as the interleaved schedule's get_model builds them): the first rank
+    holds segments 0 and 4 (12 layers), the last segments 3 and 7 (12)."""
+    proc, report = _dry_run(tmp_path, "--model", "nemotron-h-8b", "--tp", "8", "--pp", "4", "--vpp", "2",
+                            "--dp", "4", "--ranks", "first,last")
+    assert report["errors"] == []
+    for res in report["ranks"].values():
+        assert res["matrices"] == 2 * 12 and res["ns_flops"] == res["plan_ns_flops"] > 0, res["pp"]
+
+
 def test_megatron_layout_cuts_matrices_and_moves_them(tmp_path):
     """--dp-layout megatron (megatron-core's buffer layout): matrices are cut, the DP exchange
     moves them, and the step still does what the plans and the planner table say."""
@@ -220,9 +231,9 @@ def test_bad_arguments_are_named(tmp_path):
     proc = _script("--model", "llama3-8b", "--pp", "2", "--vpp", "3")
     assert proc.returncode != 0 and "do not split into 2 x 3 virtual stages" in proc.stderr
     proc = _script("--model", "nemotron-h-8b", "--pp", "16")  # middle stages of 4 leave nothing for the ends
-    assert proc.returncode == 2 and "--pp 16: 52 layers do not split over 16 pipeline stages" in proc.stderr
-    proc = _script("--model", "nemotron-h-8b", "--pp", "2", "--vpp", "2")
-    assert proc.returncode == 2 and "--vpp 2: nemotron-h-8b is a hybrid model" in proc.stderr
+    assert proc.returncode == 2 and "--pp 16 --vpp 1: 52 layers do not split over 16 pipeline stages" in proc.stderr
+    proc = _script("--model", "nemotron-h-8b", "--pp", "8", "--vpp", "2")
+    assert proc.returncode == 2 and "--pp 8 --vpp 2: 52 layers do not split over 16 pipeline stages" in proc.stderr
 
 
 def _moe_counts(model: str, ep: int, layers) -> tuple[int, int]:

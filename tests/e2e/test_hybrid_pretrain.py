@@ -3,7 +3,7 @@
 * The tiny GPT's flags with ``--hybrid-layer-pattern *-*-`` at TP2: 6 iterations saved at 3, then
   a resume from that checkpoint that logs bitwise the uninterrupted run's grad norms and final loss
   (the optimizer's bitwise resume at TP2 × DP2: ``tests/megatron/test_hybrid_model.py``).
-* ``*-|*-`` at PP2: the same save and bitwise resume, each stage with two of the layers;
+* ``*-|*-`` at PP2 and ``*|-|*|-`` at PP2 × VPP2: the same save and bitwise resume;
 * ``configs/hybrid-tiny-cpu.yaml`` as a user runs it (``*-*E``: attention, MLP, attention, MoE at
   EP2, QK-clip on the byte-level demo data): the same save and bitwise resume, the experts' own
   optimizer, the clip's 8 heads (2 attention layers × 4).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 
+import pytest
 from entry_harness import REPO, TINY, launch
 
 GRAD_NORM = re.compile(r"iteration\s+(\d+)/.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|")
@@ -61,11 +62,14 @@ def test_hybrid_pattern_trains_and_resumes_bitwise(tmp_path):
     assert losses[-1] < losses[0], losses
 
 
-def test_hybrid_pipeline_stages_train_and_resume_bitwise(tmp_path):
-    """``*-|*-`` at PP2 (TP1): megatron-core's stage separator, one stage of two layers per rank."""
+@pytest.mark.parametrize("pattern", ["*-|*-", "*|-|*|-"])
+def test_hybrid_pipeline_stages_train_and_resume_bitwise(tmp_path, pattern):
+    """At PP2 (TP1), megatron-core's stage separator: ``*-|*-`` one stage of two layers per rank;
+    ``*|-|*|-`` four segments, so two virtual stages per rank (the interleaved schedule; Megatron
+    refuses ``--num-virtual-stages-per-pipeline-rank`` with a pattern, the segments set it)."""
     tiny = list(TINY)
     tiny[tiny.index("--tensor-model-parallel-size") + 1] = "1"
-    args = [*tiny, "--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", "*-|*-",
+    args = [*tiny, "--pipeline-model-parallel-size", "2", "--hybrid-layer-pattern", pattern,
             "--attention-dropout", "0.0", "--hidden-dropout", "0.0"]
     first, _ = _save_and_resume(args, tmp_path)
     assert "megatron-muon: Muon on 4 matrices, AdamW on 3 tensors (pipeline stage 0 of 2)" in first

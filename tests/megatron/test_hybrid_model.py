@@ -11,7 +11,9 @@ weights in 4 hybrid layers) and ``*E*E`` (MoE layers: 4 experts, top-2). World 4
   clip as in the GPT, each DP rank on its half of the batch;
 * ``*E*E`` at EP2 × expert-DP2 (TP1), the experts with their own chained optimizer;
 * ``*-|*-`` at PP2 × DP2 (TP1) with the balanced layout: each pipeline stage holds two of the
-  layers (megatron-core's ``|`` stage separator), saved and resumed bitwise as the first run.
+  layers (megatron-core's ``|`` stage separator), saved and resumed bitwise as the first run;
+  ``*|-|*|-`` at PP2 × VPP2 × DP2: four one-layer segments, two virtual stages per rank (the
+  interleaved schedule).
 
 The reference is the same HybridModel on one process (TP1, every expert local): megatron_muon's
 single-process ``Muon`` on every matrix (QKV split per query group, fc1 into gate and up, the
@@ -49,11 +51,14 @@ RUNS = [
     Run(tp=1, ep=2, dist_opt=True, moe=MOE, hybrid="*E*E", layers=4),
     Run(tp=2, dist_opt=True, tp_mode="blockwise", **DENSE),  # BlockMuon: must NOT match (the test can fail)
     Run(tp=1, pp=2, dist_opt=True, layout="balanced", resume=True, **DENSE),  # "*-|*-": a stage per rank pair
+    # "*|-|*|-": two chunks per rank; the interleaved schedule needs micro-batches >= PP
+    Run(tp=1, pp=2, vpp=2, microbatches=2, dist_opt=True, layout="balanced", **DENSE),
 ]
 
 
 def _run_id(run: Run) -> str:
-    return "-".join([run.hybrid, f"tp{run.tp}", f"pp{run.pp}", f"ep{run.ep}", "distopt" if run.dist_opt else "ddp",
+    return "-".join([run.hybrid, f"tp{run.tp}", f"pp{run.pp}", *([f"vpp{run.vpp}"] if run.vpp else []), f"ep{run.ep}",
+                     "distopt" if run.dist_opt else "ddp",
                      run.tp_mode, *(["qkclip"] if run.qk_clip else [])])
 
 

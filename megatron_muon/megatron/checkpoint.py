@@ -58,8 +58,6 @@ from __future__ import annotations
 
 import torch
 
-from .catalogue import param_names
-
 __all__ = [
     "CANONICAL_STATE_KEYS",
     "MuonCheckpointMixin",
@@ -283,8 +281,9 @@ class MuonCheckpointMixin:
         to chunk (each numbers its layers from 0), which Megatron's ``_param_name`` refuses."""
         if len(self.model_chunks) == 1:
             return self._param_name(model_param)
-        if "_chunk_param_names" not in self.__dict__:
-            self._chunk_param_names = param_names(self.model_chunks)
+        if "_chunk_param_names" not in self.__dict__:  # catalogue.param_names' form (a floor above this one)
+            self._chunk_param_names = {id(p): f"chunk{c}.{n}" for c, chunk in enumerate(self.model_chunks)
+                                       for n, p in chunk.named_parameters()}
         return self._chunk_param_names[id(model_param)]
 
     @property

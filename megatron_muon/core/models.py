@@ -195,9 +195,11 @@ class ModelShape:
             raise NotImplementedError(f"ModelShape.matrices: {self.name}: MoE layers in a hybrid pattern; "
                                       "scripts/dry_run.py measures them")
         m = self.mamba
+        if m is None and "M" in self.hybrid_pattern:
+            raise ValueError(f"ModelShape {self.name}: hybrid_pattern has Mamba layers (M); expected mamba sizes")
         fc1_rows = (2 if self.gated_mlp else 1) * self.ffn_hidden
-        kinds = {"M": [("mixer.in_proj", sum(m.in_proj_sub_rows) if m else 0, self.hidden, 0),
-                       ("mixer.out_proj", self.hidden, m.d_inner if m else 0, 1)],
+        kinds = {"M": [("mixer.in_proj", sum(m.in_proj_sub_rows), self.hidden, 0),
+                       ("mixer.out_proj", self.hidden, m.d_inner, 1)] if m is not None else [],
                  "*": self._attention(),
                  "-": [("linear_fc1", fc1_rows, self.hidden, 0), ("linear_fc2", self.hidden, self.ffn_hidden, 1)]}
         return [(f"layers.{i}.{name}", rows, cols, pdim) for i, symbol in enumerate(self.hybrid_pattern)

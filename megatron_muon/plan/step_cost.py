@@ -102,43 +102,33 @@ def model_weights(model: ModelShape, *, split_fc1: bool = True, split_in_proj: b
     if model.num_experts or model.mla is not None:
         raise NotImplementedError(f"model_weights: {model.name}: the cost model covers dense models with "
                                   "grouped-query attention; MoE / MLA layouts: scripts/dry_run.py")
-    if model.hybrid_pattern is not None:
-        return _hybrid_weights(model, split_in_proj)
+    mamba = model.mamba
     sub_rows = {"linear_qkv": model.qkv_sub_rows,
-                "linear_fc1": (model.ffn_hidden, model.ffn_hidden) if split_fc1 else ()}
+                "linear_fc1": (model.ffn_hidden, model.ffn_hidden) if split_fc1 and model.gated_mlp else (),
+                "in_proj": mamba.in_proj_sub_rows if mamba is not None and split_in_proj else ()}
     weights = tuple(
         Weight(name, rows, cols, pdim, sub_rows.get(name.rsplit(".", 1)[-1], ()),
                model.num_query_groups if name.endswith("linear_qkv") else 1)
         for name, rows, cols, pdim in model.matrices()
     )
-    return ModelWeights(model.name, weights, adam_sharded_numel=2 * model.vocab * model.hidden,
-                        adam_replicated_numel=(2 * model.num_layers + 1) * model.hidden,
-                        adam_tensors=2 * model.num_layers + 3, num_layers=model.num_layers)
-
-
-_MAMBA_CONV = 4  # megatron-core's MambaMixer d_conv
-
-
-def _hybrid_weights(model: ModelShape, split_in_proj: bool) -> ModelWeights:
-    """``model_weights`` of a hybrid model (no MoE layers)."""
-    sub_rows = {"linear_qkv": model.qkv_sub_rows,
-                "linear_fc1": (model.ffn_hidden, model.ffn_hidden) if model.gated_mlp else (),
-                "in_proj": model.mamba.in_proj_sub_rows if model.mamba and split_in_proj else ()}
-    weights = tuple(
-        Weight(name, rows, cols, pdim, sub_rows.get(name.rsplit(".", 1)[-1], ()),
-               model.num_query_groups if name.endswith("linear_qkv") else 1)
-        for name, rows, cols, pdim in model.matrices()
-    )
+    if model.hybrid_pattern is None:
+        return ModelWeights(model.name, weights, adam_sharded_numel=2 * model.vocab * model.hidden,
+                            adam_replicated_numel=(2 * model.num_layers + 1) * model.hidden,
+                            adam_tensors=2 * model.num_layers + 3, num_layers=model.num_layers)
+    # A hybrid layer has one norm; each Mamba mixer adds TP-sharded vectors: conv1d weight and
+    # bias, A_log, D, dt_bias and its gated norm (6 tensors).
     mambas = model.hybrid_pattern.count("M")
     mixer_vectors = 0
-    if model.mamba is not None:  # per mixer, TP-sharded: conv1d weight and bias, A_log, D, dt_bias, gated norm
-        m = model.mamba
-        conv_dim = m.d_inner + 2 * m.num_groups * m.state_dim
-        mixer_vectors = conv_dim * (_MAMBA_CONV + 1) + 3 * m.num_heads + m.d_inner
+    if mamba is not None:
+        conv_dim = mamba.d_inner + 2 * mamba.num_groups * mamba.state_dim
+        mixer_vectors = conv_dim * (_MAMBA_CONV + 1) + 3 * mamba.num_heads + mamba.d_inner
     return ModelWeights(model.name, weights, adam_sharded_numel=2 * model.vocab * model.hidden + mambas * mixer_vectors,
                         adam_replicated_numel=(model.num_layers + 1) * model.hidden,
                         adam_tensors=model.num_layers + 6 * mambas + 3, num_layers=model.num_layers,
                         hybrid_pattern=model.hybrid_pattern)
+
+
+_MAMBA_CONV = 4  # megatron-core's MambaMixer d_conv
 
 
 def model_params(model: ModelWeights) -> int:

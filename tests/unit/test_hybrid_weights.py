@@ -51,3 +51,5 @@ def test_megatron_layout_replay_is_refused_and_moe_layers_are_not_listed():
                             dp_layout="megatron")
     with pytest.raises(NotImplementedError, match="MoE layers"):
         dataclasses.replace(NEMOTRON, hybrid_pattern="M*E-").matrices()
+    with pytest.raises(ValueError, match="expected mamba sizes"):
+        dataclasses.replace(NEMOTRON, mamba=None).matrices()

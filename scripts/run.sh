@@ -90,6 +90,47 @@ ensure_slurm() {
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm munge >/dev/null
 }
 
+closing_hint() {
+    # What the run left and how to go on, from the job's own argument list (the config's flags
+    # and the user's, as the preflight resolved them): the last --save, --load and --train-iters win.
+    local config="$1"; shift
+    local save="" load="" iters="" user=() i
+    local args=()
+    while [[ $# -gt 0 && "$1" != "--" ]]; do args+=("$1"); shift; done
+    shift || true
+    while [[ $# -gt 0 ]]; do  # the user's arguments, less the ones the hint sets again
+        case "$1" in
+            --train-iters) shift 2 || shift ;;
+            --override-opt-param-scheduler) shift ;;
+            *) user+=("$1"); shift ;;
+        esac
+    done
+    for ((i = 0; i < ${#args[@]} - 1; i++)); do
+        case "${args[i]}" in
+            --save) save="${args[i+1]}" ;;
+            --load) load="${args[i+1]}" ;;
+            --train-iters) iters="${args[i+1]}" ;;
+        esac
+    done
+    if [[ -z "$save" ]]; then
+        echo "No checkpoint: this run has no --save."
+        return 0
+    fi
+    local more=()
+    [[ "$config" != configs/tiny-cpu.yaml ]] && more+=("$config")
+    more+=("${user[@]}")
+    [[ "$load" != "$save" ]] && more+=(--load "$save")  # after the user's own --load: the last one wins
+    [[ -n "$iters" ]] && more+=(--train-iters "$((iters * 2))")
+    more+=(--override-opt-param-scheduler)
+    if [[ "$load" == "$save" ]]; then
+        echo "Checkpoint: $save. Running the same command again resumes from it; to train on:"
+    else
+        echo "Checkpoint: $save. This command loads from ${load:-nothing (no --load)}, not from there, when run" \
+             "again; to resume from $save and train on:"
+    fi
+    echo "  bash scripts/run.sh main $(printf '%q ' "${more[@]}" | sed 's/ $//')"
+}
+
 cmd="${1:-}"
 shift || true
 case "$cmd" in
@@ -132,22 +173,24 @@ case "$cmd" in
         config_text="$("$venv/bin/python" -m megatron_muon.megatron.preflight --lines --nproc 2 \
             "$config" "$@")" || exit $?
         mapfile -t config_args <<< "$config_text"
-        "$venv/bin/torchrun" --nproc-per-node 2 --master-addr 127.0.0.1 --master-port "$port" \
-            scripts/pretrain_gpt.py "${config_args[@]}"
+        # The job runs in the background so that a SIGTERM to this script (a supervisor, `kill`)
+        # reaches the training processes themselves, not torchrun (which would give them 30 s and
+        # then SIGKILL): with --exit-signal-handler Megatron saves a checkpoint at the end of the
+        # iteration and exits 0; without it they stop at once, as before. Ctrl-C (SIGINT to the
+        # whole process group) is unchanged.
+        ( trap - INT QUIT; exec "$venv/bin/torchrun" --nproc-per-node 2 --master-addr 127.0.0.1 \
+            --master-port "$port" scripts/pretrain_gpt.py "${config_args[@]}" ) &
+        job=$!
+        trap 'pkill -TERM -P "$job" 2>/dev/null || kill -TERM "$job" 2>/dev/null || true' TERM
+        rc=0
+        while true; do  # `wait` returns early when the trapped signal arrives
+            wait "$job" && rc=0 || rc=$?
+            kill -0 "$job" 2>/dev/null || break
+        done
+        trap - TERM
+        [[ "$rc" -eq 0 ]] || exit "$rc"
         echo
-        name="$(basename "$config")"
-        name="${name%.yml}"
-        name="${name%.yaml}"
-        if ! grep -q '^save:' "$config"; then
-            echo "No checkpoint: $config saves none."
-            exit 0
-        fi
-        echo "Checkpoint: checkpoints/$name. Running the same command again resumes from it; to train on:"
-        if [[ "$config" == configs/tiny-cpu.yaml ]]; then
-            echo "  bash scripts/run.sh main --train-iters 400 --override-opt-param-scheduler"
-        else
-            echo "  bash scripts/run.sh main $config --train-iters 400 --override-opt-param-scheduler"
-        fi
+        closing_hint "$config" "${config_args[@]}" -- "$@"
         ;;
     bench)
         ensure_venv

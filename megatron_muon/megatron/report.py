@@ -142,9 +142,16 @@ def _plan_lines(plans: Mapping[str, StepPlan], config: MuonConfig, what: str) ->
                      f"{mean / 1e12:.2f} (max/mean {max(flops) / mean if mean else 1:.2f})")
         if kind == "full step" and config.tp_mode == "owner" and mean and max(flops) > IMBALANCED * mean:
             lines += _auto_hint(plan, config)
-        lines.append(f"  bytes sent per rank per {kind} (plan): max {max(sent) / 2**20:.1f} MiB, mean "
-                     f"{sum(sent) / len(sent) / 2**20:.1f} MiB")
+        lines.append(f"  bytes sent per rank per {kind} (plan): max {megabytes(max(sent))}, mean "
+                     f"{megabytes(sum(sent) / len(sent))}")
     return lines
+
+
+def megabytes(nbytes: float) -> str:
+    """``0.049 MB``: bytes as the iteration log's ``muon bytes sent`` prints them (10^6 bytes,
+    three decimals), so that the report's plan and the log's step read alike (a tiny model's
+    all-to-all of 0.047 MiB printed as ``0.0 MiB`` looked like no exchange at all)."""
+    return f"{nbytes / 1e6:.3f} MB"
 
 
 IMBALANCED = 2.0
@@ -172,12 +179,30 @@ def _auto_hint(plan: StepPlan, config: MuonConfig) -> list[str]:
             f"DP ranks); exact either way"]
 
 
+def moved_units(plan: StepPlan) -> int:
+    """Units that no DP rank cuts whose DP owner does not hold them: the exchange moves them whole
+    (``auto`` and owner's LPT may do that to balance the NS work), so bytes move although
+    nothing is cut."""
+    if plan.dp_owners is None:
+        return 0
+    count = 0
+    for u, unit in enumerate(plan.units):
+        holders = unit.layout.holders(plan.dp_size)
+        if plan.team_of(u) is None and len(holders) == 1 and plan.dp_owners[u] not in holders:
+            count += 1
+    return count
+
+
 def _cut_line(plan: StepPlan, config: MuonConfig, layout_text: str, what: str = "DP") -> str:
     dp = plan.dp_size
     cut = sum(1 for lay in plan.matrices if lay.dp_ranges is not None and len(lay.holders(dp)) > 1)
     how = ("each goes whole to one DP owner (owner exchange)" if config.dp_mode == "owner"
            else "every DP rank computes every matrix (--muon-dp-mode redundant)")
     teamed = sum(1 for u in range(len(plan.units)) if plan.team_of(u) is not None)
+    moved = moved_units(plan)
+    if moved:
+        how += (f"; {moved} of {len(plan.units)} units held whole by one DP rank go to another DP rank's "
+                "owner to balance NS (sent there and back)")
     if teamed:
         how += (f", or by blocks to a team of {plan.team_size} DP ranks that runs it distributed "
                 f"({teamed} of {len(plan.units)} units)")

@@ -226,3 +226,23 @@ def test_block_grid_through_megatrons_loop_resumes_bitwise(tmp_path):
     after = norms.findall(out)
     assert len(after) == 3 and all(first[it] == g for it, g in after), (first, after)
     assert resumed[-1][3] == rows[-1][3] and [r[5] for r in resumed] == [r[5] for r in rows[3:]]
+
+
+def test_report_bytes_are_the_steps_under_auto_at_tp1(tmp_path):
+    """At TP1 x DP2 under ``auto`` no matrix is cut across DP (the balanced layout), yet the plan
+    moves whole units to the other DP rank to balance NS: the report must say so, and its bytes
+    (printed as the log prints them, MB) bound what rank 0's step logs. That the plan's per-rank
+    bytes equal the step's comm_stats exactly is tests/dist/test_step_plan.py's."""
+    out = run_tiny(["--tensor-model-parallel-size", "1", "--muon-tp-mode", "auto", "--train-iters", "2",
+                    "--log-interval", "1"], tmp_path)
+    planned = re.search(r"bytes sent per rank per full step \(plan\): max ([0-9.]+) MB, mean ([0-9.]+) MB", out)
+    assert planned, out[-6000:]
+    most, mean = float(planned[1]), float(planned[2])
+    moved = re.search(r"0 of 8 matrices cut across DP ranks; .*; (\d+) of \d+ units held whole by one DP rank go "
+                      r"to another DP rank's owner", out)
+    logged = [row[-1] for row in _iterations(out)]
+    assert len(logged) == 2 and logged[0] == logged[1], logged
+    if logged[0] > 0:  # rank 0 sent something: the report names the moved units and a nonzero plan
+        assert moved and int(moved[1]) > 0 and 0 < mean <= most and logged[0] <= most, (planned[0], logged)
+    else:
+        assert most == 0 and not moved, (planned[0], logged)

@@ -142,3 +142,43 @@ def test_sbatch_cpu_demo_trains_saves_and_resumes(slurm_cluster, tmp_path, demo_
     assert [(int(i), int(n)) for i, n, *_ in rows] == [(7, 8), (8, 8)], out[-4000:]
     assert (ckpt / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
     assert "step finished with exit code 0" in out
+
+
+def _wait_for(log: Path, pattern: str, env: dict, job: str) -> str:
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        text = log.read_text(errors="replace") if log.exists() else ""
+        if re.search(pattern, text):
+            return text
+        time.sleep(0.5)
+    subprocess.run(["scancel", job], env=env)
+    pytest.fail(f"job {job}: no {pattern!r} after {JOB_TIMEOUT_S} s:\n{text[-4000:]}")
+
+
+@pytest.mark.parametrize("script", ["train.sbatch", "train-single-node.sbatch"])
+def test_sbatch_time_limit_warning_saves_then_requeues(slurm_cluster, tmp_path, demo_data, script):
+    """What Slurm does 5 minutes before the time limit (``--signal=B:USR1@300``), sent by hand
+    (``scancel --signal=USR1 --batch``): the script hands Megatron's exit signal to the training
+    processes, which finish the iteration in flight and save (``--exit-signal-handler``, which the
+    scripts pass), the step exits 0, and only then is the job requeued."""
+    env = dict(slurm_cluster, MEGATRON_MUON_ROOT=str(REPO), MEGATRON_MUON_PYTHON=sys.executable,
+               NPROC_PER_NODE="2", CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore")
+    ckpt, log = tmp_path / "ckpt", tmp_path / "job.out"
+    job = _sbatch(env, script, log,
+                  ["--lr-warmup-iters", "2", "--eval-iters", "1", "--log-interval", "1", "--save", str(ckpt),
+                   "--train-data-path", str(demo_data / "train_text_document"),
+                   "--valid-data-path", str(demo_data / "valid_text_document"),
+                   "--data-cache-path", str(tmp_path / "cache"), "--train-iters", "5000",
+                   "--save-interval", "5000", "--eval-interval", "5000"], tmp_path)
+    try:
+        _wait_for(log, r"iteration\s+3/\s*5000 \|", env, job)
+        subprocess.run(["scancel", "--signal=USR1", "--batch", job], env=env, check=True, timeout=30)
+        out = _wait_for(log, r"requeueing job", env, job)
+    finally:
+        subprocess.run(["scancel", job], env=env, timeout=30)
+    assert "USR1 (time limit near)" in out and "exiting program after receiving SIGTERM" in out, out[-4000:]
+    assert "step finished with exit code 0" in out, out[-4000:]
+    saved = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    last = max(int(i) for i, *_ in ITERATION.findall(out))
+    assert 3 <= saved == last < 5000, (saved, last)  # the iteration in flight, then the save
+    assert (ckpt / f"iter_{saved:07d}" / "metadata.json").is_file()

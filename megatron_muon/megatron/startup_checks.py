@@ -468,8 +468,11 @@ def check_save_writable(args) -> None:
     while not existing.exists() and existing != existing.parent:
         missing.append(existing)
         existing = existing.parent
-    interval = getattr(args, "save_interval", None)
-    late = f"; the first save (iteration {interval}) would fail after training that long" if interval else ""
+    # Megatron saves every --save-interval iterations and once more when training ends, so a run
+    # from scratch first saves at the smaller of the two (a resumed run: at most that many later).
+    first = min((v for v in (getattr(args, "save_interval", None), getattr(args, "train_iters", None)) if v),
+                default=None)
+    late = f"; the first save (iteration {first}) would fail after training that long" if first else ""
     if not existing.is_dir():
         what = "is a file" if existing == target else f"{existing} is a file"
         raise UserInputError(f"--save {save}: {what}, not a directory{late}. Point --save at a writable directory")

@@ -18,10 +18,11 @@ to probabilistic rounding error analysis", SIAM J. Sci. Comput. 41(5), 2019):
    magnitude of its partial sums, in any order (``sum_bound``).
 3. One standard NS step X ← a·X + (b·A + c·A²)·X, A = X·Xᵀ, on a k × m iterate (k ≤ m) whose
    singular values are at most s reduces over m (A) and twice over k (A·A, B·X). Cauchy–Schwarz
-   on rows and columns bounds the partial sums: A's by s², B's by |b|s² + |c|s⁴, the new X's by
-   (|a| + |b|s² + |c|s⁴)·s, and A's own rounding reaches X through (b + 2c·A)·X. All are at most
-   μ = (|a| + |b| + 2|c|)·s·max(1, s)⁴ (the coefficient sum, ≈ 12.3 for Jordan's quintic at
-   s = 1), so the step rounds each entry by √(m + 2k)·u·μ, the three reductions added in
+   on rows and columns bounds the partial sums: A's by s², B's by |b|s² + |c|s⁴ (reaching X
+   times s), the new X's by (|a| + |b|s² + |c|s⁴)·s, and A's rounding reaches X through
+   (b + 2c·A)·X, times (|b| + 2|c|s²)·s. The largest, μ = s·max((|b| + 2|c|s²)·s²,
+   |a| + |b|s² + |c|s⁴) (``step_magnitude``; at s = 1 the coefficient sum, 10.25 for Jordan's
+   quintic), makes the step round each entry by √(m + 2k)·u·μ, the three reductions added in
    quadrature. The Gram iteration (``gram_newton_schulz``) adds the k × k products M·R·M and
    M·Q: √(m + 4k).
 4. An error E in the iterate after step j leaves the remaining steps as DF(E), F the odd
@@ -59,7 +60,8 @@ import torch
 
 from megatron_muon.core.newton_schulz import DEFAULT_COEFFICIENTS, coefficient_schedule
 
-__all__ = ["ns_bound", "ns_growth", "ns_lipschitz", "ns_spectrum", "sum_bound", "unit_roundoff"]
+__all__ = ["muon_params_bound", "ns_bound", "ns_growth", "ns_lipschitz", "ns_spectrum", "ns_step_bound",
+           "step_magnitude", "sum_bound", "unit_roundoff"]
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
@@ -132,10 +134,15 @@ def ns_growth(coefficients=DEFAULT_COEFFICIENTS, steps: int = 5, spectrum: tuple
         largest = max(slope.abs().max().item(), (x / sigma).abs().max().item())
         if lo == 0:
             largest = max(largest, math.prod(abs(a) for a, _, _ in rest))
-        a, b, c = schedule[j]
-        s = ranges[j][1]
-        total += (abs(a) + abs(b) + 2 * abs(c)) * s * max(1.0, s) ** 4 * largest
+        total += step_magnitude(*schedule[j], ranges[j][1]) * largest
     return total
+
+
+def step_magnitude(a: float, b: float, c: float, s: float) -> float:
+    """μ of model point 3: the largest partial sum, in units of u·√n, of one step with these
+    coefficients on an iterate whose singular values are at most ``s``."""
+    a, b, c = abs(a), abs(b), abs(c)
+    return s * max((b + 2 * c * s * s) * s * s, a + b * s * s + c * s ** 4)
 
 
 def ns_spectrum(x: torch.Tensor) -> tuple[float, float]:
@@ -147,13 +154,36 @@ def ns_spectrum(x: torch.Tensor) -> tuple[float, float]:
     return sv.min().item(), sv.max().item()
 
 
-def ns_bound(dtype: torch.dtype, x: torch.Tensor, coefficients=DEFAULT_COEFFICIENTS, steps: int = 5, *,
-             gram: bool = False, roundings: int = 2) -> float:
+def ns_bound(dtype: torch.dtype, x: torch.Tensor | tuple[int, int], coefficients=DEFAULT_COEFFICIENTS,
+             steps: int = 5, *, gram: bool = False, roundings: int = 2) -> float:
     """The largest |difference| of entries of two NS results (``steps``, ``coefficients``) of the
     matrix ``x`` (or of each of a stack) in ``dtype`` whose roundings differ:
     roundings·u·√n·``ns_growth`` over ``x``'s normalized spectrum, with n = m + 2k (standard) or
-    m + 4k (``gram``), k ≤ m the matrix's sides (model points 3 and 5). ``roundings=1``: one
-    result against a float64 reference."""
-    k, m = sorted(x.shape[-2:])
+    m + 4k (``gram``), k ≤ m the matrix's sides (model points 3 and 5). ``x`` a shape (rows,
+    cols): any matrix of it (the spectrum [0, 1]). ``roundings=1``: one result against a float64
+    reference."""
+    shape = tuple(x) if isinstance(x, tuple) else tuple(x.shape)
+    k, m = sorted(shape[-2:])
     n = m + (4 if gram else 2) * k
-    return roundings * unit_roundoff(dtype) * math.sqrt(n) * ns_growth(coefficients, steps, ns_spectrum(x))
+    spectrum = (0.0, 1.0) if isinstance(x, tuple) else ns_spectrum(x)
+    return roundings * unit_roundoff(dtype) * math.sqrt(n) * ns_growth(coefficients, steps, spectrum)
+
+
+def muon_params_bound(ns: float, lr: float, scale: float, param_max: float, steps: int = 1) -> float:
+    """|difference| of fp32 params after ``steps`` Muon steps from the same params and gradients
+    in two implementations whose NS results differ by at most ``ns`` per entry: each step moves a
+    param by lr·scale·U, so the updates differ by lr·scale·ns, and each side rounds the param's
+    new value (θ − lr·scale·U, weight decay folded in) by u·|θ| (``param_max`` bounds |θ|); the
+    decay factor 1 − lr·wd < 1 only shrinks earlier differences. The momentum, computed alike or
+    by another fp32 expression, differs by u relative: a perturbation of NS's input no larger than
+    its normalization's rounding, already in ``ns``."""
+    return steps * (lr * scale * ns + 2 * unit_roundoff(torch.float32) * param_max)
+
+
+def ns_step_bound(dtype: torch.dtype, x: torch.Tensor, a: float, b: float, c: float, *, roundings: int = 2) -> float:
+    """One quintic step on ``x`` as given (``quintic_iteration``: A = x·xᵀ over x's rows, in
+    either association, whichever side is shorter): roundings·u·√(cols + 2·rows)·μ, its
+    rounding entering the result directly (model point 3 without growth)."""
+    rows, cols = x.shape[-2:]
+    s = torch.linalg.matrix_norm(x.detach().double(), ord=2).max().item()  # x's largest singular value
+    return roundings * unit_roundoff(dtype) * math.sqrt(cols + 2 * rows) * step_magnitude(a, b, c, s)

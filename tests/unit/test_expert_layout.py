@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from rounding_bounds import ns_bound
 from step_harness import run_step
 
 from megatron_muon.core.expert_layout import expert_matrices, expert_row_split, join_expert_matrices
@@ -58,11 +59,14 @@ def test_orthogonalized_per_expert_never_fused(gated):
                                 ns_dtype=torch.float32, scale_mode="spectral")[0].view_as(fused)
     want = torch.cat([newton_schulz(m, 5, "quintic") * muon_scale(*m.shape, "spectral")
                       for m in expert_matrices(fused, E, "rows", gated=gated)])
-    # The same NS on the same fp32 matrices in one process: equal up to the batched matmul's
-    # order (measured 0 on CPU); 1e-6 bounds it.
-    assert (got - want).abs().max().item() <= 1e-6
+    # The same NS on the same fp32 matrices in one process, batched in the step and one at a
+    # time here, so the GEMMs may sum in another order: two fp32 NS roundings of each expert
+    # matrix (rounding_bounds.ns_bound) times its scale, √12: 6.1e-4 (measured 0).
+    matrices = expert_matrices(fused, E, "rows", gated=gated)
+    bound = max(ns_bound(torch.float32, m, "quintic") * muon_scale(*m.shape, "spectral") for m in matrices)
+    assert (got - want).abs().max().item() <= bound
     # NS of the fused tensor as one matrix mixes the experts: off by O(scale) (measured 0.2+),
-    # far above the 1e-6 bound: the check above can fail.
+    # far above that bound: the check above can fail.
     whole = newton_schulz(fused, 5, "quintic") * muon_scale(*fused.shape, "spectral")
     assert (whole - want).abs().max().item() > 1e-2
 

@@ -12,7 +12,11 @@ from megatron_muon.core.models import LLAMA3
 from megatron_muon.core.newton_schulz import ns_flops
 from scripts.bench import planner_quality as pq
 
-# Loads are sums of Python ints stored in floats: ~1e16 FLOPs per rank, so compare relatively.
+# Loads are sums of Python ints stored in floats: ~1e16 FLOPs per rank, past 2^53, so additions
+# round, in an order the plan chooses; the other side is an exact int. n positive terms err by at
+# most n·u·(their sum) in any order (Higham's γ_n, u = 2^-53 = 1.1e-16): at most 6,048
+# sub-matrices (Llama-3 405B) into 512 rank loads, then those: n < 6,600, 7.3e-13. Counting a
+# sub-matrix twice or not at all is off by its share, ≥ 3.5e-8 of the total (a 405B k or v).
 REL = 1e-12
 
 

@@ -485,9 +485,11 @@ def run_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout: str = "balanced", ep: 
         teardown()
 
 
-def busiest_rank(shape, tp: int, pp: int, dp: int, tp_mode: str, device: torch.device) -> int:
-    """The first stage's rank with the most NS FLOPs by the plan (rank 0's build, on ``device``)."""
-    parts, slot = build_rank(shape, tp, pp, dp, 0, tp_mode, device=device)
+def busiest_rank(shape, tp: int, pp: int, dp: int, tp_mode: str, ep: int = 1) -> int:
+    """The first stage's rank with the most NS FLOPs by the plan (rank 0's build, on the meta
+    device: the plan depends on the shapes alone, and a real build would hold a whole rank's
+    model and state while the timed build of that rank allocates another)."""
+    parts, slot = build_rank(shape, tp, pp, dp, 0, tp_mode, ep=ep)
     try:
         flops = parts[0]["inner"].plan.ns_flops  # per (dp, tp) of the stage's grid
         dp_rank, tp_rank = divmod(max(range(len(flops)), key=flops.__getitem__), tp)
@@ -497,7 +499,7 @@ def busiest_rank(shape, tp: int, pp: int, dp: int, tp_mode: str, device: torch.d
 
 
 def time_rank(shape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, device: torch.device,
-              repeats: int) -> dict:
+              repeats: int, ep: int = 1) -> dict:
     """The dense optimizer's step of ``rank`` on real tensors on ``device``, under the fake process
     group: the collectives move no data, but their buffers, the Newton–Schulz kernels and the
     update are real. Gradients are random (their values do not change the step's work); one step
@@ -508,22 +510,34 @@ def time_rank(shape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, device:
 
     from megatron_muon.optimizer import StepTimer
 
-    parts, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, device=device)
+    parts, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, ep=ep, device=device)
     try:
         part = parts[0]
         inner = part["inner"]
         for group in inner.param_groups:
             for p in group["params"]:
                 p.grad = torch.randn_like(p)
+        cuda = device.type == "cuda"
+        if cuda:  # what the state and the step add on top of the model and Megatron's buffers
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
         inner.init_state()
         inner.step()
+        if cuda:
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device)
         timer = StepTimer(device)
         times = [timer.measure(inner.step) for _ in range(repeats)]
         plan = inner.plan
         here = part["dp_rank"] * part["tp"] + part["tp_rank"]
+        modes = Counter(plan.work[part["dp_rank"]].modes)
         return dict(rank=rank, **slot, step_s=statistics.median(times), repeats=repeats, device=str(inner.device),
                     matrices=len(plan.matrices), plan_ns_flops=plan.ns_flops[here],
-                    plan_ns_flops_max=max(plan.ns_flops), plan_bytes_sent=plan.bytes_sent[here])
+                    plan_ns_flops_max=max(plan.ns_flops), plan_bytes_sent=plan.bytes_sent[here],
+                    modes=dict(sorted(modes.items())),
+                    device_bytes_before_state=before if cuda else None,
+                    device_peak_bytes=peak if cuda else None)
     finally:
         teardown()
 

@@ -4,8 +4,21 @@
     python -m scripts.gpu_check --device cpu --train-iters 10 --scale 16 --out /tmp/x  # CPU rehearsal
 
 (``bash scripts/gpu_check.sh`` wraps it for the lent GPU machine.) Writes ``gpu_check.json`` and
-``gpu_check.md`` into ``--out``. Parts (``--parts``):
+``gpu_check.md`` into ``--out`` after every part, and prints a line per part as it finishes
+(stderr), so that a check the lease cuts short keeps what it did. The parts run in order of value
+within ``--budget-s`` (480 s: 8 minutes of a lent H200's 10-minute command limit; a subprocess
+gets what is left of it, a part that starts too late is skipped, saying so):
 
+* ``ns``: see below; seconds.
+* ``real-step``: the busiest rank (by the plan's NS FLOPs, first stage) of Llama-3 405B at
+  TP8 x PP16 x DP64 under owner and under auto (distributed sub-matrices), DeepSeek-V3 at TP1 x EP8
+  x PP16 x DP64 under auto (DP teams), and Llama-3 8B and 70B at TP8 x DP8: the dry run's model, DDP
+  and optimizer (``scripts/dry_run.py``) on real tensors under torch's fake process group, so one
+  GPU runs one rank of an 8192-GPU layout; its step timed with CUDA events, next to the plan's NS
+  FLOPs at the hardware's matmul rate and the cost model's step, and what the state and the step
+  allocated (``max_memory_allocated``) beside the dry run's figure for the same rank on meta. The
+  busiest rank and the meta figures come from one process with CUDA hidden (a meta build here would
+  put Megatron's buffers on the GPU); memory is freed and the peak reset between layouts.
 * ``train``: Megatron's own training loop (``scripts/pretrain_gpt.py``), one process: TP1,
   ``--muon-tp-mode owner``, ``--train-iters`` iterations of the tiny GPT on mock data, saving
   halfway, then a second run resumed from that checkpoint. On CUDA: NCCL, bf16, the Transformer
@@ -19,18 +32,13 @@
   NCCL, every rank on its own GPU (4 GPUs: TP2 x DP2; 2 or 3: TP2 x DP1; 1: skipped, and the
   report says why); the rehearsal: 4 gloo ranks on the CPU. Megatron's own wrappers around the
   optimizer are not in it (tests/megatron/test_megatron_optimizer.py covers them on CPU).
-* ``real-step``: the busiest rank (by the plan's NS FLOPs, first stage) of Llama-3 8B and 70B at
-  TP8 x DP8 and 405B at TP8 x PP16 x DP64: the dry run's model, DDP and optimizer
-  (``scripts/dry_run.py``) on real tensors under torch's fake process group, so one GPU runs one
-  rank of a 64- or 8192-GPU layout; its step timed with CUDA events, next to the plan's NS FLOPs
-  at the hardware's matmul rate and the cost model's step.
 * ``ns``: Newton–Schulz in bf16 on Llama-3-8B's matrix shapes, batched as the optimizer batches
   them: TFLOP/s and the fraction of the GPU's dense bf16 peak; and one layer's matrices at TP8 as
   the owner mode runs them (each rank: its owned matrices) against duplicated (each rank: all of
   them): the NS time of the busiest rank, compute only.
 
 Every report starts with the installed torch, megatron-core and Transformer Engine against the
-ranges pyproject.toml declares.
+ranges pyproject.toml declares, each version read from the module itself.
 """
 
 from __future__ import annotations
@@ -49,9 +57,16 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("train", "equivalence", "real-step", "ns")
-# real-step: (model, TP, PP, DP) of the production layouts whose first stage's busiest rank is stepped
-REAL_STEP_LAYOUTS = (("llama3-8b", 8, 1, 8), ("llama3-70b", 8, 1, 8), ("llama3-405b", 8, 16, 64))
+PARTS = ("ns", "real-step", "train", "equivalence")
+"""in order of value: a lent GPU's minutes run out, and what ran first is on disk."""
+# real-step: (model, TP, PP, DP, EP, TP mode) of the production layouts whose first stage's busiest rank
+# is stepped. auto at 405B and DeepSeek-V3 TP1 runs the distributed and DP-team code paths, which
+# one GPU never runs otherwise.
+REAL_STEP_LAYOUTS = (("llama3-405b", 8, 16, 64, 1, "owner"), ("llama3-405b", 8, 16, 64, 1, "auto"),
+                     ("deepseek-v3", 1, 16, 64, 8, "auto"), ("llama3-8b", 8, 1, 8, 1, "owner"),
+                     ("llama3-70b", 8, 1, 8, 1, "owner"))
+BUDGET_S = 480
+"""the whole check, by default: 8 minutes of a lent GPU's 10-minute command limit."""
 # Dense bf16 peak by device name (NVIDIA datasheets), for the fraction-of-peak column.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
 GRAD_NORM = re.compile(r"grad norm: ([0-9.]+) \|")
@@ -68,14 +83,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-iters", type=int, default=50)
     parser.add_argument("--scale", type=int, default=1, help="divide the Llama-3-8B shapes of the ns part by this")
     parser.add_argument("--repeats", type=int, default=10, help="timed calls per ns row (after 3 warm-ups)")
+    parser.add_argument("--budget-s", type=int, default=BUDGET_S,
+                        help="seconds for the whole check: a part is skipped, and a subprocess stopped, past it")
     args = parser.parse_args(argv)
+    args.deadline = time.monotonic() + args.budget_s
     args.parts = [p for p in args.parts.split(",") if p]
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown or not args.parts:
         parser.error(f"--parts: expected a comma-separated subset of {PARTS}, got {unknown or 'nothing'}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is visible here (use --device cpu for a rehearsal)")
-    for flag in ("train_iters", "scale", "repeats"):
+    for flag in ("train_iters", "scale", "repeats", "budget_s"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     return args
@@ -126,9 +144,18 @@ def _imports(module: str) -> bool:
         return False
 
 
-def _train_run(cmd: list[str], env: dict) -> dict:
+def seconds_left(args) -> float:
+    return args.deadline - time.monotonic()
+
+
+def _train_run(cmd: list[str], env: dict, timeout: float) -> dict:
     started = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=max(1.0, timeout))
+    except subprocess.TimeoutExpired as stopped:  # the budget ran out: what it logged so far, failed
+        text = "".join(x.decode(errors="replace") if isinstance(x, bytes) else (x or "")
+                       for x in (stopped.stdout, stopped.stderr))
+        proc = subprocess.CompletedProcess(cmd, 124, text, "")
     text = proc.stdout + proc.stderr
     rows = [dict(iteration=int(m[1]), loss=float(m[3]), loss_text=m[3], kind=m[4], mb_sent=float(m[5]),
                  orth_ms=float(m[6]), timing=m[7], grad_norm_text=(GRAD_NORM.search(m[0]) or [None, None])[1])
@@ -152,10 +179,11 @@ def run_train(args) -> dict:
         env["CUDA_VISIBLE_DEVICES"] = ""
     half = max(1, args.train_iters // 2)
     with tempfile.TemporaryDirectory(prefix="gpu-check-ckpt-") as save:
+        # each run gets half of what is left of the budget, the second all of what is left then
         first = _train_run(train_command(args.train_iters, 29511, device=args.device, te=te, apex=apex,
-                                         save=Path(save)), env)
+                                         save=Path(save)), env, seconds_left(args) / 2)
         second = _train_run(train_command(args.train_iters, 29512, device=args.device, te=te, apex=apex,
-                                          save=Path(save), load_step=half), env)
+                                          save=Path(save), load_step=half), env, seconds_left(args))
     rows = first["rows"]
     after = {r["iteration"]: r["grad_norm_text"] for r in rows if r["iteration"] > half}
     resumed = {r["iteration"]: r for r in second["rows"]}
@@ -310,12 +338,17 @@ def _equivalence_body(rank: int, world: int, device: torch.device) -> dict:
 
 def run_real_step(args) -> dict:
     """The first stage's busiest rank (by its plan's NS FLOPs) of each ``REAL_STEP_LAYOUTS`` entry:
-    the real optimizer step (scripts/dry_run.py's
-    model, DDP and optimizer, built on real tensors) under torch's fake process group, so one GPU
-    runs a rank of a 512-GPU layout: the collectives move nothing, while their buffers, devices and
-    the Newton–Schulz kernels are real. Shapes divided by ``--scale``. Next to it: this rank's NS
-    FLOPs from the plan at the detected hardware's matmul rate (the cost model's compute term),
-    and the cost model's whole step for the busiest rank on h100-sxm (communication included)."""
+    the real optimizer step (scripts/dry_run.py's model, DDP and optimizer, built on real tensors)
+    under torch's fake process group, so one GPU runs a rank of an 8192-GPU layout: the collectives
+    move nothing, while their buffers, devices and the Newton–Schulz kernels are real. Shapes
+    divided by ``--scale``. Next to it: this rank's NS FLOPs from the plan at the detected
+    hardware's matmul rate (the cost model's compute term), the cost model's whole step for the
+    busiest rank on h100-sxm, and on CUDA what the state and the step allocated
+    (``max_memory_allocated`` above the built model) beside the dry run's figure for the same rank
+    on the meta device (its state plus its transient peak). Memory is freed and the peak reset
+    between layouts; a layout is skipped, saying so, once the budget is spent."""
+    import gc
+
     from megatron_muon.plan.auto_mode import hardware_profile
     from scripts import dry_run
 
@@ -325,21 +358,71 @@ def run_real_step(args) -> dict:
 
         apply_cpu_patches()
     hw = hardware_profile("detect")
-    rows, started = [], time.perf_counter()
-    for model, tp, pp, dp in REAL_STEP_LAYOUTS:
+    rows, skipped_layouts, started = [], [], time.perf_counter()
+    probes = meta_probes(args.scale, timeout=seconds_left(args) / 2)
+    for (model, tp, pp, dp, ep, mode), meta in zip(REAL_STEP_LAYOUTS, probes):
+        layout = f"TP{tp} x PP{pp} x DP{dp}" + (f" x EP{ep}" if ep > 1 else "")
+        if meta["rank"] is None or seconds_left(args) < 30:
+            why = meta.get("skip") or "the budget (--budget-s) was spent"
+            skipped_layouts.append(f"{model} {layout} {mode}: {why}")
+            continue
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
         shape = dry_run.MODELS[model]
         shape = shape.scaled(args.scale) if args.scale > 1 else shape
+        rank = meta["rank"]
         with contextlib.redirect_stdout(io.StringIO()):  # the optimizer's startup report: not this report's
-            rank = dry_run.busiest_rank(shape, tp, pp, dp, "owner", device)
-            res = dry_run.time_rank(shape, tp, pp, dp, rank, "owner", device, args.repeats)
-        busiest = dry_run.cost_model_row(shape, tp, pp, dp, "owner")
-        rows.append(dict(model=model, layout=f"TP{tp} x PP{pp} x DP{dp}", rank=rank, scale=args.scale,
-                         step_ms=res["step_s"] * 1e3,
-                         device=res["device"], matrices=res["matrices"], ns_gflop=res["plan_ns_flops"] / 1e9,
+            res = dry_run.time_rank(shape, tp, pp, dp, rank, mode, device, args.repeats, ep=ep)
+        busiest = dry_run.cost_model_row(shape, tp, pp, dp, mode) if ep == 1 else None
+        peak = res["device_peak_bytes"]
+        rows.append(dict(model=model, layout=layout, tp_mode=mode, rank=rank, scale=args.scale,
+                         step_ms=res["step_s"] * 1e3, device=res["device"], matrices=res["matrices"],
+                         modes=res["modes"], ns_gflop=res["plan_ns_flops"] / 1e9,
                          predicted_ns_ms=res["plan_ns_flops"] / hw.matmul_flops * 1e3, hardware=hw.name,
-                         busiest_step_ms_h100=busiest["step_ms_h100"]))
-    ok = all(r["device"] == str(device) for r in rows)
-    return dict(ok=ok, rows=rows, wall_s=time.perf_counter() - started)
+                         busiest_step_ms_h100=None if busiest is None else busiest["step_ms_h100"],
+                         step_gib=None if peak is None else (peak - res["device_bytes_before_state"]) / 2**30,
+                         max_allocated_gib=None if peak is None else peak / 2**30,
+                         dry_run_gib=meta["dry_run_gib"], dry_run_errors=meta["errors"]))
+        del res
+    ok = bool(rows) and all(r["device"] == str(device) and not r["dry_run_errors"] for r in rows)
+    return dict(ok=ok, rows=rows, skipped_layouts=skipped_layouts, wall_s=time.perf_counter() - started)
+
+
+def meta_probes(scale: int, timeout: float) -> list[dict]:
+    """Per ``REAL_STEP_LAYOUTS`` entry, on the meta device in a process of its own (CUDA hidden, as
+    the dry run runs, so that Megatron's buffers are not allocated on the GPU): the first stage's
+    busiest rank by its plan, and the dry run's memory figure for it (the state plus the step's
+    transient peak)."""
+    code = ("import sys, json; from scripts import gpu_check; "
+            "print(json.dumps(gpu_check._meta_probes(int(sys.argv[1]))))")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONWARNINGS="ignore", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, "-c", code, str(scale)], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=max(1.0, timeout))
+    if proc.returncode != 0:
+        raise RuntimeError(f"the meta-device probe failed (rc {proc.returncode}): {proc.stderr[-1500:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _meta_probes(scale: int) -> list[dict]:
+    from megatron_muon.megatron.cpu_patches import apply_cpu_patches, view_device
+    from scripts import dry_run
+
+    apply_cpu_patches()
+    out = []
+    with view_device(torch.device("meta")), contextlib.redirect_stdout(io.StringIO()):
+        for model, tp, pp, dp, ep, mode in REAL_STEP_LAYOUTS:
+            shape = dry_run.MODELS[model]
+            if scale > 1 and shape.mla is not None:  # ModelShape.scaled keeps no MLA shape
+                out.append(dict(rank=None, skip=f"--scale {scale}: MLA shapes are not scaled (runs at --scale 1)"))
+                continue
+            shape = shape.scaled(scale) if scale > 1 else shape
+            rank = dry_run.busiest_rank(shape, tp, pp, dp, mode, ep=ep)
+            meta = dry_run.run_rank(shape, tp, pp, dp, rank, mode, ep=ep)
+            out.append(dict(rank=rank, dry_run_gib=(meta["state_bytes"] + meta["peak_extra_bytes"]) / 2**30,
+                            errors=meta["errors"]))
+    return out
 
 
 # ---- ns ------------------------------------------------------------------------------------------
@@ -405,6 +488,21 @@ def run_ns(args) -> dict:
 # ---- versions ------------------------------------------------------------------------------------
 
 
+MODULES = {"torch": ("torch", "__version__"), "megatron-core": ("megatron.core.package_info", "__version__"),
+           "transformer-engine": ("transformer_engine", "__version__")}
+"""where each package says its own version: NGC images install Transformer Engine and
+megatron-core under distribution names (or none) that ``importlib.metadata`` does not find."""
+
+
+def module_version(name: str) -> str | None:
+    module, attribute = MODULES[name]
+    try:
+        found = getattr(__import__(module, fromlist=[attribute]), attribute, None)
+    except Exception:  # noqa: BLE001 (TE raises more than ImportError where its CUDA libraries are missing)
+        return None
+    return None if found is None else str(found).split("+")[0]
+
+
 def versions() -> dict:
     """The installed torch, megatron-core and Transformer Engine, each against the range
     pyproject.toml declares for it (the ``gpu`` extra for TE); None where not installed."""
@@ -418,10 +516,12 @@ def versions() -> dict:
                 [*project["dependencies"], *project["optional-dependencies"]["gpu"]]}
     out = {}
     for name in ("torch", "megatron-core", "transformer-engine"):
-        try:
-            installed = version(name)
-        except PackageNotFoundError:
-            installed = None
+        installed = module_version(name)
+        if installed is None:
+            try:
+                installed = version(name)
+            except PackageNotFoundError:
+                installed = None
         req = declared[name]
         out[name] = dict(installed=installed, declared=str(req.specifier),
                          in_range=None if installed is None else req.specifier.contains(installed, prereleases=True))
@@ -441,7 +541,12 @@ def markdown(results: dict) -> str:
                   f"{'—' if v['in_range'] is None else 'yes' if v['in_range'] else 'NO'} |"
                   for name, v in results["versions"].items()]
         lines.append("")
-    if "train" in results:
+    for part in PARTS:  # a part that did not run through: one line saying why
+        cut = results.get(part, {})
+        if "error" in cut or ("skipped" in cut and part != "equivalence"):
+            lines += [f"## {part}: {'FAILED' if 'error' in cut else 'skipped'}", "", cut.get("error") or cut["skipped"],
+                      ""]
+    if "train" in results and "rows" in results["train"]:
         t = results["train"]
         how = "gloo, fp32" if results["device"] == "cpu" else "NCCL, bf16"
         lines += [f"## train: Megatron's loop, TP1, {how}, owner mode, a save and a resume", "",
@@ -459,28 +564,39 @@ def markdown(results: dict) -> str:
         lines.append("")
     if "equivalence" in results and results["equivalence"].get("skipped"):
         lines += ["## equivalence: skipped", "", results["equivalence"]["skipped"], ""]
-    elif "equivalence" in results:
+    elif "equivalence" in results and "max_abs_error" in results["equivalence"]:
         e = results["equivalence"]
         lines += [f"## equivalence: orthogonalize_updates at TP2 x DP{e.get('world', 4) // 2}, {e.get('world', 4)} "
                   "ranks, tensors on " + ", ".join(e["devices"]), "", "| TP mode | max abs error vs one device |",
                   "|---|---:|"]
         lines += [f"| {mode} | {err:.2e} |" for mode, err in e["max_abs_error"].items()]
         lines += ["", f"{'ok' if e['ok'] else 'FAILED'}: bound {e['tolerance']:g} (fp32 NS, summation order only)", ""]
-    if "real-step" in results:
+    if "real-step" in results and "rows" in results["real-step"]:
         r = results["real-step"]
         lines += ["## real-step: the busiest rank's optimizer step on real tensors, fake process group (no data "
                   "moves)", "",
-                  "| model | layout | rank | shapes / | Muon matrices | NS GFLOP (plan) | step ms | NS ms predicted "
-                  "(this rank, plan FLOPs at the matmul rate) | busiest rank's whole step, cost model, h100-sxm ms |",
-                  "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-        lines += [f"| {x['model']} | {x['layout']} | {x.get('rank', 0)} | {x['scale']} | {x['matrices']} | "
-                  f"{x['ns_gflop']:.2f} | "
-                  f"{x['step_ms']:.2f} | {x['predicted_ns_ms']:.2f} ({x['hardware']}) | "
-                  f"{x['busiest_step_ms_h100']:.1f} |"
-                  for x in r["rows"]]
+                  "| model | layout | tp mode | rank | shapes / | Muon matrices | modes (this rank's sub-matrices) | "
+                  "NS GFLOP (plan) | step ms | NS ms predicted (this rank, plan FLOPs at the matmul rate) | busiest "
+                  "rank's whole step, cost model, h100-sxm ms | state + step GiB (device) | same, dry run (meta) GiB "
+                  "| max allocated GiB |",
+                  "|---|---|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+
+        def gib(value):
+            return "—" if value is None else f"{value:.2f}"
+
+        for x in r["rows"]:
+            modes = ", ".join(f"{m} {n}" for m, n in x.get("modes", {}).items()) or "—"
+            busiest = "—" if x.get("busiest_step_ms_h100") is None else f"{x['busiest_step_ms_h100']:.1f}"
+            lines.append(f"| {x['model']} | {x['layout']} | {x.get('tp_mode', 'owner')} | {x.get('rank', 0)} | "
+                         f"{x['scale']} | {x['matrices']} | {modes} | {x['ns_gflop']:.2f} | {x['step_ms']:.2f} | "
+                         f"{x['predicted_ns_ms']:.2f} ({x['hardware']}) | {busiest} | {gib(x.get('step_gib'))} | "
+                         f"{gib(x.get('dry_run_gib'))} | {gib(x.get('max_allocated_gib'))} |")
+        lines += [f"- skipped: {why}" for why in r.get("skipped_layouts", [])]
+        errors = [e for x in r["rows"] for e in x.get("dry_run_errors", [])]
+        lines += [f"- the dry run of the same rank: {e}" for e in errors]
         lines += ["", f"{'ok' if r['ok'] else 'FAILED'}: every step ran on the device it was built on "
                   f"({r['wall_s']:.0f} s).", ""]
-    if "ns" in results:
+    if "ns" in results and "rows" in results["ns"]:
         n = results["ns"]
         lines += ["## ns: bf16 Newton–Schulz, Llama-3-8B shapes, batches of 8 (5 quintic steps)", "",
                   "| matrix | shape | median ms | TFLOP/s | of bf16 peak | Gram NS ms | gram ÷ standard "
@@ -497,22 +613,43 @@ def markdown(results: dict) -> str:
     return "\n".join(lines)
 
 
+RUNNERS = {"ns": "run_ns", "real-step": "run_real_step", "train": "run_train", "equivalence": "run_equivalence"}
+
+
+def write_report(results: dict, out: Path) -> str:
+    """gpu_check.json and gpu_check.md as they stand: called after every part, so that a check cut
+    short (the lease's limit, a crash, a kill) leaves every part that finished on disk."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_check.json").write_text(json.dumps(results, indent=1))
+    text = markdown(results)
+    (out / "gpu_check.md").write_text(text)
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     sys.path.insert(0, str(REPO))
     results = dict(device=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", torch=torch.__version__,
                    date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                    command="python -m scripts.gpu_check " + " ".join(argv if argv is not None else sys.argv[1:]),
-                   versions=versions())
-    for part, run in (("train", run_train), ("equivalence", run_equivalence), ("real-step", run_real_step),
-                      ("ns", run_ns)):
-        if part in args.parts:
-            results[part] = run(args)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_check.json").write_text(json.dumps(results, indent=1))
-    text = markdown(results)
-    (args.out / "gpu_check.md").write_text(text)
-    print(text)
+                   budget_s=args.budget_s, versions=versions())
+    write_report(results, args.out)
+    for part in PARTS:  # in order of value, whatever order --parts names them in
+        if part not in args.parts:
+            continue
+        started = time.monotonic()
+        if seconds_left(args) < 20:
+            results[part] = dict(ok=False, skipped="the budget (--budget-s) was spent before this part")
+        else:
+            try:
+                results[part] = globals()[RUNNERS[part]](args)
+            except Exception as err:  # noqa: BLE001 (one part's failure must not cost the others' results)
+                results[part] = dict(ok=False, error=f"{type(err).__name__}: {err}")
+        write_report(results, args.out)
+        what = results[part].get("skipped") or results[part].get("error") or ""
+        print(f"[gpu_check] {part}: {'ok' if results[part]['ok'] else 'FAILED'} in "
+              f"{time.monotonic() - started:.0f} s{'; ' + what if what else ''}", file=sys.stderr, flush=True)
+    print(write_report(results, args.out))
     return 0 if all(results[p]["ok"] for p in args.parts) else 1
 
 

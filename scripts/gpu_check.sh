@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
 # The GPU check (scripts/gpu_check.py) on a CUDA machine (1 or 8 GPUs): Megatron's training loop
 # on NCCL + bf16 with a save and a bitwise resume, the TP2 x DP2 equivalence on NCCL with a GPU per
-# rank (skipped, with the reason in the report, on one GPU), rank 0 of Llama-3 8B / 70B / 405B
-# production layouts stepped on real CUDA tensors under the fake process group, and bf16
+# rank (skipped, with the reason in the report, on one GPU), the busiest rank of Llama-3 8B / 70B /
+# 405B (owner and auto) and DeepSeek-V3 (auto, TP1: DP teams) production layouts stepped on real
+# CUDA tensors under the fake process group, and bf16
 # Newton–Schulz speed per method. Writes gpu_check.json and gpu_check.md into $OUT (or
 # ./gpu-check), headed by the installed torch / megatron-core / TE against pyproject's ranges.
-# Exit status 1 if a part failed.
+# Parts run in order of value (ns, real-step, train, equivalence) within a budget (--budget-s,
+# 480 s by default: the whole check ends within 8 minutes on one H200, every subprocess capped by
+# what is left of it), and the report is written after each part, with a line on stderr as each
+# part finishes: a check cut short keeps what it did. Exit status 1 if a part failed.
 #
 #   bash scripts/gpu_check.sh                      # every part
 #   bash scripts/gpu_check.sh --parts ns           # a subset (train, equivalence, real-step, ns)
@@ -18,12 +22,27 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 python="${PYTHON:-python3}"
-if ! "$python" -c 'import megatron.core' 2>/dev/null; then
+# The megatron-core the plugin is built against (the lock's pin), checked by the version the module
+# itself reports: an NGC image ships another megatron-core (often a source install with no
+# distribution metadata), with which the plugin's subclasses do not line up. The carried wheels in
+# .whl/ go first on the path when the importable one is another version or none.
+want="$(sed -n 's/^megatron-core==//p' scripts/requirements.lock)"
+megatron_version() {  # the public version (0.19.2 of 0.19.2+703ec6b), or nothing when it does not import
+    local v
+    v="$("$python" -c 'from megatron.core.package_info import __version__; print(__version__)' 2>/dev/null || true)"
+    echo "${v%%+*}"
+}
+have="$(megatron_version)"
+if [[ "$have" != "$want" ]]; then
     if compgen -G ".whl/*.whl" >/dev/null; then
+        echo "gpu_check.sh: megatron-core ${have:-not importable} here, ${want} wanted: installing .whl/ into /tmp/site" >&2
         "$python" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
         export PYTHONPATH="/tmp/site:${PYTHONPATH:-}"
-    else
-        echo "gpu_check.sh: megatron-core is not importable and no wheels are in .whl/" >&2
+        have="$(megatron_version)"
+    fi
+    if [[ "$have" != "$want" ]]; then
+        echo "gpu_check.sh: megatron-core ${want} is needed (scripts/requirements.lock), ${have:-none} is importable," \
+             "and .whl/ holds no wheel of it" >&2
         exit 2
     fi
 fi

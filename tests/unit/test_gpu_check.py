@@ -76,12 +76,21 @@ def test_the_report_has_every_part():
     assert "| 10 | 4.1000 | muon | 0.000 | 1.50 (cuda events) |" in text
     assert "| torch | 2.11.0 | >=2.11,<2.16 | yes |" in text and "NCCL, bf16" in text
     assert "iterations [10] bitwise equal to the uninterrupted run (grad norms" in text
-    real = dict(ok=True, wall_s=3.0, rows=[dict(model="llama3-405b", layout="TP8 x PP16 x DP64", rank=5, scale=1,
-                                                matrices=28,
-                                                ns_gflop=3051.2, step_ms=12.5, predicted_ns_ms=4.41, hardware="h200",
-                                                busiest_step_ms_h100=627.0)])
+    spent = "llama3-70b TP8 x PP1 x DP8 owner: the budget (--budget-s) was spent"
+    real = dict(ok=True, wall_s=3.0, skipped_layouts=[spent],
+                rows=[dict(model="llama3-405b", layout="TP8 x PP16 x DP64", tp_mode="auto", rank=5, scale=1,
+                           matrices=28, modes={"distributed": 3, "owner": 20}, ns_gflop=3051.2, step_ms=12.5,
+                           predicted_ns_ms=4.41, hardware="h200", busiest_step_ms_h100=627.0, step_gib=10.5,
+                           dry_run_gib=10.25, max_allocated_gib=60.0, dry_run_errors=[])])
     text = gpu_check.markdown(dict(results, **{"real-step": real}))
-    assert "| llama3-405b | TP8 x PP16 x DP64 | 5 | 1 | 28 | 3051.20 | 12.50 | 4.41 (h200) | 627.0 |" in text
+    assert ("| llama3-405b | TP8 x PP16 x DP64 | auto | 5 | 1 | 28 | distributed 3, owner 20 | 3051.20 | 12.50 | "
+            "4.41 (h200) | 627.0 | 10.50 | 10.25 | 60.00 |") in text
+    assert "- skipped: llama3-70b TP8 x PP1 x DP8 owner: the budget (--budget-s) was spent" in text
+    # a part that failed or never ran is one line, and the parts that ran keep their sections
+    cut = gpu_check.markdown(dict(results, train=dict(ok=False, error="RuntimeError: boom"),
+                                  ns=dict(ok=False, skipped="the budget (--budget-s) was spent before this part")))
+    assert "## train: FAILED\n\nRuntimeError: boom" in cut and "## ns: skipped\n\nthe budget" in cut
+    assert "## equivalence: orthogonalize_updates" in cut
     skipped = gpu_check.markdown(dict(results, equivalence=dict(ok=True, skipped="needs 2 GPUs ...")))
     assert "## equivalence: skipped\n\nneeds 2 GPUs ..." in skipped
     assert "| owner | 2.00e-06 |" in text and "tensors on cuda:0" in text

@@ -50,8 +50,22 @@ each DP rank holds only its own main shards; ``MuonCheckpointMixin.load_state_di
 into the model param buffers and runs the param all-gather, so every DP replica holds the same,
 loaded, model params — whether or not the model state dict was loaded too.
 
+**A chain of another length** (an EP or expert-TP change). Megatron builds a second optimizer
+for the expert params only when they use the expert groups (EP > 1, or an expert-TP size other
+than TP; ``param.allreduce`` False), so an EP2 run chains two optimizers (dense, experts) and an
+EP1 run one. Every optimizer-state tensor is keyed by its model param's sharded key (experts by
+their global index), which the load finds whatever the chain; what follows the saved chain is the
+common state (param groups, ``muon_steps``, the format name), which dist_checkpointing merges into
+the current chain's tree unchanged: Megatron's load then fails (``KeyError: 'optimizer'`` from EP2
+to EP1, "Expected 2 entries in state dict" from EP1 to EP2). ``rechain_loaded_state`` rebuilds one
+state dict per current optimizer: each current param group takes the saved group with its
+identifier keys (the expert and dense groups of one setting differ only in ``is_expert_parallel``,
+the setting their values come from), the per-param tensors stay where the current chain's tree put
+them.
+
 Use: ``MuonDistributedOptimizer`` inherits ``MuonCheckpointMixin``; the factory calls
-``prepare_for_checkpointing(inner)`` on every inner optimizer it builds.
+``prepare_for_checkpointing(inner)`` on every inner optimizer it builds; ``MuonChainedOptimizer``
+calls ``rechain_loaded_state`` before Megatron's chained load.
 """
 
 from __future__ import annotations
@@ -64,6 +78,7 @@ __all__ = [
     "check_saved_extents",
     "load_canonical_state",
     "prepare_for_checkpointing",
+    "rechain_loaded_state",
     "tag_param_groups",
     "to_canonical_state",
 ]
@@ -153,6 +168,87 @@ def mismatched_elements(main: torch.Tensor, weights: torch.Tensor) -> torch.Tens
     ulp = torch.finfo(weights.dtype).eps
     main = main.reshape(-1).float()
     return ((weights.reshape(-1).float() - main).abs() > ulp * main.abs()).sum()
+
+
+# --------------------------------------------------------------------------- a chain of another length
+
+
+def _identifier(group: dict, *, expert_blind: bool = False) -> tuple:
+    """Megatron's key pairing a saved param group with a current one (``param_group_identifier_keys``,
+    a missing key read as None, NeMo's ``pre_`` aliases included); ``expert_blind``: without
+    ``is_expert_parallel``, the one key in which a setting's expert group differs from its dense one."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    return tuple(group.get(key, group.get(f"pre_{key}")) for key in param_group_identifier_keys
+                 if not (expert_blind and key == "is_expert_parallel"))
+
+
+def _inner(part: dict) -> dict:
+    """The inner optimizer's dict of one optimizer's state dict: under ``optimizer`` (the
+    distributed and the fp16 wrappers), or the state dict itself (``FP32Optimizer``)."""
+    return part["optimizer"] if isinstance(part.get("optimizer"), dict) else part
+
+
+def _merged(base: dict, over: dict) -> dict:
+    """``base`` with ``over``'s entries added, dicts merged level by level (new dicts throughout)."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def rechain_loaded_state(state_dict, current_groups: list[list[dict]]):
+    """The optimizer state Megatron's ``load_checkpoint`` read, as ``ChainedOptimizer.load_state_dict``
+    of ``len(current_groups)`` optimizers takes it (module docstring, "A chain of another length").
+
+    ``state_dict``: the saved chain's common state (a chain's under the keys 0, 1, ...; one
+    optimizer's at the top level) merged with the tensors of the current chain's sharded state dict,
+    nested the current chain's way (the other way when the lengths differ). ``current_groups``:
+    each current optimizer's param groups as its inner ``state_dict()`` lists them (identifier keys,
+    ``params`` indices). Returned unchanged when the saved chain has the current length; otherwise
+    one state dict per current optimizer (a list, or the state dict itself for one): the saved
+    optimizer of the same kind (dense / experts) as its base, the current tensors merged in, and the
+    current groups in their order, each with its saved counterpart's values and its own ``params``.
+    Raises ``RuntimeError`` for a current group
+    the checkpoint has no counterpart of, and for a saved chain whose ``muon_steps`` differ."""
+    count = len(current_groups)
+    if not isinstance(state_dict, dict):
+        return state_dict  # a list (the torch format's chain): Megatron's own load
+    chained = sorted(k for k in state_dict if isinstance(k, int))
+    named = {k: v for k, v in state_dict.items() if not isinstance(k, int)}
+    if (count == 1 and not chained) or (count > 1 and not named):
+        return state_dict  # the chain as saved
+    if count == 1:  # saved by a chain (dense, experts), loaded by one optimizer
+        saved, loaded = [state_dict[k] for k in chained], [named]
+    else:  # saved by one optimizer, loaded by a chain
+        saved, loaded = [named], [state_dict.get(i, {}) for i in range(count)]
+    saved_groups = [g for part in saved for g in _inner(part)["param_groups"]]
+    exact = {_identifier(g): g for g in saved_groups}
+    blind: dict[tuple, dict] = {}
+    for g in saved_groups:
+        blind.setdefault(_identifier(g, expert_blind=True), g)
+    steps = {_inner(part).get("muon_steps") for part in saved} - {None}
+    if len(steps) > 1:  # the chain steps together (prepare_grads): one count
+        raise RuntimeError(f"the checkpoint's optimizers were saved at different muon_steps {sorted(steps)}")
+
+    def kind(groups) -> bool:
+        return any(g.get("is_expert_parallel", False) for g in groups)
+
+    out = []
+    for groups, tensors in zip(current_groups, loaded):
+        base = next((part for part in saved if kind(_inner(part)["param_groups"]) == kind(groups)), saved[0])
+        state = _merged(base, tensors)
+        matched = []
+        for group in groups:
+            twin = exact.get(_identifier(group)) or blind.get(_identifier(group, expert_blind=True))
+            if twin is None:
+                raise RuntimeError(f"the checkpoint has no param group matching the current one {_identifier(group)} "
+                                   f"(saved: {sorted(map(str, exact))})")
+            matched.append({**twin, "is_expert_parallel": group.get("is_expert_parallel", False),
+                            "params": group["params"]})
+        inner = {**_inner(state), "param_groups": matched, **({"muon_steps": min(steps)} if steps else {})}
+        out.append({**state, "optimizer": inner} if isinstance(state.get("optimizer"), dict) else inner)
+    return out[0] if count == 1 else out
 
 
 # --------------------------------------------------------------------------- distributed optimizer

@@ -45,7 +45,7 @@ from .catalogue import (
     tag_grouped_experts,
     tag_qkv,
 )
-from .checkpoint import MuonCheckpointMixin, check_saved_extents, prepare_for_checkpointing
+from .checkpoint import MuonCheckpointMixin, check_saved_extents, prepare_for_checkpointing, rechain_loaded_state
 from .cli import muon_config_from_args
 from .megatron_fsdp import MuonFSDPOptimizer
 from .qk_clip import build_qk_clip
@@ -130,6 +130,14 @@ class MuonChainedOptimizer(ChainedOptimizer):
                         for o in self.chained_optimizers)):
             metadata["distrib_optim_sharding_type"] = "fully_reshardable"  # recorded with the checkpoint
         return super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+
+    def load_state_dict(self, state_dict):
+        """Megatron's, after ``checkpoint.rechain_loaded_state``: a checkpoint of a chain of another
+        length (saved at EP2, dense and experts, loaded at EP1, one optimizer; or the reverse) is
+        given to each optimizer as its own state dict; the same length passes through unchanged."""
+        groups = [o.optimizer.state_dict()["param_groups"] if not getattr(o, "is_stub_optimizer", False) else []
+                  for o in self.chained_optimizers]
+        super().load_state_dict(rechain_loaded_state(state_dict, groups))
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:

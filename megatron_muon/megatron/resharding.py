@@ -19,6 +19,13 @@ sharding, so any TP, PP or DP size loads it (``tests/megatron/test_resharding.py
 flag is needed: ``MuonDistributedOptimizer.sharded_state_dict`` gathers through gloo
 (``--distrib-optim-fully-reshardable-mem-efficient``) by itself. See docs/checkpoints.md.
 
+An EP, expert-TP or virtual-stage change megatron-core does not check at all (only TP and PP):
+with ``dp_reshardable`` its load fails inside dist_checkpointing (measured: EP2 -> EP1 a
+``KeyError`` for a missing bucket key, PP2 x VPP2 -> PP2 a global shape mismatch of a bucket),
+and a ``--ckpt-format torch`` checkpoint (one file per rank of the saving layout) is not found for
+some ranks, where Megatron prints 'could not load the checkpoint' and exits 0. ``layout_refusal``
+is the line ``resume_config`` refuses both with, in the preflight and in the job.
+
 Imports nothing from Megatron: it reads the error's text.
 """
 
@@ -26,7 +33,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["FULLY_RESHARDABLE_FLAG", "explain_load_error", "tp_pp_refusal"]
+__all__ = ["FULLY_RESHARDABLE_FLAG", "explain_load_error", "layout_refusal", "tp_pp_refusal"]
 
 FULLY_RESHARDABLE_FLAG = "--dist-ckpt-optim-fully-reshardable"
 """The save flag that makes the distributed optimizer's checkpoint loadable at any TP, PP, DP."""
@@ -77,3 +84,19 @@ def tp_pp_refusal(saved_tp: int, saved_pp: int, run_tp: int, run_pp: int, kind: 
         f"it with fresh optimizer state (--muon-reset-optimizer-state: weights, iteration and LR schedule "
         f"kept; momentum, Adam moments and the MuonBP phase start afresh). See docs/checkpoints.md"
     )
+
+
+def layout_refusal(flag: str, saved_at: str, wanted: str, directory, kind: str) -> str:
+    """The line for a checkpoint in ``directory`` saved at ``saved_at`` (``EP2``, ``PP2 x VPP2``, ...)
+    and loaded at ``wanted`` (``flag``: the command line's flag and value that asks for it), where
+    ``kind`` is ``dp_reshardable`` (the distributed optimizer's state) or ``torch`` (the format)."""
+    if kind == "torch":
+        return (f"{flag}: {directory} is a --ckpt-format torch checkpoint saved at {saved_at} (one file per rank of "
+                "that layout, which Megatron does not reshard: it finds no file for some ranks, prints 'could not load "
+                f"the checkpoint' and exits 0); resume at {saved_at}, and save with --ckpt-format torch_dist "
+                f"{FULLY_RESHARDABLE_FLAG} to change layouts later")
+    return (f"{flag}: {directory} was saved at {saved_at} with the distributed optimizer's state in the {kind} format, "
+            f"whose buckets are the saving run's layout, so it cannot be loaded at {wanted} (Megatron's load fails "
+            f"inside dist_checkpointing on a missing key or a shape mismatch); resume at {saved_at} with "
+            f"{FULLY_RESHARDABLE_FLAG}, save once, and load that checkpoint at {wanted}; or load it with fresh "
+            "optimizer state (--muon-reset-optimizer-state: weights, iteration and LR schedule kept)")

@@ -25,6 +25,15 @@ CPU demo, docs/checkpoints.md "The changed-configuration table"):
 * What reshards exactly (TP and PP with the equal padded vocabulary, DP, ``--muon-dp-layout``,
   an exact ``--muon-tp-mode``) and what the user changes on purpose (``--muonbp-period``, another
   Muon hyperparameter) is allowed, and the startup report (``report.py``) lists it.
+* **EP, expert-TP, expert-DP and the virtual pipeline stages**: megatron-core compares none of
+  them. Where the optimizer state is kept per param (``fully_reshardable``, the balanced layout's
+  format, or no distributed optimizer) they reshard exactly: experts and layers are saved under
+  their global numbers, and a chain of another length (EP2: a dense and an expert optimizer; EP1:
+  one) is rebuilt at load (``checkpoint.rechain_loaded_state``; Megatron's own load raised
+  ``KeyError: 'optimizer'``), reported. A ``dp_reshardable`` state (buckets of the saving layout:
+  a missing key or a shape mismatch inside the load) and a ``--ckpt-format torch`` checkpoint (a
+  file per rank: 'could not load the checkpoint', exit code 0) are refused here, in the preflight
+  and in the job alike (``_layout_refusal``).
 
 * **Megatron-FSDP** (``fsdp_dtensor``, one DTensor per param, resharded by torch's distributed
   checkpoint): TP (with the equal padded vocabulary), DP and ``--data-parallel-sharding-strategy``
@@ -52,6 +61,7 @@ from pathlib import Path
 
 from .cli import flag_default
 from .errors import UserInputError
+from .resume_layout import layout_changes, layout_lines
 
 __all__ = ["SHAPE_FLAGS", "Saved", "check_optimizer_change", "check_other_optimizer", "check_resume_config",
            "padded_vocab", "preflight_mode", "read_saved", "report_lines"]
@@ -393,6 +403,25 @@ def _shape_refusal(saved: Saved, args) -> str | None:
     return None
 
 
+def _layout_refusal(saved: Saved, args) -> str | None:
+    """An EP, expert-TP or virtual-stage change of a checkpoint whose format keeps the saving run's
+    layout, which megatron-core does not check (only TP and PP): the distributed optimizer's
+    ``dp_reshardable`` state (one tensor per bucket of the saving layout: a missing key or a shape
+    mismatch inside the load), or ``--ckpt-format torch`` (one file per rank: no file for some ranks,
+    and Megatron exits 0 with 'could not load the checkpoint')."""
+    from .resharding import layout_refusal
+
+    changes = layout_changes(saved.args, args)
+    if not changes:
+        return None
+    if any(saved.directory.glob("mp_rank_*/model_optim_rng.pt")):  # read_saved's mark of the torch format
+        return layout_refusal(*changes[0], saved.directory, "torch")
+    if (saved.content_metadata.get("distrib_optim_sharding_type") == "dp_reshardable"
+            and saved.get("use_distributed_optimizer", False) and _loads_optimizer(args, saved)):
+        return layout_refusal(*changes[0], saved.directory, "dp_reshardable")
+    return None
+
+
 def _changes(saved: Saved, args, padded: int | None) -> list[str]:
     """One line per setting that differs from the checkpoint's and is honoured (the report's)."""
     lines = []
@@ -406,6 +435,7 @@ def _changes(saved: Saved, args, padded: int | None) -> list[str]:
     size("tensor_model_parallel_size", "TP", f"resharded exactly (only the order of sums changes){vocab}")
     size("pipeline_model_parallel_size", "PP", "resharded exactly")
     size("data_parallel_size", "DP", "resharded exactly (only the order of sums changes)")
+    lines += layout_lines(saved.args, args)  # virtual stages, EP, expert-TP, expert-DP (resume_layout.py)
     if _is_fsdp_dtensor(saved) and getattr(args, "use_megatron_fsdp", False):
         old_s = saved.get("data_parallel_sharding_strategy")
         new_s = getattr(args, "data_parallel_sharding_strategy", None)
@@ -463,6 +493,9 @@ def check_resume_config(args, directory: str | Path | None) -> None:
     if message:
         if not _PREFLIGHT:
             return  # Megatron's load refuses it; the load hook turns that into this line
+        raise UserInputError(message)
+    message = _layout_refusal(saved, args)  # megatron-core checks none of these: refused in the job too
+    if message:
         raise UserInputError(message)
     message, padded = _vocab_refusal(saved, args)
     if message:

@@ -13,11 +13,18 @@ distributed optimizer, tp_mode owner, grad clipping 1.0, fp32: a dense and an ex
   - ``ep4``: TP1 x EP4 x expert-DP1 (dense DP4): experts move between ranks and expert-DP shrinks
     2 -> 1 (ranks 0-3 held experts {0, 1}, {2, 3}, {0, 1}, {2, 3} of a layer, now 0, 1, 2, 3);
   - ``tp2-etp2``: TP2 x EP2 with expert-TP2 (dense DP2, expert-DP1): the dense and the expert
-    matrices are cut across TP, and the dense DP shrinks 4 -> 2.
+    matrices are cut across TP, and the dense DP shrinks 4 -> 2;
+  - ``ep1``: TP1 x EP1 (dense DP4, expert-DP 2 -> 4): the experts are no longer expert-parallel
+    (Megatron marks them so only at EP > 1 or an expert-TP of their own), so ONE optimizer holds
+    dense and expert params, where the checkpoint's chain had two (``checkpoint.rechain_loaded_state``;
+    before it, ``KeyError: 'optimizer'`` in the load). Saved again right after the load;
+  - ``ep1-ep2``: that EP1 checkpoint (a chain of one) loaded at the saving layout, TP1 x EP2 (a
+    chain of two again).
 
   Right after the load the full (TP-, expert-TP- and EP-gathered) params, fp32 main params, Muon
-  momentum and Adam moments equal the saved ones bitwise, and so do both optimizers' step
-  counters; the two steps after match the saving run within ``ATOL``.
+  momentum and Adam moments equal the saved ones bitwise, and so do every optimizer's step
+  counters; the two steps after match the saving run within ``ATOL``, and bitwise after the round
+  trip ``ep1-ep2`` (the saving layout, the saved state: the same arithmetic in the same order).
 
 The ``dp_reshardable`` format at the saving layout is ``test_moe.py::test_bitwise_resume``'s.
 """
@@ -43,16 +50,24 @@ SEED, OTHER_SEED = 1234, 999
 SAVED_AFTER, LAST = 2, 4
 SAVE = dict(tp=1, ep=2)
 LOADS = {
-    "ep4": dict(tp=1, ep=4),  # experts move, expert-DP 2 -> 1, dense DP4 kept
-    "tp2-etp2": dict(tp=2, ep=2),  # TP 1 -> 2, expert-TP 1 -> 2 (Megatron's default: the TP size), DP 4 -> 2
+    "ep4": (dict(tp=1, ep=4), "saved"),  # experts move, expert-DP 2 -> 1, dense DP4 kept
+    "tp2-etp2": (dict(tp=2, ep=2), "saved"),  # TP 1 -> 2, expert-TP 1 -> 2 (Megatron's default: TP), DP 4 -> 2
+    "ep1": (dict(tp=1, ep=1), "saved"),  # EP 2 -> 1, expert-DP 2 -> 4: a chain of two loaded by one optimizer
+    "ep1-ep2": (dict(tp=1, ep=2), "ep1"),  # ep1's checkpoint at the saving layout: one loaded by two
 }
-"""load name: the layout loaded at (expert-TP is Megatron's default, the TP size)."""
+"""load name: (the layout loaded at, expert-TP being Megatron's default, the TP size; the checkpoint
+loaded: the saving run's, or the one a load wrote right after loading)."""
+RESAVED = {"ep1"}
+"""loads that save what they loaded before they train on (a later load reads it)."""
+COUNTS = {"saved": 2, "ep4": 2, "tp2-etp2": 2, "ep1": 1, "ep1-ep2": 2}
+"""optimizers in the chain: two (dense, experts) where the experts are expert-parallel."""
 # fp32 NS, the max |diff| over full params, main params, momentum and Adam moments of every param
 # after steps 3 and 4, vs the saving run. Measured on CPU: ep4 2.4e-8 / 1.9e-7, tp2-etp2 2.5e-7 /
-# 4.4e-7 (both at their worst on a router weight after step 4). Not bitwise even where TP is kept:
-# at EP4 an expert's GEMM sums the tokens of 4 EP ranks where EP2 summed 2 and all-reduced over
-# expert-DP2; at TP2 the vocab-parallel cross entropy, the RowParallel and sequence-parallel reduces
-# and expert-TP's fc2 partial sums reorder the grads' last bits. 2e-6 (test_moe.py's Muon bound)
+# 4.4e-7, ep1 2.0e-8 / 1.7e-7 (at their worst on a router weight after step 4). Not bitwise even
+# where TP is kept: at EP4 an expert's GEMM sums the tokens of 4 EP ranks where EP2 summed 2 and
+# all-reduced over expert-DP2 (at EP1: each rank's own tokens, all-reduced over expert-DP4); at TP2
+# the vocab-parallel cross entropy, the RowParallel and sequence-parallel reduces and expert-TP's fc2
+# partial sums reorder the grads' last bits. 2e-6 (test_moe.py's Muon bound)
 # leaves 4.6x margin. A broken load is far off (measured by breaking it after the load): the
 # expert optimizer's momentum zeroed is 2.4e-4 off right after the load and 1.5e-2 after step 3.
 ATOL = 2e-6
@@ -92,16 +107,16 @@ def _full_state(model, optimizer) -> dict:
 
     from megatron_muon.megatron.catalogue import is_muon_matrix
 
-    dense, expert = optimizer.chained_optimizers
     params = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
     gpt = _unwrap(model[0])
     full, experts = {}, {}
     for name, p in gpt.named_parameters():
+        # the chain's second optimizer holds the expert-parallel params; without any (EP1) there is one
+        opt = optimizer.chained_optimizers[1 if is_expert(p) else 0]
         if is_expert(p):
-            opt, dp_group, tp_group = (expert, ps.get_expert_data_parallel_group(),
-                                       ps.get_expert_tensor_parallel_group())
+            dp_group, tp_group = ps.get_expert_data_parallel_group(), ps.get_expert_tensor_parallel_group()
         else:
-            opt, dp_group, tp_group = dense, ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
+            dp_group, tp_group = ps.get_data_parallel_group(), ps.get_tensor_model_parallel_group()
         keys = ("momentum_buffer",) if is_muon_matrix(p) else ("exp_avg", "exp_avg_sq")
         local = {k: torch.zeros(p.numel()) for k in ("main", *keys)}
         if p in opt.model_param_group_index_map:
@@ -123,7 +138,7 @@ def _full_state(model, optimizer) -> dict:
                 dist.all_gather(pieces, v, group=tp_group)
                 v = unshard(pieces, p)
             tensors[k] = v
-        (experts if is_expert(p) else full)[megatron_harness.global_name(gpt, name)] = tensors
+        (experts if is_expert(p) else full)[megatron_harness.global_name(gpt, name)] = tensors  # EP1: local = global
     if ps.get_expert_model_parallel_world_size() > 1:
         ranks = [None] * ps.get_expert_model_parallel_world_size()
         dist.all_gather_object(ranks, experts, group=ps.get_expert_model_parallel_group())
@@ -169,19 +184,21 @@ def _world(rank: int, world: int, root: str) -> dict:
             snaps[step] = _snapshot(model, optimizer, rank)
         if step == SAVED_AFTER:
             _save(os.path.join(root, "saved"), model, optimizer, scheduler)
-    out = {"saved": dict(snaps=snaps, sizes=_layout_sizes())}
+    out = {"saved": dict(snaps=snaps, sizes=_layout_sizes(), count=len(optimizer.chained_optimizers))}
     destroy_megatron()
-    for name, layout in LOADS.items():
+    for name, (layout, source) in LOADS.items():
         try:
             run = _run(layout)
             model, optimizer, scheduler = _build(run, OTHER_SEED)
             fresh = _snapshot(model, optimizer, rank)["full"]
-            _load(os.path.join(root, "saved"), model, optimizer, scheduler)
+            _load(os.path.join(root, source), model, optimizer, scheduler)
             snaps = {SAVED_AFTER: _snapshot(model, optimizer, rank)}
+            if name in RESAVED:
+                _save(os.path.join(root, name), model, optimizer, scheduler)
             for step in range(SAVED_AFTER + 1, LAST + 1):
                 _step(run, model, optimizer, scheduler, step)
                 snaps[step] = _snapshot(model, optimizer, rank)
-            out[name] = dict(fresh=fresh, snaps=snaps, sizes=_layout_sizes())
+            out[name] = dict(fresh=fresh, snaps=snaps, sizes=_layout_sizes(), count=len(optimizer.chained_optimizers))
         except Exception:  # noqa: BLE001 - reported by this load's tests
             out[name] = traceback.format_exc()
         if ps.model_parallel_is_initialized():
@@ -193,7 +210,8 @@ def _world(rank: int, world: int, root: str) -> dict:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("muon-moe-reshard")  # made here, shared by every rank
-    (root / "saved").mkdir()  # dist_checkpointing.save wants an existing, empty directory
+    for name in ("saved", *RESAVED):
+        (root / name).mkdir()  # dist_checkpointing.save wants an existing, empty directory
     out = run_world(4, _world, str(root), timeout=TIMEOUT)
     print(f"MEASURED world: {out[0]['seconds']:.1f} s")
     return out
@@ -206,12 +224,15 @@ def _ok(result, what: str):
 
 
 def test_layouts_are_the_intended_ones(runs):
-    """The saving run and the loads run at the EP / expert-DP / expert-TP sizes named above."""
+    """The saving run and the loads run at the EP / expert-DP / expert-TP sizes named above, with
+    the chains named above."""
     want = {"saved": dict(tp=1, dp=4, ep=2, etp=1, edp=2), "ep4": dict(tp=1, dp=4, ep=4, etp=1, edp=1),
-            "tp2-etp2": dict(tp=2, dp=2, ep=2, etp=2, edp=1)}
+            "tp2-etp2": dict(tp=2, dp=2, ep=2, etp=2, edp=1), "ep1": dict(tp=1, dp=4, ep=1, etp=1, edp=4),
+            "ep1-ep2": dict(tp=1, dp=4, ep=2, etp=1, edp=2)}
     for r in runs:
         for name, sizes in want.items():
             assert _ok(r[name], name)["sizes"] == sizes, name
+            assert _ok(r[name], name)["count"] == COUNTS[name], name
 
 
 @pytest.mark.parametrize("load", list(LOADS))
@@ -235,19 +256,23 @@ def test_load_restores_saved_state_bitwise(runs, load):
         loaded = _ok(r[load], load)["snaps"][SAVED_AFTER]
         for name, t in loaded["params"].items():  # every DP replica (dense and expert) got the load
             assert torch.equal(t, saved[name]["param"]), f"{load}: {name} differs on a DP replica"
-        assert loaded["steps"] == [{float(SAVED_AFTER)}] * 2, load
-        assert loaded["muon_steps"] == [SAVED_AFTER] * 2, load
+        assert loaded["steps"] == [{float(SAVED_AFTER)}] * COUNTS[load], load
+        assert loaded["muon_steps"] == [SAVED_AFTER] * COUNTS[load], load
 
 
 @pytest.mark.parametrize("load", list(LOADS))
 def test_training_continues_as_uninterrupted(runs, load):
-    """Steps 3 and 4 after the load match the saving run's within ``ATOL``."""
+    """Steps 3 and 4 after the load match the saving run's within ``ATOL``; bitwise at the saving
+    layout (``ep1-ep2``: the state came back through EP1 unchanged, and the steps' arithmetic is
+    the saving run's, in its order)."""
     ref = runs[0]["saved"]["snaps"]
+    n = COUNTS[load]
     for r in runs:
         for step, snap in _ok(r[load], load)["snaps"].items():
-            assert snap["steps"] == [{float(step)}] * 2 and snap["muon_steps"] == [step] * 2, load
+            assert snap["steps"] == [{float(step)}] * n and snap["muon_steps"] == [step] * n, load
     res = _ok(runs[0][load], load)
+    bound = 0.0 if LOADS[load][0] == SAVE else ATOL
     for step in range(SAVED_AFTER + 1, LAST + 1):
         worst, where = _max_diff(res["snaps"][step]["full"], ref[step]["full"])
         print(f"MEASURED {load} step {step}: max |diff| {worst:.3e} at {where}")
-        assert worst <= ATOL, f"{load} step {step}: {where} off by {worst:.2e}"
+        assert worst <= bound, f"{load} step {step}: {where} off by {worst:.2e}"

@@ -86,8 +86,11 @@ from megatron_muon.config import MUONBP_BLOCKS  # noqa: E402
 from megatron_muon.core.models import HYBRID_MODELS, LLAMA3, MOE_MODELS, ModelShape, staged_pattern  # noqa: E402
 
 MODELS = {**{f"llama3-{k.lower()}": v for k, v in LLAMA3.items()}, **MOE_MODELS, **HYBRID_MODELS}
-RANK_KINDS = ("first", "last", "no-first-piece", "idle-dp-owner", "pp-stages", "busiest", "expert-dp-group",
-              "expert-tp-group")
+RANK_KINDS = ("first", "last", "no-first-piece", "idle-dp-owner", "pp-stages", "busiest", "tp-group", "team",
+              "expert-dp-group", "expert-tp-group")
+"""``tp-group`` and ``team``: every member of rank 0's TP group and of its DP team (when the plan
+forms teams). Only simulated ranks that share a group are compared, so a collective that two members
+of one TP group or team order differently is seen only when both are simulated."""
 
 
 class LiveBytes(TorchDispatchMode):
@@ -453,6 +456,7 @@ def _step_part(part: dict, recorder: Recorder) -> dict:
                                ns_flops_mean=sum(plan.ns_flops) / (tp * dp), bytes_sent_max=max(plan.bytes_sent),
                                bytes_sent_mean=sum(plan.bytes_sent) / (tp * dp)),
                 first_matrix_holders=sorted(layouts[0].holders(dp)) if layouts else [],
+                team_size=plan.team_size if plan.teams is not None else 1,
                 idle_dp_ranks=plan.idle_dp_ranks(),
                 # the (dp, tp) of the grid's busiest ranks by the plan: NS FLOPs, then bytes sent
                 plan_busiest=[divmod(max(range(tp * dp), key=f.__getitem__), tp)
@@ -571,6 +575,10 @@ def choose_ranks(kinds: list[str], tp: int, pp: int, dp: int, probe: dict, moe_s
             ranks = [at(0, 0, p) for p in range(pp)]
         elif kind == "busiest":  # of the first stage, by its plan
             ranks = sorted({at(t, d, 0) for d, t in probe["plan_busiest"]})
+        elif kind == "tp-group":  # rank 0's TP group
+            ranks = [at(t, 0, 0) for t in range(tp)]
+        elif kind == "team":  # rank 0's DP team (teams are DP ranks of one TP rank), if its plan forms teams
+            ranks = [at(0, d, 0) for d in range(probe["team_size"])] if probe["team_size"] > 1 else []
         elif kind in ("expert-dp-group", "expert-tp-group"):  # stage 0's groups, moved to moe_stage
             ranks = [r + at(0, 0, moe_stage) for r in probe.get(kind.replace("-", "_"), [])]
         elif kind.isdigit():
@@ -676,7 +684,8 @@ def main(argv: list[str] | None = None) -> int:
                            "instead of DDP (dense models only)")
     parser.add_argument("--ranks", default=None,
                         help=f"comma-separated rank numbers or kinds {RANK_KINDS}; default first,last,no-first-piece,"
-                             "idle-dp-owner,pp-stages (and expert-dp-group,expert-tp-group for an MoE model)")
+                             "idle-dp-owner,pp-stages,tp-group,team (and expert-dp-group,expert-tp-group for an MoE "
+                             "model)")
     parser.add_argument("--muonbp-period", type=int, default=None,
                         help="MuonBP: the measured step is a full step, and a second, block, step is measured too")
     parser.add_argument("--muonbp-block", default="tp_shard", choices=MUONBP_BLOCKS,
@@ -713,7 +722,7 @@ def main(argv: list[str] | None = None) -> int:
     if shape.num_experts and (shape.num_experts % args.ep or (args.tp * args.dp) % (args.ep * etp)):
         parser.error(f"--ep {args.ep} --etp {etp}: EP must divide the {shape.num_experts} experts and EP x expert-TP "
                      f"must divide TP x DP = {args.tp * args.dp} (Megatron's expert grid)")
-    ranks = args.ranks or ("first,last,no-first-piece,idle-dp-owner,pp-stages"
+    ranks = args.ranks or ("first,last,no-first-piece,idle-dp-owner,pp-stages,tp-group,team"
                            + (",expert-dp-group,expert-tp-group" if shape.num_experts else ""))
     warnings.filterwarnings("ignore")  # Megatron: no TE / Apex on this machine; GPTModel deprecation
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")

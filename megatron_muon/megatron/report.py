@@ -199,18 +199,18 @@ def _cut_line(plan: StepPlan, config: MuonConfig, layout_text: str, what: str = 
     how = ("each goes whole to one DP owner (owner exchange)" if config.dp_mode == "owner"
            else "every DP rank computes every matrix (--muon-dp-mode redundant)")
     teamed = sum(1 for u in range(len(plan.units)) if plan.team_of(u) is not None)
-    moved = moved_units(plan)
-    if moved:
-        how += (f"; {moved} of {len(plan.units)} units held whole by one DP rank go to another DP rank's "
-                "owner to balance NS (sent there and back)")
     if teamed:
         how += (f", or by blocks to a team of {plan.team_size} DP ranks that runs it distributed "
                 f"({teamed} of {len(plan.units)} units)")
+    if moved := moved_units(plan):
+        how += (f"; {moved} of {len(plan.units)} units held whole by one DP rank go to another DP rank's "
+                "owner to balance NS (sent there and back)")
     return f"  {what} {dp}: {layout_text}: {cut} of {len(plan.matrices)} matrices cut across DP ranks; {how}"
 
 
 def startup_report(plans: Mapping[str, StepPlan], model_chunks, config: MuonConfig, *, pp_rank: int = 0,
-                   pp: int = 1, experts: tuple | None = None, resume: list[str] | None = None) -> str:
+                   pp: int = 1, experts: tuple | None = None, resume: list[str] | None = None,
+                   setup=None) -> str:
     """The report's text (see the module docstring) for this rank's pipeline stage.
 
     ``plans``: the dense optimizer's step plans (``MuonWithAdamW.plans``); TP and DP sizes are theirs.
@@ -218,6 +218,8 @@ def startup_report(plans: Mapping[str, StepPlan], model_chunks, config: MuonConf
     settings (``resume_config.report_lines``), appended last; None when nothing is loaded.
     ``experts``: (expert optimizer's plans, EP size) when the model has expert-parallel params;
     their matrices are this EP rank's local experts.
+    ``setup``: what preparing the steps did on this rank (``step_setup.SetupReport``); on CUDA its
+    line says how much device memory the communicators' warm-up took.
     """
     plan = plans.get("muon") or plans["full"]
     expert_plan = (experts[0].get("muon") or experts[0]["full"]) if experts else None
@@ -260,14 +262,19 @@ def startup_report(plans: Mapping[str, StepPlan], model_chunks, config: MuonConf
         r, c = config.muonbp_block_grid
         lines.append(f"  MuonBP block grid {r}x{c}: a block step orthogonalizes each local matrix as {r * c} blocks "
                      f"({r} row bands x {c} column bands), each scaled by its own shape")
+    if setup is not None and setup.device_bytes is not None:
+        lines.append(f"  process groups made and warmed up at build: {setup.groups_warmed} groups of this rank, "
+                     f"{setup.team_groups} DP team groups, {setup.seconds:.1f} s; device memory taken "
+                     f"{setup.device_bytes / 1e6:.1f} MB ({(setup.device_bytes - setup.allocator_bytes) / 1e6:.1f} MB "
+                     "outside PyTorch's caching allocator: NCCL's communicators and peer buffers)")
     return "\n".join(lines + list(resume or []))
 
 
 def print_startup_report(plans: Mapping[str, StepPlan], model_chunks, config: MuonConfig, *, pp_rank: int = 0,
-                         pp: int = 1, experts: tuple | None = None) -> None:
+                         pp: int = 1, experts: tuple | None = None, setup=None) -> None:
     """Print the report once, on global rank 0 (Megatron's log is rank 0's stdout). ``experts``:
     (the expert optimizer's plans, EP size) or None."""
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return
     print(startup_report(plans, model_chunks, config, pp_rank=pp_rank, pp=pp, experts=experts,
-                         resume=report_lines()), flush=True)
+                         resume=report_lines(), setup=setup), flush=True)

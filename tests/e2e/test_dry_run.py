@@ -31,6 +31,21 @@ def _script(*args: str) -> Job:
     return launch(list(args), REPO, nproc=1, entry=DRY_RUN, timeout=600)
 
 
+PINNED_DOC = REPO / "docs" / "performance.md"
+REPORT_LINES = re.compile(r"^  (DP \d+: .*|NS per full step on .*|bytes sent per rank per full step \(plan\): .*)$",
+                          re.MULTILINE)
+
+
+def _assert_report_lines_in_docs(stdout: str) -> None:
+    """The startup report's DP, NS and bytes lines, each quoted to the letter in performance.md §10:
+    the documented figures are the code's, and a change to either fails here."""
+    lines = REPORT_LINES.findall(stdout)
+    assert len(lines) == 3, stdout[:3000]
+    doc = PINNED_DOC.read_text()
+    missing = [line for line in lines if f"  {line}\n" not in doc]
+    assert not missing, f"docs/performance.md §10 does not quote these startup-report lines: {missing}"
+
+
 def _dry_run(tmp_path: Path, *args: str) -> tuple[Job, dict]:
     out = tmp_path / "dry.json"
     proc = _script(*args, "--json", str(out))
@@ -166,8 +181,11 @@ def test_llama3_405b_deep_pipeline_under_auto_meets_the_balance_goals(tmp_path, 
     stage 0 holds two model chunks, 3 + 4 layers, in two DDP buffers under one optimizer: the
     same 28 matrices, the same 2.40."""
     proc, report = _dry_run(tmp_path, "--model", "llama3-405b", "--tp", "8", "--pp", "16", "--vpp", str(vpp),
-                            "--dp", "64", "--tp-mode", "auto", "--ranks", "busiest")
+                            "--dp", "64", "--tp-mode", "auto", "--ranks", "busiest" if vpp > 1 else "busiest,tp-group")
     assert report["errors"] == [] and report["vpp"] == vpp
+    if vpp == 1:  # every member of rank 0's TP group stepped side by side: their collectives compared
+        assert set(range(8)) <= {int(r) for r in report["ranks"]}
+        _assert_report_lines_in_docs(proc.stdout)
     if vpp > 1:
         assert "TP8 x PP16 x VPP2 x DP64" in proc.stdout
         assert all(res["matrices"] == 28 for res in report["ranks"].values())
@@ -300,9 +318,11 @@ def test_deepseek_v3_dense_stage_is_balanced_by_dp_teams(tmp_path):
     node), each member a row or column block, the Gram all-reduced over the team: 1.08 measured.
     The real step runs what the plan says on a team's first member and on the last DP rank."""
     proc, report = _dry_run(tmp_path, "--model", "deepseek-v3", "--tp", "1", "--ep", "8", "--pp", "16", "--dp", "64",
-                            "--tp-mode", "auto", "--ranks", "first,no-first-piece")
+                            "--tp-mode", "auto", "--ranks", "first,no-first-piece,team")
     assert report["errors"] == []
     ranks = report["ranks"]
+    assert set(range(8)) <= {int(r) for r in ranks}  # rank 0's whole team, its collectives compared
+    _assert_report_lines_in_docs(proc.stdout)
     grid = ranks["0"]["plan_grid"]
     assert grid["ns_flops_max"] / grid["ns_flops_mean"] <= 2.5  # the goal
     assert "tp mode team" in proc.stdout and "to a team of 8 DP ranks" in proc.stdout

@@ -71,6 +71,15 @@ def _is_view_of_leaf(tensor: torch.Tensor) -> bool:
     return tensor._base is not None and tensor._base.is_leaf
 
 
+def _holds(group, members) -> bool:
+    """Whether ``group`` (None: the default group) holds every rank of ``members`` (None: one rank)."""
+    import torch.distributed as dist
+
+    if members is None or group is None or not dist.is_initialized():
+        return True
+    return set(dist.get_process_group_ranks(members)) <= set(dist.get_process_group_ranks(group))
+
+
 @dataclass(frozen=True)
 class MatrixCatalogue:
     """Every Muon matrix of one optimizer, described identically on every rank of its groups.
@@ -287,28 +296,67 @@ class MuonWithAdamW(torch.optim.Optimizer):
             return {}
         return dict(self._last_stats, orthogonalize_ms=self._timer.elapsed_ms(), timing=self._timer.clock)
 
+    record_norms: bool = True
+    """Whether the next step computes ``step_norms``: two passes over this rank's Muon shards (the
+    update's and the params' sums of squares) that only a log reads. A training loop that knows
+    which steps it logs sets it before each step (``megatron.log_stats.plan_next_step``); a step
+    without it leaves ``step_norms`` as the last step that recorded them left it."""
+
+    @property
+    def norms_group(self):
+        """The process group ``step_norms`` are summed over (None, the default: every rank of the
+        job). The Megatron adapter sets Megatron's grad-stats group, the one its grad norm is
+        reduced over; ``norm_groups`` adds the DP or TP group where that one does not hold them."""
+        return getattr(self, "_norms_group", None)
+
+    @norms_group.setter
+    def norms_group(self, group) -> None:
+        self._norms_group = group
+        self._counted = None  # which pieces this rank counts depends on the groups
+
+    @property
+    def norm_groups(self) -> tuple:
+        """The groups to all-reduce ``step_norms`` over, in order, so that each rank gets the sums
+        over every element of every Muon matrix: ``norms_group``, preceded by the DP (TP) group
+        when pieces are cut over DP (TP) and ``norms_group`` does not hold that group's ranks
+        (torch FSDP2's rows under Megatron's TP x PP grad-stats group)."""
+        cat, group = self._catalogue, self.norms_group
+        out = []
+        if any(lay.dp_ranges is not None for lay in cat.layouts) and not _holds(group, cat.dp_group):
+            out.append(cat.dp_group)
+        if any(lay.partition_dim is not None for lay in cat.layouts) and not _holds(group, cat.tp_group):
+            out.append(cat.tp_group)
+        return (*out, group)
+
     @property
     def step_norms(self) -> dict[str, torch.Tensor]:
         """Per step kind (``muon``, or MuonBP's ``full`` / ``block``), the last such step's sums on
         this rank, ``[Σθ², Σu², n]`` (fp32, on the optimizer's device): the Muon parameters after
         the step, the update applied to them (``lr·scale·O``; weight decay is not in it) and their
         element count, over the pieces this rank counts (``_counted_pieces``: every element of a
-        Muon matrix on exactly one rank). Summed over every rank they give the global parameter
-        norm and the update's RMS. Device tensors, never read on the step's path: a log reads
-        them (``megatron.hooks``)."""
+        Muon matrix on exactly one rank of ``norm_groups``). All-reduced over ``norm_groups`` they
+        give the global parameter norm and the update's RMS. Device tensors, never read on the
+        step's path: a log reads them (``megatron.log_stats``). Only steps with ``record_norms``
+        update them."""
         return dict(self._norms)
 
     def _counted_pieces(self) -> tuple[list[bool], torch.Tensor]:
         """Per matrix: whether this rank counts its piece in ``step_norms``, and the counted
         elements (a device scalar, made once). A piece cut over DP is counted by the rank holding
-        it, a matrix every DP rank holds whole by DP rank 0; a TP shard by its TP rank, a matrix
-        every TP rank holds whole by TP rank 0. PP stages and expert ranks hold different matrices."""
+        it; a matrix every DP rank holds whole by DP rank 0 when ``norm_groups`` reduce over DP,
+        else by every DP rank (each DP replica then sums its own copy: Megatron's grad-stats
+        group without the distributed optimizer is TP x PP); likewise over TP. PP stages and expert
+        ranks hold different matrices."""
         if self._counted is None:
             cat = self._catalogue
+            groups = self.norm_groups
             dp_rank = comm.group_rank(cat.dp_group) if cat.dp_group is not None else 0
             tp_rank = comm.group_rank(cat.tp_group) if cat.tp_group is not None else 0
-            counted = [p is not None and (lay.dp_ranges is not None or dp_rank == 0)
-                       and (lay.partition_dim is not None or tp_rank == 0) for lay, p in zip(cat.layouts, cat.params)]
+            dp_once = any(_holds(g, cat.dp_group) for g in groups)  # one copy per reduction, not per replica
+            tp_once = any(_holds(g, cat.tp_group) for g in groups)
+            counted = [p is not None and (lay.dp_ranges is not None or dp_rank == 0 or not dp_once)
+                       and (lay.partition_dim is not None or tp_rank == 0 or not tp_once)
+                       for lay, p in zip(cat.layouts, cat.params)]
             numel = sum(to_local(p).numel() for p, c in zip(cat.params, counted) if c)
             self._counted = counted, torch.tensor(float(numel), device=self.device)
         return self._counted
@@ -366,8 +414,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
                   for p in params]
         step_lr = [-group_of[id(p)]["lr"] * lr_mult if p is not None else 0.0 for p in params]
 
-        counted, numel = self._counted_pieces()
-        update_sq = torch.zeros((), dtype=torch.float32, device=device)
+        # The norms only a log reads: on the steps it reads them (record_norms), nothing otherwise
+        record = self.record_norms
+        counted, numel = self._counted_pieces() if record else ([False] * len(params), None)
+        update_sq = torch.zeros((), dtype=torch.float32, device=device) if record else None
 
         def apply(i: int, update: torch.Tensor, scale: float) -> None:
             p = params[i]
@@ -389,6 +439,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
             orthogonalize_updates(pieces, self.plans[kind], self._step_groups, apply)
         self._timer.stop()
         self._last_stats = dict(kind=kind, bytes_sent=stats.bytes_sent, ns_flops=stats.ns_flops)
+        if not record:
+            return
         mine = [to_local(p) for p, c in zip(params, counted) if c]
         param_sq = (torch.stack(torch._foreach_norm(mine)).float().square().sum() if mine
                     else torch.zeros((), dtype=torch.float32, device=device))

@@ -98,7 +98,7 @@ import torch
 
 from .cli import add_muon_args, muon_config_from_args
 from .errors import UserInputError, install_excepthook, print_error
-from .log_stats import norm_scalars, norm_text, stats_text, write_scalars
+from .log_stats import norm_text, norms_for_log, plan_first_step, plan_next_step, stats_text, write_scalars
 from .resume_config import check_other_optimizer, check_resume_config
 from .startup_checks import check_data_files as check_data
 from .startup_checks import (
@@ -211,6 +211,7 @@ def _wrap_get_megatron_optimizer(get_megatron_optimizer):
                     use_gloo_process_groups=use_gloo_process_groups,
                 )
                 _BUILT[:] = [o.optimizer for o in getattr(optimizer, "chained_optimizers", [])]
+                plan_first_step(_BUILT, args)
                 _CLIPS[:] = [o.qk_clip for o in getattr(optimizer, "chained_optimizers", [])
                              if getattr(o, "qk_clip", None) is not None]
                 return optimizer
@@ -242,13 +243,14 @@ def _wrap_training_log(training_log):
         iteration = kwargs["iteration"] if "iteration" in kwargs else args[3]
         on_log_iteration = iteration % max(1, getattr(margs, "tensorboard_log_interval", 1)) == 0
         active = getattr(margs, ACTIVE, False) and bool(_BUILT)
-        prints = iteration % margs.log_interval == 0 or kwargs.get("is_first_iteration", False)
-        writes = bool(getattr(margs, "tensorboard_dir", None) or getattr(margs, "wandb_project", None))
-        # the same condition on every rank (the run's arguments only): norm_scalars is a collective
-        norms = (norm_scalars(_BUILT) if active and ((getattr(margs, "muon_log_stats", False) and prints)
-                                                     or (writes and on_log_iteration)) else {})
-        if active and on_log_iteration:
-            write_scalars(_BUILT, iteration, norms)
+        first = kwargs.get("is_first_iteration", False)
+        prints = iteration % margs.log_interval == 0 or first
+        norms = {}
+        if active:  # decided alike on every rank (the run's arguments and the iteration): collectives
+            norms = norms_for_log(_BUILT, margs, iteration, first)
+            plan_next_step(_BUILT, margs, iteration)  # whether the next step computes its norms
+            if on_log_iteration:
+                write_scalars(_BUILT, iteration, norms)
         args, kwargs = _max_logit_read(args, kwargs, on_log_iteration)
         if not (getattr(margs, ACTIVE, False) and getattr(margs, "muon_log_stats", False) and _BUILT):
             return training_log(*args, **kwargs)

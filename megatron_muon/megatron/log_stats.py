@@ -3,16 +3,33 @@
 * ``stats_text``: the iteration line's tail, what the last optimizer step did (its kind: muon, or
   MuonBP's full / block; bytes sent; orthogonalize time), for the dense optimizer and the experts';
 * ``norm_scalars`` / ``norm_text``: the Muon parameters' global norm and each step kind's update
-  RMS, reduced over every rank by one all-reduce on logging iterations;
+  RMS, reduced on logging iterations only, over the groups Megatron's grad norm is reduced over
+  (``MuonWithAdamW.norm_groups``: its grad-stats group — the whole job with the distributed
+  optimizer, TP x PP without it — plus DP where pieces are cut over DP);
 * ``muon_scalars`` / ``write_scalars``: the same figures as ``muon/*`` scalars for Megatron's
-  TensorBoard and W&B writers.
+  TensorBoard and W&B writers;
+* ``reads_norms`` / ``plan_next_step``: which iterations read the norms, and so which optimizer
+  steps compute them (``MuonWithAdamW.record_norms``): no step computes norms that no log reads,
+  and no iteration that does not log makes a collective or a host read for them.
+
+Which steps compute the norms. Megatron's loop runs ``train_step`` for the iteration it then logs
+as ``iteration`` (``args.curr_iteration`` + 1) and calls ``training_log`` after every step, on
+every rank; the training_log hook decides there, from the run's arguments and the iteration
+alone (so every rank decides alike), whether the *next* step records its norms
+(``plan_next_step``). The first step of a process records them when the run logs them at all
+(Megatron prints its first iteration). A log shows, for each step kind, the last such step's
+update RMS: with MuonBP (period P) the steps of the P iterations up to a log iteration record,
+which hold a step of each kind; without MuonBP the logged step alone. Only when a found-inf skip
+(``--loss-scale``) falls inside those P iterations can a kind's figure be older than the one an
+every-step count would show.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["muon_scalars", "norm_scalars", "norm_text", "stats_text", "write_scalars"]
+__all__ = ["muon_scalars", "norm_scalars", "norm_text", "norms_for_log", "plan_first_step", "plan_next_step",
+           "reads_norms", "stats_text", "write_scalars"]
 
 _STEP_KINDS = ("muon", "full", "block")
 
@@ -20,9 +37,10 @@ _STEP_KINDS = ("muon", "full", "block")
 def norm_scalars(optimizers) -> dict[str, float]:
     """The Muon parameters' global norm after the last step (``muon/param_norm``) and each step
     kind's update RMS (``muon/update_rms_<kind>``, kinds that have run): every optimizer's
-    ``step_norms`` summed over all ranks by one all-reduce of a fixed kinds x 3 table. A
-    collective: every rank calls it on the same iterations (``_wrap_training_log``'s condition
-    reads only the run's arguments)."""
+    ``step_norms`` (a fixed kinds x 3 table) all-reduced over its ``norm_groups``, one all-reduce
+    per group for the optimizers that share them (dense and experts under the distributed
+    optimizer share Megatron's grad-stats group), then summed. A collective: every rank calls it
+    on the same iterations (``reads_norms`` reads only the run's arguments and the iteration)."""
     import math
 
     import torch.distributed as dist
@@ -30,13 +48,22 @@ def norm_scalars(optimizers) -> dict[str, float]:
     from ..parallel.devices import group_device
 
     device = group_device(None)
-    table = torch.zeros(len(_STEP_KINDS), 3, dtype=torch.float32, device=device)
+    tables: list[tuple[tuple, torch.Tensor]] = []  # (groups, table), in the chain's order on every rank
     for inner in optimizers:
+        groups = tuple(inner.norm_groups)
+        entry = next((e for e in tables if len(e[0]) == len(groups) and all(a is b for a, b in zip(e[0], groups))),
+                     None)
+        if entry is None:
+            entry = (groups, torch.zeros(len(_STEP_KINDS), 3, dtype=torch.float32, device=device))
+            tables.append(entry)
         for kind, sums in inner.step_norms.items():
-            table[_STEP_KINDS.index(kind)] += sums.to(device)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(table)
-    rows = table.tolist()  # the one host read, on a logging iteration
+            entry[1][_STEP_KINDS.index(kind)] += sums.to(device)
+    for groups, table in tables:
+        for group in groups:
+            if dist.is_initialized() and dist.get_world_size(group) > 1:
+                dist.all_reduce(table, group=group)
+    total = sum(table for _, table in tables) if tables else torch.zeros(len(_STEP_KINDS), 3)
+    rows = total.tolist()  # the one host read, on a logging iteration
     out = {}
     last = next((o.last_step_kind for o in optimizers if o.last_step_kind is not None), None)
     if last is not None:
@@ -44,6 +71,45 @@ def norm_scalars(optimizers) -> dict[str, float]:
     out.update({f"muon/update_rms_{kind}": math.sqrt(update_sq / n)
                 for kind, (_, update_sq, n) in zip(_STEP_KINDS, rows) if n > 0})
     return out
+
+
+def reads_norms(margs, iteration: int, first: bool = False) -> bool:
+    """Whether ``training_log`` of ``iteration`` reads ``norm_scalars``: the iteration line with
+    ``--muon-log-stats`` (every ``--log-interval``, and a process's first iteration, ``first``), or
+    Megatron's TensorBoard / W&B writers when configured (every ``--tensorboard-log-interval``).
+    The run's arguments and the iteration only: the same answer on every rank."""
+    prints = getattr(margs, "muon_log_stats", False) and (iteration % margs.log_interval == 0 or first)
+    writers = bool(getattr(margs, "tensorboard_dir", None) or getattr(margs, "wandb_project", None))
+    return prints or (writers and iteration % max(1, getattr(margs, "tensorboard_log_interval", 1)) == 0)
+
+
+def norms_for_log(optimizers, margs, iteration: int, first: bool = False) -> dict[str, float]:
+    """``norm_scalars`` on the iterations that read them (``reads_norms``), else nothing (no
+    collective, no host read)."""
+    return norm_scalars(optimizers) if reads_norms(margs, iteration, first) else {}
+
+
+def plan_first_step(optimizers, margs) -> None:
+    """At build: a process's first step records its norms when the run logs them at all (its
+    iteration, from the checkpoint, is not known yet; Megatron prints the first iteration)."""
+    writers = bool(getattr(margs, "tensorboard_dir", None) or getattr(margs, "wandb_project", None))
+    for inner in optimizers:
+        inner.record_norms = bool(getattr(margs, "muon_log_stats", False) or writers)
+
+
+def plan_next_step(optimizers, margs, iteration: int) -> None:
+    """After ``training_log`` of ``iteration``: whether the next step (logged as the next iteration
+    that is not in ``--iterations-to-skip``) records its norms — when a log reading them comes
+    within the steps that it shows (one step; MuonBP: P, a step of each kind)."""
+    skipped = set(getattr(margs, "iterations_to_skip", None) or ())
+    for inner in optimizers:
+        window = inner.config.muonbp_period or 1
+        upcoming, candidate = [], iteration + 1
+        while len(upcoming) < window:
+            if candidate not in skipped:
+                upcoming.append(candidate)
+            candidate += 1
+        inner.record_norms = any(reads_norms(margs, later) for later in upcoming)
 
 
 def norm_text(norms: dict[str, float]) -> str:

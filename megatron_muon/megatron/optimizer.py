@@ -33,7 +33,6 @@ from megatron.core.utils import get_pg_rank
 
 from ..config import MuonConfig
 from ..optimizer import MuonWithAdamW
-from ..parallel.devices import group_device
 from .catalogue import (
     describe_megatron_fsdp,
     describe_whole,
@@ -141,24 +140,34 @@ class MuonChainedOptimizer(ChainedOptimizer):
 
     @torch.no_grad()
     def prepare_grads(self) -> bool:
-        """Megatron's found-inf check, then one decision for the whole job.
+        """Megatron's found-inf check, made one decision for the whole job.
 
-        Megatron reduces each optimizer's flag over its own grad-stats group (TP x PP for the
-        dense one without the distributed optimizer, expert TP x EP x PP for the experts) and ORs
-        the chain's flags. That agrees across DP only while every DP rank holds bitwise the same
-        reduced gradients; the Muon step's collectives span the DP group (the owner exchange),
-        the expert DP group and the DP teams, so a rank that skipped while its peers stepped
-        would leave them waiting in an all-to-all (a hang on NCCL). The flag is therefore summed
-        over the default group: one scalar, only when a grad scaler makes Megatron check at all
-        (``--loss-scale``), after Megatron's own host read of the flag. Every rank calls it, in
-        the same place of every step."""
-        found = super().prepare_grads()
-        if (not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1
-                or all(getattr(o, "grad_scaler", None) is None for o in self.chained_optimizers)):
-            return found
-        flag = torch.tensor([1.0 if found else 0.0], device=group_device(None))
-        torch.distributed.all_reduce(flag)  # not comm.all_reduce: not part of the Muon plan's bytes
-        return bool(flag.item() > 0)
+        Megatron reduces each optimizer's flag over its grad-stats group and ORs the chain's
+        flags (only with a grad scaler, ``--loss-scale``). The Muon step's collectives span the DP
+        group (the owner exchange), the expert DP group and the DP teams, so a rank that skipped
+        while its peers stepped would leave them waiting in an all-to-all (a hang on NCCL). With
+        the distributed optimizer that group is the whole job already (``intra_dist_opt_group``:
+        every rank, one optimizer instance). Without it (TP x PP; expert TP x EP x PP) the flags
+        would agree across DP only while every DP rank held bitwise the same reduced gradients, so
+        for this call Megatron's own reduction is made over the default group instead: Megatron's
+        one all-reduce of one scalar and one host read per optimizer, nothing added. The grad
+        norm, computed after this, reads the grad-stats group as before."""
+        narrow = [o for o in self.chained_optimizers
+                  if getattr(o, "grad_scaler", None) is not None and not _whole_job(o.get_grad_stats_parallel_group())]
+        saved = [o.grad_stats_parallel_group for o in narrow]
+        for optimizer in narrow:
+            optimizer.grad_stats_parallel_group = None  # the default group: every rank
+        try:
+            return super().prepare_grads()
+        finally:
+            for optimizer, group in zip(narrow, saved):
+                optimizer.grad_stats_parallel_group = group
+
+
+def _whole_job(group) -> bool:
+    """Whether ``group`` (None: the default group) holds every rank of the job."""
+    dist = torch.distributed
+    return group is None or not dist.is_initialized() or dist.get_world_size(group) == dist.get_world_size()
 
 
 class MainParamGroups(torch.optim.Optimizer):
@@ -257,6 +266,7 @@ def _build(config: OptimizerConfig, model_chunks, param_groups, buffers, muon_co
         betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, config=muon_config,
         decoupled_weight_decay=config.decoupled_weight_decay, catalogue=catalogue)
     prepare_for_checkpointing(optimizer.optimizer)
+    optimizer.optimizer.norms_group = optimizer.get_grad_stats_parallel_group()  # the log's norms: as the grad norm
     optimizer.matrix_of_param = matrix_of
     """id(model param) → (its layout, this rank's main tensor of it): what QK-clip scales."""
     return optimizer

@@ -3,7 +3,9 @@ the applied update's RMS, summed over ranks, against the one-process reference's
 
 One step from the same initial weights: the reference's θ1 − θ0·(1 − lr·wd) is the applied update
 (lr·scale·O; weight decay is not in it). Every element of a Muon matrix must be counted on exactly
-one rank: shards cut over DP (the distributed optimizer), matrices replicated over DP (plain DDP),
+one rank of the groups the sums are reduced over (``norm_groups``: Megatron's grad-stats group,
+the whole job with the distributed optimizer, TP x PP without it): shards cut over DP (the
+distributed optimizer), matrices replicated over DP (plain DDP: each DP replica counts its own),
 TP shards and TP-replicated matrices."""
 
 from __future__ import annotations
@@ -16,11 +18,16 @@ MUON_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", 
 
 
 def _norms(model, optimizer) -> dict:
-    """A ``Run.probe``: this rank's ``step_norms`` (lists), and the reduced scalars."""
+    """A ``Run.probe``: this rank's ``step_norms`` (lists), the ranks of the groups they are
+    reduced over, and the reduced scalars."""
+    import torch.distributed as dist
+
     from megatron_muon.megatron.log_stats import norm_scalars
 
     inners = [o.optimizer for o in optimizer.chained_optimizers]
-    return dict(local={k: v.tolist() for k, v in inners[0].step_norms.items()}, scalars=norm_scalars(inners))
+    groups = [dist.get_process_group_ranks(g or dist.group.WORLD) for g in inners[0].norm_groups]
+    return dict(local={k: v.tolist() for k, v in inners[0].step_norms.items()}, groups=groups,
+                rank=dist.get_rank(), scalars=norm_scalars(inners))
 
 
 RUNS = [Run(tp=2, dist_opt=True, steps=1, probe=_norms), Run(tp=2, dist_opt=False, steps=1, probe=_norms),
@@ -37,8 +44,11 @@ def test_norms_equal_the_reference_matrices(run):
     update_sq = sum(float((ref.full[n].double() - ref.initial[n].double() * (1 - LR * WD)).square().sum())
                     for n in names)
     numel = sum(ref.full[n].numel() for n in names)
-    summed = [sum(t.probes[0]["local"]["muon"][k] for t in traces) for k in range(3)]
-    assert summed[2] == numel  # every element counted once over the ranks
+    (domain,) = traces[0].probes[0]["groups"]  # one group here: no torch FSDP2 rows
+    # Megatron's grad-stats group: the whole job with the distributed optimizer, TP (x PP) without
+    assert sorted(domain) == ([0, 1] if run.tp == 2 and not run.dist_opt else [0, 1, 2, 3])
+    summed = [sum(t.probes[0]["local"]["muon"][k] for t in traces if t.probes[0]["rank"] in domain) for k in range(3)]
+    assert summed[2] == numel  # every element counted once over the group's ranks
     # fp32 sums of squares of O(1) values over ~10^5 elements, against the reference's weights
     # (which match this run's to ~1e-6, tests/megatron/test_megatron_optimizer.py): 1e-5 relative
     assert summed[0] == pytest.approx(param_sq, rel=1e-5)

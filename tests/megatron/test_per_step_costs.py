@@ -1,0 +1,205 @@
+"""Nothing per step for logs that are not written (``log_stats``), and the loss-scale check no
+dearer than Megatron's own (``MuonChainedOptimizer.prepare_grads``), in gloo worlds of 2 ranks.
+
+* Through the hooks (Megatron's parser, ``training.get_megatron_optimizer``, Megatron's own
+  ``training_log``), iterations driven as ``train()`` drives them: on an iteration that does not
+  log, the optimizer step makes no norm pass (no ``vector_norm`` / ``_foreach_norm`` call from
+  ``megatron_muon.optimizer``) and ``training_log`` makes no collective of megatron-muon's (Megatron's
+  own max of the lr over the model-parallel group remains); on a log iteration
+  the norms are one all-reduce over Megatron's grad-stats group, and their values are exactly
+  those of the same run logging every iteration (MuonBP P=2: each log shows the kind it did not
+  step from the iteration before).
+* With ``--loss-scale`` a step makes one all-reduce and one host read more than without: Megatron's
+  own found-inf check, over every rank of the job (with and without the distributed optimizer).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from dist_harness import run_world
+
+BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --max-position-embeddings 16 "
+        "--micro-batch-size 2 --train-iters 6 --lr 1e-3 --optimizer muon --use-distributed-optimizer "
+        "--muon-tp-mode owner --clip-grad 0 --muonbp-period 2 --muon-log-stats").split()
+ITERATIONS = 6
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+               "broadcast_object_list", "barrier", "reduce_scatter_tensor", "all_to_all_single", "reduce")
+
+
+class _Spy:
+    """Counts, while ``active``, the collectives called through ``torch.distributed`` (name, group
+    size, whether megatron-muon called it) and the norm calls made from ``megatron_muon.optimizer``
+    (the Muon step's norm passes)."""
+
+    def __init__(self):
+        import torch
+        import torch.distributed as dist
+
+        self.active, self.collectives, self.norm_calls = False, [], 0
+        self._undo = []
+        for name in COLLECTIVES:
+            self._wrap(dist, name, self._collective(name, getattr(dist, name)))
+        for owner, name in ((torch, "_foreach_norm"), (torch.linalg, "vector_norm")):
+            self._wrap(owner, name, self._norm(getattr(owner, name)))
+
+    def _wrap(self, owner, name, replacement):
+        self._undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, replacement)
+
+    def _collective(self, name, original):
+        import torch.distributed as dist
+
+        def spy(*args, **kwargs):
+            if self.active:
+                ours = sys._getframe(1).f_globals.get("__name__", "").startswith("megatron_muon")
+                self.collectives.append((name, dist.get_world_size(kwargs.get("group")), ours))
+            return original(*args, **kwargs)
+        return spy
+
+    def _norm(self, original):
+        def spy(*args, **kwargs):
+            if self.active and sys._getframe(1).f_globals.get("__name__") == "megatron_muon.optimizer":
+                self.norm_calls += 1
+            return original(*args, **kwargs)
+        return spy
+
+    def take(self):
+        out = dict(collectives=list(self.collectives), norm_calls=self.norm_calls)
+        self.collectives, self.norm_calls = [], 0
+        return out
+
+    def close(self):
+        for owner, name, original in reversed(self._undo):
+            setattr(owner, name, original)
+
+
+def _logged_run(rank: int, world: int, log_interval: int) -> dict:
+    """``ITERATIONS`` iterations as ``train()`` runs them, through the hooks: per iteration, what
+    its optimizer step and its ``training_log`` cost, and the norms the log read."""
+    import contextlib
+    import io
+    import os
+
+    import torch
+    from megatron.training import arguments, global_vars, training
+    from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
+
+    from megatron_muon.megatron import hooks, log_stats
+
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank))
+    hooks.install()
+    sys.argv = ["pretrain_gpt.py", *BASE, "--log-interval", str(log_interval)]
+    args = arguments.parse_args()
+    arguments.validate_args(args)
+    global_vars.set_global_variables(args, build_tokenizer=False)
+    init_megatron(1)
+    model = build_tiny_gpt(1, use_distributed_optimizer=True, dp_layout="balanced")
+    config, overrides = training.get_megatron_optimizer_config(args)
+    optimizer = training.get_megatron_optimizer(config, model, config_overrides=overrides,
+                                                use_gloo_process_groups=args.use_gloo_process_groups)
+    args.padded_vocab_size = 128  # set by the tokenizer in a real run; read by the FLOPs estimate
+    global_vars.get_timers()("interval-time", log_level=0).start(barrier=True)  # as train() does
+    read = {}
+    norm_scalars = log_stats.norm_scalars
+
+    def recording(optimizers):  # what each log read, by iteration
+        read[iteration] = norm_scalars(optimizers)
+        return read[iteration]
+
+    log_stats.norm_scalars = recording
+    spy, costs, printed = _Spy(), [], io.StringIO()
+    try:
+        for iteration in range(1, ITERATIONS + 1):  # train(): curr_iteration, train_step, +1, training_log
+            args.curr_iteration = iteration - 1
+            forward_backward(model, make_batch(iteration), pp=1)
+            spy.active = True
+            ok, _, _ = optimizer.step()
+            step = spy.take()
+            with contextlib.redirect_stdout(printed):
+                training.training_log({"lm loss": torch.tensor(4.0)}, {}, 1e-3, iteration, 1.0, False, 0, 1.0, None,
+                                      None, None, is_first_iteration=iteration == 1)
+            spy.active = False
+            costs.append(dict(ok=ok, step=step, log=spy.take()))
+    finally:
+        spy.close()
+        log_stats.norm_scalars = norm_scalars
+    stats_group = optimizer.chained_optimizers[0].get_grad_stats_parallel_group()
+    out = dict(costs=costs, read=read, lines=[ln for ln in printed.getvalue().splitlines() if " iteration " in ln],
+               stats_group_size=torch.distributed.get_world_size(stats_group))
+    destroy_megatron()
+    return out
+
+
+def test_no_norm_pass_and_no_collective_on_iterations_that_do_not_log():
+    every, sparse = (run_world(2, _logged_run, interval, fresh=True) for interval in (1, 3))
+    logged = {1, 3, 6}  # the first iteration, then every --log-interval
+    for out in sparse:
+        assert all(c["ok"] for c in out["costs"])
+        assert sorted(out["read"]) == sorted(logged)
+        for iteration, cost in enumerate(out["costs"], start=1):
+            # MuonBP P=2: a log shows the last step of each kind, so the step before a log records too
+            records = iteration in logged or iteration + 1 in logged
+            assert (cost["step"]["norm_calls"] > 0) == records, (iteration, cost)
+            ours = [c for c in cost["log"]["collectives"] if c[2]]  # Megatron's own (its lr's max) aside
+            if iteration in logged:  # the norms: one all-reduce over the grad-stats group (here the job)
+                assert ours == [("all_reduce", out["stats_group_size"], True)], (iteration, cost)
+            else:
+                assert ours == [], (iteration, cost)
+    lines = sparse[-1]["lines"]  # Megatron prints on the last rank
+    assert len(lines) == len(logged) and all(" muon param norm: " in ln for ln in lines), lines
+    for out_every, out_sparse in zip(every, sparse):
+        assert all(c["step"]["norm_calls"] > 0 for c in out_every["costs"])  # every iteration logs there
+        for iteration in logged:  # the same figures, bitwise, as a run computing them every step
+            assert out_sparse["read"][iteration] == out_every["read"][iteration], iteration
+        assert set(out_sparse["read"][6]) == {"muon/param_norm", "muon/update_rms_full", "muon/update_rms_block"}
+
+
+def _step_cost(rank: int, world: int, dist_opt: bool, loss_scale: float | None) -> dict:
+    """One step of the tiny GPT at TP1 x DP2 (bf16 without the distributed optimizer, as Megatron's
+    Float16 wrapper needs): the collectives and the host reads (``Tensor.item``) it makes."""
+    import torch
+    from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
+    from training_harness import MUON, _optimizer_config
+
+    from megatron_muon.config import MuonConfig
+    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
+
+    init_megatron(1)
+    bf16 = not dist_opt
+    model = build_tiny_gpt(1, bf16=bf16, use_distributed_optimizer=dist_opt)
+    optimizer = get_megatron_muon_optimizer(_optimizer_config(dist_opt, bf16=bf16, loss_scale=loss_scale), model,
+                                            MuonConfig(**MUON))
+    forward_backward(model, make_batch(0), pp=1)
+    spy, item, reads = _Spy(), torch.Tensor.item, [0]
+
+    def counted_item(self):
+        reads[0] += spy.active
+        return item(self)
+
+    torch.Tensor.item = counted_item
+    try:
+        spy.active = True
+        ok, _, _ = optimizer.step()
+        spy.active = False
+    finally:
+        torch.Tensor.item = item
+        spy.close()
+    out = dict(ok=ok, reads=reads[0], **spy.take())
+    destroy_megatron()
+    return out
+
+
+@pytest.mark.parametrize("dist_opt", [False, True], ids=["ddp-bf16", "distopt"])
+def test_loss_scale_costs_only_megatrons_own_check(dist_opt):
+    plain, scaled = (run_world(2, _step_cost, dist_opt, scale) for scale in (None, 1.0))
+    for a, b in zip(plain, scaled):
+        assert a["ok"] and b["ok"]
+        added = list(b["collectives"])
+        for call in a["collectives"]:
+            added.remove(call)
+        # Megatron's found-inf all-reduce, over every rank of the job (so a NaN on one DP rank skips
+        # the step everywhere: test_megatron_stability.py), and its host read: nothing else
+        assert added == [("all_reduce", 2, False)], (a["collectives"], b["collectives"])
+        assert b["reads"] - a["reads"] == 1, (a["reads"], b["reads"])

@@ -6,12 +6,13 @@ rank)."""
 from __future__ import annotations
 
 import torch
+from rounding_bounds import ns_bound
 
 from megatron_muon import newton_schulz
 from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
 from megatron_muon.core.scaling import muon_scale
 
-__all__ = ["FP32_ATOL", "PARAMS", "expected_local", "global_matrix", "layouts", "tp_local"]
+__all__ = ["PARAMS", "expected_bound", "expected_local", "global_matrix", "layouts", "tp_local"]
 
 # name, TP-local shape, partition_dim, row split (groups, sizes) or None
 PARAMS = [
@@ -24,7 +25,6 @@ PARAMS = [
     # its own (megatron-core's partition_sizes), so the global role is the TP ranks' parts in order
     ("in_proj", (26, 16), 0, (1, (8, 8, 4, 4, 2))),
 ]
-FP32_ATOL = 1e-5  # fp32 NS; only summation order differs (see test_tp_modes.FP32_ATOL)
 
 
 def layouts(tp: int, dp: int, cut: bool) -> list[MatrixLayout]:
@@ -54,14 +54,27 @@ def tp_local(full: torch.Tensor, pdim, tp: int, tp_rank: int) -> torch.Tensor:
     return full if pdim is None else full.chunk(tp, dim=pdim)[tp_rank]
 
 
-def expected_local(i: int, layout: MatrixLayout, tp: int, tp_rank: int, scale_mode="spectral") -> torch.Tensor:
-    """NS of each global sub-matrix, scaled by its global shape, cut back to this TP rank."""
+def _global_subs(i: int, layout: MatrixLayout, tp: int) -> list[torch.Tensor]:
+    """Param i's global sub-matrices (its row split's parts, each gathered over the TP ranks)."""
     full = global_matrix(i, tp)
     pdim = layout.partition_dim
     locals_ = [layout.split_rows(tp_local(full, pdim, tp, r)) for r in range(tp)]
-    subs = []
-    for k, (rows, cols) in enumerate(layout.sub_global_shapes()):
-        sub = locals_[0][k] if pdim is None else torch.cat([parts[k] for parts in locals_], dim=pdim)
-        ns = newton_schulz(sub, 5, "jordan") * muon_scale(rows, cols, scale_mode)
-        subs.append(tp_local(ns, pdim, tp, tp_rank))
+    return [locals_[0][k] if pdim is None else torch.cat([parts[k] for parts in locals_], dim=pdim)
+            for k in range(len(layout.sub_global_shapes()))]
+
+
+def expected_local(i: int, layout: MatrixLayout, tp: int, tp_rank: int, scale_mode="spectral") -> torch.Tensor:
+    """NS of each global sub-matrix, scaled by its global shape, cut back to this TP rank."""
+    subs = [tp_local(newton_schulz(sub, 5, "jordan") * muon_scale(*sub.shape, scale_mode), layout.partition_dim, tp,
+                     tp_rank) for sub in _global_subs(i, layout, tp)]
     return layout.join_rows(subs)
+
+
+def expected_bound(i: int, layout: MatrixLayout, tp: int, scale_mode="spectral") -> float:
+    """How far another exact computation of ``expected_local`` may be from it: the modes, the DP
+    exchange and the stacking change only the summation order (sums over ranks, batched against
+    single GEMMs, the other orientation's Gram), so two fp32 NS roundings of each sub-matrix
+    (``rounding_bounds.ns_bound``, 1e-4 … 2e-3 for these) times its scale (√max(rows, cols) ≤ 6
+    under spectral). Blockwise NS, a wrong shard or a dropped scale is off by 1e-2 … 1."""
+    return max(ns_bound(torch.float32, sub, "jordan") * muon_scale(*sub.shape, scale_mode)
+               for sub in _global_subs(i, layout, tp))

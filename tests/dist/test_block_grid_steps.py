@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import run_world
+from rounding_bounds import ns_bound
 
 from megatron_muon import comm_stats, newton_schulz
 from megatron_muon.config import MuonConfig
@@ -64,6 +65,16 @@ def expected_local(lay: MatrixLayout, full: torch.Tensor, tp: int, tp_rank: int)
     return lay.join_rows(out)
 
 
+def expected_bound(lay: MatrixLayout, full: torch.Tensor, tp: int, tp_rank: int) -> float:
+    """How far the ranks' fp32 block step may be from ``expected_local`` (float64): one fp32 NS
+    rounding of each block (rounding_bounds.ns_bound, roundings=1) times its scale."""
+    pdim = lay.partition_dim
+    shard = full if pdim is None else full.chunk(tp, dim=pdim)[tp_rank]
+    return max(ns_bound(torch.float32, b, "quintic", roundings=1)
+               * muon_scale(sub.shape[0] // GRID[0], sub.shape[1] // GRID[1], "spectral")
+               for sub in lay.split_rows(shard) for b in split_blocks(sub[None].double(), GRID))
+
+
 def _worker(rank: int, world: int, tp: int) -> dict:
     import torch.distributed as dist
 
@@ -108,9 +119,11 @@ def test_block_grid_equals_one_process_block_newton_schulz(tp, world):
             s, e = lay.local_range(r["dp_rank"])
             if e > s:
                 want = expected_local(lay, _full(i, shape, pdim), tp, r["tp_rank"]).reshape(-1)[s:e]
-                worst = max(worst, (r["pieces"][i].double() - want).abs().max().item())
-    # fp32 NS of O(1)-spread blocks against float64: rounding only (the exact modes' bound)
-    assert worst <= 1e-5, worst
+                bound = expected_bound(lay, _full(i, shape, pdim), tp, r["tp_rank"])
+                worst = max(worst, (r["pieces"][i].double() - want).abs().max().item() / bound)
+    # fp32 NS of the blocks against float64: rounding only (expected_bound: 2e-4 … 1.6e-3 here;
+    # another grid, block or scale is off by 1e-2 … 1). worst: the largest error ÷ its bound.
+    assert worst <= 1, worst
 
 
 def test_a_grid_that_does_not_divide_is_refused_when_the_plan_is_built():

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from dist_harness import run_world
 from step_harness import run_step
-from matrix_harness import FP32_ATOL, expected_local, global_matrix, layouts, tp_local
+from matrix_harness import expected_bound, expected_local, global_matrix, layouts, tp_local
 
 from megatron_muon import comm_stats, ns_flops
 from megatron_muon.plan.auto_mode import CPU_GLOO
@@ -82,7 +82,7 @@ def test_exact_modes_equal_global_newton_schulz(world, cut, tp_mode):
                 want = expected_local(i, lay, tp, r["tp_rank"]).reshape(-1)[s:e]
                 err = (out[i] - want).abs().max().item() if e > s else 0.0
                 assert out[i].shape == want.shape
-                assert err <= FP32_ATOL, f"{lay.name} {tp_mode}/{dp_mode} cut={cut}: {err:.2e}"
+                assert err <= expected_bound(i, lay, tp), f"{lay.name} {tp_mode}/{dp_mode} cut={cut}: {err:.2e}"
 
 
 def test_results_held_on_every_dp_rank_return_by_one_broadcast(world):
@@ -122,10 +122,10 @@ def test_blockwise_differs_from_exact_only_when_tp_splits(world):
     got = r["results"][(False, "blockwise", "owner")]["out"][2]  # fc1
     want = expected_local(2, lays[2], tp, r["tp_rank"]).reshape(-1)
     gap = (got - want).abs().max().item()
-    if tp > 1:
-        assert gap > 1e-2, f"blockwise matched exact NS at TP={tp} (gap {gap:.2e})"
+    if tp > 1:  # 10× the exactness bound: the exact-mode check above tells the two apart
+        assert gap > 10 * expected_bound(2, lays[2], tp), f"blockwise matched exact NS at TP={tp} (gap {gap:.2e})"
     else:
-        assert gap <= FP32_ATOL, f"blockwise at TP=1 should be exact NS (gap {gap:.2e})"
+        assert gap <= expected_bound(2, lays[2], tp), f"blockwise at TP=1 should be exact NS (gap {gap:.2e})"
 
 
 def test_dp_replicas_agree_bitwise(world):
@@ -202,15 +202,18 @@ def test_exchange_rounds_do_not_change_the_tp_plan():
     # The step runs in bucket-sized micro-groups, but the TP owner plan must balance over all a
     # DP owner's matrices at once: planning per round (from zero load each time) put the largest
     # sub-matrix of every round on TP rank 0. The per-rank NS FLOPs and the results must not
-    # depend on the bucket size. Bitwise: the owners are the same and each matrix goes through
-    # the same ops; only which matrices share a stacked NS batch changes, and the CPU's batched
-    # GEMM computes each batch entry alike (single-threaded ranks).
+    # depend on the bucket size. The owners are the same and each matrix goes through the same
+    # ops; only which matrices share a stacked NS batch changes. A batched GEMM of another batch
+    # count need not block each entry alike (nothing in MKL or oneDNN promises it, on another CPU
+    # or thread count), so the bound is the exact modes' (matrix_harness.expected_bound; measured
+    # 0 here); a matrix's update in another's place is off by its entries' size, ~0.3·scale.
     ranks = run_world(4, _rounds_worker, 2)
+    lays = layouts(2, 2, cut=True)
     for r in ranks:
         (one_per_round, flops_small), (single, flops_big) = r[1], r[2**30]
         assert flops_small == flops_big
-        for a, b in zip(one_per_round, single):
-            assert torch.equal(a, b)  # same plan, same per-matrix ops: bitwise
+        for i, (a, b) in enumerate(zip(one_per_round, single, strict=True)):
+            assert (a - b).abs().max().item() <= expected_bound(i, lays[i], 2) if a.numel() else True
     # The planner's own guarantee, per TP group: the DP owner d of a set of matrices spreads their
     # sub-matrices over its TP group by LPT, so (Graham's list-scheduling bound) no TP rank gets
     # more than the group's mean plus (1 - 1/t) of its largest sub-matrix; and the group does the

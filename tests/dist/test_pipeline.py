@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_world
-from matrix_harness import FP32_ATOL, expected_local, global_matrix, tp_local
+from matrix_harness import expected_bound, expected_local, global_matrix, tp_local
 from matrix_harness import layouts as whole_layouts
 from step_harness import run_step, step_plan
 
@@ -178,20 +178,23 @@ def test_pipelined_equals_single_process_newton_schulz(ranks, mode):
             got = r[mode][i]
             assert got.shape == want.shape
             err = (got - want).abs().max().item() if e > s else 0.0
-            # fp32 NS; only the summation order differs from the single-process reference (see
-            # test_tp_modes.FP32_ATOL for why 1e-5 bounds that with a 10x margin).
-            assert err <= FP32_ATOL, f"{mode} {lay.name} rank {r['tp_rank']},{r['dp_rank']}: {err:.2e}"
+            # fp32 NS; only the summation order differs from the single-process reference
+            # (matrix_harness.expected_bound derives the bound).
+            assert err <= expected_bound(i, lay, TP), f"{mode} {lay.name} rank {r['tp_rank']},{r['dp_rank']}: {err:.2e}"
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_pipelined_equals_one_group_bitwise(ranks, mode):
+def test_pipelined_equals_one_group(ranks, mode):
     # Grouping only changes which matrices share a stacked NS batch and when the exchanges run;
-    # each matrix goes through the same ops in the same order, and CPU batched GEMMs compute each
-    # batch entry alike (single-threaded ranks; measured bitwise for these shapes), so atol = 0:
-    # any difference would be a routing bug, not rounding.
+    # each matrix goes through the same ops. Measured bitwise for these shapes with one thread,
+    # but a batched GEMM of another batch count need not block each entry alike (nothing in MKL
+    # or oneDNN promises it, on another CPU or thread count), so the bound is the exact modes'
+    # (matrix_harness.expected_bound); a routing bug, a matrix's update in another's place, is off
+    # by its entries' size, ~0.3·scale.
+    lays = layouts(TP, DP, cut=True)
     for r in ranks:
-        for a, b in zip(r[mode], r[(mode, "one group")], strict=True):
-            assert torch.equal(a, b)
+        for i, (a, b) in enumerate(zip(r[mode], r[(mode, "one group")], strict=True)):
+            assert (a - b).abs().max().item() <= expected_bound(i, lays[i], TP) if a.numel() else True
 
 
 @pytest.mark.parametrize("mode", MODES)

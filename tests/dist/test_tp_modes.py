@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_world
+from rounding_bounds import ns_bound
 from step_harness import run_step
 from torch.optim._muon import _zeropower_via_newtonschulz as torch_zeropower
 
@@ -35,12 +36,14 @@ BASE_SHAPES = {"tall": (96, 40), "wide": (40, 96), "square": (64, 64), "odd": (4
 PDIMS = (0, 1, None)
 COPIES = 2
 
-# fp32 tolerance for an exact mode against NS of the full matrix. The modes change only the
-# summation order (Gram matrices summed over ranks, batched vs single GEMMs); NS keeps entries
-# of the normalized iterate below ~1.5, so each reordering moves an entry by a few fp32 ulps and
-# five iterations amplify that to the ~1e-6 observed. 1e-5 leaves a 10x margin and is still
-# four orders below the gap to any non-exact answer (blockwise differs by > 1e-2, tested).
-FP32_ATOL = 1e-5
+# fp32 tolerance for an exact mode against NS of the full matrix: the modes change only the
+# summation order (Gram matrices and the norm summed over ranks, batched vs single GEMMs, the
+# iteration on the long side's Gram or reassociated, ranks with one thread against this process's
+# threads), so two fp32 NS roundings of that matrix: rounding_bounds.ns_bound, 1.7e-4 … 1.2e-3
+# for these matrices (the most for the square ones, whose smallest singular value is near 0),
+# measured ~1e-6. Any non-exact answer is off by far more: blockwise by ≥ 0.054 here (tested).
+def fp32_bound(matrix: torch.Tensor, coefficients="quintic") -> float:
+    return ns_bound(torch.float32, matrix, coefficients)
 
 
 def full_shape(base: tuple[int, int], pdim: int | None, t: int) -> tuple[int, int]:
@@ -213,7 +216,7 @@ def test_exact_modes_match_full_newton_schulz(world, mode):
         assert got.shape == shape and got.dtype == torch.float32
         want = newton_schulz(make_full(i, shape))
         err = (got - want).abs().max().item()
-        assert err <= FP32_ATOL, f"{mode} t={t} {name} {shape} pdim={pdim}: max error {err:.2e}"
+        assert err <= fp32_bound(make_full(i, shape)), f"{mode} t={t} {name} {shape} pdim={pdim}: max error {err:.2e}"
 
 
 def test_blockwise_is_newton_schulz_of_the_local_shard(world):
@@ -223,17 +226,21 @@ def test_blockwise_is_newton_schulz_of_the_local_shard(world):
         for rank, res in enumerate(ranks):
             want = newton_schulz(shard_of(full, pdim, t, rank))
             err = (res["pieces"]["blockwise"][i] - want).abs().max().item()
-            assert err <= FP32_ATOL, f"blockwise t={t} {name} pdim={pdim} rank {rank}: {err:.2e}"
+            assert err <= fp32_bound(shard_of(full, pdim, t, rank)), (f"blockwise t={t} {name} pdim={pdim} "
+                                                                       f"rank {rank}: {err:.2e}")
         if pdim is not None and t > 1:
-            # The comparison above can tell exact from blockwise: they differ by far more.
+            # The exactness check can tell exact from blockwise: they differ by 10× its bound
+            # and more (measured ≥ 0.054, 45× the largest bound).
             blockwise = _assembled(ranks, t, lambda r: r["pieces"]["blockwise"][i], pdim)
             gap = (blockwise - newton_schulz(full)).abs().max().item()
-            assert gap > 1e-2, f"blockwise unexpectedly equals full NS for {name} pdim={pdim}"
+            assert gap > 10 * fp32_bound(full), f"blockwise unexpectedly equals full NS for {name} pdim={pdim}"
 
 
 def test_single_matrix_is_bitwise_newton_schulz(world):
     """With one matrix per call the owner and duplicated paths run the exact op sequence of
-    ``newton_schulz`` on a batch of one, so the answer is bitwise equal (atol = 0), fp32 and bf16."""
+    ``newton_schulz`` on a batch of one: the same kernels on the same shapes with one thread on
+    both sides (the ranks' count), so the same summation order on any machine, and the answer is
+    bitwise equal (atol = 0), fp32 and bf16."""
     t, ranks = world
     for i, (name, pdim, copy, shape) in enumerate(matrix_cases(t)):
         if copy != 0 or pdim is None:
@@ -251,10 +258,12 @@ def test_bf16_paths_match_torch_optim_muon_newton_schulz(world):
     """torch.optim.Muon's own NS (bf16, jordan) on the full matrix, as an outside reference.
 
     bf16 against a bf16 reference, so the bound is zero: single-threaded (as the ranks run), our
-    batched bf16 NS and torch's 2-D one round identically. Measured before fixing it at zero:
-    1,400 random matrices of these shapes and the odd ones (seeds 0-199), max |difference| 0,
-    while the same bf16 results sit a median 1.5% (max 2.2%, relative Frobenius) from fp32 NS,
-    so any tolerance wide enough for bf16-vs-fp32 noise would hide a percent-level scale error.
+    batched bf16 NS and torch's 2-D one round identically (bf16 GEMMs accumulate in fp32 and round
+    once, so even another blocking moves a result only at a rounding tie: rounding_bounds).
+    Measured before fixing it at zero: 1,400 random matrices of these shapes and the odd ones
+    (seeds 0-199), max |difference| 0, while the same bf16 results sit a median 1.5% (max 2.2%,
+    relative Frobenius) from fp32 NS, so any tolerance wide enough for bf16-vs-fp32 noise would
+    hide a percent-level scale error.
     """
     t, ranks = world
     for i, (name, pdim, copy, shape) in enumerate(matrix_cases(t)):
@@ -280,8 +289,9 @@ def test_against_emerging_optimizers_newton_schulz_tp(world):
             ours = _assembled(ranks, t, lambda r: r["ours_quintic"][(mode, i)], pdim)
             err = (ours - theirs).abs().max().item()
             # Same math, different GEMM entry points (batched vs 2-D, F.normalize vs a clamped
-            # norm): fp32 reassociation only, as for FP32_ATOL.
-            assert err <= FP32_ATOL, f"{mode} t={t} {name} pdim={pdim}: {err:.2e} from emerging-optimizers"
+            # norm): two fp32 NS roundings, as for fp32_bound.
+            err_bound = fp32_bound(make_full(i, _shape))
+            assert err <= err_bound, f"{mode} t={t} {name} pdim={pdim}: {err:.2e} from emerging-optimizers"
 
 
 @pytest.mark.parametrize("dtype, power", HUGE, ids=["fp32_2^100", "bf16_2^125"])
@@ -425,4 +435,4 @@ def test_world_of_one_without_torch_distributed(mode):
     mats = [make_full(i, s) for i, s in enumerate([(96, 40), (40, 96), (64, 64)])]
     got = orthogonalize_sharded(mats, [0, 1, None], mode=mode)
     for m, g in zip(mats, got):
-        assert (g - newton_schulz(m)).abs().max().item() <= FP32_ATOL
+        assert (g - newton_schulz(m)).abs().max().item() <= fp32_bound(m)

@@ -247,12 +247,15 @@ class MuonConfig:
         return dataclasses.replace(self.plan_settings("blockwise"), local_blocks=self.muonbp_block == "local",
                                    block_grid=self.muonbp_block_grid or (1, 1))
 
-    def plan_settings(self, tp_mode: str | None = None) -> PlanSettings:
+    def plan_settings(self, tp_mode: str | None = None, hardware: Hardware | None = None) -> PlanSettings:
         """What a step plan needs from this config; ``tp_mode`` overrides the field (MuonBP's block
-        steps plan ``blockwise``). ``auto``'s hardware constants are resolved here, once."""
+        steps plan ``blockwise``). ``auto``'s hardware constants: ``hardware`` when the caller has
+        resolved them (the Megatron factory: global rank 0's, broadcast), else resolved here."""
         mode = self.tp_mode if tp_mode is None else tp_mode
+        if mode == "auto" and hardware is None:
+            hardware = self.hardware()
         return PlanSettings(mode, self.ns, self.dp_mode, self.scale_mode, self.extra_scale_factor,
-                            self.owner_bucket_bytes, self.hardware() if mode == "auto" else None)
+                            self.owner_bucket_bytes, hardware if mode == "auto" else None)
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -19,6 +19,9 @@ plans from it there, once (``plan.step_plan``; ``optimizer.plans``), and every s
 them. Without a catalogue every Muon param is one whole local matrix, which makes this a plain
 single-process Muon + AdamW.
 
+Construction also prepares the steps (``parallel.step_setup``: DP team groups, the one-plan
+check, the warm-up), a collective: every rank builds its optimizers in the same order.
+
 Per step, for the Muon matrices (upstream emerging-optimizers semantics):
     G ← G + wd·θ                           (only with decoupled_weight_decay False: L2)
     B ← B.lerp(G, 1 − μ);  U ← G.lerp(B, μ) if nesterov else B      (foreach, all params)
@@ -53,9 +56,11 @@ from .parallel import comm
 from .parallel.comm import comm_stats
 from .parallel.devices import resolve_device
 from .parallel.orthogonalize import StepGroups, orthogonalize_updates
+from .parallel.step_setup import SetupReport, prepare_optimizers
+from .plan.cost_model import Hardware
 from .plan.step_plan import StepPlan, build_step_plan
 
-__all__ = ["ALGORITHMS", "MatrixCatalogue", "MuonWithAdamW", "step_plans", "to_local"]
+__all__ = ["ALGORITHMS", "MatrixCatalogue", "MuonWithAdamW", "prepare_optimizers", "step_plans", "to_local"]
 
 ALGORITHMS = ("muon", "adamw")
 
@@ -103,14 +108,16 @@ class MatrixCatalogue:
             raise ValueError(f"MatrixCatalogue: {len(self.layouts)} layouts for {len(self.params)} params")
 
 
-def step_plans(config: MuonConfig, layouts, dp_size: int, tp_size: int) -> dict[str, StepPlan]:
+def step_plans(config: MuonConfig, layouts, dp_size: int, tp_size: int,
+               hardware: Hardware | None = None) -> dict[str, StepPlan]:
     """Per step kind, its plan: ``muon`` (MuonBP off), or MuonBP's ``full`` (the exact
     ``tp_mode``) and ``block`` (``blockwise``: each TP shard on its own, no TP traffic; with
-    ``muonbp_block`` local, each rank's own blocks, no traffic at all)."""
+    ``muonbp_block`` local, each rank's own blocks, no traffic at all). ``hardware``: ``auto``'s
+    constants, already resolved (None: ``config.auto_hardware``'s, resolved here)."""
     if config.muonbp_period is None:
-        settings = {"muon": config.plan_settings()}
+        settings = {"muon": config.plan_settings(hardware=hardware)}
     else:
-        settings = {"full": config.plan_settings(), "block": config.block_plan_settings()}
+        settings = {"full": config.plan_settings(hardware=hardware), "block": config.block_plan_settings()}
     return {kind: build_step_plan(layouts, dp_size=dp_size, tp_size=tp_size, settings=plan_settings)
             for kind, plan_settings in settings.items()}
 
@@ -123,6 +130,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         lr, weight_decay: defaults for groups that do not set them.
         betas, eps: AdamW's (Megatron's ``--adam-beta1/2``, ``--adam-eps``).
         config: the Muon settings.
+        hardware: ``auto``'s cost-model constants, resolved by the caller (the Megatron factory:
+            global rank 0's, broadcast); None: this process resolves ``config.auto_hardware``.
+        prepare: prepare the steps now (``prepare_optimizers([self])``, a collective over the
+            default group); False: the caller prepares this optimizer together with others.
         decoupled_weight_decay: Megatron's ``OptimizerConfig.decoupled_weight_decay`` (no CLI
             flag in megatron-core 0.19.2). True (default): θ ← θ·(1 − lr·wd), AdamW-style, for
             both algorithms. False: L2, wd·θ added to the gradient before the momentum (Muon,
@@ -144,6 +155,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         config: MuonConfig | None = None,
         decoupled_weight_decay: bool = True,
         catalogue: MatrixCatalogue | None = None,
+        hardware: Hardware | None = None,
+        prepare: bool = True,
     ) -> None:
         if config is not None and not isinstance(config, MuonConfig):
             raise ValueError(f"MuonWithAdamW: config: expected a MuonConfig or None, got {type(config).__name__}")
@@ -185,9 +198,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
                         f"biases, norms and embeddings to an 'adamw' group)")
         self._catalogue = self._whole_matrices() if catalogue is None else catalogue
         self._check_catalogue()
-        self._plans = self._build_plans()
+        self._plans = self._build_plans(hardware)
         """per step kind, its plan: built here, once; see ``plans``."""
         self._step_groups: StepGroups | None = None
+        self.setup_report: SetupReport | None = None
+        """what preparing the steps did (``prepare_optimizers``); None until then."""
         self.muon_steps = 0
         """optimizer steps applied (skipped steps never reach ``step``); MuonBP's phase."""
         self.last_step_kind: str | None = None
@@ -201,6 +216,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self.register_state_dict_post_hook(_save_muon_steps)
         self.register_load_state_dict_pre_hook(_pop_muon_steps)
         self.register_load_state_dict_post_hook(_restore_muon_steps)
+        if prepare:
+            prepare_optimizers([self])
 
     # ---- the matrices and the plan ----------------------------------------------------------
     def _muon_params(self) -> list[torch.Tensor]:
@@ -264,11 +281,19 @@ class MuonWithAdamW(torch.optim.Optimizer):
                 f"hold {len(mine)}; every muon param must appear exactly once"
             )
 
-    def _build_plans(self) -> dict[str, StepPlan]:
+    def _build_plans(self, hardware: Hardware | None) -> dict[str, StepPlan]:
         cat = self._catalogue
         dp = comm.group_size(cat.dp_group) if cat.dp_group is not None else 1
         tp = comm.group_size(cat.tp_group) if cat.tp_group is not None else 1
-        return step_plans(self.config, cat.layouts, dp, tp)
+        return step_plans(self.config, cat.layouts, dp, tp, hardware)
+
+    @property
+    def step_groups(self) -> StepGroups:
+        """The groups and device every step runs on (the catalogue's, the optimizer's device): the
+        key its plans are bound under at construction, so the step finds them bound."""
+        if self._step_groups is None:
+            self._step_groups = StepGroups(self.catalogue.dp_group, self.catalogue.tp_group, self.device)
+        return self._step_groups
 
     @property
     def plan(self) -> StepPlan:

@@ -170,9 +170,14 @@ case "$cmd" in
         set_cuda_connections "$config" "$@"
         # The config and ARGS, checked as the job's rank 0 of 2 will check them before torchrun
         # starts anything (megatron_muon.megatron.preflight): a mistake is one line and exit 2.
-        config_text="$("$venv/bin/python" -m megatron_muon.megatron.preflight --lines --nproc 2 \
-            "$config" "$@")" || exit $?
-        mapfile -t config_args <<< "$config_text"
+        # Its arguments come back NUL-terminated, through a file (a shell variable cannot hold NUL):
+        # an empty argument ('') or one holding a newline arrives as it was given (one per line,
+        # `$(...)` dropped trailing empty ones and `<<<` made a newline two).
+        args_file="$(mktemp)"
+        "$venv/bin/python" -m megatron_muon.megatron.preflight --null --nproc 2 "$config" "$@" > "$args_file" \
+            || { rc=$?; rm -f "$args_file"; exit "$rc"; }
+        mapfile -d '' -t config_args < "$args_file"
+        rm -f "$args_file"
         # The job runs in the background so that a SIGTERM to this script (a supervisor, `kill`)
         # reaches the training processes themselves, not torchrun (which would give them 30 s and
         # then SIGKILL): with --exit-signal-handler Megatron saves a checkpoint at the end of the

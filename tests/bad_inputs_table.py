@@ -22,11 +22,12 @@ PLACEHOLDERS = {  # the table's placeholders (besides TMP and CONFIG), as regula
 
 
 def rows() -> dict[str, dict]:
+    """Every row by id; a ``\\|`` in a cell (how a Markdown table cell holds ``|``) is read as ``|``."""
     found = {}
     for text in DOC.read_text().splitlines():
         if match := ROW.match(text):
             assert match["id"] not in found, f"row {match['id']} twice"
-            found[match["id"]] = match.groupdict()
+            found[match["id"]] = {key: value.replace("\\|", "|") for key, value in match.groupdict().items()}
     return found
 
 

@@ -83,14 +83,14 @@ def destroy_megatron(release_groups: bool = True) -> None:
     from megatron.core import parallel_state as ps
     from torch.distributed import distributed_c10d as c10d
 
-    from megatron_muon.parallel.comm import subgroups
+    from megatron_muon.parallel.team_groups import made_groups
 
     ps.destroy_model_parallel()
     if release_groups:
-        # megatron-muon's DP teams are kept: made by their members alone, they are named by their
-        # ranks, and torch cannot make a group of the same name twice in one default group
-        # (comm.subgroup); later runs of this world reuse them, as a training process would
-        kept = {id(g) for g in subgroups()}
+        # megatron-muon's DP teams are kept: every rank made them in one order at an optimizer's
+        # construction (team_groups.make_team_groups) and later optimizers of this world reuse
+        # them, as a training process would; destroyed, the registry would hand out dead groups
+        kept = {id(g) for g in made_groups()}
         for group in list(c10d._world.pg_map):
             if group is not c10d.GroupMember.WORLD and id(group) not in kept:
                 dist.destroy_process_group(group)

@@ -23,15 +23,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import math
 
 from ..config import MUONBP_BLOCKS, MuonConfig
 from ..core.block_grid import parse_grid
 from ..core.newton_schulz import COEFFICIENT_SETS, NS_METHODS
 
-__all__ = ["FIELD_OF_DEST", "add_muon_args", "flag_default", "muon_config_from_args"]
+__all__ = ["FIELD_OF_DEST", "add_muon_args", "flag_default", "flag_of", "full_parser", "megatron_default",
+           "muon_config_from_args"]
 
 GROUP_TITLE = "megatron-muon"
 MB = 2**20
+MAX_NS_STEPS = 100
+"""``--muon-num-ns-steps`` above this is refused: published Muon recipes run 5 (Keller Jordan's,
+megatron-core's default) to 10 steps, and the iteration has converged long before 100, so a larger
+value is a typo that costs three matrix products per matrix per step (100000 steps made 4
+iterations of the tiny demo take 229 s). The ``MuonConfig`` API itself takes any count >= 1."""
 
 FIELD_OF_DEST = {
     "muon_momentum": "momentum",
@@ -301,6 +309,29 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+@functools.lru_cache(maxsize=1)
+def full_parser() -> argparse.ArgumentParser:
+    """Megatron's full parser (as ``parse_args`` builds it) with megatron-muon's flags: every flag a
+    run can take, its option strings and its default (``yaml_config`` checks configs against it)."""
+    from megatron.training import arguments
+
+    # add_muon_args is idempotent, so this is right whether or not hooks.install() has run.
+    return add_muon_args(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+
+
+def flag_of(dest: str) -> str:
+    """The option string that sets ``args.<dest>`` (its first; ``layernorm_epsilon``: ``--norm-epsilon``)."""
+    for action in full_parser()._actions:
+        if action.dest == dest and action.option_strings:
+            return action.option_strings[0]
+    return "--" + dest.replace("_", "-")
+
+
+def megatron_default(dest: str):
+    """The parser's default of ``args.<dest>``: what a run that does not give the flag has."""
+    return full_parser().get_default(dest)
+
+
 def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
     """The ``MuonConfig`` the flags in ``args`` describe; ``ValueError`` names a bad flag.
 
@@ -320,11 +351,18 @@ def muon_config_from_args(args: argparse.Namespace) -> MuonConfig:
             "--muon-fp32-matmul-prec: 'low' is not supported (torch has no 'low' float32 matmul "
             "precision); use medium (bf16 Newton-Schulz) or high/highest (fp32)"
         )
+    steps = getattr(args, "muon_num_ns_steps", None)
+    if isinstance(steps, int) and steps > MAX_NS_STEPS:
+        raise ValueError(f"--muon-num-ns-steps: expected an integer in [1, {MAX_NS_STEPS}], got {steps} (published "
+                         "Muon recipes run 5 to 10 steps; each step costs three matrix products per matrix)")
     given = {}
     for dest, field in FIELD_OF_DEST.items():
         value = getattr(args, dest, None)
         if value is not None:
             if field == "owner_bucket_bytes":
+                if not math.isfinite(value):  # int(round(...)) would raise, naming no flag
+                    raise ValueError(f"--muon-owner-bucket-size-mb: expected a finite positive size in MiB, "
+                                     f"got {value}")
                 value = int(round(value * MB))
             elif field == "muonbp_block_grid" and isinstance(value, str):
                 value = parse_grid(value)  # "RxC"; a one-line ValueError naming the flag

@@ -103,6 +103,7 @@ from .resume_config import check_other_optimizer, check_resume_config
 from .startup_checks import check_data_files as check_data
 from .startup_checks import (
     check_load_flags,
+    check_model_shapes,
     check_resume,
     check_save_writable,
     check_supported_args,
@@ -156,6 +157,7 @@ def _wrap_validate_args(validate_args):
             args.optimizer = "muon"
             for name, value in hidden.items():
                 setattr(args, name, value)
+        check_model_shapes(args)  # needs the sizes validate_args fills in
         check_resume_config(args, check_resume(args))
         check_load_flags(args)
         if getattr(args, "rank", 0) == 0:  # one probe per job: when rank 0 exits 2, torchrun stops the others

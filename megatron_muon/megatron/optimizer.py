@@ -32,7 +32,8 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_pg_rank
 
 from ..config import MuonConfig
-from ..optimizer import MuonWithAdamW
+from ..optimizer import MuonWithAdamW, prepare_optimizers
+from ..parallel.step_setup import broadcast_hardware
 from .catalogue import (
     describe_megatron_fsdp,
     describe_whole,
@@ -49,6 +50,7 @@ from .cli import muon_config_from_args
 from .megatron_fsdp import MuonFSDPOptimizer
 from .qk_clip import build_qk_clip
 from .report import print_startup_report
+from .resharding import BALANCED_FROM_DP_RESHARDABLE
 
 __all__ = ["MuonChainedOptimizer", "MuonDistributedOptimizer", "get_megatron_muon_optimizer"]
 
@@ -91,12 +93,7 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
         kind = metadata.get("distrib_optim_sharding_type")
         if kind == "dp_reshardable" and not self.packed_like_megatron and not self.is_stub_optimizer:
             if is_loading:
-                raise RuntimeError(
-                    "--muon-dp-layout balanced: this checkpoint's optimizer state is in the dp_reshardable "
-                    "format, written on megatron-core's packing (--muon-dp-layout megatron, or a balanced layout "
-                    "that fell back to it before its fallback cut matrices between rows); resume with "
-                    "--muon-dp-layout megatron (and save once with --dist-ckpt-optim-fully-reshardable to change "
-                    "layouts), or load the weights alone with --muon-reset-optimizer-state")
+                raise RuntimeError(BALANCED_FROM_DP_RESHARDABLE)  # the preflight says it first (resume_config)
             metadata["distrib_optim_sharding_type"] = "fully_reshardable"
         if (metadata.get("distrib_optim_sharding_type") == "fully_reshardable" and not is_loading
                 and not self.is_stub_optimizer and self.optimizer.device.type != "cuda"):
@@ -214,7 +211,7 @@ def _check_supported(config: OptimizerConfig, model_chunks) -> None:
 
 
 def _build(config: OptimizerConfig, model_chunks, param_groups, buffers, muon_config: MuonConfig, *,
-           expert: bool, groups: dict, tp_group, data_parallel_group_idx: int):
+           expert: bool, groups: dict, tp_group, data_parallel_group_idx: int, hardware=None):
     """One Megatron optimizer (ZeRO-1, Megatron-FSDP or whole-matrix) around one ``MuonWithAdamW``,
     for the dense params (``expert`` False) or the expert-parallel ones, with the groups Megatron's
     ``get_megatron_optimizer`` gives each: DP over ``intra_dp_cp_group`` or
@@ -264,7 +261,8 @@ def _build(config: OptimizerConfig, model_chunks, param_groups, buffers, muon_co
     optimizer.optimizer = MuonWithAdamW(
         main_params.param_groups, lr=config.lr, weight_decay=config.weight_decay,
         betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_eps, config=muon_config,
-        decoupled_weight_decay=config.decoupled_weight_decay, catalogue=catalogue)
+        decoupled_weight_decay=config.decoupled_weight_decay, catalogue=catalogue, hardware=hardware,
+        prepare=False)  # prepared with the chain's other optimizer, in get_megatron_muon_optimizer
     prepare_for_checkpointing(optimizer.optimizer)
     optimizer.optimizer.norms_group = optimizer.get_grad_stats_parallel_group()  # the log's norms: as the grad norm
     optimizer.matrix_of_param = matrix_of
@@ -316,8 +314,11 @@ def get_megatron_muon_optimizer(
     param_groups, buffers = _get_param_groups_and_buffers(
         model_chunks, 0, config, overrides, lambda g: not g["is_expert_parallel"], "buffers"
     )
+    # auto's constants, resolved once: global rank 0's on every rank (the plans must agree)
+    hardware = broadcast_hardware(muon_config.hardware()) if muon_config.tp_mode == "auto" else None
     optimizers = [_build(config, model_chunks, param_groups, buffers, muon_config, expert=False, groups=groups,
-                         tp_group=tp_group, data_parallel_group_idx=get_pg_rank(groups["mp_group"]))]
+                         tp_group=tp_group, data_parallel_group_idx=get_pg_rank(groups["mp_group"]),
+                         hardware=hardware)]
     expert_groups, expert_buffers = _get_param_groups_and_buffers(
         model_chunks, 0, config, overrides, lambda g: g["is_expert_parallel"], "expert_parallel_buffers"
     )
@@ -325,7 +326,14 @@ def get_megatron_muon_optimizer(
         optimizers.append(_build(
             config, model_chunks, expert_groups, expert_buffers, muon_config, expert=True, groups=groups,
             tp_group=expert_tp_group,
-            data_parallel_group_idx=get_pg_rank(groups["expt_tp_pp_with_egtp_remat_group"])))
+            data_parallel_group_idx=get_pg_rank(groups["expt_tp_pp_with_egtp_remat_group"]), hardware=hardware))
+    # Every group the steps use made (DP teams: by every rank, in one order), the plans checked
+    # across each DP and TP group, the groups warmed up: once, here, for the whole chain (a stage
+    # without experts has one optimizer, the others two; the call is the same on every rank).
+    setup = prepare_optimizers([o.optimizer for o in optimizers],
+                               labels=["the dense optimizer", "the expert optimizer"][:len(optimizers)],
+                               timeout=_distributed_timeout(),
+                               existing_groups=_reusable_groups(groups, tp_group, expert_tp_group, pg_collection))
     for optimizer in optimizers:  # Megatron's two attributes, on every optimizer of the chain
         optimizer.tp_group = tp_group
         optimizer.expert_tp_group = expert_tp_group
@@ -344,8 +352,28 @@ def get_megatron_muon_optimizer(
         experts = (optimizers[1].optimizer.plans, parallel_state.get_expert_model_parallel_world_size())
     print_startup_report(dense.optimizer.plans, model_chunks, muon_config,
                          pp_rank=parallel_state.get_pipeline_model_parallel_rank(),
-                         pp=parallel_state.get_pipeline_model_parallel_world_size(), experts=experts)
+                         pp=parallel_state.get_pipeline_model_parallel_world_size(), experts=experts, setup=setup)
     return MuonChainedOptimizer(optimizers)
+
+
+def _distributed_timeout():
+    """Megatron's ``--distributed-timeout-minutes`` as a timedelta, when its arguments are parsed
+    (a training job, which has imported ``megatron.training``: not imported here for a caller
+    without it); None otherwise (torch's default, what a caller's own groups get too)."""
+    import sys
+    from datetime import timedelta
+
+    global_vars = sys.modules.get("megatron.training.global_vars")
+    minutes = getattr(getattr(global_vars, "_GLOBAL_ARGS", None), "distributed_timeout_minutes", None)
+    return timedelta(minutes=minutes) if minutes else None
+
+
+def _reusable_groups(groups: dict, tp_group, expert_tp_group, pg_collection) -> list:
+    """Megatron's groups a DP team may be equal to (and then reuses): the optimizer's groups
+    (not the gloo ones: the step's tensors are on the GPU), the TP groups, the EP group."""
+    ep = (getattr(pg_collection, "ep", None) if pg_collection is not None
+          else parallel_state.get_expert_model_parallel_group(check_initialized=False))
+    return [g for key, g in groups.items() if not key.endswith("_gloo")] + [tp_group, expert_tp_group, ep]
 
 
 def _muon_config(config: OptimizerConfig, muon_config: MuonConfig | None) -> MuonConfig:

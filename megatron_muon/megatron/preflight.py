@@ -5,7 +5,7 @@ Inside a job a bad flag costs about 15 s (torchrun, imports, Megatron's setup) a
 (``scripts/run.sh main``, ``scripts/slurm/*.sbatch``) run this first, in one process, with the
 world size the job will have::
 
-    python -m megatron_muon.megatron.preflight --nproc 16 [--lines] CONFIG.yaml [EXTRA ARGS...]
+    python -m megatron_muon.megatron.preflight --nproc 16 [--lines | --null] CONFIG.yaml [EXTRA ARGS...]
 
 It does what the job's first seconds do, with nothing distributed: the YAML config becomes
 flags (``yaml_config``), Megatron's real parser parses them with megatron-muon's flags
@@ -13,8 +13,10 @@ flags (``yaml_config``), Megatron's real parser parses them with megatron-muon's
 of ``--nproc`` ranks — so every ``--muon-*`` value, every unsupported combination
 (``startup_checks``), Megatron's own checks and the values it lets through that fail later, the
 ``--load`` directory, the ``--save`` directory (a probe file written and removed) and the data
-files are checked. On success it prints the argument list (shell-quoted on one line, or one per line
-with ``--lines``, as ``yaml_config`` does) and exits 0; otherwise it prints
+files are checked. On success it prints the argument list (shell-quoted on one line, one per line
+with ``--lines``, as ``yaml_config`` does, or each ended by a NUL byte with ``--null``, which keeps an
+empty argument and one holding a newline: what ``scripts/run.sh main`` reads with ``mapfile -d ''``)
+and exits 0; otherwise it prints
 ``megatron-muon: error: <one line>`` on stderr and exits 2. Megatron's own output during the
 check (its argument dump, warnings) is discarded.
 
@@ -36,9 +38,10 @@ from .errors import EXIT_CODE, UserInputError, one_line
 
 __all__ = ["check_command_line", "main"]
 
-USAGE = ("usage: python -m megatron_muon.megatron.preflight --nproc N [--lines] [--resume-from-save] "
+USAGE = ("usage: python -m megatron_muon.megatron.preflight --nproc N [--lines | --null] [--resume-from-save] "
          "CONFIG.yaml [EXTRA ARGS...]\n"
-         "Checks the job's command line as Megatron's rank 0 of N would, then prints its arguments.\n"
+         "Checks the job's command line as Megatron's rank 0 of N would, then prints its arguments\n"
+         "(shell-quoted; --lines: one per line; --null: each ended by a NUL byte).\n"
          "--resume-from-save appends --load <the --save dir> (the sbatch scripts' requeue).")
 
 
@@ -107,12 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else EXIT_CODE
-    lines = resume = False
+    lines = null = resume = False
     world_size = None
-    while argv and argv[0] in ("--lines", "--nproc", "--resume-from-save"):
+    while argv and argv[0] in ("--lines", "--null", "--nproc", "--resume-from-save"):
         flag = argv.pop(0)
         if flag == "--lines":
             lines = True
+        elif flag == "--null":
+            null = True
         elif flag == "--resume-from-save":
             resume = True
         else:
@@ -130,7 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     except (UserInputError, ValueError, OSError) as err:
         print(f"megatron-muon: error: {one_line(err)}", file=sys.stderr)
         return EXIT_CODE
-    print("\n".join(job_args) if lines else shlex.join(job_args))
+    if null:
+        sys.stdout.write("".join(f"{arg}\0" for arg in job_args))
+    else:
+        print("\n".join(job_args) if lines else shlex.join(job_args))
     return 0
 
 

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["FULLY_RESHARDABLE_FLAG", "explain_load_error", "layout_refusal", "tp_pp_refusal"]
+__all__ = ["BALANCED_FROM_DP_RESHARDABLE", "FULLY_RESHARDABLE_FLAG", "explain_load_error", "layout_refusal",
+           "tp_pp_refusal"]
 
 FULLY_RESHARDABLE_FLAG = "--dist-ckpt-optim-fully-reshardable"
 """The save flag that makes the distributed optimizer's checkpoint loadable at any TP, PP, DP."""
@@ -47,9 +48,16 @@ _TP_PP_REFUSAL = re.compile(
 )
 
 
-# MuonDistributedOptimizer.sharded_state_dict (optimizer.py): a dp_reshardable optimizer state
-# loaded into a balanced layout.
-_BALANCED_REFUSAL = "--muon-dp-layout balanced: this checkpoint's optimizer state is in the dp_reshardable format"
+BALANCED_FROM_DP_RESHARDABLE = (
+    "--muon-dp-layout balanced: this checkpoint's optimizer state is in the dp_reshardable format, written on "
+    "megatron-core's packing (--muon-dp-layout megatron, or a balanced layout that fell back to it before its fallback "
+    "cut matrices between rows); resume with --muon-dp-layout megatron (and save once with "
+    "--dist-ckpt-optim-fully-reshardable to change layouts), or load the weights alone with "
+    "--muon-reset-optimizer-state")
+"""A ``dp_reshardable`` optimizer state loaded into a balanced layout: the line of
+``MuonDistributedOptimizer.sharded_state_dict`` (optimizer.py) at load, and of ``resume_config``
+before anything is built, where the checkpoint's metadata tells (its layout was megatron-core's)."""
+_BALANCED_REFUSAL = BALANCED_FROM_DP_RESHARDABLE.split(",")[0]
 
 
 def explain_load_error(error: BaseException) -> str | None:

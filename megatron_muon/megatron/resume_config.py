@@ -46,8 +46,13 @@ Only metadata is read: the common state of a ``torch_dist`` checkpoint (one smal
 in the DCP files, ``dist_checkpointing.load_common_state_dict``), the ``args`` item of an
 ``fsdp_dtensor`` checkpoint (``torch.distributed.checkpoint.load`` of that key alone, as Megatron's
 ``load_args_from_checkpoint`` reads it), or the ``args`` of a ``torch`` checkpoint through a memory
-map (its tensors are not read). Called from the ``validate_args``
-hook on every rank and so by the preflight (``check_resume_config``).
+map (its tensors are not read): ``saved_checkpoint.read_saved``, which refuses a directory that
+is no readable checkpoint. Called from the ``validate_args`` hook on every rank and so by the
+preflight (``check_resume_config``).
+
+* **The DP buffer layout.** A ``dp_reshardable`` optimizer state of ``--muon-dp-layout megatron``
+  resumed with ``balanced`` is refused with the line the optimizer's load refuses it with
+  (``_dp_layout_refusal``), so the startup report never calls that change exact.
 """
 
 from __future__ import annotations
@@ -56,12 +61,12 @@ import contextlib
 import io
 import math
 import types
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cli import flag_default
 from .errors import UserInputError
 from .resume_layout import layout_changes, layout_lines
+from .saved_checkpoint import Saved, read_saved
 
 __all__ = ["SHAPE_FLAGS", "Saved", "check_optimizer_change", "check_other_optimizer", "check_resume_config",
            "padded_vocab", "preflight_mode", "read_saved", "report_lines"]
@@ -124,18 +129,6 @@ _EXACT_TP_MODES = ("owner", "duplicated", "distributed", "auto")
 PLUGIN = "megatron_muon"  # hooks.ACTIVE: recorded in the saved args (True: megatron-muon ran the run)
 
 
-@dataclass
-class Saved:
-    """What a checkpoint recorded of the run that wrote it."""
-
-    directory: Path
-    args: types.SimpleNamespace
-    content_metadata: dict = field(default_factory=dict)
-
-    def get(self, name: str, default=None):
-        return getattr(self.args, name, default)
-
-
 _REPORT: list[str] | None = None  # this job's resume lines for the startup report (None: no resume)
 _PREFLIGHT = False  # checking for preflight.py (one process, before torchrun), not inside the job
 
@@ -154,53 +147,6 @@ def preflight_mode():
 def report_lines() -> list[str] | None:
     """The startup report's lines about the resume this job checked (None when it loads nothing)."""
     return None if _REPORT is None else list(_REPORT)
-
-
-def read_saved(directory: str | Path) -> Saved | None:
-    """The saved ``args`` (and the optimizer format's metadata) of the checkpoint in ``directory``
-    (an ``iter_N`` or ``release`` directory), reading no tensor; None when it records none or is
-    in another format."""
-    directory = Path(directory)
-    if (directory / "metadata.json").is_file():  # torch_dist
-        from megatron.core import dist_checkpointing
-
-        # dist_checkpointing prints a deprecation warning for some checkpoints; not the user's business.
-        with contextlib.redirect_stdout(io.StringIO()):
-            common = dist_checkpointing.load_common_state_dict(str(directory))
-        if not isinstance(common, dict) or common.get("args") is None:
-            return None
-        return Saved(directory, common["args"], dict(common.get("content_metadata") or {}))
-    if (directory / ".metadata").is_file():  # fsdp_dtensor: one torch DCP checkpoint for all ranks
-        return _read_dcp(directory)
-    legacy = sorted(directory.glob("mp_rank_*/model_optim_rng.pt"))
-    if legacy:  # torch: one pickle per rank; mmap maps the tensors without reading them
-        import torch
-
-        state = torch.load(legacy[0], map_location="cpu", mmap=True, weights_only=False)
-        return Saved(directory, state["args"]) if state.get("args") is not None else None
-    return None
-
-
-def _read_dcp(directory: Path) -> Saved | None:
-    """The ``args`` of a torch DCP checkpoint (``fsdp_dtensor``): a pickled non-tensor item of its
-    own, read as Megatron's ``load_args_from_checkpoint`` reads it (``_load_base_checkpoint`` with
-    ``rank0``: ``torch.distributed.checkpoint.load`` of ``{'args': None}``), which reads that item's
-    bytes only (the planner asks for the keys given). Without collectives (``no_dist``): every rank
-    of the job reads it on its own, and the preflight has no process group."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    state = {"args": None}
-    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-        warnings.simplefilter("ignore")
-        try:
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(directory)), no_dist=True)
-        except Exception:  # noqa: BLE001 (no args item, or not a DCP checkpoint: Megatron's load reports it)
-            return None
-    if state["args"] is None:
-        return None
-    return Saved(directory, state["args"], {"distrib_optim_sharding_type": "fsdp_dtensor"})
 
 
 def padded_vocab(vocab: int, divisor: int, tp: int) -> int:
@@ -278,6 +224,25 @@ def _dp_reshardable_refusal(saved: Saved, args) -> str | None:
     if old == new or not saved.get("use_distributed_optimizer", False):
         return None
     return tp_pp_refusal(*old, *new, "dp_reshardable")
+
+
+def _dp_layout_refusal(saved: Saved, args) -> str | None:
+    """The line ``MuonDistributedOptimizer.sharded_state_dict`` refuses a load with, said before
+    anything is built: a ``dp_reshardable`` optimizer state (each bucket one flat range of the saving
+    run's buffer) written on megatron-core's packing (``--muon-dp-layout megatron``), loaded into the
+    balanced layout, which places params elsewhere. A balanced checkpoint saved in that format (its
+    layout had fallen back to megatron-core's packing) is left to the load, which sees whether this
+    run's buffers pack the same way; so is the one other case the load lets through, a balanced layout
+    that happens to pack every bucket as megatron-core does (no such model is known)."""
+    from .resharding import BALANCED_FROM_DP_RESHARDABLE
+
+    kind = saved.content_metadata.get("distrib_optim_sharding_type")
+    if kind != "dp_reshardable" or not _loads_optimizer(args, saved):
+        return None
+    zero1 = (getattr(args, "use_distributed_optimizer", False) and not getattr(args, "use_megatron_fsdp", False)
+             and not getattr(args, "use_torch_fsdp2", False))
+    layouts = (_setting(saved.args, "muon_dp_layout"), _setting(args, "muon_dp_layout"))
+    return BALANCED_FROM_DP_RESHARDABLE if zero1 and layouts == ("megatron", "balanced") else None
 
 
 def _loads_optimizer(args, saved: Saved | None = None) -> bool:
@@ -495,6 +460,9 @@ def check_resume_config(args, directory: str | Path | None) -> None:
             return  # Megatron's load refuses it; the load hook turns that into this line
         raise UserInputError(message)
     message = _layout_refusal(saved, args)  # megatron-core checks none of these: refused in the job too
+    if message:
+        raise UserInputError(message)
+    message = _dp_layout_refusal(saved, args)
     if message:
         raise UserInputError(message)
     message, padded = _vocab_refusal(saved, args)

@@ -9,39 +9,33 @@ before torchrun starts, so a mistake costs seconds, not a job slot:
   Megatron's "only supported with adam"), and every ``--muon-*`` value (``MuonConfig``).
   Megatron's own values that its ``validate_args`` lets through and the job then fails on
   20-40 s in, with a traceback from every rank, are refused here too (``_training_rejections``).
-* ``check_save_writable``: a ``--save`` that cannot be written would fail at the first save,
-  after ``--save-interval`` iterations of training; a probe file is written there and removed.
-* ``check_resume``: a ``--load`` that points at no checkpoint. Megatron warns and trains from
-  scratch, and its first save then overwrites the real run's checkpoints and its
-  ``latest_checkpointed_iteration.txt`` when ``--save`` is the real directory; a typo in
-  ``--load`` destroyed a resume chain that way. The one exception is a run's own first start:
-  ``--load`` equal to ``--save`` and that directory holding no checkpoint yet (absent or
-  empty of checkpoints), which is how the sbatch scripts start a job and requeue it. Also a
-  tracker file that holds no iteration (Megatron exits 0 on it), or names one whose directory is
-  missing; what the checkpoint itself recorded is ``resume_config``'s.
+* ``load_save_checks`` (re-exported here): ``--load``, ``--save`` and the load flags.
 * the data files (``data_check.check_data_args``): every ``.bin`` as long as its ``.idx`` says.
 """
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
-import os
-from pathlib import Path
 
 import torch
 
-from .cli import flag_default, muon_config_from_args
+from .cli import flag_default, flag_of, megatron_default, muon_config_from_args
 from .errors import UserInputError
+from .load_save_checks import (  # re-exported: the hooks and resume_config import them from here
+    TRACKER,
+    check_load_flags,
+    check_resume,
+    check_save_writable,
+    checkpoints_in,
+    iteration_directory,
+    read_tracker,
+)
+from .model_shape_checks import block_grid_refusal, hybrid_pattern_refusal
 
-__all__ = ["TRACKER", "check_load_flags", "check_resume", "check_data_files", "check_save_writable",
-           "check_supported_args", "checkpoints_in", "iteration_directory", "read_tracker", "te_tracks_max_logit"]
-
-TRACKER = "latest_checkpointed_iteration.txt"
-"""Megatron's tracker file: a directory holds a checkpoint for ``--load`` when it has this."""
-
-_NON_PERSISTENT_SUBDIR = "non_persistent"  # megatron.training.checkpointing._NON_PERSISTENT_CKPT_SUBDIR
+__all__ = ["TRACKER", "check_load_flags", "check_model_shapes", "check_resume", "check_data_files",
+           "check_save_writable", "check_supported_args", "checkpoints_in", "iteration_directory", "read_tracker",
+           "te_tracks_max_logit"]
 
 
 def check_supported_args(args) -> None:
@@ -82,6 +76,9 @@ def check_supported_args(args) -> None:
     for bad, message in rejected + _qk_clip_rejections(args):
         if bad:
             raise UserInputError(message)
+    message = hybrid_pattern_refusal(args)
+    if message:
+        raise UserInputError(message)
     try:
         muon_config_from_args(args)  # every --muon-* value, checked by MuonConfig
     except UserInputError:
@@ -91,12 +88,36 @@ def check_supported_args(args) -> None:
     for bad, message in _ignored_setting_rejections(args):  # after the values: a bad value is the first fix
         if bad:
             raise UserInputError(message)
+    message = _not_a_number(args)
+    if message:
+        raise UserInputError(message)
+
+
+def check_model_shapes(args) -> None:
+    """After Megatron's ``validate_args`` (which fills in the sizes): ``--muonbp-block-grid``
+    against every local matrix of the model (``model_shape_checks.block_grid_refusal``)."""
+    message = block_grid_refusal(args)
+    if message:
+        raise UserInputError(message)
+
+
+def _not_a_number(args) -> str | None:
+    """A NaN in any float flag (ours or Megatron's) that no check above gave a range: NaN compares
+    false with every bound, so range checks written as ``value < bound`` let it through
+    (``--clip-grad nan`` would turn clipping off without a word; a NaN lr or decay spreads NaN)."""
+    for dest, value in sorted(vars(args).items()):
+        values = value if isinstance(value, (list, tuple)) else [value]
+        if any(isinstance(v, float) and math.isnan(v) for v in values):
+            shown = " ".join(str(v) for v in values)
+            return f"{flag_of(dest)} {shown}: expected a number (NaN is no value of any setting)"
+    return None
 
 
 def _ignored_setting_rejections(args) -> list[tuple[bool, str]]:
-    """``--muon-*`` settings that the run would ignore without a word, given the rest of the
-    command line: the user meant something that would not happen. "Given" is a value other than
-    None, these flags' parser default (``cli.py``)."""
+    """Settings that the run would ignore without a word, given the rest of the command line: the
+    user meant something that would not happen. "Given" is a value other than None, the parser
+    default of our flags that can be ignored (``cli.py``); for Megatron's, a value other than the
+    parser's default (``cli.megatron_default``)."""
     period, mult = getattr(args, "muonbp_period", None), getattr(args, "muonbp_block_lr_mult", None)
     block = getattr(args, "muonbp_block", None)
     mode = getattr(args, "muon_tp_mode", flag_default("muon_tp_mode"))
@@ -105,6 +126,7 @@ def _ignored_setting_rejections(args) -> list[tuple[bool, str]]:
     wrapper = ("--use-megatron-fsdp" if getattr(args, "use_megatron_fsdp", False) else
                "--use-torch-fsdp2" if getattr(args, "use_torch_fsdp2", False) else None)
     zero1 = getattr(args, "use_distributed_optimizer", False) and wrapper is None
+    pattern = getattr(args, "hybrid_layer_pattern", None)
     unused_layout = (f"{wrapper} lays out its own buffers" if wrapper is not None else
                      "it lays out the buffers of --use-distributed-optimizer, which this run does not use")
     return [
@@ -137,6 +159,21 @@ def _ignored_setting_rejections(args) -> list[tuple[bool, str]]:
                                                                               or ""),
          "--muon-no-split-mamba-in-proj: only a Mamba layer (M in --hybrid-layer-pattern) has an in_proj to split; "
          "drop the flag"),
+        (not getattr(args, "muon_split_qkv", True) and (getattr(args, "multi_latent_attention", False) or (
+            pattern is not None and "*" not in pattern)),
+         "--muon-no-split-qkv: only an attention layer's fused linear_qkv has q, k and v to split, and this model "
+         f"has none ({'multi-latent attention' if pattern is None else 'no * in --hybrid-layer-pattern'}); drop "
+         "the flag"),
+        *[(not getattr(args, "qk_clip", False) and getattr(args, dest, None) != megatron_default(dest),
+           f"--{dest.replace('_', '-')} {getattr(args, dest, None)}: only --qk-clip uses it ({what}), and this run "
+           "does not clip; add --qk-clip or drop the flag")
+          for dest, what in (("qk_clip_threshold", "the max attention logit above which query and key rows are "
+                                                   "scaled down"),
+                             ("qk_clip_alpha", "the share of the scaling on the query rows"))],
+        (getattr(args, "optimizer", "muon") == "muon" and getattr(args, "sgd_momentum", None) != megatron_default(
+            "sgd_momentum"),
+         f"--sgd-momentum {getattr(args, 'sgd_momentum', None)}: only --optimizer sgd uses it (--optimizer muon has "
+         "--muon-momentum, and AdamW for the other params); drop the flag"),
     ]
 
 
@@ -217,6 +254,19 @@ def _training_rejections(args) -> list[tuple[bool, str]]:
         *[(negative(value), f"{flag} {value}: expected a finite value >= 0 (the weights decay by lr x {flag})")
           for flag, value in weight_decays],
         (negative(lr), f"--lr {lr}: expected a finite value >= 0"),
+        (lr is None, "--lr: not given; expected the peak learning rate (Megatron has no default for it, and the "
+                     "optimizer and its lr schedule need one)"),
+        # MuonWithAdamW refuses these at the optimizer build, on every rank; a NaN or negative
+        # --clip-grad fails Megatron's "clip_grad > 0" and turns clipping off without a word.
+        *[(negative(value) or (value is not None and value >= 1),
+           f"{flag} {value}: expected a value in [0, 1) (AdamW's {what} moment decay)")
+          for flag, value, what in (("--adam-beta1", getattr(args, "adam_beta1", None), "first"),
+                                    ("--adam-beta2", getattr(args, "adam_beta2", None), "second"))],
+        (negative(getattr(args, "adam_eps", None)), f"--adam-eps {getattr(args, 'adam_eps', None)}: expected a finite "
+                                                    "value >= 0 (AdamW's denominator term)"),
+        (getattr(args, "clip_grad", None) is not None and not args.clip_grad >= 0,
+         f"--clip-grad {getattr(args, 'clip_grad', None)}: expected a value >= 0 (the gradient norm clipped to; 0 "
+         "turns clipping off)"),
         (negative(min_lr), f"--min-lr {min_lr}: expected a finite value >= 0"),
         (lr is not None and not negative(lr) and not negative(min_lr) and min_lr > lr,
          f"--min-lr {min_lr}: expected a value <= --lr {lr} (the schedule decays from --lr to --min-lr)"),
@@ -367,162 +417,6 @@ def _qk_clip_rejections(args) -> list[tuple[bool, str]]:
          f"{flag} with --transformer-impl transformer_engine needs Transformer Engine >= 2.9 (it tracks the max "
          f"attention logit); {fallback}"),
     ]
-
-
-# --------------------------------------------------------------------------- resume
-
-
-def checkpoints_in(directory: str | Path) -> list[str]:
-    """The names in ``directory`` that belong to a Megatron checkpoint (the tracker file, the
-    ``iter_*`` / ``release`` directories, the non-persistent subdirectory); [] when absent."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        return []
-    return sorted(entry.name for entry in directory.iterdir()
-                  if entry.name in (TRACKER, "release", _NON_PERSISTENT_SUBDIR) or entry.name.startswith("iter_"))
-
-
-def _same_directory(a: str, b: str) -> bool:
-    return os.path.realpath(os.path.expanduser(a)) == os.path.realpath(os.path.expanduser(b))
-
-
-def read_tracker(load: str) -> int | str:
-    """The iteration ``<load>/latest_checkpointed_iteration.txt`` names: an integer >= 0 or
-    ``"release"``; anything else is refused. Megatron's ``read_metadata`` prints "Invalid metadata
-    file ... Exiting" and calls ``sys.exit()``, exit code 0: the launcher then sees a finished job
-    (``run.sh`` reports a checkpoint to resume from, a scheduler counts the job done)."""
-    path = Path(load) / TRACKER
-    text = path.read_text(errors="replace").strip()
-    if text == "release":
-        return text
-    try:
-        iteration = int(text)
-    except ValueError:
-        iteration = -1
-    if iteration < 0:
-        shown = text if len(text) <= 40 else text[:40] + "..."
-        raise UserInputError(
-            f"--load {load}: {path} holds {shown!r}; expected an iteration number or 'release' (Megatron would "
-            "print \"Invalid metadata file\" and exit with code 0, as if the job had finished); write the iteration "
-            "to resume from into it")
-    return iteration
-
-
-def iteration_directory(load: str, iteration: int | str) -> Path:
-    """Megatron's directory of ``iteration`` under ``load`` (``get_checkpoint_name``'s base dir)."""
-    return Path(load) / ("release" if iteration == "release" else f"iter_{iteration:07d}")
-
-
-def check_resume(args) -> Path | None:
-    """``UserInputError`` when ``--load`` would silently start from scratch, or names an iteration
-    that is not there (module docstring); the checkpoint directory the job will load, else None."""
-    load = getattr(args, "load", None)
-    if load is None:
-        return None
-    # Megatron reads the tracker even with --ckpt-step
-    tracked = read_tracker(load) if (Path(load) / TRACKER).is_file() else None
-    step = getattr(args, "ckpt_step", None)
-    if step:  # Megatron loads iter_<step> whatever the tracker says
-        if (Path(load) / f"iter_{step:07d}").is_dir():
-            return Path(load) / f"iter_{step:07d}"
-        raise UserInputError(f"--ckpt-step {step}: {load} has no iter_{step:07d}")
-    if tracked is not None:
-        directory = iteration_directory(load, tracked)
-        if not directory.is_dir():
-            found = [name for name in checkpoints_in(load) if name != TRACKER]
-            have = f"it holds {', '.join(found[:3])}" if found else "it holds no checkpoint directory"
-            raise UserInputError(
-                f"--load {load}: {TRACKER} names iteration {tracked}, but {directory} does not exist ({have}); "
-                f"write an iteration that is there into {Path(load) / TRACKER}, or point --load elsewhere")
-        return directory  # a broken checkpoint behind it is integrity.py's business
-    non_persistent = getattr(args, "non_persistent_global_ckpt_dir", None) or os.path.join(load, _NON_PERSISTENT_SUBDIR)
-    if getattr(args, "non_persistent_ckpt_type", None) == "global" and (Path(non_persistent) / TRACKER).is_file():
-        return None  # Megatron's non-persistent checkpoint: not compared (resume_config)
-    save = getattr(args, "save", None)
-    found = checkpoints_in(load)
-    if save is not None and _same_directory(save, load) and not found:
-        return None  # this run's own first start: nothing to resume yet, nothing to overwrite
-    if found:
-        raise UserInputError(
-            f"--load {load}: holds {', '.join(found[:3])} but no {TRACKER}, so Megatron would start "
-            f"from scratch and overwrite them; write the iteration to resume into {load}/{TRACKER} "
-            "(an interrupted first save leaves this state) or point --load elsewhere")
-    where = "does not exist" if not Path(load).exists() else "holds no checkpoint"
-    after = (f" and its saves would go to --save {save}" if save is not None else "")
-    raise UserInputError(
-        f"--load {load}: {where} (no {TRACKER}); Megatron would train from scratch{after}. Fix the "
-        "path, or drop --load to start a new run (a run may name its own empty --save as --load)")
-
-
-def check_save_writable(args) -> None:
-    """``UserInputError`` naming ``--save`` when a checkpoint cannot be written there: the missing
-    directories are created, a probe file written and removed, and what was created removed again,
-    so the check leaves the file system as it found it. Megatron would find out at its first save,
-    after ``--save-interval`` iterations of training."""
-    save = getattr(args, "save", None)
-    if save is None:
-        return
-    target = Path(os.path.expanduser(save))
-    missing = []
-    existing = target
-    while not existing.exists() and existing != existing.parent:
-        missing.append(existing)
-        existing = existing.parent
-    # Megatron saves every --save-interval iterations and once more when training ends, so a run
-    # from scratch first saves at the smaller of the two (a resumed run: at most that many later).
-    first = min((v for v in (getattr(args, "save_interval", None), getattr(args, "train_iters", None)) if v),
-                default=None)
-    late = f"; the first save (iteration {first}) would fail after training that long" if first else ""
-    if not existing.is_dir():
-        what = "is a file" if existing == target else f"{existing} is a file"
-        raise UserInputError(f"--save {save}: {what}, not a directory{late}. Point --save at a writable directory")
-    probe = target / f".megatron-muon-write-probe-{os.getpid()}"
-    try:
-        try:
-            target.mkdir(parents=True, exist_ok=True)
-            probe.write_bytes(b"")
-            probe.unlink()
-        finally:
-            for directory in missing:  # deepest first; rmdir leaves anything another process put there
-                with contextlib.suppress(OSError):
-                    directory.rmdir()
-    except OSError as err:
-        reason = err.strerror or type(err).__name__
-        raise UserInputError(f"--save {save}: cannot write a checkpoint there ({reason}: {err.filename}){late}. "
-                             "Point --save at a writable directory") from None
-
-
-def check_load_flags(args) -> None:
-    """``--muon-reset-optimizer-state`` / ``--muon-load-upstream-optimizer`` (``reset_state.py``):
-    each changes how one checkpoint is loaded, so each needs a ``--load`` that holds one, and
-    neither goes with the flags that already decide what the load skips. Runs for upstream's
-    optimizers too (the reset serves them)."""
-    reset = getattr(args, "muon_reset_optimizer_state", False)
-    upstream = getattr(args, "muon_load_upstream_optimizer", False)
-    if not (reset or upstream):
-        return
-    flag = "--muon-reset-optimizer-state" if reset else "--muon-load-upstream-optimizer"
-    load = getattr(args, "load", None)
-    if reset and upstream:
-        raise UserInputError("--muon-reset-optimizer-state with --muon-load-upstream-optimizer: choose one (fresh "
-                             "optimizer state, or megatron-core Muon's carried over)")
-    if upstream and args.optimizer != "muon":
-        raise UserInputError(f"--muon-load-upstream-optimizer: needs --optimizer muon (megatron-muon loads the "
-                             f"state), not {args.optimizer}")
-    if load is None:
-        raise UserInputError(f"{flag}: needs --load (the checkpoint whose weights, iteration and LR schedule it loads)")
-    if getattr(args, "ckpt_format", "torch_dist") not in ("torch_dist", "torch"):
-        # Megatron's first read of an fsdp_dtensor checkpoint holds its args and iteration only
-        raise UserInputError(f"{flag}: supports --ckpt-format torch_dist and torch, not {args.ckpt_format}")
-    for bad, name in ((getattr(args, "no_load_optim", False), "--no-load-optim"),
-                      (getattr(args, "finetune", False), "--finetune")):
-        if bad:
-            raise UserInputError(f"{flag} with {name}: {name} also restarts the LR schedule (--finetune the "
-                                 f"iteration too), which {flag} keeps; drop one of them")
-    step = getattr(args, "ckpt_step", None)
-    if not (Path(load) / TRACKER).is_file() and not (step and (Path(load) / f"iter_{step:07d}").is_dir()):
-        raise UserInputError(f"{flag}: --load {load} holds no checkpoint to resume from; the flag is for one "
-                             "resume from a saved checkpoint, drop it (a requeued job would apply it again)")
 
 
 def check_data_files(args) -> None:

@@ -9,14 +9,14 @@ included), spelled as its option string without the dashes (``num_layers`` or ``
     muon_split_fc1: false         # --muon-no-split-fc1  (a dest: the flag that gives that value)
     disable_bias_linear: true     # --disable-bias-linear (the flag itself: true = pass it)
     train_data_path: [a, b]       # --train-data-path a b  (nargs)
-    tokenizer_model: null         # left out: Megatron's default
 
 Every key and value is checked against the real parser (Megatron's ``add_megatron_arguments``
 plus ``add_muon_args``): an unknown key, a value of the wrong type, a value outside the flag's
-choices, a list for a one-value flag, or two keys for the same setting is a ``ValueError`` naming
-the key and the file. The result is an argument list, so Megatron's own ``parse_args`` /
-``validate_args`` still see an ordinary command line (unlike Megatron's experimental
-``--yaml-cfg``, which bypasses ``validate_args`` and which ``--optimizer muon`` refuses).
+choices, a list for a one-value flag, a null (leave the key out for the flag's default), or two
+keys for the same setting is a ``ValueError`` naming the key and the file. The result is an
+argument list, so Megatron's own ``parse_args`` / ``validate_args`` still see an ordinary command
+line (unlike Megatron's experimental ``--yaml-cfg``, which bypasses ``validate_args`` and which
+``--optimizer muon`` refuses).
 
 Command line (the arguments, shell-quoted, on one line; EXTRA ARGS come last, so they win)::
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import io
 import logging
 import shlex
@@ -46,15 +45,11 @@ __all__ = ["build_parser", "load_yaml_args", "args_from_mapping", "read_yaml", "
 _FLAG_ACTIONS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._StoreConstAction)
 
 
-@functools.lru_cache(maxsize=1)
 def build_parser() -> argparse.ArgumentParser:
-    """Megatron's full parser (as ``parse_args`` builds it) plus megatron-muon's flags."""
-    from megatron.training import arguments
+    """Megatron's full parser (as ``parse_args`` builds it) plus megatron-muon's flags (``cli.full_parser``)."""
+    from .cli import full_parser
 
-    from .cli import add_muon_args
-
-    # add_muon_args is idempotent, so this is right whether or not install() has run.
-    return add_muon_args(arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+    return full_parser()
 
 
 # --------------------------------------------------------------------------- reading YAML
@@ -248,8 +243,15 @@ def args_from_mapping(data: dict, source: str = "<config>", parser: argparse.Arg
         if dest in seen:
             raise ValueError(f"{where}: keys {seen[dest]!r} and {raw_key!r} both set {dest!r}")
         seen[dest] = raw_key
-        if value is None:  # null: the flag's default
-            continue
+        if value is None:
+            # Leaving a key out gives the flag's default; a null would too, silently: for a flag with no
+            # default (lr) that is a traceback at the optimizer build on every rank, and for any key
+            # it hides whether the value was meant to be filled in.
+            shown = option if action is not None else by_dest[dest][0].option_strings[0]
+            wanted = ("true or false" if _is_flag(action if action is not None else by_dest[dest][0])
+                      else "a value")
+            raise ValueError(f"{where}: key {raw_key!r} ({shown}) is null; expected {wanted} (leave the key out "
+                             "for the flag's default)")
         if action is not None and _is_flag(action) and action.dest != key:
             # The key names the flag itself (disable_bias_linear, muon_no_split_qkv): true = pass it.
             if not isinstance(value, bool):

@@ -21,7 +21,6 @@ scheduling of Canzona, arXiv 2602.06079, and the interleaving of microsoft/dion'
 from __future__ import annotations
 
 import contextlib
-import weakref
 from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -43,8 +42,7 @@ __all__ = [
     "observe_collectives",
     "pipelined",
     "record_ns_flops",
-    "subgroup",
-    "subgroups",
+    "uncounted",
 ]
 
 
@@ -83,6 +81,20 @@ def comm_stats() -> Iterator[CommStats]:
         del _active[next(i for i, s in enumerate(_active) if s is stats)]
 
 
+@contextlib.contextmanager
+def uncounted() -> Iterator[None]:
+    """Collectives issued inside are shown to observers but counted by no ``comm_stats`` context:
+    the one-time setup at optimizer construction (``step_setup``: the team requests, the plan
+    check, the warm-up) is no step's traffic, and a context open around a construction measures
+    the step's plan alone."""
+    global _active
+    saved, _active = _active, []
+    try:
+        yield
+    finally:
+        _active = saved
+
+
 def _record(primitive: str, nbytes: int) -> None:
     for stats in _active:
         stats._record(primitive, nbytes)
@@ -111,36 +123,6 @@ def group_rank(group: dist.ProcessGroup | None) -> int:
     if not dist.is_available() or not dist.is_initialized():
         return 0
     return dist.get_rank(group)
-
-
-_SUBGROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""default group → {global ranks: subgroup}: each made once per process (its name is the hash
-of its ranks, so making it twice would collide), released when the default group is destroyed."""
-
-
-def subgroup(group: dist.ProcessGroup | None, members: tuple[int, ...]) -> dist.ProcessGroup:
-    """The process group of ``group``'s ranks ``members`` (group ranks, ascending), made on first
-    use by those ranks alone (``use_local_synchronization``: the other ranks of the job need not
-    call it, so a DP team is made by its members without a world-wide barrier)."""
-    parent = group if group is not None else dist.group.WORLD
-    ranks = dist.get_process_group_ranks(parent)
-    key = tuple(ranks[m] for m in members)
-    known = _SUBGROUPS.setdefault(dist.group.WORLD, {})
-    if key not in known:
-        known[key] = dist.new_group(list(key), use_local_synchronization=True)
-    try:
-        dist.get_process_group_ranks(known[key])
-    except ValueError:  # destroyed behind our back: torch cannot make a group of the same ranks again
-        raise RuntimeError(f"the process group of ranks {list(key)} (a DP team) was destroyed while the default "
-                           "group lives on; torch names such a group by its ranks and cannot make it again in "
-                           "this process: keep it alive (comm.subgroups())") from None
-    return known[key]
-
-
-def subgroups() -> list[dist.ProcessGroup]:
-    """The groups ``subgroup`` has made under the current default group (for a caller that tears
-    groups down between runs in one process, as the tests do, and must spare these)."""
-    return list(_SUBGROUPS.get(dist.group.WORLD, {}).values()) if dist.is_initialized() else []
 
 
 @dataclass(frozen=True)

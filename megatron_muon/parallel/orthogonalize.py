@@ -30,7 +30,12 @@ block of the unit in the same exchange and the team runs the distributed mode on
 its own process group, in micro-group order on every member.
 
 What a plan needs bound to process groups (the exchanges, a team's group) is built once per plan
-and groups (``_execution``), cached on the plan object, which lives as long as its optimizer.
+and groups and cached on the plan object, which lives as long as its optimizer: by ``bind`` at the
+optimizer's construction (``step_setup.prepare``, which has made the team groups, checked the plan
+across ranks and warmed the groups up), or else on the first call of the pure API. That first call
+makes a plan's team group itself (``team_groups.make_team_groups``: a collective over the default
+group, so every rank of the job must make the call) and checks the TP list across the TP group.
+
 
 Pure torch + torch.distributed; no Megatron import.
 """
@@ -55,12 +60,13 @@ from .devices import resolve_device
 from .owner_exchange import OwnerExchange
 from .owner_mode import OwnerMicroGroup
 from .sharding import group_by
+from .team_groups import make_team_groups, team_request
 from .tp_modes import check_local_shards, run_blocking_mode, validate_across_ranks
 
 if TYPE_CHECKING:
     from ..plan.cost_model import Hardware
 
-__all__ = ["Apply", "StepGroups", "orthogonalize_sharded", "orthogonalize_updates"]
+__all__ = ["Apply", "StepGroups", "bind", "orthogonalize_sharded", "orthogonalize_updates"]
 
 Apply = Callable[[int, torch.Tensor, float], None]
 """``apply(i, update, scale)``: this rank's piece of matrix i's orthogonalized update is
@@ -311,7 +317,8 @@ class _MicroGroup:
 class _Execution:
     """``plan`` bound to this rank's process groups and device."""
 
-    def __init__(self, plan: StepPlan, dp_group, tp_group, device: torch.device, validate: bool) -> None:
+    def __init__(self, plan: StepPlan, dp_group, tp_group, device: torch.device, validate: bool,
+                 team_group=None) -> None:
         # A plan with one DP rank never talks over DP: no group (None) means no DP dim at all.
         dp_size = comm.group_size(dp_group) if dp_group is not None or plan.dp_size > 1 else 1
         tp_size = comm.group_size(tp_group)
@@ -335,11 +342,10 @@ class _Execution:
         self.tp_rank = comm.group_rank(tp_group)
         self.work = plan.work[self.dp_rank]
         self.teams = plan.teams
-        self.team_group = None
-        if plan.teams is not None:
-            t = plan.team_size
-            first = self.dp_rank - self.dp_rank % t
-            self.team_group = comm.subgroup(dp_group, tuple(range(first, first + t)))
+        self.team_group = team_group
+        """this rank's team's process group (``step_setup`` made it at construction; unprepared, here)."""
+        if plan.teams is not None and team_group is None:
+            (self.team_group,) = make_team_groups([team_request(plan, dp_group)])
         # A configuration property, the same on every rank: every rank's tasks have the same stages.
         self.tp_async = settings.tp_mode in ("owner", "auto") and tp_size > 1
         self.micro_groups = [_MicroGroup(members) for members in plan.micro_groups]
@@ -429,6 +435,22 @@ def _execution(plan: StepPlan, dp_group, tp_group, device: torch.device, validat
     if key not in bound:
         bound[key] = _Execution(plan, dp_group, tp_group, device, validate)
     return bound[key]
+
+
+def bind(plan: StepPlan, groups: StepGroups, team_group=None) -> None:
+    """Bind ``plan`` to ``groups`` now (its exchanges, its team's group ``team_group``), so that
+    its first ``orthogonalize_updates`` with these groups makes nothing and checks nothing: the
+    optimizer's construction does it (``step_setup.prepare``) after checking the plan across the
+    DP and TP groups, which supersedes the first call's TP shape check. ``groups.device`` must be
+    set, as the step's own ``StepGroups``. A plan of local blocks is never bound (no collective)."""
+    if groups.device is None:
+        raise ValueError("bind: groups.device must be set (the step's device)")
+    if plan.local_blocks is not None:
+        return
+    key = (groups.dp, groups.tp, groups.device)
+    bound = _EXECUTIONS.setdefault(plan, {})
+    if key not in bound:
+        bound[key] = _Execution(plan, groups.dp, groups.tp, groups.device, validate=False, team_group=team_group)
 
 
 def _task(run: _Execution, g: _MicroGroup, pieces, deliver):

@@ -9,7 +9,12 @@
 * a job started without the launchers (torchrun on ``scripts/pretrain_gpt.py``) refuses the same
   ``--load`` on every rank, with rank 0's one line, before any iteration;
 * an uncaught ``UserInputError`` is one line and exit code 2 in any script after ``install()``;
-* ``--yaml-cfg`` (Megatron's experimental YAML, which skips ``validate_args``) is refused.
+* ``--yaml-cfg`` (Megatron's experimental YAML, which skips ``validate_args``) is refused;
+* ``run.sh main`` hands the job every argument as given (an empty one, one with a newline: the
+  preflight's list, NUL-terminated), so ``--hybrid-layer-pattern ''`` reaches the pattern check;
+* a real checkpoint (the tiny GPT's, ``--muon-dp-layout megatron``) that lost files, or resumed
+  with ``--muon-dp-layout balanced`` or a ``--train-iters`` below its iteration: one line before
+  launch (the job refuses the layout change at startup too).
 """
 
 from __future__ import annotations
@@ -127,3 +132,161 @@ def test_yaml_cfg_is_refused_with_muon():
         wrapped(SimpleNamespace(optimizer="muon"))
     other = SimpleNamespace(optimizer="adam")
     assert wrapped(other) is other and calls == [other]
+
+
+# --------------------------------------------------------------------------- scripts/run.sh main's arguments
+
+
+def _recording_venv(tmp_path: Path) -> tuple[Path, Path]:
+    """A venv that is the real one but for ``torchrun``: a recorder that writes its arguments, each
+    NUL-terminated, to the returned file and exits 0 (what run.sh hands the job is under test, not
+    the job)."""
+    real = Path(sys.executable).parent.parent
+    venv, record = tmp_path / "venv", tmp_path / "torchrun-args"
+    (venv / "bin").mkdir(parents=True)
+    for entry in (real / "bin").iterdir():
+        if entry.name != "torchrun":
+            (venv / "bin" / entry.name).symlink_to(entry)
+    (venv / "lib").symlink_to(real / "lib")
+    for name in ("pyvenv.cfg", ".requirements-stamp"):  # the venv's own marker, and run.sh's "up to date"
+        (venv / name).write_bytes((real / name).read_bytes())
+    recorder = venv / "bin" / "torchrun"
+    recorder.write_text(f"#!/bin/bash\nprintf '%s\\0' \"$@\" > {shlex.quote(str(record))}\n")
+    recorder.chmod(0o755)
+    return venv, record
+
+
+def test_run_sh_hands_the_job_every_argument_as_given(tmp_path, hooks_restored):
+    """An empty argument (trailing or not) and one holding a newline reach torchrun unchanged, and
+    the job's argument list is the preflight's (run.sh used to read it one per line: a trailing
+    ``''`` was dropped, a newline split one argument in two)."""
+    from megatron_muon.megatron.preflight import check_command_line
+
+    venv, record = _recording_venv(tmp_path)
+    if not (REPO / "data" / "train_text_document.bin").is_file():  # what run.sh main would build first
+        subprocess.run([sys.executable, "scripts/prepare_data.py", "--out", "data"], cwd=REPO, check=True,
+                       capture_output=True)
+    save = str(tmp_path / "ckpt")
+    extra = ["--save", save, "--load", save, "--wandb-exp-name", "two\nlines", "--wandb-project", ""]
+    proc = subprocess.run(["bash", "scripts/run.sh", "main", *extra], cwd=REPO,
+                          env=dict(ENV, MEGATRON_MUON_VENV=str(venv)), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    words = record.read_bytes().split(b"\0")
+    assert words[-1] == b""  # every argument NUL-terminated
+    job = [w.decode() for w in words[:-1]]
+    assert job[:4] == ["--nproc-per-node", "2", "--master-addr", "127.0.0.1"] and job[6] == "scripts/pretrain_gpt.py"
+    assert job[-4:] == ["--wandb-exp-name", "two\nlines", "--wandb-project", ""], job[-6:]
+    assert job[7:] == check_command_line("configs/tiny-cpu.yaml", extra, 2)
+
+
+@pytest.mark.parametrize("where", ["trailing", "middle"])
+def test_run_sh_refuses_an_empty_hybrid_pattern(where):
+    """Row run-sh-empty-argument: ``--hybrid-layer-pattern ''`` arrives as an empty argument,
+    wherever it stands, and the pattern check refuses it before torchrun."""
+    from bad_inputs_table import rows
+
+    command = shlex.split(rows()["run-sh-empty-argument"]["input"].split("`")[1])
+    assert command[-2:] == ["--hybrid-layer-pattern", ""]
+    if where == "middle":
+        command += ["--train-iters", "300"]
+    proc = subprocess.run(command, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stderr.splitlines() if not line.startswith("[run.sh]")]
+    assert (proc.returncode, lines) == (2, [f"megatron-muon: error: {rows()['run-sh-empty-argument']['line']}"]), \
+        proc.stderr[-3000:]
+    assert "torchrun" not in proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- a real checkpoint, damaged or resumed
+
+
+@pytest.fixture(scope="module")
+def megatron_layout_checkpoint(tmp_path_factory) -> Path:
+    """TMP/ckpt: the tiny GPT's iteration 3, saved by scripts/pretrain_gpt.py with ``--muon-dp-layout
+    megatron`` (the distributed optimizer's default format, dp_reshardable; with checksums)."""
+    from entry_harness import launch
+
+    root = tmp_path_factory.mktemp("saved")
+    job = launch([*TINY, "--muon-dp-layout", "megatron", "--train-iters", "3", "--save-interval", "3",
+                  "--save", str(root / "ckpt")], root)
+    assert job.returncode == 0, job.out[-4000:]
+    return root / "ckpt"
+
+
+def _copy(saved: Path, tmp_path: Path) -> Path:
+    import shutil
+
+    shutil.copytree(saved, tmp_path / "ckpt")
+    (tmp_path / "tiny.yaml").write_text("distributed_backend: gloo\n")  # the preflight's config; TINY follows
+    return tmp_path / "ckpt" / "iter_0000003"
+
+
+def _preflight_refusal(tmp_path: Path, *extra: str) -> str:
+    from megatron_muon.megatron.preflight import check_command_line
+
+    with pytest.raises(ValueError) as info:
+        check_command_line(str(tmp_path / "tiny.yaml"), [*TINY, "--train-iters", "5", "--muon-dp-layout", "megatron",
+                                                         "--load", str(tmp_path / "ckpt"), *extra], 2)
+    return str(info.value)
+
+
+def _damage(row_id: str, iteration: Path) -> None:
+    """The row's damage: what a user's ``rm`` left (the hidden .metadata survives ``rm iter/*``)."""
+    names = sorted(p.name for p in iteration.iterdir())
+    assert {".metadata", "metadata.json", "megatron_muon_checksums.json", "__0_0.distcp", "__1_0.distcp"} <= set(names)
+    gone = {"ckpt-no-metadata-json": ["metadata.json"],
+            "ckpt-emptied": [n for n in names if not n.startswith(".")],
+            "ckpt-distcp-missing": ["__1_0.distcp", "megatron_muon_checksums.json"],
+            "ckpt-distcp-truncated": ["megatron_muon_checksums.json"]}[row_id]
+    for name in gone:
+        (iteration / name).unlink()
+    if row_id == "ckpt-distcp-truncated":
+        with open(iteration / "__1_0.distcp", "r+b") as f:
+            f.truncate((iteration / "__1_0.distcp").stat().st_size // 3)
+
+
+@pytest.mark.parametrize("row_id", ["ckpt-no-metadata-json", "ckpt-emptied", "ckpt-distcp-missing",
+                                    "ckpt-distcp-truncated"])
+def test_an_unreadable_checkpoint_is_one_line_before_launch(row_id, megatron_layout_checkpoint, tmp_path,
+                                                            hooks_restored):
+    """The preflight used to crash on the first two (torch's CheckpointException is a BaseException;
+    rc 1 and a 54-line traceback); a job then failed on every rank at the load (FileNotFoundError)."""
+    iteration = _copy(megatron_layout_checkpoint, tmp_path)
+    _damage(row_id, iteration)
+    line = _preflight_refusal(tmp_path)
+    assert expected_line(row_id, TMP=str(tmp_path)).fullmatch(line), line
+    proc = _preflight("--nproc", "2", str(tmp_path / "tiny.yaml"), *TINY, "--train-iters", "5", "--muon-dp-layout",
+                      "megatron", "--load", str(tmp_path / "ckpt"))
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", f"megatron-muon: error: {line}\n")
+
+
+def test_train_iters_below_the_loaded_iteration_is_refused(megatron_layout_checkpoint, tmp_path, hooks_restored):
+    _copy(megatron_layout_checkpoint, tmp_path)
+    line = _preflight_refusal(tmp_path, "--train-iters", "2", "--override-opt-param-scheduler")
+    assert line.startswith("--train-iters 2: below iteration 3, which --load ") and "--train-iters 4 or more" in line
+
+
+def test_a_layout_change_megatron_core_packing_cannot_load_is_refused_before_launch(megatron_layout_checkpoint,
+                                                                                      tmp_path, hooks_restored):
+    """A megatron-layout (dp_reshardable) checkpoint resumed with ``--muon-dp-layout balanced``: the
+    preflight refuses it with the line the optimizer's load refuses it with, so the startup report
+    never calls it "another buffer layout, the same update"; the job refuses it on every rank at
+    startup, before any iteration (it used to be 8.5 s in, at the load)."""
+    from megatron_muon.megatron.resharding import BALANCED_FROM_DP_RESHARDABLE
+
+    _copy(megatron_layout_checkpoint, tmp_path)
+    line = _preflight_refusal(tmp_path, "--muon-dp-layout", "balanced")
+    assert line == BALANCED_FROM_DP_RESHARDABLE and expected_line("resume-layout-balanced").fullmatch(line), line
+    from entry_harness import launch
+
+    job = launch([*TINY, "--train-iters", "5", "--muon-dp-layout", "balanced", "--load", str(tmp_path / "ckpt")],
+                 tmp_path)
+    errors = [row for row in job.out.splitlines() if row.startswith("megatron-muon: error: ")]
+    assert job.returncode != 0 and errors == [f"megatron-muon: error: {line}"], job.out[-4000:]
+    assert " iteration " not in job.out, job.out[-4000:]
+    # with fresh optimizer state nothing of the old layout is read: allowed, and the report says what changed
+    from megatron_muon.megatron import resume_config
+    from megatron_muon.megatron.preflight import check_command_line
+
+    check_command_line(str(tmp_path / "tiny.yaml"), [*TINY, "--train-iters", "5", "--load", str(tmp_path / "ckpt"),
+                                                     "--muon-reset-optimizer-state"], 2)
+    assert resume_config.report_lines() is not None

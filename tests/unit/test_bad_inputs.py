@@ -29,7 +29,7 @@ CHECKED_ELSEWHERE = {  # rows checked by another test file (a torchrun job, a Me
     "ckpt-upstream-muon": "e2e/test_migration.py", "ckpt-plugin-into-upstream": "e2e/test_migration.py",
     "resume-fsdp-no-optim": "e2e/test_fsdp_resume_config.py",
     **{row: "e2e/test_layout_change_resume.py" for row in ("resume-ep-dp-reshardable", "resume-ep-torch-format")},
-    "api-block-grid-divides": "dist/test_block_grid_steps.py",
+    "api-block-grid-divides": "dist/test_block_grid_steps.py", "api-plan-mismatch": "dist/test_step_setup.py",
     "api-ddp-outside-hooks": "megatron/test_model_config_ddp.py",
     # Python API rows: raised by the factory (in a Megatron world) or by MuonWithAdamW itself
     **{row: "megatron/test_api_inputs.py" for row in ("api-muon-config-type", "api-tp-mode", "api-3d-muon",

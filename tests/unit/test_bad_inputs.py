@@ -34,8 +34,12 @@ CHECKED_ELSEWHERE = {  # rows checked by another test file (a torchrun job, a Me
     # Python API rows: raised by the factory (in a Megatron world) or by MuonWithAdamW itself
     **{row: "megatron/test_api_inputs.py" for row in ("api-muon-config-type", "api-tp-mode", "api-3d-muon",
                                                        "api-algorithm", "api-negative-lr", "api-qk-clip-mla-cache")},
-    # scripts/run.sh main's own argument checks (before the venv and the data)
-    **{row: "e2e/test_preflight.py" for row in ("run-sh-directory", "run-sh-missing", "run-sh-not-yaml")}}
+    # scripts/run.sh main's own argument checks (before the venv and the data), and its argument passing
+    **{row: "e2e/test_preflight.py" for row in ("run-sh-directory", "run-sh-missing", "run-sh-not-yaml",
+                                                 "run-sh-empty-argument")},
+    # a real checkpoint (written by a torchrun job), damaged or resumed with another buffer layout
+    **{row: "e2e/test_preflight.py" for row in ("ckpt-no-metadata-json", "ckpt-emptied", "ckpt-distcp-missing",
+                                                 "ckpt-distcp-truncated", "resume-layout-balanced")}}
 
 
 def test_table_has_enough_rows_and_every_row_is_tested():
@@ -89,7 +93,10 @@ def _flag_setup(row_id: str, tmp: Path) -> None:
         (tmp / "ckpt" / "iter_0000100").mkdir(parents=True)
     if row_id in ("save-file", "save-under-file"):
         (tmp / "file").write_text("not a directory")
-    if row_id in ("ckpt-step", "load-tracker-garbage", "load-tracker-missing-iter"):
+    if row_id == "train-iters-below-load":  # check_resume refuses before anything reads the directory
+        (tmp / "ckpt" / "iter_0000100").mkdir(parents=True)
+        (tmp / "ckpt" / "latest_checkpointed_iteration.txt").write_text("100")
+    if row_id in ("ckpt-step", "load-tracker-garbage", "load-tracker-missing-iter", "ckpt-empty-dir"):
         (tmp / "ckpt" / "iter_0000003").mkdir(parents=True)
         tracker = {"load-tracker-garbage": "hello\n", "load-tracker-missing-iter": "7\n"}.get(row_id, "3")
         (tmp / "ckpt" / "latest_checkpointed_iteration.txt").write_text(tracker)
@@ -136,6 +143,11 @@ def _yaml_missing(tmp: Path, world: Path):
     return tmp / "c.yaml", []
 
 
+def _yaml_null(tmp: Path, world: Path):
+    (tmp / "c.yaml").write_text("lr: null\n")
+    return tmp / "c.yaml", []
+
+
 def _damaged_data(tmp: Path, world: Path, damage) -> tuple[Path, list[str]]:
     import shutil
 
@@ -170,7 +182,8 @@ def _edited_demo(tmp: Path, world: Path, extra: list[str], drop: tuple[str, ...]
 
 
 SCENARIOS = {"yaml-empty": _yaml_empty, "yaml-syntax": _yaml_syntax, "yaml-twice": _yaml_twice,
-             "yaml-unknown-key": _yaml_unknown_key, "yaml-missing": _yaml_missing,
+             "yaml-unknown-key": _yaml_unknown_key, "yaml-missing": _yaml_missing, "yaml-null": _yaml_null,
+             "lr-missing": lambda tmp, world: _edited_demo(tmp, world, [], ("lr",)),
              "data-truncated": _data_truncated, "data-no-idx": _data_no_idx,
              "train-samples-zero": lambda tmp, world: _edited_demo(tmp, world, ["--train-samples", "0"],
                                                                    ("train_iters",)),

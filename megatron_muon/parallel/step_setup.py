@@ -92,7 +92,7 @@ class SetupReport:
 def prepare(steps: Sequence[PlannedStep], *, timeout: timedelta | None = None, existing: Sequence = ()) -> SetupReport:
     """Steps 1-4 of the module docstring for this rank's optimizers; raises ``ValueError`` (one line)
     when a DP or TP group's ranks planned different steps. ``timeout``: the new groups' (Megatron's
-    ``--distributed-timeout-minutes``; None: torch's default); ``existing``: groups a team may reuse."""
+    ``--distributed-timeout-minutes``; None: the team's DP group's); ``existing``: groups a team may reuse."""
     start = time.perf_counter()
     cuda = [s.groups.device for s in steps if s.groups.device is not None and s.groups.device.type == "cuda"]
     before = _memory(cuda[0]) if cuda else None

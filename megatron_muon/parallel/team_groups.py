@@ -11,7 +11,7 @@ rank that skips a team because its own plan has none (another pipeline stage, an
 
 ``make_team_groups`` therefore asks every rank, in one all-gather over the default group, which
 team it needs, and makes the union of them on every rank, sorted by global ranks, with the timeout
-and the NCCL options given (those of the team's DP group where torch exposes them). A team whose
+given (Megatron's; else its DP group's) and its DP group's NCCL options where torch exposes them. A team whose
 members are already a group (the whole DP group, or one of Megatron's groups the caller lists)
 reuses that group when every member of it says so; otherwise it is made, and every member uses
 the made one. Made groups are kept per default group (``made_groups``) and reused by later calls,
@@ -92,8 +92,9 @@ def make_team_groups(requests: Sequence[TeamRequest], *, timeout: timedelta | No
         wanted = _everyones(requests, reuse)
     parents = {r.ranks: r.parent if r.parent is not None else dist.group.WORLD for r in requests}
     for ranks in sorted(wanted - set(made)):  # one order on every rank: every rank calls for every team
-        made[ranks] = dist.new_group(list(ranks), timeout=timeout, pg_options=_options(parents.get(ranks)),
-                                     group_desc="megatron_muon_dp_team")
+        options, parent_timeout = _parent_settings(parents.get(ranks))
+        made[ranks] = dist.new_group(list(ranks), timeout=timeout if timeout is not None else parent_timeout,
+                                     pg_options=options, group_desc="megatron_muon_dp_team")
     # a team made for anyone is used by all its members, even one that could have reused a group
     return [made.get(r.ranks, same) for r, same in zip(requests, reuse)]
 
@@ -143,14 +144,16 @@ def _everyones(requests: Sequence[TeamRequest], reuse: Sequence) -> set[tuple[in
     return wanted
 
 
-def _options(parent):
-    """A copy of the NCCL options of ``parent`` (the team's DP group: Megatron's per-group
-    settings, such as its CTA limits), as ``split_group`` copies its parent's; None where torch
-    exposes none (gloo, the fake backend, a rank outside the team)."""
-    if parent is None or "nccl" not in str(dist.get_backend(parent)):
-        return None
+def _parent_settings(parent) -> tuple:
+    """(a copy of ``parent``'s NCCL options, its timeout) for a team cut from it (Megatron's DP
+    group: its per-group NCCL settings, such as CTA limits, copied as ``split_group`` copies its
+    parent's; its timeout, for a caller that gives none). (None, None) where torch exposes neither
+    (the fake backend, a rank outside the team); no options but the timeout on gloo."""
+    if parent is None:
+        return None, None
     try:
         options = parent._get_backend(group_device(parent)).options
-    except (RuntimeError, AttributeError):
-        return None
-    return copy.deepcopy(options)
+    except (RuntimeError, AttributeError, ValueError):
+        return None, None
+    timeout = getattr(options, "_timeout", None)
+    return (copy.deepcopy(options) if "nccl" in str(dist.get_backend(parent)) else None), timeout

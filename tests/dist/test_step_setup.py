@@ -6,8 +6,9 @@ group of 4 whose hardware puts 2 ranks on a node, so its plan gives units to two
 DP group (reused, no new group). ``torch.distributed.new_group`` and ``split_group`` are spied on
 while the optimizer is built and while it steps: every group is made at construction, by every
 rank (stage B's ranks too, whose plan needs neither of A's teams), in the same order, never with
-``use_local_synchronization``, and nothing is made in a step. The collectives a step issues on
-each group are all of kinds the construction already issued there (the warm-up).
+``use_local_synchronization``, with the DP group's timeout, and nothing is made in a step. The
+collectives a step issues on each group are all of kinds the construction already issued there
+(the warm-up).
 
 Two DP ranks handed different hardware constants are refused at construction, on both ranks, in
 the one line of docs/bad_inputs.md's ``api-plan-mismatch`` row; ``broadcast_hardware`` gives every
@@ -17,6 +18,7 @@ rank rank 0's constants.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 
 import pytest
@@ -39,6 +41,7 @@ TEAM_HARDWARE = dataclasses.replace(CPU_GLOO, name="compute-bound", matmul_flops
 STAGES = {"A": ((0, 1, 2, 3), [("tall", (48, 12)), ("wide", (12, 60)), ("small", (6, 10))]),
           "B": ((4, 5), [("wide", (12, 48)), ("tall", (36, 12))])}
 CONFIG = dict(tp_mode="auto", fp32_matmul_prec="highest", coefficient_type="jordan")
+DP_TIMEOUT = datetime.timedelta(minutes=7)  # not torch's default: a team inherits its DP group's
 
 
 def _layouts(shapes, dp: int) -> list[MatrixLayout]:
@@ -75,7 +78,7 @@ def _kind(primitive: str) -> str:
 def _spy_worker(rank: int, world: int, hardware_json: str) -> dict:
     stage = "A" if rank < 4 else "B"
     members, shapes = STAGES[stage]
-    dp_groups = {name: dist.new_group(list(m)) for name, (m, _) in STAGES.items()}
+    dp_groups = {name: dist.new_group(list(m), timeout=DP_TIMEOUT) for name, (m, _) in STAGES.items()}
     tp_groups = [dist.new_group([r]) for r in range(world)]  # TP 1
     calls, phase, seen = [], ["construction"], {"construction": set(), "step": set()}
     originals = {name: getattr(dist, name) for name in ("new_group", "split_group")}
@@ -84,7 +87,7 @@ def _spy_worker(rank: int, world: int, hardware_json: str) -> dict:
         def call(*args, **kwargs):
             ranks = kwargs.get("ranks", kwargs.get("split_ranks", args[0] if args else None))
             calls.append((phase[0], name, sorted(ranks) if ranks is not None else None,
-                          bool(kwargs.get("use_local_synchronization", False))))
+                          bool(kwargs.get("use_local_synchronization", False)), kwargs.get("timeout")))
             return originals[name](*args, **kwargs)
         return call
 
@@ -126,12 +129,14 @@ def test_every_group_is_made_at_construction_by_every_rank_in_one_order(spied):
     assert ranks[4]["team_size"] == ranks[4]["dp_size"] == 2 and ranks[4]["teamed"] > 0, ranks[4]
     for rank, r in enumerate(ranks):
         assert all(when == "construction" for when, *_ in r["calls"]), (rank, r["calls"])
-        assert not any(local for *_, local in r["calls"]), (rank, r["calls"])
+        assert not any(local for _, _, _, local, _ in r["calls"]), (rank, r["calls"])
     # the same calls in the same order on every rank, B's included: A's two teams, B's reused
-    made = [(name, members) for _, name, members, _ in ranks[0]["calls"]]
+    made = [(name, members) for _, name, members, _, _ in ranks[0]["calls"]]
     assert made == [("new_group", [0, 1]), ("new_group", [2, 3])], made
     for rank, r in enumerate(ranks):
-        assert [(name, members) for _, name, members, _ in r["calls"]] == made, rank
+        assert [(name, members) for _, name, members, _, _ in r["calls"]] == made, rank
+        # a member makes its team with its DP group's timeout (the factory passes Megatron's)
+        assert all(timeout == DP_TIMEOUT for _, _, members, _, timeout in r["calls"] if rank in members), rank
 
 
 def test_each_collective_of_a_step_was_warmed_up_at_construction(spied):

@@ -168,6 +168,11 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "float32 matmul precision (upstream's low silently runs at whatever precision is already set)."
     )
 
+    _action(parser, "--muon-num-ns-steps").help = (
+        f"Newton-Schulz steps per Muon update, 1 to {MAX_NS_STEPS} (published recipes run 5 to 10). Default "
+        f"{_default('num_ns_steps')}."
+    )
+
     _action(parser, "--muon-momentum").help = (
         f"Muon momentum (EMA of the gradient). Default {_default('momentum')} (MuonConfig.momentum says "
         "how it differs from megatron-core's CLI)."

@@ -36,7 +36,6 @@ across ranks and warmed the groups up), or else on the first call of the pure AP
 makes a plan's team group itself (``team_groups.make_team_groups``: a collective over the default
 group, so every rank of the job must make the call) and checks the TP list across the TP group.
 
-
 Pure torch + torch.distributed; no Megatron import.
 """
 

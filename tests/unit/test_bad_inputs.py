@@ -91,7 +91,7 @@ FLAG_ROWS = [r for r, row in rows().items() if row["kind"] == "flags"]
 def _flag_setup(row_id: str, tmp: Path) -> None:
     if row_id == "load-no-tracker":
         (tmp / "ckpt" / "iter_0000100").mkdir(parents=True)
-    if row_id in ("save-file", "save-under-file"):
+    if row_id in ("save-file", "save-under-file", "save-file-short-run"):
         (tmp / "file").write_text("not a directory")
     if row_id == "train-iters-below-load":  # check_resume refuses before anything reads the directory
         (tmp / "ckpt" / "iter_0000100").mkdir(parents=True)

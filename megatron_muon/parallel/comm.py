@@ -5,7 +5,9 @@ Every collective in megatron_muon goes through the wrappers below, so that
 
 Byte convention (per calling rank, what leaves this rank over the network):
     all_to_all      the chunks addressed to *other* ranks (the chunk to self is a local copy);
-    all_gather      its own input × (t − 1), the copies every other rank receives;
+    all_gather      its own input × (t − 1), the copies every other rank receives (the list
+                    form and ``all_gather_into_tensor`` alike: the same bytes leave the rank);
+    broadcast       the tensor's bytes, on the source only (one copy leaves it);
     all_reduce      2(t − 1)/t × the tensor's bytes, the ring algorithm's send volume.
 Calls are counted per primitive; NS FLOPs run by the package on this rank are counted too, so a
 benchmark can report compute balance next to traffic. An asynchronous collective is counted (and
@@ -33,6 +35,7 @@ __all__ = [
     "Collective",
     "Pending",
     "all_gather",
+    "all_gather_into_tensor",
     "all_reduce",
     "all_to_all_single",
     "all_to_all_single_async",
@@ -176,6 +179,32 @@ def all_gather(outputs: list[torch.Tensor], tensor: torch.Tensor, group=None, *,
         outputs[0].copy_(tensor)
         return
     dist.all_gather(outputs, tensor, group=group)
+
+
+def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=None, *,
+                           tag: str = "all_gather") -> None:
+    """``dist.all_gather_into_tensor``: every rank's ``tensor`` into one contiguous ``output`` of
+    t × its elements, rank r's at ``output.view(t, *tensor.shape)[r]``; the same accounting as
+    ``all_gather`` (and the same ``tag`` in the counts). NCCL writes the pieces straight into
+    ``output``, where the list form copies them through a hidden flat buffer of that size.
+
+    Observers see the t pieces as views of ``output``, each shaped like ``tensor``, as they see
+    the list form's outputs.
+    """
+    t = group_size(group)
+    if not output.is_contiguous() or output.numel() != t * tensor.numel():
+        raise ValueError(f"all_gather_into_tensor: output of {output.numel()} elements "
+                         f"({'contiguous' if output.is_contiguous() else 'not contiguous'}) for {t} ranks' "
+                         f"{tuple(tensor.shape)}; expected a contiguous {t} × {tensor.numel()}")
+    _record(tag, _nbytes(tensor) * (t - 1))
+    if _OBSERVERS:
+        _observe(tag, group, (tensor,), tuple(output.view(t, *tensor.shape).unbind(0)))
+    if t == 1:
+        output.view_as(tensor).copy_(tensor)
+        return
+    # gloo wants the output's first dim to be t × the input's; NCCL only the element count
+    dist.all_gather_into_tensor(output.view(t * tensor.shape[0], *tensor.shape[1:]) if tensor.ndim else output,
+                                tensor.contiguous(), group=group)
 
 
 def all_reduce(tensor: torch.Tensor, group=None) -> None:

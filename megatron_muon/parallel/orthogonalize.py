@@ -393,7 +393,8 @@ class _Execution:
             # a team's blocks: the distributed mode over the team, as a TP group runs it on shards
             group, mode = (self.team_group, "distributed") if mode == "team" else (self.tp_group, mode)
             results = run_blocking_mode(mode, [subs[p] for p in positions], [self.work.subs[p] for p in positions],
-                                        group, self.ns, self.bucket_bytes, self.block_grid)
+                                        group, self.ns, self.bucket_bytes, self.block_grid,
+                                        [self.work.tp_owners[p] for p in positions])
             done.update(zip(positions, results))
         return done
 

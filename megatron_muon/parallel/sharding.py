@@ -27,8 +27,13 @@ def group_by(items: Sequence, key) -> dict[Hashable, list]:
 
 
 def join_shards(shards: torch.Tensor, partition_dim: int) -> torch.Tensor:
-    """``(t, B, m, n)`` stacked shards → ``(B, M, N)`` full matrices (concat along partition_dim)."""
-    return torch.cat(list(shards.unbind(0)), dim=partition_dim + 1)
+    """``(t, B, m, n)`` stacked shards (rank-major, as an all-gather into one tensor lays them out)
+    → ``(B, M, N)`` full matrices, the t shards of each side by side along ``partition_dim``. A
+    view where the memory already is in that order (one matrix split by rows), else one copy."""
+    t, n, rows, cols = shards.shape
+    if partition_dim == 0:
+        return shards.transpose(0, 1).reshape(n, t * rows, cols)
+    return shards.permute(1, 2, 0, 3).reshape(n, rows, t * cols)
 
 
 def split_full(full: torch.Tensor, partition_dim: int, group_size: int, rank: int) -> torch.Tensor:

@@ -36,6 +36,8 @@ costs more compute than duplicated.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from ..core.block_grid import block_shape, join_blocks, split_blocks
@@ -55,75 +57,124 @@ from ..core.newton_schulz import (
     sharded_runs_gram,
     splits_gram,
 )
+from ..plan.cost_model import DISTRIBUTED_SUM_BYTES
 from ..plan.exchange import split_rounds
 from ..plan.step_plan import TP_MODES
 from . import comm
 from .sharding import group_by, join_shards, split_full
 
-__all__ = ["check_local_shards", "run_blocking_mode", "validate_across_ranks"]
+__all__ = ["REDUCE_DTYPE", "check_local_shards", "run_blocking_mode", "validate_across_ranks"]
+
+REDUCE_DTYPE = torch.float32
+"""the dtype of every all-reduce of the distributed mode (the Grams, the scale, the norm), whatever
+the NS dtype: k² elements are small next to the shards, and a half-precision ring would round each
+hop's partial sum where the one-device NS accumulates its Gram in fp32 (tests/dist/test_gram_sum_precision.py
+measures the difference). The plan prices them at ``DISTRIBUTED_SUM_BYTES`` per element."""
+assert REDUCE_DTYPE.itemsize == DISTRIBUTED_SUM_BYTES
 
 
 # ---- the blocking modes -------------------------------------------------------------------
 
 
 def run_blocking_mode(mode: str, shards: list[torch.Tensor], subs: list[MatrixLayout], group, ns: NSOptions,
-                      bucket_bytes: int, grid: tuple[int, int] = (1, 1)) -> list[torch.Tensor]:
+                      bucket_bytes: int, grid: tuple[int, int] = (1, 1),
+                      owners: Sequence[int | None] | None = None) -> list[torch.Tensor]:
     """NS of ``shards`` (same order as ``subs``) in a mode's own blocking implementation: every
     mode but the pipelined owner exchange. ``owner`` here is the one-rank case (TP 1), where every
     exact mode is NS of the whole matrix on its rank. ``grid``: blockwise only, each local matrix
-    orthogonalized as R x C blocks (``core.block_grid``; the plan checked that they divide)."""
+    orthogonalized as R x C blocks (``core.block_grid``; the plan checked that they divide).
+    ``owners``: per shard, the TP rank that computes it where it is replicated (the plan's
+    ``OwnerWork.tp_owners``; needed by duplicated and distributed on a group of two or more)."""
     if mode == "blockwise":
         return _local(shards, subs, ns, grid)
     if comm.group_size(group) == 1:
         return _local(shards, subs, ns)
+    out: list[torch.Tensor | None] = [None] * len(shards)
+    # Replicated matrices first: each computed on its owner, its result broadcast while the
+    # sharded ones run (identical bits on every rank, whatever kernels each rank's GEMMs pick).
+    replicated = [k for k, sub in enumerate(subs) if not sub.is_sharded]
+    pending = _replicated(out, shards, replicated, owners, group, ns) if replicated else []
+    sharded = [k for k, sub in enumerate(subs) if sub.is_sharded]
     if mode == "distributed":  # its own products, outside NSOptions.__call__: the precision set here
         with ns.matmul_precision():
-            return _distributed(shards, subs, group, ns, bucket_bytes)
-    return _duplicated(shards, subs, group, ns, bucket_bytes)
+            _distributed(out, shards, subs, sharded, group, ns)
+    else:
+        _duplicated(out, shards, subs, sharded, group, ns, bucket_bytes)
+    for p in pending:
+        p.wait()
+    return out
 
 
 def _local(shards, subs, ns: NSOptions, grid: tuple[int, int] = (1, 1)) -> list[torch.Tensor]:
     """NS of what each rank holds, batched by shape and dtype (blockwise, in ``grid``'s blocks;
-    replicated matrices)."""
+    every matrix on a group of one)."""
     out: list[torch.Tensor | None] = [None] * len(shards)
     for positions in group_by(range(len(shards)), lambda k: (subs[k].local_shape, shards[k].dtype)).values():
         _ns_into(out, shards, positions, subs[positions[0]].local_shape, ns, grid)
     return out
 
 
-def _duplicated(shards, subs, group, ns: NSOptions, bucket_bytes: int) -> list[torch.Tensor]:
+def _replicated(out, shards, members: list[int], owners, group, ns: NSOptions) -> list[comm.Pending]:
+    """Replicated matrices (every rank holds the whole matrix): each owner runs NS of its own, as
+    batches by shape, into one flat buffer per (owner, dtype), broadcast from the owner; ``out``
+    gets views of the buffers. Every rank walks the owners in rank order, so the broadcasts line
+    up; the owner computes before it issues its own broadcast, the others' are already posted."""
+    if owners is None or any(owners[k] is None for k in members):
+        raise ValueError("run_blocking_mode: a replicated matrix needs its TP owner (the plan's tp_owners)")
+    rank = comm.group_rank(group)
+    pending = []
+    for (owner, dtype), mine in sorted(group_by(members, lambda k: (owners[k], shards[k].dtype)).items(),
+                                       key=lambda item: (item[0][0], _dtype_code(item[0][1]))):
+        flat = torch.empty(sum(shards[k].numel() for k in mine), dtype=dtype, device=shards[mine[0]].device)
+        views = dict(zip(mine, flat.split([shards[k].numel() for k in mine])))
+        if owner == rank:
+            results: list[torch.Tensor | None] = [None] * len(shards)
+            for positions in group_by(mine, lambda k: tuple(shards[k].shape)).values():
+                _ns_into(results, shards, positions, tuple(shards[positions[0]].shape), ns)
+                for k in positions:
+                    views[k].view_as(shards[k]).copy_(results[k])
+                    results[k] = None
+        pending.append(comm.broadcast_async(flat, owner, group))
+        for k in mine:
+            out[k] = views[k].view_as(shards[k])
+    return pending
+
+
+def _duplicated(out, shards, subs, members: list[int], group, ns: NSOptions, bucket_bytes: int) -> None:
+    """Sharded matrices: all-gathered into one flat buffer per batch of same-shape matrices (at most
+    ``bucket_bytes`` of full matrices), joined, NS on every rank, this rank's slice kept.
+
+    Live full-batch copies (F): the gathered buffer (the collective writes it in place: no hidden
+    flat buffer, as the list form has on NCCL and gloo), the joined matrices (a copy, except one
+    row-split matrix, whose gathered rows already are the full matrix), freed before NS runs;
+    NS then holds its input and about two iterates (``newton_schulz``): 3F at the peak."""
     size, rank = comm.group_size(group), comm.group_rank(group)
-    out: list[torch.Tensor | None] = [None] * len(shards)
-    key = lambda k: (subs[k].local_shape, subs[k].partition_dim if subs[k].is_sharded else None, shards[k].dtype)
-    for (shape, pdim, _), members in group_by(range(len(shards)), key).items():
-        if pdim is None:  # every rank holds the whole matrix: NS locally, no traffic
-            _ns_into(out, shards, members, shape, ns)
-            continue
-        full = subs[members[0]].full_shape
-        full_bytes = [full[0] * full[1] * shards[k].element_size() for k in members]
+    key = lambda k: (subs[k].local_shape, subs[k].partition_dim, shards[k].dtype)
+    for (shape, pdim, _), batch_members in group_by(members, key).items():
+        full = subs[batch_members[0]].full_shape
+        full_bytes = [full[0] * full[1] * shards[k].element_size() for k in batch_members]
         for chunk in split_rounds(full_bytes, bucket_bytes):
-            batch = [members[j] for j in chunk]
+            batch = [batch_members[j] for j in chunk]
             local = torch.stack([shards[k] for k in batch])
-            gathered = [torch.empty_like(local) for _ in range(size)]
-            comm.all_gather(gathered, local, group)
-            joined = join_shards(torch.stack(gathered), pdim)
+            gathered = local.new_empty((size * len(batch), *shape))  # rank-major: rank r's stack at [r·n, (r+1)·n)
+            comm.all_gather_into_tensor(gathered, local, group)
+            del local
+            joined = join_shards(gathered.view(size, len(batch), *shape), pdim)
+            del gathered
             comm.record_ns_flops(len(batch) * ns.flops(*full))
-            mine = split_full(ns(joined), pdim, size, rank)
-            for k, piece in zip(batch, mine.unbind(0)):
+            result = ns(joined)
+            del joined
+            for k, piece in zip(batch, split_full(result, pdim, size, rank).unbind(0)):
                 out[k] = piece.contiguous()
-    return out
+            del result
 
 
-def _distributed(shards, subs, group, ns: NSOptions, bucket_bytes: int) -> list[torch.Tensor]:
+def _distributed(out, shards, subs, members: list[int], group, ns: NSOptions) -> None:
     size = comm.group_size(group)
-    out: list[torch.Tensor | None] = [None] * len(shards)
     schedule = coefficient_schedule(ns.coefficients, ns.steps)
-    key = lambda k: (subs[k].local_shape, subs[k].partition_dim if subs[k].is_sharded else None, shards[k].dtype)
-    for (shape, pdim, _), members in group_by(range(len(shards)), key).items():
-        if pdim is None:
-            _ns_into(out, shards, members, shape, ns)
-            continue
-        X = torch.stack([shards[k] for k in members])
+    key = lambda k: (subs[k].local_shape, subs[k].partition_dim, shards[k].dtype)
+    for (_, pdim, _), batch in group_by(members, key).items():
+        X = torch.stack([shards[k] for k in batch])
         # Orient so rows span the unsharded dim k: then X·Xᵀ (k × k) summed over ranks is the
         # full Gram, and X ← aX + B·X acts on each rank's columns independently. Row shards
         # (pdim 0) therefore run on the transpose; NS(Mᵀ)ᵀ = NS(M) since the iteration is odd.
@@ -133,30 +184,34 @@ def _distributed(shards, subs, group, ns: NSOptions, bucket_bytes: int) -> list[
         k, local_cols = X.shape[-2], X.shape[-1]
         if sharded_runs_gram(ns.method, k, local_cols, size):
             X = _distributed_gram(X, group, size, ns, schedule)
-            comm.record_ns_flops(len(members) * sharded_gram_flops(k, local_cols, ns.steps, ns.restarts))
-            if pdim == 0:
-                X = X.mT
-            for m, piece in zip(members, X.unbind(0)):
-                out[m] = piece.contiguous()
-            continue
-        X = _normalize_distributed(X, group, size, ns.eps)
-        # The product form is decided on shapes alone (``splits_gram``), so every rank picks the same
-        # and issues the same collectives: B's rows split over the group and all-gathered where the
-        # shards together are wider than k, else A·(A·X) (the shard is then narrower than k).
-        split = splits_gram(k, local_cols, size)
-        for a, b, c in schedule:
-            A = X @ X.mT
-            comm.all_reduce(A, group)
-            if split:
-                X = torch.baddbmm(X, _gathered_quintic(A, group, size, b, c), X, beta=a)
-            else:
-                X = quintic_iteration(X, A, a, b, c)
-        comm.record_ns_flops(len(members) * sharded_ns_flops(k, local_cols, ns.steps, size))
+            comm.record_ns_flops(len(batch) * sharded_gram_flops(k, local_cols, ns.steps, ns.restarts))
+        else:
+            X = _normalize_distributed(X, group, size, ns.eps)
+            # The product form is decided on shapes alone (``splits_gram``), so every rank picks the
+            # same and issues the same collectives: B's rows split over the group and all-gathered
+            # where the shards together are wider than k, else A·(A·X) (the shard is then narrower
+            # than k).
+            split = splits_gram(k, local_cols, size)
+            for a, b, c in schedule:
+                A = _summed_gram(X, group)
+                if split:
+                    X = torch.baddbmm(X, _gathered_quintic(A, group, size, b, c), X, beta=a)
+                else:
+                    X = quintic_iteration(X, A, a, b, c)
+            comm.record_ns_flops(len(batch) * sharded_ns_flops(k, local_cols, ns.steps, size))
         if pdim == 0:
             X = X.mT
-        for m, piece in zip(members, X.unbind(0)):
+        for m, piece in zip(batch, X.unbind(0)):
             out[m] = piece.contiguous()
-    return out
+
+
+def _summed_gram(X: torch.Tensor, group, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The whole matrix's Gram, Σ over ``group`` of X·Xᵀ, in ``dtype`` (None: ``X``'s): each rank's
+    product rounded once in X's dtype (as the one-device NS rounds its Gram), summed in fp32
+    (``REDUCE_DTYPE``; a half-precision ring would round every hop's partial sum)."""
+    G = (X @ X.mT).to(REDUCE_DTYPE)
+    comm.all_reduce(G, group)
+    return G.to(dtype or X.dtype)
 
 
 def _distributed_gram(X: torch.Tensor, group, size: int, ns: NSOptions, schedule) -> torch.Tensor:
@@ -166,21 +221,20 @@ def _distributed_gram(X: torch.Tensor, group, size: int, ns: NSOptions, schedule
     rank runs the k × k iteration on the same summed R, so every rank's Q is the same and Q·X acts
     on its own columns. The norm comes from the first Gram's trace (‖X‖_F² = tr X·Xᵀ), so besides
     the overflow-safe scale's scalar all-reduce (``_normalize_distributed``) nothing else moves.
-    With ``ns.gram_dtype`` everything after the normalization (the iteration, the later Grams and
-    their all-reduces, Q·X) runs in it; the first Gram is formed and summed in ``X``'s dtype,
-    because before the norm is known its entries are not bounded by 1."""
+    With ``ns.gram_dtype`` everything after the normalization (the iteration, the later Grams,
+    Q·X) runs in it; every Gram is summed in fp32 (``_summed_gram``), the first one kept in fp32
+    until the norm has been divided out, because before that its entries are not bounded by 1."""
     dtype = X.dtype
-    share = max_abs(X).reshape(X.shape[0]) / size
-    comm.all_reduce(share, group)
-    scale = power_of_two_floor(share)[:, None, None]
+    scale = _shared_scale(X, group, size)
     X = X / scale
     for i, block in enumerate(gram_blocks(schedule, ns.restarts)):
-        R = X @ X.mT
-        comm.all_reduce(R, group)
         if i == 0:
-            norm = R.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None].sqrt().clamp(min=ns.eps / scale)
+            R = _summed_gram(X, group, REDUCE_DTYPE)
+            norm = R.diagonal(dim1=-2, dim2=-1).sum(-1)[:, None, None].sqrt().clamp(min=ns.eps / scale.to(REDUCE_DTYPE))
             X = X.div_(norm).to(ns.gram_dtype or dtype)
             R = R.div_(norm * norm).to(X.dtype)
+        else:
+            R = _summed_gram(X, group)
         X = gram_iteration(R, block) @ X
     return X.to(dtype)
 
@@ -195,29 +249,34 @@ def _gathered_quintic(A: torch.Tensor, group, size: int, b: float, c: float) -> 
     stop = min(k, start + block)
     mine = A.new_zeros(n, block, k)
     mine[:, : stop - start] = quintic_block(A, start, stop, b, c)
-    parts = [torch.empty_like(mine) for _ in range(size)]
-    comm.all_gather(parts, mine, group)
-    return torch.cat(parts, dim=1)[:, :k]
+    parts = A.new_empty(size * n, block, k)
+    comm.all_gather_into_tensor(parts, mine, group)
+    return parts.view(size, n, block, k).transpose(0, 1).reshape(n, size * block, k)[:, :k]
+
+
+def _shared_scale(X: torch.Tensor, group, size: int) -> torch.Tensor:
+    """One power of two per matrix of the stack near its largest entry, the same on every rank.
+
+    As in ``newton_schulz``, every rank first divides by it, so that the squares cannot overflow
+    (entries past ~1e19 in fp32/bf16 would make the norm inf and the update a silent zero). It
+    comes from the sum over ranks of max|shard| / size, which lies in [max/size, max] and cannot
+    overflow (comm's all-reduce sums; a MAX would need another primitive), summed in fp32 like
+    every all-reduce of this mode. All-reduce results are identical on every rank, hence so is the
+    power; in X's dtype (every power of two of an fp32 max fits bf16; fp16's max is below 2¹⁶)."""
+    share = max_abs(X).reshape(X.shape[0]).to(REDUCE_DTYPE) / size
+    comm.all_reduce(share, group)
+    return power_of_two_floor(share).to(X.dtype)[:, None, None]
 
 
 def _normalize_distributed(X: torch.Tensor, group, size: int, eps: float) -> torch.Tensor:
-    """X / max(‖full matrix‖_F, eps) for a stack of column shards, summed over ``group``.
-
-    As in ``newton_schulz``, every rank first divides by one power of two near the largest
-    entry, so that the squares cannot overflow (entries past ~1e19 in fp32/bf16 would make the
-    norm inf and the update a silent zero). The power must be the same on every rank, so it
-    comes from the sum over ranks of max|shard| / size, which lies in [max/size, max] and
-    cannot overflow (comm's all-reduce sums; a MAX would need another primitive). All-reduce
-    results are identical on every rank, hence so is the power. (Empty matrices never get
-    here: the plan leaves them out.)
-    """
-    share = max_abs(X).reshape(X.shape[0]) / size
-    comm.all_reduce(share, group)
-    scale = power_of_two_floor(share)[:, None, None]
+    """X / max(‖full matrix‖_F, eps) for a stack of column shards, summed over ``group``: scaled
+    first by ``_shared_scale``, the squares summed in fp32. (Empty matrices never get here: the
+    plan leaves them out.)"""
+    scale = _shared_scale(X, group, size)
     X = X / scale
-    sq_norms = (X * X).sum(dim=(-2, -1), keepdim=True)
+    sq_norms = (X * X).sum(dim=(-2, -1), keepdim=True, dtype=REDUCE_DTYPE)
     comm.all_reduce(sq_norms, group)
-    return X.div_(sq_norms.sqrt().clamp(min=eps / scale))
+    return X.div_(sq_norms.sqrt().clamp(min=eps / scale.to(REDUCE_DTYPE)))
 
 
 def _ns_into(out, shards, positions, shape: tuple[int, int], ns: NSOptions,
@@ -323,15 +382,15 @@ def validate_across_ranks(specs, mode, steps, size, group, device, hardware=None
     # different modes and their collectives would not line up: compare a checksum of them too
     header = torch.tensor([len(specs), TP_MODES.index(mode), steps, _hardware_tag(hardware)], dtype=torch.int64,
                           device=device)
-    headers = [torch.empty_like(header) for _ in range(size)]
-    comm.all_gather(headers, header, group, tag="shape_check")
+    headers = header.new_empty(size, header.numel())
+    comm.all_gather_into_tensor(headers, header, group, tag="shape_check")
     if device.type == "meta" or comm.is_fake(group):
         # The dry run (torch's fake group; meta tensors, or real ones in gpu_check's real-step): the
         # gathers are issued, so their devices and sizes are checked, but no value moves (what they
         # return is uninitialized memory); scripts/dry_run.py checks sizes across ranks instead.
         if specs:
             mine = torch.empty(len(specs), 4, dtype=torch.int64, device=device)
-            comm.all_gather([torch.empty_like(mine) for _ in range(size)], mine, group, tag="shape_check")
+            comm.all_gather_into_tensor(mine.new_empty(size, *mine.shape), mine, group, tag="shape_check")
         return
     lengths = [int(h[0]) for h in headers]
     if len(set(lengths)) > 1 or any(not torch.equal(h[1:], header[1:]) for h in headers):
@@ -348,9 +407,8 @@ def validate_across_ranks(specs, mode, steps, size, group, device, hardware=None
         dtype=torch.int64,
         device=device,
     )
-    everyone = [torch.empty_like(mine) for _ in range(size)]
-    comm.all_gather(everyone, mine, group, tag="shape_check")
-    table = torch.stack(everyone)  # (rank, matrix, [rows, cols, pdim, dtype code])
+    table = mine.new_empty(size, *mine.shape)  # (rank, matrix, [rows, cols, pdim, dtype code])
+    comm.all_gather_into_tensor(table, mine, group, tag="shape_check")
     for k, s in enumerate(specs):
         rows = table[:, k, :]
         if not bool((rows[:, :3] == rows[0, :3]).all()):

@@ -11,9 +11,9 @@ each unit and, per sub-matrix, whether it runs narrow (``owner``: on one TP rank
 seconds. ``choose_tp_modes`` is its one-TP-group case, for a call without DP
 (``orthogonalize_sharded``, the benchmarks).
 
-A replicated matrix (partition_dim None, or any matrix when tp = 1) has no distributed form: its
-candidates are duplicated (every rank computes it locally, no traffic) and owner (one rank
-computes it and sends the result to the others).
+A replicated matrix (partition_dim None, or any matrix when tp = 1) has no distributed form. At
+tp > 1 it runs on one TP rank, in duplicated mode (its result broadcast from there), never on every
+rank: the copies must stay bitwise equal, and each rank's GEMMs may pick other kernels.
 
 ``hardware_profile`` turns ``--muon-auto-hardware`` into the ``Hardware`` constants the model uses.
 """

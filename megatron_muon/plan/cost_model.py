@@ -39,13 +39,17 @@ from ..core.newton_schulz import (
 from . import exchange
 from .owners import plan_owners, rank_loads
 
-__all__ = ["GPU_PROFILES", "Cost", "Hardware", "collective_cost", "collective_time", "distributed_cost", "memory_time",
-           "ns_time", "split_dim", "tp_mode_cost"]
+__all__ = ["DISTRIBUTED_SUM_BYTES", "GPU_PROFILES", "Cost", "Hardware", "collective_cost", "collective_time",
+           "distributed_cost", "memory_time", "ns_time", "split_dim", "tp_mode_cost"]
 
 # Kernels one batched NS call launches: 3 GEMMs per iteration plus the norm, the divide, the
 # cast and the transpose around the loop.
 _NS_KERNELS_PER_STEP = 3
 _NS_KERNELS_FIXED = 4
+
+DISTRIBUTED_SUM_BYTES = 4
+"""bytes per element of the distributed mode's all-reduces (its Grams, scale and norm): they run
+in fp32 whatever the NS dtype (``parallel.tp_modes.REDUCE_DTYPE``); B's row gathers stay in it."""
 
 
 @dataclass(frozen=True)
@@ -171,8 +175,9 @@ def collective_time(primitive: str, bytes_sent: float, calls: int, group_size: i
     (``scalars``: each call moves a few numbers, as the distributed mode's norm all-reduces)."""
     if group_size <= 1 or calls == 0:
         return 0.0
+    # a broadcast is a pipelined ring on NCCL, as its all-gather: the all-gather's efficiency
     efficiency = {"all_gather": hw.all_gather_efficiency, "all_reduce": hw.all_reduce_efficiency,
-                  "all_to_all": hw.all_to_all_efficiency}[primitive]
+                  "all_to_all": hw.all_to_all_efficiency, "broadcast": hw.all_gather_efficiency}[primitive]
     latency = hw.collective_latency_s
     if primitive == "all_reduce" and not scalars and hw.all_reduce_step_s is not None:
         latency = 2 * (group_size - 1) * hw.all_reduce_step_s
@@ -221,12 +226,15 @@ def tp_mode_cost(matrices: Sequence[MatrixLayout], mode: str, tp: int, hw: Hardw
     if mode == "owner":
         return _owner_cost(matrices, tp, hw, steps, dtype_bytes, spans_nodes, method)
     cost = Cost()
+    replicated: list[MatrixLayout] = []
     for (rows, cols, pdim), members in groups.items():
         n = len(members)
         calls = 1 if batched else n
         local_rows, local_cols = matrices[members[0]].local_shape
         sharded = pdim is not None and tp > 1
-        if mode == "blockwise" or not sharded:
+        if mode in ("duplicated", "distributed") and tp > 1 and not sharded:
+            replicated += [matrices[i] for i in members]
+        elif mode == "blockwise" or not sharded:
             flops = (n * method_flops(method, local_rows, local_cols, steps) if mode == "blockwise"
                      else n * method_flops(method, rows, cols, steps))
             cost += _compute(flops, calls, hw, steps)
@@ -243,7 +251,32 @@ def tp_mode_cost(matrices: Sequence[MatrixLayout], mode: str, tp: int, hw: Hardw
         else:
             raise ValueError(f"tp_mode_cost: unknown mode {mode!r}; expected duplicated, distributed, "
                              f"blockwise or owner")
+    if replicated:
+        cost += _replicated_cost(replicated, tp, hw, steps, dtype_bytes, spans_nodes, method, batched)
     return cost
+
+
+def _replicated_cost(matrices: Sequence[MatrixLayout], tp: int, hw: Hardware, steps: int, dtype_bytes: int,
+                     spans_nodes, method: str, batched: bool) -> Cost:
+    """Replicated matrices in the duplicated and distributed modes: each computed on one TP rank
+    (the plan's LPT over them, ``plan_owners``) and broadcast from it, one broadcast per owner
+    (per matrix unbatched). The busiest rank computes its load; every rank takes part in every
+    broadcast (a ring forwards each result through all of them), while only the source counts the
+    bytes (``comm.py``)."""
+    costs = [method_flops(method, *m.full_shape, steps) for m in matrices]
+    owners = plan_owners(costs, tp)
+    loads = rank_loads(costs, owners, tp)
+    sent = [0.0] * tp
+    batches: list[set] = [set() for _ in range(tp)]
+    for m, owner in zip(matrices, owners):
+        sent[owner] += m.numel * dtype_bytes
+        batches[owner].add(m.full_shape)
+    busiest = max(range(tp), key=lambda r: ns_time(loads[r], len(batches[r]), hw, steps))
+    calls = sum(1 for b in sent if b) if batched else len(matrices)
+    cost = _compute(loads[busiest], len(batches[busiest]) if batched else owners.count(busiest), hw, steps)
+    cast = collective_cost("broadcast", sum(sent), calls, tp, hw, spans_nodes)
+    cast.bytes_sent_max = max(sent)
+    return cost + cast
 
 
 def distributed_cost(k: int, cols: int, tp: int, hw: Hardware, *, n: int = 1, calls: int = 1, steps: int = 5,
@@ -251,8 +284,9 @@ def distributed_cost(k: int, cols: int, tp: int, hw: Hardware, *, n: int = 1, ca
     """The distributed mode on ``n`` same-shape matrices in ``calls`` batched calls, each rank
     holding a ``k × cols`` column shard whose Gram (k × k) spans the whole matrix: its share of
     NS, the Gram all-reduces and, where B's rows are split, their all-gathers (the Gram form of
-    ``method="gram"``: one Gram per restart block and one scalar, the k × k iteration whole)."""
-    ring = 2 * (tp - 1) / tp * n * dtype_bytes
+    ``method="gram"``: one Gram per restart block and one scalar, the k × k iteration whole). The
+    all-reduces move fp32 (``DISTRIBUTED_SUM_BYTES``), B's rows ``dtype_bytes``."""
+    ring = 2 * (tp - 1) / tp * n * DISTRIBUTED_SUM_BYTES
     cost = Cost()
     if sharded_runs_gram(method, k, cols, tp):
         grams = len(gram_blocks([None] * steps, DEFAULT_GRAM_RESTARTS))

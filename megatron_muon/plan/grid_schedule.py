@@ -3,7 +3,8 @@
 Pure (no torch.distributed): every rank computes the same schedule from the same shapes.
 
 Each sub-matrix is a *malleable* task on its DP owner's TP group of t ranks. It runs either
-*narrow*, on one rank (``owner`` mode: its shards travel to that rank by the owner exchange), or
+*narrow*, on one rank (``owner`` mode: its shards travel to that rank by the owner exchange; a
+replicated matrix, held whole by every rank, in ``duplicated`` mode, its result broadcast), or
 *wide*, on all t ranks of the group (``distributed``: the Gram all-reduced, B's rows split; or
 ``duplicated``: gathered, every rank runs it; whichever the cost model predicts faster). A unit
 (``units.Unit``: a weight, or fc1's gate or up) goes whole to one DP group, the DP owner exchange
@@ -74,16 +75,20 @@ class _Task:
     narrow_other_s: float
     """on each other rank of the group (sending its shard, receiving the result)."""
     wide_mode: str | None
-    """the faster wide mode; None when it has none (a TP group of one, an empty matrix)."""
+    """the faster wide mode; None when it has none (a TP group of one, an empty matrix, a
+    replicated one)."""
     wide_s: float
     """on every rank of the group, in ``wide_mode``."""
     narrow_move_s: float = 0.0
     """the part of ``narrow_s`` a unit placed on the member that holds it whole does not pay
     (with teams: the rest of the unit gathered from the other members)."""
+    narrow_mode: str = "owner"
+    """the mode it runs in narrow: ``owner`` (the owner exchange), or ``duplicated`` for a
+    replicated matrix (computed on its TP rank, the result broadcast)."""
 
     def free_to_widen(self, tp: int) -> bool:
-        """Wide costs the group no more rank-seconds than narrow (a tall-thin shard's tiny Gram, a
-        small replicated matrix whose result costs more to send than to compute): always wide."""
+        """Wide costs the group no more rank-seconds than narrow (a tall-thin shard's tiny Gram):
+        always wide."""
         return self.wide_mode is not None and tp * self.wide_s <= self.narrow_s + (tp - 1) * self.narrow_other_s
 
 
@@ -161,7 +166,7 @@ def _place(tasks, wide, moves, dp: int, tp: int, pinned, prefer, members) -> Gri
         loads[d], tp_owners[u] = trials[d]
         dp_owners[u] = d
         makespan = max(makespan, max(loads[d]))
-    modes = tuple(tuple(t.wide_mode if w else "owner" for t, w in zip(ts, ws)) for ts, ws in zip(tasks, wide))
+    modes = tuple(tuple(t.wide_mode if w else t.narrow_mode for t, w in zip(ts, ws)) for ts, ws in zip(tasks, wide))
     return GridSchedule(tuple(dp_owners), modes, tuple(tp_owners), makespan, max(max(x) for x in ns_loads))
 
 
@@ -187,9 +192,11 @@ def _task(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: int, metho
     compute = ns_time(method_flops(method, *full, steps), 1, hw, steps)
     if tp == 1 or not sub.numel:
         return _Task(compute, 0.0, None, 0.0)
-    if not sub.is_sharded:  # every rank holds it: the owner sends its result to the others
-        result = full[0] * full[1] * elem
-        return _Task(compute + _bytes_s((tp - 1) * result, tp, hw), _bytes_s(result, tp, hw), "duplicated", compute)
+    if not sub.is_sharded:
+        # Every rank holds it, yet one computes it and broadcasts the result (the others' copies
+        # could differ in their last bits, their GEMMs picking other kernels): narrow only.
+        cast = collective_time("broadcast", full[0] * full[1] * elem, 1, tp, hw)
+        return _Task(compute + cast, cast, None, 0.0, narrow_mode="duplicated")
     shard = sub.numel * elem
     # owner: shards there and back (the latency is the micro-group's, shared by its matrices)
     narrow = compute + _bytes_s(2 * (tp - 1) * shard, tp, hw)

@@ -47,7 +47,7 @@ from ..core.newton_schulz import (
 )
 from ..core.scaling import SCALE_MODES, muon_scale
 from . import exchange
-from .cost_model import Hardware
+from .cost_model import DISTRIBUTED_SUM_BYTES, Hardware
 from .grid_schedule import GridSchedule, schedule_grid
 from .local_blocks import Block, fragment_blocks
 from .owners import dp_pins, plan_owners, plan_unit_owners, unit_pinnable
@@ -109,7 +109,9 @@ class OwnerWork:
     of a unit its DP team runs in the distributed mode (the sub-matrix is then the block, laid
     out as a shard over the team)."""
     tp_owners: tuple[int | None, ...]
-    """per sub-matrix in owner mode, the TP rank that runs its NS; None in the other modes."""
+    """per sub-matrix in owner mode, the TP rank that runs its NS, and so per replicated one in
+    duplicated or distributed mode at TP > 1 (the rank that runs it and broadcasts the result, so
+    that every TP rank holds the same bits); None elsewhere."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -359,11 +361,13 @@ def _owner_work(matrices, owned: list[int], tp_size: int, settings: PlanSettings
         owners = tuple(r for i in owned for r in schedule.tp_owners[i])
         return OwnerWork(tuple(owned), tuple(subs), positions, modes, owners)
     modes = (settings.tp_mode,) * len(subs)
-    # Owner mode plans among its own sub-matrices, over everything this DP owner holds.
-    in_owner = [p for p, m in enumerate(modes) if m == "owner"]
-    chosen = plan_owners([settings.ns.flops(*subs[p].full_shape) for p in in_owner], tp_size)
+    # One TP rank runs each owner-mode sub-matrix, and each replicated one in duplicated and
+    # distributed mode (broadcast from there): LPT over everything this DP owner holds.
+    on_one = [p for p, m in enumerate(modes)
+              if m == "owner" or (m in ("duplicated", "distributed") and tp_size > 1 and not subs[p].is_sharded)]
+    chosen = plan_owners([settings.ns.flops(*subs[p].full_shape) for p in on_one], tp_size)
     tp_owners: list[int | None] = [None] * len(subs)
-    for p, r in zip(in_owner, chosen):
+    for p, r in zip(on_one, chosen):
         tp_owners[p] = r
     return OwnerWork(tuple(owned), tuple(subs), positions, modes, tuple(tp_owners))
 
@@ -442,16 +446,19 @@ def _sub_cost(sub: MatrixLayout, mode: str, owner: int | None, j: int, tp: int, 
     sharded = sub.is_sharded
     if mode == "blockwise":  # NS of what the rank holds, block by block
         return grid[0] * grid[1] * ns.flops(*block_shape(local, grid)), 0
-    if not sharded and mode != "owner":  # NS of what the rank holds
+    if not sharded and mode in ("duplicated", "distributed") and tp > 1:  # on its owner, the result broadcast
+        return (ns.flops(*full), full_n * elem) if j == owner else (0, 0)
+    if not sharded and mode != "owner":  # NS of what the rank holds (a TP group of one)
         return ns.flops(*local), 0
     if mode == "duplicated":
         return ns.flops(*full), (tp - 1) * local_n * elem
-    if mode == "distributed":  # k: the unsharded dim; the scale, the norm and `steps` k×k Grams all-reduced
+    if mode == "distributed":  # k: the unsharded dim; the scale, the norm and `steps` k×k Grams all-reduced in fp32
         k, cols = (local[1], local[0]) if sub.partition_dim == 0 else local
+        summed = DISTRIBUTED_SUM_BYTES
         if sharded_runs_gram(ns.method, k, cols, tp):  # the scale, and one k×k Gram per block
             grams = len(gram_blocks([None] * ns.steps, ns.restarts))
-            return sharded_gram_flops(k, cols, ns.steps, ns.restarts), 2 * (tp - 1) * (grams * k * k + 1) * elem / tp
-        sent = 2 * (tp - 1) * (ns.steps * k * k + 2) * elem / tp
+            return sharded_gram_flops(k, cols, ns.steps, ns.restarts), 2 * (tp - 1) * (grams * k * k + 1) * summed / tp
+        sent = 2 * (tp - 1) * (ns.steps * k * k + 2) * summed / tp
         if splits_gram(k, cols, tp):  # B's row blocks, all-gathered every step
             sent += ns.steps * (tp - 1) * gram_block_rows(k, tp) * k * elem
         return sharded_ns_flops(k, cols, ns.steps, tp), sent

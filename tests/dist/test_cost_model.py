@@ -64,8 +64,11 @@ def test_bytes_and_flops_match_a_real_run(world):
             # one of the real ranks' loads, and the loads must cover every matrix exactly once
             assert predicted.ns_flops_max in flops, mode
             assert sum(flops) == sum(ns_flops(*shape) for shape, _ in SHAPES), mode
-        else:  # symmetric modes: every rank does the same work
+        elif mode == "blockwise":  # symmetric: every rank does the same work
             assert len(set(flops)) == 1 and predicted.ns_flops_max == flops[0], mode
+        else:  # symmetric but for the replicated matrix, which one rank runs (and broadcasts)
+            assert predicted.ns_flops_max == max(flops), mode
+            assert len(set(flops)) == 2 and max(flops) - min(flops) == ns_flops(12, 20), mode
 
 
 def test_owner_beats_duplicated_with_many_matrices_and_not_with_one():

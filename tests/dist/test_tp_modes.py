@@ -381,15 +381,18 @@ def test_duplicated_and_distributed_traffic_and_flops(world):
     cases = matrix_cases(t)
     meta = _shape_check_bytes(t, len(cases)) if t > 1 else 0
     gather = sum(r * c * 4 // t * (t - 1) for _, p, _, (r, c) in cases if p is not None and t > 1)
-    full_flops = sum(ns_flops(*s) for *_, s in cases)
+    sharded_flops = sum(ns_flops(*s) for _, p, _, s in cases if p is not None or t == 1)
     # distributed: per same-shape group (COPIES matrices), two norm all-reduces of COPIES
     # floats (the overflow-safe scale, the squares) and five Gram all-reduces of COPIES × k × k
-    # floats, ring-counted.
+    # floats, ring-counted, all in fp32 (here the NS dtype too).
     ring = lambda nbytes: 2 * (t - 1) * nbytes // t
     dist_bytes = 0
     dist_flops = 0
     for _, pdim, copy, (rows, cols) in cases:
-        if pdim is None or t == 1:
+        if pdim is None:
+            dist_flops += ns_flops(rows, cols) if t == 1 else 0
+            continue
+        if t == 1:
             dist_flops += ns_flops(rows, cols)
             continue
         k, local_cols = (cols, rows // t) if pdim == 0 else (rows, cols // t)
@@ -398,12 +401,35 @@ def test_duplicated_and_distributed_traffic_and_flops(world):
             dist_bytes += 2 * ring(COPIES * 4) + 5 * ring(COPIES * k * k * 4)
             if splits_gram(k, local_cols, t):  # five all-gathers of every rank's padded rows of B
                 dist_bytes += 5 * (t - 1) * COPIES * gram_block_rows(k, t) * k * 4
+    # A replicated matrix (t > 1) runs once in the group, on one rank, which broadcasts its result:
+    # its FLOPs and its bytes on that rank alone, both modes alike.
+    replicated = [s for _, p, _, s in cases if p is None] if t > 1 else []
+    for mode, shared_bytes, shared_flops in (("duplicated", gather, sharded_flops), ("distributed", dist_bytes,
+                                                                                     dist_flops)):
+        casts = [r["stats"][mode]["by_primitive"].get("broadcast", 0) for r in ranks]
+        own_flops = [r["stats"][mode]["ns_flops"] - shared_flops for r in ranks]
+        for rank, r in enumerate(ranks):
+            assert r["stats"][mode]["bytes_sent"] == shared_bytes + meta + casts[rank], (mode, rank)
+            assert (own_flops[rank] > 0) == (casts[rank] > 0), (mode, rank, own_flops, casts)
+        assert sum(casts) == sum(rows * cols * 4 for rows, cols in replicated), mode
+        assert sum(own_flops) == sum(ns_flops(*s) for s in replicated), mode
+        if t > 1:  # the LPT spreads the replicated matrices over the ranks
+            assert all(casts), (mode, casts)
     for r in ranks:
-        assert r["stats"]["duplicated"]["bytes_sent"] == gather + meta
-        assert r["stats"]["duplicated"]["ns_flops"] == full_flops  # t-fold redundant
-        assert r["stats"]["distributed"]["bytes_sent"] == dist_bytes + meta
-        assert r["stats"]["distributed"]["ns_flops"] == dist_flops
         assert r["stats"]["blockwise"]["bytes_sent"] == 0
+
+
+def test_replicated_results_are_the_same_bits_on_every_rank(world):
+    """Every rank's copy of a replicated matrix's update is the broadcast of one rank's, so the
+    copies are bitwise equal (computed on each rank, they would be only where every rank's GEMMs
+    pick the same kernels), in every mode that computes it once."""
+    t, ranks = world
+    for i, (name, pdim, _, _) in enumerate(matrix_cases(t)):
+        if pdim is None:
+            for mode in ("duplicated", "distributed", "owner"):
+                first = ranks[0]["pieces"][mode][i]
+                for rank, r in enumerate(ranks[1:], start=1):
+                    assert torch.equal(r["pieces"][mode][i], first), (mode, name, rank)
 
 
 def test_distributed_runs_every_product_form():

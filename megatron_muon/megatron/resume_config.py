@@ -230,10 +230,12 @@ def _dp_layout_refusal(saved: Saved, args) -> str | None:
     """The line ``MuonDistributedOptimizer.sharded_state_dict`` refuses a load with, said before
     anything is built: a ``dp_reshardable`` optimizer state (each bucket one flat range of the saving
     run's buffer) written on megatron-core's packing (``--muon-dp-layout megatron``), loaded into the
-    balanced layout, which places params elsewhere. A balanced checkpoint saved in that format (its
-    layout had fallen back to megatron-core's packing) is left to the load, which sees whether this
-    run's buffers pack the same way; so is the one other case the load lets through, a balanced layout
-    that happens to pack every bucket as megatron-core does (no such model is known)."""
+    balanced layout, which places params elsewhere (a checkpoint saved before the flag existed has
+    megatron-core's packing too). A balanced checkpoint saved in that format (its layout had fallen
+    back to megatron-core's packing) is left to the load, which sees whether this run's buffers pack
+    the same way. The load would let one more case through, a balanced layout that happens to pack
+    every bucket as megatron-core does; it is refused here too (no such model is known, and
+    ``--muon-dp-layout megatron`` gives that run the same buffers)."""
     from .resharding import BALANCED_FROM_DP_RESHARDABLE
 
     kind = saved.content_metadata.get("distrib_optim_sharding_type")
@@ -241,7 +243,9 @@ def _dp_layout_refusal(saved: Saved, args) -> str | None:
         return None
     zero1 = (getattr(args, "use_distributed_optimizer", False) and not getattr(args, "use_megatron_fsdp", False)
              and not getattr(args, "use_torch_fsdp2", False))
-    layouts = (_setting(saved.args, "muon_dp_layout"), _setting(args, "muon_dp_layout"))
+    # a checkpoint from before --muon-dp-layout existed (no such arg saved) has megatron-core's packing
+    saved_layout = _setting(saved.args, "muon_dp_layout") if hasattr(saved.args, "muon_dp_layout") else "megatron"
+    layouts = (saved_layout, _setting(args, "muon_dp_layout"))
     return BALANCED_FROM_DP_RESHARDABLE if zero1 and layouts == ("megatron", "balanced") else None
 
 

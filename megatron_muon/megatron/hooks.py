@@ -53,12 +53,12 @@ exit code 2); each exists because Megatron itself would do something else:
 6. ``megatron.training.yaml_arguments.validate_yaml``: Megatron's experimental ``--yaml-cfg``
    validates with it instead of ``validate_args``, so none of the above would run; with
    ``--optimizer muon`` it is refused at startup, pointing at ``yaml_config``.
-7. ``megatron.training.training.save_checkpoint``: after a persistent synchronous save, the
-   checksum of every file (``integrity.write_checksums``). A balanced-layout optimizer is saved
+7. ``megatron.training.training.save_checkpoint``: a persistent synchronous save's files hashed
+   as they are written, the checksums written after (``integrity``). A balanced-layout optimizer is saved
    ``fully_reshardable`` whatever was asked; the hook asks for it, so Megatron's own "Storing
    distributed optimizer sharded state of type ..." line names the format written.
-8. ``megatron.training.training.load_checkpoint``: before the load the checksums are verified,
-   a load Megatron refuses for a TP/PP change is explained in one line (``resharding.py``), and
+8. ``megatron.training.training.load_checkpoint``: checksums verified (sizes before the load, each
+   rank's reads as it reads them), a TP/PP change Megatron refuses explained in one line, and
    after it the loaded main params and optimizer state are checked finite and the main params
    against the same checkpoint's model weights (``integrity.check_main_params_match_weights``).
    ``--muon-reset-optimizer-state`` (fresh optimizer state, the LR schedule kept) and
@@ -87,11 +87,11 @@ implementations, and none of the checks above applies to them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
 import sys
-import time
 import traceback
 
 import torch
@@ -355,24 +355,21 @@ def _wrap_save_checkpoint(save_checkpoint):
                           for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]))
         if switch:
             margs.dist_ckpt_optim_fully_reshardable = True
-        try:
-            result = save_checkpoint(iteration, *args, **kwargs)
+        from .integrity import hashing_writes, write_checksums
+        checksummed = (getattr(margs, ACTIVE, False) and margs.save and not kwargs.get("non_persistent_ckpt", False)
+                       and not getattr(margs, "async_save", False))
+        try:  # the files' items hashed as megatron-core writes them: nothing is read back
+            with hashing_writes() if checksummed else contextlib.nullcontext() as written:
+                result = save_checkpoint(iteration, *args, **kwargs)
         finally:
             if switch:
                 margs.dist_ckpt_optim_fully_reshardable = False
-        if (getattr(margs, ACTIVE, False) and margs.save and not kwargs.get("non_persistent_ckpt", False)
-                and not getattr(margs, "async_save", False)):
+        if checksummed:
             from megatron.training.checkpointing import get_checkpoint_name, print_rank_0
-
-            from .integrity import write_checksums
 
             directory = get_checkpoint_name(margs.save, iteration, release=False, return_base_dir=True)
             if os.path.isdir(directory):
-                start = time.perf_counter()
-                table = write_checksums(directory)
-                megabytes = sum(entry["bytes"] for entry in table.values()) / 1e6
-                print_rank_0(f"megatron-muon: checksums of {len(table)} files ({megabytes:.1f} MB) written to "
-                             f"{directory} in {time.perf_counter() - start:.3f} s")
+                print_rank_0(write_checksums(directory, written).report())
         return result
 
     setattr(wrapper, _ORIGINAL, save_checkpoint)
@@ -408,14 +405,10 @@ def _wrap_load_checkpoint(load_checkpoint):
         directory = None
         if has_tracker:
             directory = get_load_checkpoint_path_by_args(margs, load_arg)  # collective (read_metadata)
-        common = None
+        common = checked = None
         if directory is not None and os.path.isdir(directory):
-            if active:
-                start = time.perf_counter()
-                verified = verify_checksums(directory)
-                if verified:
-                    print_rank_0(f"megatron-muon: checksums of {verified} files in {directory} verified in "
-                                 f"{time.perf_counter() - start:.3f} s")
+            if active:  # sizes and the small files now; the .distcp items as Megatron reads them
+                checked = verify_checksums(directory)
             # torch_dist's common state is small; a legacy checkpoint's rank-0 file is the whole
             # rank's state, read only when a flag needs it
             if reset or upstream or getattr(margs, "ckpt_format", "torch_dist") == "torch_dist":
@@ -429,16 +422,19 @@ def _wrap_load_checkpoint(load_checkpoint):
             if not (active or reset):
                 return load_checkpoint(ddp_model, optimizer, opt_param_scheduler, *args, **kwargs)
         try:
-            if reset or upstream:
-                result = reset_state.load_with_fresh_optimizer(load_checkpoint, margs, ddp_model, optimizer,
-                                                               opt_param_scheduler, common, *args, **kwargs)
-            else:
-                result = load_checkpoint(ddp_model, optimizer, opt_param_scheduler, *args, **kwargs)
+            with checked.reading() if checked else contextlib.nullcontext():
+                if reset or upstream:
+                    result = reset_state.load_with_fresh_optimizer(load_checkpoint, margs, ddp_model, optimizer,
+                                                                   opt_param_scheduler, common, *args, **kwargs)
+                else:
+                    result = load_checkpoint(ddp_model, optimizer, opt_param_scheduler, *args, **kwargs)
         except Exception as err:
             message = explain_load_error(err) if active else None
             if message is None:
                 raise
             raise UserInputError(message) from err
+        if checked:
+            print_rank_0(checked.report())
         if directory is not None and common is not None and upstream:
             counts = reset_state.load_upstream_optimizer_state(optimizer, ddp_model, directory, common)
             notes = reset_state.settings_differences(margs, common["args"])

@@ -11,11 +11,14 @@ and one ``megatron-muon: error:`` line naming the file (or the tensor), before a
 * NaN written into an optimizer-state tensor of a checkpoint without a checksum file (one
   written by Megatron alone): caught by the finite check after the load.
 
-The intact copy resumes and reports its verified checksums. About 2 minutes on 2 cores.
+The intact copy resumes and reports its verified checksums. About 2 minutes on 2 cores. The
+checksums are hashed as the files are written and verified as they are read (version 2 of the
+checksum file): the overwritten bytes are found by the ranks that read them, during the load.
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import re
@@ -65,12 +68,30 @@ def _refused(ckpt: Path, cwd: Path) -> str:
 
 
 def test_checksum_file_lists_every_file(saved):
+    """Every byte has a digest: the ``.distcp`` files item by item (hashed as they were written),
+    back to back from the first byte to the last, one item per byte range the DCP metadata
+    records (what a load reads and verifies); the other files whole."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     iteration = saved / "iter_0000003"
-    table = json.loads((iteration / CHECKSUMS).read_text())["files"]
+    checksums = json.loads((iteration / CHECKSUMS).read_text())
+    table = checksums["files"]
     on_disk = sorted(str(p.relative_to(iteration)) for p in iteration.rglob("*") if p.is_file() and p.name != CHECKSUMS)
+    assert checksums["version"] == 2
     assert sorted(table) == on_disk and any(name.endswith(".distcp") for name in on_disk)
     for name, entry in table.items():
-        assert entry == {"bytes": (iteration / name).stat().st_size, "sha256": digest(iteration / name)}
+        data = (iteration / name).read_bytes()
+        if not name.endswith(".distcp"):
+            assert entry == {"bytes": len(data), "sha256": digest(iteration / name)}
+            continue
+        assert set(entry) == {"bytes", "items"} and entry["bytes"] == len(data)
+        ends = [0] + [offset + length for offset, length, _ in entry["items"]]
+        assert [offset for offset, _, _ in entry["items"]] == ends[:-1] and ends[-1] == len(data)
+        for offset, length, sha in entry["items"]:
+            assert hashlib.sha256(data[offset:offset + length]).hexdigest() == sha
+    items = {(name, offset, length) for name, entry in table.items() for offset, length, _ in entry.get("items", [])}
+    stored = FileSystemReader(str(iteration)).read_metadata().storage_data.values()
+    assert {(info.relative_path, info.offset, info.length) for info in stored} == items
 
 
 def test_intact_checkpoint_resumes_verified(saved, tmp_path):

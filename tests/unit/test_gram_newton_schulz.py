@@ -54,7 +54,7 @@ def rel(x: torch.Tensor, ref: torch.Tensor) -> float:
 def test_float64_gram_is_the_standard_polynomial(shape, coefficients):
     """In float64 the two iterations are the same polynomial; only rounding separates them: two
     float64 NS roundings of this matrix through this schedule (rounding_bounds.ns_bound: u =
-    1.1e-16, √(m + 4k) ≤ 34, the growth of the four-decade spectrum): 1e-11 … 1.3e-9, measured
+    1.1e-16, √(2m + 4k) ≤ 47, the growth of the four-decade spectrum): 6e-12 … 5.2e-10, measured
     ≤ 1.8e-14 for five steps and 1.3e-11 for deepseekv4's ten (whose block after the one restart
     is eight steps long). A Gram iteration that computed another polynomial (a step, a
     coefficient or the M·R·M update wrong) is off by 1e-2 or more."""
@@ -189,7 +189,7 @@ def test_nsoptions_runs_gram_where_it_is_cheaper():
     batch = torch.stack([spectrum_matrix(224, 64, seed=s).float() for s in range(3)])
     # Batching changes the GEMMs' blocking, so the order of their sums (bmm against mm; with two
     # threads MKL splits them differently again): two fp32 Gram NS roundings of this 224 × 64
-    # four-decade spectrum, rounding_bounds.ns_bound = 8e-3 (measured 2.3e-6 with two threads, 0
+    # four-decade spectrum, rounding_bounds.ns_bound = 5e-3 (measured 2.3e-6 with two threads, 0
     # with one). Mixing up the batch's matrices would be off by ~0.3, the size of their entries.
     assert torch.allclose(gram(batch)[1], gram(batch[1]), rtol=0,
                           atol=ns_bound(torch.float32, batch[1], "quintic", gram=True))

@@ -186,7 +186,8 @@ def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=Non
     """``dist.all_gather_into_tensor``: every rank's ``tensor`` into one contiguous ``output`` of
     t × its elements, rank r's at ``output.view(t, *tensor.shape)[r]``; the same accounting as
     ``all_gather`` (and the same ``tag`` in the counts). NCCL writes the pieces straight into
-    ``output``, where the list form copies them through a hidden flat buffer of that size.
+    ``output``, where for the list form it gathers into a hidden flat buffer of that size and
+    copies out (gloo copies through such a buffer in both forms).
 
     Observers see the t pieces as views of ``output``, each shaped like ``tensor``, as they see
     the list form's outputs.

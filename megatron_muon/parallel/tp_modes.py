@@ -7,7 +7,7 @@ The modes (``docs/tp_modes.md`` has the derivations and the cost table):
 ``distributed``  no rank ever holds the full matrix. NS runs on the orientation whose Gram
                  matrix spans the *unsharded* dimension k, so X·Xᵀ summed over ranks is the
                  full Gram (k × k); one all-reduce per iteration plus two for the norm (its
-                 overflow-safe scale, then the squares). Exact.
+                 overflow-safe scale, then the squares), all in fp32 (``REDUCE_DTYPE``). Exact.
 ``blockwise``    NS on the local shard only (BlockMuon). No communication; not the same math.
 ``owner``        every matrix gets one owner rank (``planner.plan_owners``); shards travel
                  there by one all-to-all and back by another (``owner_exchange``), asynchronous
@@ -17,18 +17,25 @@ The modes (``docs/tp_modes.md`` has the derivations and the cost table):
                  (``auto_mode.choose_tp_modes``, on the ``hardware`` constants); each subset runs
                  in its mode's implementation. Exact, since every candidate is.
 
+A replicated matrix (partition_dim None: every rank holds it whole) runs on one rank in every exact
+mode (the plan's TP owner) and reaches the others by a broadcast of the result (owner mode: in the
+return all-to-all), so every rank holds the same bits whatever kernels its GEMMs would pick.
+Blockwise, which never communicates, runs it on every rank.
+
 When is ``distributed`` cheaper than ``duplicated``? For a matrix with unsharded dim k,
 sharded dim S, t ranks and s NS steps, per rank:
 
     duplicated:  compute s·(4a²b + 2a³), a = min(k, S), b = max(k, S);  send (t−1)·k·S/t
     distributed: compute s·(2k²·c + min(2k²·⌈k/t⌉ + 2k²·c, 4k²·c, 2k³ + 2k²·c)), c = S/t;
-                 send 2(t−1)/t·(s·k² + 2), plus s·(t−1)·⌈k/t⌉·k when B's rows are split
+                 send 2(t−1)/t·(s·k² + 2) fp32 elements, plus s·(t−1)·⌈k/t⌉·k when B's rows
+                 are split
 
 (the min, by shapes: where the shards together are wider than k each rank forms ⌈k/t⌉ rows of
 B = bA + cA² and the rows are all-gathered, so no rank pays the k³ term alone; else a shard
 narrower than k computes A·(A·X) instead of A².) With k <= S distributed always saves FLOPs
 (with B split, its per-rank FLOPs are NS's over t plus the Gram, which all ranks form for
-their own columns); it sends fewer bytes only when 2·s·k < S (k < S/10 at s = 5), and it has
+their own columns); it sends fewer bytes only when 2·s·k < S (k < S/10 at s = 5; in bf16, whose
+shards are half the Gram's fp32 bytes per element, k < S/20), and it has
 2s+2 dependent collectives on the critical path, so it pays off for tall-and-thin shards split
 along the long side (fc1, QKV at large TP). With k > S the Gram is the large one and distributed
 costs more compute than duplicated.
@@ -144,10 +151,13 @@ def _duplicated(out, shards, subs, members: list[int], group, ns: NSOptions, buc
     """Sharded matrices: all-gathered into one flat buffer per batch of same-shape matrices (at most
     ``bucket_bytes`` of full matrices), joined, NS on every rank, this rank's slice kept.
 
-    Live full-batch copies (F): the gathered buffer (the collective writes it in place: no hidden
-    flat buffer, as the list form has on NCCL and gloo), the joined matrices (a copy, except one
-    row-split matrix, whose gathered rows already are the full matrix), freed before NS runs;
-    NS then holds its input and about two iterates (``newton_schulz``): 3F at the peak."""
+    Live full-batch copies (F) besides NS's own: the gathered buffer (NCCL writes it in place,
+    where for the list form it gathers into a hidden flat buffer and copies out; gloo copies
+    through one in both forms), then the joined matrices (a copy, except for one row-split
+    matrix, whose gathered rows already are the full matrix), the gathered buffer freed before NS
+    runs on them: at most 2F outside NS, F during it. The list form held the list, the hidden
+    buffer, their stack and the joined copy: 3F outside NS, 2F during it. The result is cut to
+    this rank's slices by copy, so no view keeps F alive after the call."""
     size, rank = comm.group_size(group), comm.group_rank(group)
     key = lambda k: (subs[k].local_shape, subs[k].partition_dim, shards[k].dtype)
     for (shape, pdim, _), batch_members in group_by(members, key).items():
@@ -165,7 +175,7 @@ def _duplicated(out, shards, subs, members: list[int], group, ns: NSOptions, buc
             result = ns(joined)
             del joined
             for k, piece in zip(batch, split_full(result, pdim, size, rank).unbind(0)):
-                out[k] = piece.contiguous()
+                out[k] = piece.clone()  # a copy even where the slice is contiguous: a view would keep F alive
             del result
 
 

@@ -249,6 +249,64 @@ def _dp_layout_refusal(saved: Saved, args) -> str | None:
     return BALANCED_FROM_DP_RESHARDABLE if zero1 and layouts == ("megatron", "balanced") else None
 
 
+def _schedule(run) -> list[tuple[str, str, object, int]] | None:
+    """``(what Megatron's OptimizerParamScheduler.load_state_dict calls it, the flag, the value, the
+    batch size its step counts are in)`` for each value it compares with the checkpoint's, as
+    ``get_optimizer_param_scheduler`` derives them from a run's args; None for a run this does not
+    cover (sample-based, a batch-size ramp, a WSD decay, a run that kept an older checkpoint's schedule)."""
+    def arg(name: str, default=None):
+        return getattr(run, name, default)
+
+    iters, batch = arg("train_iters"), arg("global_batch_size")
+    if not iters or not batch or arg("rampup_batch_size") or arg("lr_wsd_decay_iters") or arg(
+            "use_checkpoint_opt_param_scheduler", False):
+        return None
+    decay = arg("lr_decay_iters") or iters  # the saved run's args hold it: Megatron sets it when it is None
+    fraction = arg("lr_warmup_fraction")
+    warmup = fraction * decay * batch if fraction is not None else (arg("lr_warmup_iters") or 0) * batch
+    wd = "--weight-decay" if arg("weight_decay_incr_style", "constant") == "constant" else None
+    return [("learning rate", "--lr", arg("lr"), 0), ("minimum learning rate", "--min-lr", arg("min_lr"), 0),
+            ("warmup iterations", "--lr-warmup-fraction" if fraction is not None else "--lr-warmup-iters", warmup,
+             batch),
+            ("total number of iterations", "--lr-decay-iters" if arg("lr_decay_iters") else "--train-iters",
+             decay * batch, batch),
+            ("learning rate decay style", "--lr-decay-style", arg("lr_decay_style"), 0),
+            ("start weight decay", wd or "--start-weight-decay", arg("start_weight_decay"), 0),
+            ("end weight decay", wd or "--end-weight-decay", arg("end_weight_decay"), 0),
+            ("total number of weight decay iterations", "--train-iters", iters * batch, batch),
+            ("weight decay incr style", "--weight-decay-incr-style", arg("weight_decay_incr_style"), 0)]
+
+
+def _schedule_refusal(saved: Saved, args) -> str | None:
+    """A resume that changes the lr or weight decay schedule without saying which one to keep: Megatron
+    loads the checkpoint's scheduler and asserts that every value it compares (``_schedule``) equals
+    this run's (``OptimizerParamScheduler: class input value ... do not match``, on every rank after
+    the load), unless ``--override-opt-param-scheduler`` or ``--use-checkpoint-opt_param-scheduler``.
+    A new ``--train-iters`` alone changes the weight decay's length, whatever ``--lr-decay-iters``."""
+    loads = not (getattr(args, "finetune", False) or getattr(args, "no_load_optim", False)
+                 or saved.directory.name == "release")  # megatron.training.checkpointing.load_checkpoint's rule
+    if (not loads or getattr(args, "override_opt_param_scheduler", False)
+            or getattr(args, "use_checkpoint_opt_param_scheduler", False)):
+        return None
+    old, new = _schedule(saved.args), _schedule(args)
+    if old is None or new is None:
+        return None
+    for (what, _, was, old_batch), (_, flag, now, batch) in zip(old, new):
+        if was == now:
+            continue
+        if old_batch != batch:  # the step counts are in samples: a new batch size changes them all
+            flag, shown = "--global-batch-size", f"{was} -> {now} samples"
+        elif batch and was % batch == 0 and now % batch == 0:
+            shown = f"{was // batch} -> {now // batch} iterations"
+        else:
+            shown = f"{was} -> {now}"
+        return (f"{flag}: this run's lr / weight decay schedule differs from the checkpoint's ({what}: {shown}), "
+                "which Megatron's load asserts equal (on every rank, after reading the checkpoint); add "
+                "--override-opt-param-scheduler (this command line's schedule, from the checkpoint's iteration on) "
+                "or --use-checkpoint-opt_param-scheduler (the checkpoint's)")
+    return None
+
+
 def _loads_optimizer(args, saved: Saved | None = None) -> bool:
     """Megatron's load_checkpoint reads the optimizer state (not --no-load-optim, --finetune, release)."""
     if getattr(args, "no_load_optim", False) or getattr(args, "finetune", False):
@@ -466,7 +524,7 @@ def check_resume_config(args, directory: str | Path | None) -> None:
     message = _layout_refusal(saved, args)  # megatron-core checks none of these: refused in the job too
     if message:
         raise UserInputError(message)
-    message = _dp_layout_refusal(saved, args)
+    message = _dp_layout_refusal(saved, args) or _schedule_refusal(saved, args)
     if message:
         raise UserInputError(message)
     message, padded = _vocab_refusal(saved, args)

@@ -288,5 +288,25 @@ def test_a_layout_change_megatron_core_packing_cannot_load_is_refused_before_lau
     from megatron_muon.megatron.preflight import check_command_line
 
     check_command_line(str(tmp_path / "tiny.yaml"), [*TINY, "--train-iters", "5", "--load", str(tmp_path / "ckpt"),
-                                                     "--muon-reset-optimizer-state"], 2)
+                                                     "--muon-reset-optimizer-state",
+                                                     "--override-opt-param-scheduler"], 2)
     assert resume_config.report_lines() is not None
+
+
+def test_a_changed_schedule_without_saying_which_is_refused(megatron_layout_checkpoint, tmp_path, hooks_restored):
+    """Row resume-schedule-changed: a longer --train-iters (the saved run's 3, TINY's --lr-decay-iters 20
+    both times) changes the weight decay schedule's length; Megatron's scheduler asserted after the
+    load, on every rank. Either flag that says which schedule to keep lets it through, as does the
+    saved length."""
+    from megatron_muon.megatron.preflight import check_command_line
+
+    _copy(megatron_layout_checkpoint, tmp_path)
+    line = _preflight_refusal(tmp_path)  # --train-iters 5
+    assert expected_line("resume-schedule-changed").fullmatch(line), line
+    line = _preflight_refusal(tmp_path, "--lr", "0.03")
+    assert line.startswith("--lr: this run's lr / weight decay schedule differs from the checkpoint's (learning rate: "
+                           "0.02 -> 0.03)"), line
+    load = [*TINY, "--muon-dp-layout", "megatron", "--load", str(tmp_path / "ckpt")]
+    for extra in (["--train-iters", "5", "--override-opt-param-scheduler"],
+                  ["--train-iters", "5", "--use-checkpoint-opt_param-scheduler"], ["--train-iters", "3"]):
+        check_command_line(str(tmp_path / "tiny.yaml"), [*load, *extra], 2)

@@ -39,7 +39,8 @@ CHECKED_ELSEWHERE = {  # rows checked by another test file (a torchrun job, a Me
                                                  "run-sh-empty-argument")},
     # a real checkpoint (written by a torchrun job), damaged or resumed with another buffer layout
     **{row: "e2e/test_preflight.py" for row in ("ckpt-no-metadata-json", "ckpt-emptied", "ckpt-distcp-missing",
-                                                 "ckpt-distcp-truncated", "resume-layout-balanced")}}
+                                                 "ckpt-distcp-truncated", "resume-layout-balanced",
+                                                 "resume-schedule-changed")}}
 
 
 def test_table_has_enough_rows_and_every_row_is_tested():

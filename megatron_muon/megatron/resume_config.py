@@ -53,6 +53,10 @@ preflight (``check_resume_config``).
 * **The DP buffer layout.** A ``dp_reshardable`` optimizer state of ``--muon-dp-layout megatron``
   resumed with ``balanced`` is refused with the line the optimizer's load refuses it with
   (``_dp_layout_refusal``), so the startup report never calls that change exact.
+* **The lr / weight decay schedule.** Megatron loads the checkpoint's scheduler and asserts, after
+  the load and on every rank, that this run's values equal it unless ``--override-opt-param-scheduler``
+  or ``--use-checkpoint-opt_param-scheduler`` says which to keep; a longer ``--train-iters`` alone
+  changes the weight decay's length. Refused here, naming the flag (``_schedule_refusal``).
 """
 
 from __future__ import annotations

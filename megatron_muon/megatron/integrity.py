@@ -75,6 +75,7 @@ VERSION = 2
 file whole (megatron-muon before its checksums were hashed while writing)."""
 
 _CHUNK = 16 * 2**20  # read size: large enough for disk throughput, small enough for any host
+_OVERLAP = 4 * 2**20  # a write at least this large is hashed on a second thread while it is written
 
 
 def digest(path: str | Path) -> str:
@@ -156,9 +157,19 @@ class _HashingStream:
         self._stream, self.sha, self.count = stream, hashlib.sha256(), 0
 
     def write(self, data) -> int:
-        self.sha.update(data)
-        self.count += memoryview(data).nbytes
-        return self._stream.write(data)
+        view = memoryview(data)
+        self.count += view.nbytes
+        if view.nbytes < _OVERLAP:
+            self.sha.update(view)
+            return self._stream.write(data)
+        # a tensor's storage: hashed on a second thread while this one writes it (both release the
+        # GIL), so the hash costs the save what it costs beyond the write, not all of it
+        hasher = threading.Thread(target=self.sha.update, args=(view,))
+        hasher.start()
+        try:
+            return self._stream.write(data)
+        finally:
+            hasher.join()
 
     def __getattr__(self, name):
         return getattr(self._stream, name)
@@ -240,6 +251,55 @@ def _mismatch(path: Path) -> str:
     return f"{path}: contents differ from when it was saved (SHA-256 mismatch; the file is corrupted)"
 
 
+def _read_hashed(file, length: int) -> tuple[bytearray, str]:
+    """Up to ``length`` bytes of ``file`` from where it is, and their SHA-256: each chunk hashed on
+    a second thread while the next one is read (both release the GIL)."""
+    buffer, sha = bytearray(length), hashlib.sha256()
+    view, done, hasher = memoryview(buffer), 0, None
+    while done < length:
+        got = file.readinto(view[done:done + _CHUNK])
+        if not got:
+            break
+        if hasher is not None:
+            hasher.join()
+        hasher = threading.Thread(target=sha.update, args=(view[done:done + got],))
+        hasher.start()
+        done += got
+    if hasher is not None:
+        hasher.join()
+    del view  # a bytearray with a live view cannot be resized
+    if done < length:
+        del buffer[done:]
+    return buffer, sha.hexdigest()
+
+
+class _MemoryFile(io.RawIOBase):
+    """A read-only, seekable file over bytes already read: ``torch.load`` copies a storage out of
+    it once, as out of the file (an ``io.BytesIO`` of a bytearray would copy it twice)."""
+
+    def __init__(self, data: bytearray) -> None:
+        self._view, self._pos = memoryview(data), 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, out) -> int:
+        n = max(0, min(len(out), len(self._view) - self._pos))
+        out[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self._pos = offset + (0 if whence == io.SEEK_SET else self._pos if whence == io.SEEK_CUR else len(self._view))
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+
 def _problem(root: Path, name: str, expected: dict) -> str | None:
     path = root / name
     if not path.is_file():
@@ -289,14 +349,14 @@ class ChecksumCheck:
                 return original(reader, file, sinfo)
             start = time.perf_counter()
             file.seek(sinfo.offset)
-            data = file.read(sinfo.length)
-            ok = (len(data), hashlib.sha256(data).hexdigest()) == expected
+            data, sha = _read_hashed(file, sinfo.length)
+            ok = (len(data), sha) == expected
             self.seconds += time.perf_counter() - start
             self.read_bytes += len(data)
             if not ok:
                 problems.append(_mismatch(self.root / sinfo.relative_path))
                 raise _Damaged
-            return io.BytesIO(data)
+            return _MemoryFile(data)
         return slice_file
 
     @contextlib.contextmanager

@@ -15,7 +15,9 @@ megatron-core's own ``dist_checkpointing.save`` / ``load`` (the writer and reade
 A load is timed from a cold page cache (every file evicted with ``posix_fadvise(DONTNEED)``, what a
 resumed job on fresh nodes reads) and from a warm one; a save with its files in the page cache
 (as written) and with them evicted before the re-read (what a rank re-reading files other nodes
-wrote gets at scale). Each figure is the median over ``--runs`` runs of the slower rank's time.
+wrote gets at scale). Each figure is the median over ``--runs`` runs (after one warm-up) of the
+slower rank's time; the last column is what the checksums read back from storage: the files
+hashed whole, once after the save and once before the load.
 The checkpoint is deleted after each run and its directory at the end.
 
     .venv/bin/python -m scripts.bench.checkpoint_integrity --gigabytes 1 --runs 5
@@ -97,7 +99,7 @@ def _body(rank: int, world: int, root: str, tensors: int, runs: int) -> dict:
     from megatron_muon.megatron import integrity
 
     times = {(scheme, what): [] for scheme in SCHEMES
-             for what in ("save", "save, re-read cold", "load cold", "load warm")}
+             for what in ("save", "save, re-read cold", "load cold", "load warm", "re-read MB")}
     state = _state(rank, world, tensors, empty=False)
     for run in range(-1, runs):  # run -1: a warm-up (first collectives, imports), not recorded
         for scheme in SCHEMES:
@@ -142,6 +144,9 @@ def _body(rank: int, world: int, root: str, tensors: int, runs: int) -> dict:
                 seconds = _timed(load)
                 if run >= 0:
                     times[(scheme, label)].append(seconds)
+            if rank == 0 and run >= 0:  # what the checksums read back: each whole-hashed file, at save and load
+                table = json.loads((ckpt / integrity.CHECKSUMS).read_text())["files"] if scheme != SCHEMES[0] else {}
+                times[(scheme, "re-read MB")].append(sum(e["bytes"] for e in table.values() if "sha256" in e) / 1e6)
             dist.barrier()
             if rank == 0:
                 shutil.rmtree(ckpt)
@@ -167,12 +172,13 @@ def main() -> None:
     print(f"checkpoint: {size:.2f} GB ({tensors} fp32 tensors cut over 2 gloo ranks), median of {opts.runs} runs, "
           "the slower rank's seconds")
     columns = ("save", "save, re-read cold", "load cold", "load warm")
-    print("| scheme | " + " | ".join(f"{c} (s)" for c in columns) + " |")
-    print("|---|" + "---:|" * len(columns))
+    print("| scheme | " + " | ".join(f"{c} (s)" for c in columns) + " | read back by the checksums, save + load |")
+    print("|---|" + "---:|" * (len(columns) + 1))
     for scheme in SCHEMES:
         cells = [statistics.median(max(r[f"{scheme}|{c}"][i] for r in results) for i in range(opts.runs))
                  for c in columns]
-        print(f"| {scheme} | " + " | ".join(f"{v:.3f}" for v in cells) + " |")
+        reread = results[0][f"{scheme}|re-read MB"][0]
+        print(f"| {scheme} | " + " | ".join(f"{v:.3f}" for v in cells) + f" | 2 x {reread:.3f} MB |")
 
 
 if __name__ == "__main__":

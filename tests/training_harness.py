@@ -30,11 +30,15 @@ from dataclasses import dataclass, field
 
 import torch
 from megatron_harness import (
+    FFN,
+    GLOBAL_BATCH,
     GROUPS,
     HEADS,
     HIDDEN,
     LAYERS,
     MLA,
+    SEQ,
+    VOCAB,
     build_tiny_gpt,
     destroy_megatron,
     dp_slice,
@@ -52,25 +56,49 @@ K = 3
 LR, WD, BETAS, EPS = 0.02, 0.1, (0.9, 0.95), 1e-8
 MUON = dict(momentum=0.9, nesterov=True, scale_mode="spectral", extra_scale_factor=0.2,
             fp32_matmul_prec="highest", coefficient_type="quintic", num_ns_steps=5)
-# fp32 everywhere. At TP=1 every layout and TP mode gives the same weights, off the reference by
-# a measured 3.25e-7 after K = 3 steps (on linear_proj; the same value for all, so it comes from
-# the update's arithmetic, not from the layout). At TP=2 the vocab-parallel cross entropy and
-# RowParallel all-reduces sum in another order, so gradients differ in the last bits; AdamW's
-# 1/sqrt(v) on the output layer amplifies that most (measured max 1.13e-6, on
-# output_layer.weight). 2e-6 leaves 1.8x margin, while a wrong update (blockwise, an unsplit QKV)
-# is off by > 1e-3.
-ATOL = 2e-6
-# With clipping the grads are scaled by clip / norm, where the norm carries the layout's summation
-# order too (see NORM_RTOL), and the smaller grads of the output layer's rare-token rows sit
-# nearer AdamW's eps, where a relative change in the grad moves the update most: measured max
-# 2.21e-6 at TP=2 (output_layer.weight), 5.6e-7 at TP=1. 4e-6 leaves 1.8x margin; a skipped
-# clip is off by 1.4e-2, and a wrong clip coefficient is caught sharper by NORM_RTOL.
-ATOL_CLIP = 4e-6
-# The grad norm Megatron's step returns vs the reference's (before clipping): fp32 sums of
-# squares in the layout's order (per shard, all-reduced) of grads that differ in the last bits
-# after the first step; measured max relative difference 1.5e-7 without clipping, 4.1e-7 with.
-# 1e-6 leaves 2.4x margin.
-NORM_RTOL = 1e-6
+# The fp32 tolerances: a run and the reference compute the same steps in another summation order
+# (TP's split GEMMs and all-reduces, the vocab-parallel cross entropy, DP's reductions, another
+# batching), never another result. rounding_bounds' model, carried into one training step:
+#  * a gradient entry went through reductions of HIDDEN, FFN and SEQ terms per layer and the
+#    logits' VOCAB (each forward sum has a backward twin of its length): PATH = 672 terms, so it
+#    errs by √PATH·u relative to its terms' magnitude; a weight's gradient then sums one term per
+#    token, whose signs follow the backward signal: such terms cancel to 1/√TOKENS of their
+#    magnitudes (TOKENS = 64, the largest batch; the output layer's rare-token rows are the case);
+#    λ = 4 standard deviations for the largest of ~1e5 entries: GRAD_REL = λ·√TOKENS·√PATH·u
+#    = 4.9e-5.
+#  * AdamW's update m̂/(√v̂ + ε) moves by at most 2·GRAD_REL: a relative change r of every grad
+#    moves m̂ by r·Σ w_k|g_k| and √v̂ by r·√v̂, and Σ w_k|g_k| ≤ √v̂ by Cauchy–Schwarz on the
+#    bias-corrected weights of K ≤ 3 steps (Σ w_k² / w'_k = 1.002).
+#  * K steps: ATOL = K·LR·2·GRAD_REL = 5.9e-6.
+# Not derived: a step's grads also carry the earlier steps' param differences, and for the Muon
+# matrices NS meets rounding in their momenta's null space (rank-deficient: σ_min/σ_max ~ 1e-9,
+# so NS's slope at zero, 493, applies) — a first-order bound for either needs the gradients'
+# magnitudes. Measured with those in, over three instruction sets of MKL's kernels (AVX-512,
+# AVX2, SSE4.2: MKL_ENABLE_INSTRUCTIONS), the largest difference at TP1/TP2 x DP1-2 is 1.46e-6
+# (output_layer.weight, AdamW) and 7.1e-7 on a Muon matrix: ATOL keeps 4x over both, while a
+# wrong update (blockwise, an unsplit QKV) is off by > 1e-3.
+# The grad norm Megatron's step returns vs the reference's (before clipping): a sum of squares, so
+# it weights entries by their size and the cancelled (small) entries above hardly move it: the
+# large ones err by λ·√PATH·u, and the sum of < 1e5 squares in another order by √1e5·u, half of
+# that in the norm: NORM_RTOL = 1.6e-5 (measured at most 4.5e-7 over the three instruction sets;
+# a norm that missed a shard or counted a TP-duplicated weight twice is off by its share).
+# With clipping the grads are scaled by clip / norm, whose relative error is NORM_RTOL's, on top
+# of their own: ATOL_CLIP = K·LR·2·(GRAD_REL + NORM_RTOL) = 7.8e-6 (measured at most 2.03e-6, the
+# same runs); a skipped clip is off by 1.4e-2, a wrong clip coefficient is caught by NORM_RTOL.
+TOKENS = GLOBAL_BATCH * SEQ
+
+
+def fp32_tolerances(layers: int = LAYERS, steps: int = K) -> tuple[float, float, float]:
+    """(ATOL, NORM_RTOL, ATOL_CLIP) of the comment above for a ``layers``-layer tiny GPT trained
+    ``steps`` steps (PATH grows with the layers)."""
+    u = 2.0 ** -24
+    path = layers * (2 * HIDDEN + FFN + SEQ) + VOCAB
+    grad_rel = 4 * TOKENS ** 0.5 * path ** 0.5 * u
+    norm_rtol = 4 * path ** 0.5 * u + 1e5 ** 0.5 * u / 2
+    return steps * LR * 2 * grad_rel, norm_rtol, steps * LR * 2 * (grad_rel + norm_rtol)
+
+
+ATOL, NORM_RTOL, ATOL_CLIP = fp32_tolerances()
 # run_world's wait for a world's results: 36 runs at DP4 take about 3 minutes on 2 cores, many
 # times that when other jobs share them
 TIMEOUT = 1800

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 from dist_harness import run_world
+from megatron_harness import GLOBAL_BATCH
 from training_harness import LR, WD, Run, references, train_all
 
 MUON_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
@@ -30,11 +31,22 @@ def _norms(model, optimizer) -> dict:
                 rank=dist.get_rank(), scalars=norm_scalars(inners))
 
 
+# torch FSDP2: rows cut over DP under Megatron's TP x PP grad-stats group, so the sums are
+# all-reduced over DP first (norm_groups), each DP rank's batch its own slice of the global batch
+FSDP2 = dict(wrap="fsdp2", batch=GLOBAL_BATCH, split_batch=True, schedule=True)
 RUNS = [Run(tp=2, dist_opt=True, steps=1, probe=_norms), Run(tp=2, dist_opt=False, steps=1, probe=_norms),
-        Run(tp=1, dist_opt=True, steps=1, probe=_norms)]
+        Run(tp=1, dist_opt=True, steps=1, probe=_norms), Run(tp=2, steps=1, probe=_norms, **FSDP2)]
 
 
-@pytest.mark.parametrize("run", RUNS, ids=["tp2-dp2-distopt", "tp2-dp2-ddp", "tp1-dp4-distopt"])
+def _reached(traces, rank: int = 0) -> set[int]:
+    """The ranks whose sums reach ``rank`` through its all-reduces over ``norm_groups``, in order."""
+    reach = {rank}
+    for level in range(len(traces[rank].probes[0]["groups"])):
+        reach = {r for q in reach for r in traces[q].probes[0]["groups"][level]}
+    return reach
+
+
+@pytest.mark.parametrize("run", RUNS, ids=["tp2-dp2-distopt", "tp2-dp2-ddp", "tp1-dp4-distopt", "tp2-dp2-fsdp2"])
 def test_norms_equal_the_reference_matrices(run):
     traces = [t for (t,) in run_world(4, train_all, [run])]
     ref = references([run])[run]
@@ -44,9 +56,11 @@ def test_norms_equal_the_reference_matrices(run):
     update_sq = sum(float((ref.full[n].double() - ref.initial[n].double() * (1 - LR * WD)).square().sum())
                     for n in names)
     numel = sum(ref.full[n].numel() for n in names)
-    (domain,) = traces[0].probes[0]["groups"]  # one group here: no torch FSDP2 rows
+    domain = _reached(traces)
     # Megatron's grad-stats group: the whole job with the distributed optimizer, TP (x PP) without
-    assert sorted(domain) == ([0, 1] if run.tp == 2 and not run.dist_opt else [0, 1, 2, 3])
+    # (FSDP2: DP, then TP)
+    assert sorted(domain) == ([0, 1] if run.tp == 2 and not run.dist_opt and run.wrap == "ddp" else [0, 1, 2, 3])
+    assert len(traces[0].probes[0]["groups"]) == (2 if run.wrap == "fsdp2" else 1)
     summed = [sum(t.probes[0]["local"]["muon"][k] for t in traces if t.probes[0]["rank"] in domain) for k in range(3)]
     assert summed[2] == numel  # every element counted once over the group's ranks
     # fp32 sums of squares of O(1) values over ~10^5 elements, against the reference's weights

@@ -62,8 +62,8 @@ def norm_scalars(optimizers) -> dict[str, float]:
         for group in groups:
             if dist.is_initialized() and dist.get_world_size(group) > 1:
                 dist.all_reduce(table, group=group)
-    total = sum(table for _, table in tables) if tables else torch.zeros(len(_STEP_KINDS), 3)
-    rows = total.tolist()  # the one host read, on a logging iteration
+    # the one host read, on a logging iteration (no optimizer with norms: nothing to read)
+    rows = sum(table for _, table in tables).tolist() if tables else [[0.0, 0.0, 0.0] for _ in _STEP_KINDS]
     out = {}
     last = next((o.last_step_kind for o in optimizers if o.last_step_kind is not None), None)
     if last is not None:

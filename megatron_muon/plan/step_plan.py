@@ -52,6 +52,7 @@ from .grid_schedule import GridSchedule, schedule_grid
 from .local_blocks import Block, fragment_blocks
 from .owners import dp_pins, plan_owners, plan_unit_owners, unit_pinnable
 from .teams import team_blocks, team_layout, team_size
+from .topology import Topology
 from .units import Unit, split_units
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "DP_MODES", "TP_MODES", "LocalRound", "OwnerWork", "PlanSettings", "StepPlan",
@@ -92,6 +93,17 @@ class PlanSettings:
     block_grid: tuple[int, int] = (1, 1)
     """MuonBP's block grid (``--muonbp-block-grid RxC``, with ``tp_mode`` blockwise): each local
     matrix orthogonalized as R x C blocks, scaled by the block's shape (``core.block_grid``)."""
+    topology: Topology | None = None
+    """where the stage's ranks live (``topology.Topology``: each position's global rank and the
+    ranks per node), for the link class of each group and the size of DP teams; None: the
+    contiguous order, TP fastest, with the hardware profile's ranks per node."""
+
+    def topology_for(self, dp_size: int, tp_size: int) -> Topology:
+        """The topology the plan prices with: the given one, or the contiguous default."""
+        if self.topology is not None:
+            return self.topology
+        per_node = self.hardware.ranks_per_node if self.hardware is not None else dp_size * tp_size
+        return Topology.contiguous(dp_size, tp_size, per_node)
 
 
 @dataclass(frozen=True)
@@ -328,6 +340,10 @@ def _check(matrices, dp_size: int, tp_size: int, settings: PlanSettings) -> None
     if settings.local_blocks and settings.tp_mode != "blockwise":
         raise ValueError(f"--muonbp-block local: block steps only (tp mode blockwise), got tp mode "
                          f"{settings.tp_mode!r}")
+    topo = settings.topology
+    if topo is not None and (topo.dp_size, topo.tp_size) != (dp_size, tp_size):
+        raise ValueError(f"PlanSettings.topology: a rank map of DP {topo.dp_size} x TP {topo.tp_size}, planned for "
+                         f"DP {dp_size} x TP {tp_size}")
     if settings.tp_mode == "auto" and settings.hardware is None:
         raise ValueError("--muon-tp-mode auto: the plan needs the cost model's hardware constants "
                          "(--muon-auto-hardware)")

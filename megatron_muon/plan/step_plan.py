@@ -231,7 +231,7 @@ def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: 
     team, teams, blocks = 1, None, {}
     if settings.tp_mode == "auto":
         if exchanges_dp:
-            team = team_size(dp_size, tp_size, settings.hardware.ranks_per_node)
+            team = team_size(settings.topology_for(dp_size, tp_size))
         schedule = auto_schedule(matrices, units, dp_size if exchanges_dp else 1, tp_size, settings, team)
         if team > 1:
             schedule, teams = _from_teams(schedule, layouts, team)

@@ -1,7 +1,11 @@
 """DP teams: a matrix's Newton–Schulz shared by a team of DP ranks, where TP has no ranks to share it.
 
 At TP 1 a unit's only wide form is across DP ranks. ``auto`` may give a unit to a *team*: t
-consecutive DP ranks (one node's worth, so the team's all-reduces stay on NVLink). Member j of
+consecutive DP ranks that share a node, so the team's all-reduces stay on NVLink. Which ranks
+share one is read from the stage's rank map (``topology.Topology``: each DP rank's global rank
+and the ranks per node), not from the DP group's size: Megatron's expert-DP group strides by EP,
+so at EP 8 on nodes of 8 no two of its consecutive ranks share a node and its teams are of one
+(no teams). Member j of
 the team receives block j of the unit, cut along its long dim, and the members run the
 distributed (Gram) mode over the team's process group, exactly as a TP group runs it on its TP
 shards: rows of a tall matrix, columns of a wide one, so the Gram spans the short dim (DeepSeek-V3's
@@ -24,17 +28,21 @@ from dataclasses import dataclass
 
 from ..core.matrix_layout import MatrixLayout
 from .exchange import OwnedMatrix, Piece
+from .topology import Topology
 
 __all__ = ["Run", "TeamBlock", "team_blocks", "team_layout", "team_size", "teamable"]
 
 
-def team_size(dp_size: int, tp_size: int, ranks_per_node: int) -> int:
-    """Ranks per DP team: the largest divisor of ``dp_size`` that fits in a node (so a team's
-    collectives never leave NVLink), at TP 1 only (at TP > 1 the TP group is the wide form, and
-    consecutive DP ranks sit a node apart); 1 = no teams."""
-    if tp_size != 1 or dp_size < 2:
+def team_size(topology: Topology) -> int:
+    """Ranks per DP team: at TP 1, the largest divisor t of the DP size such that every aligned
+    run of t consecutive DP ranks lies in one node (``Topology.dp_ranks_per_node``, from the
+    global ranks: a team's collectives never leave NVLink); 1 = no teams, at TP > 1 (the TP group
+    is the wide form) and where no two consecutive DP ranks share a node (an expert-DP group
+    strided by EP across nodes). Contiguous DP 64 on nodes of 8: 8; DP 12 on nodes of 8: 4 (a
+    team of 6 would straddle ranks 6-11's two nodes)."""
+    if topology.tp_size != 1 or topology.dp_size < 2:
         return 1
-    return max(t for t in range(1, min(dp_size, ranks_per_node) + 1) if dp_size % t == 0)
+    return topology.dp_ranks_per_node
 
 
 def team_layout(unit: MatrixLayout, team: int) -> MatrixLayout | None:

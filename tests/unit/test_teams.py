@@ -1,4 +1,5 @@
-"""DP teams' geometry (``plan.teams``): which units a team takes, and the blocks' pieces.
+"""DP teams' geometry (``plan.teams``): their size from the rank map, which units a team takes, and
+the blocks' pieces.
 
 Pure: a team block's pieces, read from every DP rank's flat piece of the unit through their
 runs and written at their offsets, must rebuild exactly the block of the whole matrix, for row
@@ -14,6 +15,7 @@ import torch
 
 from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
 from megatron_muon.plan.teams import team_blocks, team_layout, team_size
+from megatron_muon.plan.topology import Topology
 
 
 def _cut(rows: int, cols: int, bounds: list[int]) -> MatrixLayout:
@@ -70,7 +72,29 @@ def test_which_units_a_team_takes():
     assert team_layout(MatrixLayout("tp", (12, 10), 0, 2, None, cut), 2) is None
 
 
-@pytest.mark.parametrize("dp,tp,per_node,want", [(64, 1, 8, 8), (6, 1, 4, 3), (7, 1, 8, 7), (64, 8, 8, 1),
+@pytest.mark.parametrize("dp,tp,per_node,want", [(64, 1, 8, 8), (6, 1, 6, 6), (7, 1, 8, 7), (64, 8, 8, 1),
                                                   (1, 1, 8, 1), (5, 1, 4, 1)])
-def test_team_size_is_the_largest_divisor_in_a_node(dp, tp, per_node, want):
-    assert team_size(dp, tp, per_node) == want
+def test_team_size_on_megatrons_contiguous_order(dp, tp, per_node, want):
+    """TP fastest, then DP, from global rank 0: DP 64 on nodes of 8 is 8 teams of 8; DP 5 on nodes
+    of 4 has no divisor but 1 inside a node (5 straddles two)."""
+    assert team_size(Topology.contiguous(dp, tp, per_node)) == want
+
+
+def test_a_partial_node_takes_no_team_across_its_edge():
+    """DP 12 on nodes of 8 (ranks 0-7 and 8-11): 6 divides 12 and fits in a node, but the team
+    of ranks 6-11 would sit on both; teams of 4 (0-3, 4-7, 8-11) do not. DP 6 on nodes of 4: 2,
+    not 3 (ranks 3-5 straddle). Contiguous DP 4 from global rank 6 on nodes of 8 (6, 7 | 8, 9): 2."""
+    assert team_size(Topology.contiguous(12, 1, 8)) == 4
+    assert team_size(Topology.contiguous(6, 1, 4)) == 2
+    assert team_size(Topology.contiguous(4, 1, 8, first=6)) == 2
+
+
+def test_an_expert_dp_group_strided_by_ep_forms_no_team():
+    """Megatron's expert-DP group at TP 1 x EP 8 x DP 64 on nodes of 8: expert-DP rank d of EP
+    rank e is global rank e + 8d, so consecutive expert-DP ranks sit a node apart and each node
+    holds one member: team 1, where the group's size alone (8, a node's worth) gave 8."""
+    for ep_rank in (0, 5):
+        strided = Topology(tuple(ep_rank + 8 * d for d in range(8)), 1, 8)
+        assert strided.dp_ranks_per_node == 1 and team_size(strided) == 1
+    # EP 2 on nodes of 8: consecutive expert-DP ranks 2 apart, 4 of them per node
+    assert team_size(Topology(tuple(1 + 2 * d for d in range(32)), 1, 8)) == 4

@@ -20,6 +20,7 @@ from .plan.step_plan import DEFAULT_BUCKET_BYTES, DP_MODES, TP_MODES, PlanSettin
 
 if TYPE_CHECKING:
     from .plan.cost_model import Hardware
+    from .plan.topology import Topology
 
 __all__ = ["DP_LAYOUTS", "MUONBP_BLOCKS", "MuonConfig", "NS_PRECISIONS"]
 
@@ -247,15 +248,17 @@ class MuonConfig:
         return dataclasses.replace(self.plan_settings("blockwise"), local_blocks=self.muonbp_block == "local",
                                    block_grid=self.muonbp_block_grid or (1, 1))
 
-    def plan_settings(self, tp_mode: str | None = None, hardware: Hardware | None = None) -> PlanSettings:
+    def plan_settings(self, tp_mode: str | None = None, hardware: Hardware | None = None,
+                      topology: Topology | None = None) -> PlanSettings:
         """What a step plan needs from this config; ``tp_mode`` overrides the field (MuonBP's block
         steps plan ``blockwise``). ``auto``'s hardware constants: ``hardware`` when the caller has
-        resolved them (the Megatron factory: global rank 0's, broadcast), else resolved here."""
+        resolved them (the Megatron factory: global rank 0's, broadcast), else resolved here.
+        ``topology``: the stage's rank map (``PlanSettings.topology``; None: the contiguous default)."""
         mode = self.tp_mode if tp_mode is None else tp_mode
         if mode == "auto" and hardware is None:
             hardware = self.hardware()
         return PlanSettings(mode, self.ns, self.dp_mode, self.scale_mode, self.extra_scale_factor,
-                            self.owner_bucket_bytes, hardware if mode == "auto" else None)
+                            self.owner_bucket_bytes, hardware if mode == "auto" else None, topology=topology)
 
     @classmethod
     def field_names(cls) -> list[str]:

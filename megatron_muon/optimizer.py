@@ -44,6 +44,7 @@ scheduled lr on every step, so it is the same as Muon's.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -56,9 +57,10 @@ from .parallel import comm
 from .parallel.comm import comm_stats
 from .parallel.devices import resolve_device
 from .parallel.orthogonalize import StepGroups, orthogonalize_updates
-from .parallel.step_setup import SetupReport, prepare_optimizers
+from .parallel.step_setup import SetupReport, prepare_optimizers, stage_topology
 from .plan.cost_model import Hardware
 from .plan.step_plan import StepPlan, build_step_plan
+from .plan.topology import Topology
 
 __all__ = ["ALGORITHMS", "MatrixCatalogue", "MuonWithAdamW", "prepare_optimizers", "step_plans", "to_local"]
 
@@ -108,16 +110,18 @@ class MatrixCatalogue:
             raise ValueError(f"MatrixCatalogue: {len(self.layouts)} layouts for {len(self.params)} params")
 
 
-def step_plans(config: MuonConfig, layouts, dp_size: int, tp_size: int,
-               hardware: Hardware | None = None) -> dict[str, StepPlan]:
+def step_plans(config: MuonConfig, layouts, dp_size: int, tp_size: int, hardware: Hardware | None = None,
+               topology: Topology | None = None) -> dict[str, StepPlan]:
     """Per step kind, its plan: ``muon`` (MuonBP off), or MuonBP's ``full`` (the exact
     ``tp_mode``) and ``block`` (``blockwise``: each TP shard on its own, no TP traffic; with
     ``muonbp_block`` local, each rank's own blocks, no traffic at all). ``hardware``: ``auto``'s
-    constants, already resolved (None: ``config.auto_hardware``'s, resolved here)."""
+    constants, already resolved (None: ``config.auto_hardware``'s, resolved here); ``topology``:
+    the stage's rank map (``step_setup.stage_topology``; None: the contiguous default)."""
     if config.muonbp_period is None:
-        settings = {"muon": config.plan_settings(hardware=hardware)}
+        settings = {"muon": config.plan_settings(hardware=hardware, topology=topology)}
     else:
-        settings = {"full": config.plan_settings(hardware=hardware), "block": config.block_plan_settings()}
+        settings = {"full": config.plan_settings(hardware=hardware, topology=topology),
+                    "block": dataclasses.replace(config.block_plan_settings(), topology=topology)}
     return {kind: build_step_plan(layouts, dp_size=dp_size, tp_size=tp_size, settings=plan_settings)
             for kind, plan_settings in settings.items()}
 
@@ -282,10 +286,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
             )
 
     def _build_plans(self, hardware: Hardware | None) -> dict[str, StepPlan]:
+        """The plans, on the stage's rank map read from the catalogue's groups (the expert
+        optimizer's DP group is Megatron's expert-DP group, strided by EP): which DP ranks share
+        a node decides ``auto``'s teams. No collective here; the digest check compares the maps."""
         cat = self._catalogue
         dp = comm.group_size(cat.dp_group) if cat.dp_group is not None else 1
         tp = comm.group_size(cat.tp_group) if cat.tp_group is not None else 1
-        return step_plans(self.config, cat.layouts, dp, tp, hardware)
+        if hardware is None:
+            hardware = self.config.hardware()  # auto's, resolved once for the plans and the map; None otherwise
+        return step_plans(self.config, cat.layouts, dp, tp, hardware,
+                          stage_topology(cat.dp_group, cat.tp_group, hardware))
 
     @property
     def step_groups(self) -> StepGroups:

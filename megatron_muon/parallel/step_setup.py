@@ -22,6 +22,9 @@ optimizers (``PlannedStep``: a label, its step plans, its ``StepGroups``) and, i
 
 ``broadcast_hardware`` gives every rank global rank 0's ``auto`` constants, resolved once, for a
 caller (the Megatron factory) to plan with; the digest then still refuses a rank handed others.
+``stage_topology`` gives the plans their stage's rank map (``plan.topology``), before any of this:
+from the rank's own DP and TP groups and the launcher's ranks per node, with no collective; a
+rank map that differs between ranks is refused by the digest check of step 2.
 
 Every call is collective: every rank of the default group calls ``prepare`` the same number of
 times, with its optimizers in the same order (dense, then experts); step 1 talks over the
@@ -36,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -47,12 +51,14 @@ import torch.distributed as dist
 from ..plan.cost_model import Hardware
 from ..plan.digest import PLAN_FIELDS, plan_digests
 from ..plan.step_plan import StepPlan
+from ..plan.topology import Topology
 from . import comm
 from .devices import group_device
 from .orthogonalize import StepGroups, bind
 from .team_groups import make_team_groups, team_request
 
-__all__ = ["PLAN_KINDS", "PlannedStep", "SetupReport", "broadcast_hardware", "prepare", "prepare_optimizers"]
+__all__ = ["PLAN_KINDS", "PlannedStep", "SetupReport", "broadcast_hardware", "launcher_ranks_per_node", "prepare",
+           "prepare_optimizers", "stage_topology"]
 
 PLAN_KINDS = ("muon", "full", "block")
 """the step kinds an optimizer may plan (``optimizer.step_plans``), in the order they are compared."""
@@ -247,3 +253,38 @@ def broadcast_hardware(hardware: Hardware) -> Hardware:
             data.copy_(torch.tensor(payload, dtype=torch.uint8, device=device))
         comm.broadcast_async(data, 0, None).wait()
     return Hardware(**json.loads(bytes(data.tolist()).decode()))
+
+
+# ---- the rank map ----------------------------------------------------------------------------------
+
+
+def launcher_ranks_per_node() -> int | None:
+    """The launcher's ranks per node: ``LOCAL_WORLD_SIZE``, which torchrun sets on every rank (it
+    launches the same number on every node, rank = node × LOCAL_WORLD_SIZE + local rank; our Slurm
+    scripts and run.sh launch through it); None where it is unset."""
+    value = os.environ.get("LOCAL_WORLD_SIZE", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE: expected the launcher's ranks per node (an integer >= 1), got {value!r}")
+    return int(value)
+
+
+def stage_topology(dp_group, tp_group, hardware: Hardware | None) -> Topology | None:
+    """The rank map of the stage whose DP and TP groups these are (None: a group of this rank
+    alone), as ``Topology.from_groups`` derives it from this rank's view (no collective; a group's
+    global ranks in group-rank order), with ``launcher_ranks_per_node``, else ``hardware``'s ranks
+    per node. None without torch.distributed, or when neither says how many ranks share a node."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    per_node = launcher_ranks_per_node() or (hardware.ranks_per_node if hardware is not None else None)
+    if per_node is None:
+        return None
+    rank = dist.get_rank()
+    return Topology.from_groups(_global_ranks(dp_group, rank), _global_ranks(tp_group, rank), rank, per_node)
+
+
+def _global_ranks(group, rank: int) -> list[int]:
+    if group is None:
+        return [rank]
+    return sorted(dist.get_process_group_ranks(group), key=lambda r: dist.get_group_rank(group, r))

@@ -9,6 +9,11 @@ digest per field of ``PLAN_FIELDS``, inputs first and the planner's decisions af
 first field that differs between two ranks is the likeliest cause; ``parallel.step_setup``
 all-gathers them once, at optimizer construction.
 
+The rank map (``PlanSettings.topology``: each position's global rank, the ranks per node) is a
+field of its own: every rank of a stage derives it from its own DP and TP groups, so equal maps
+across every DP and TP group are what proves the map true (``plan.topology``), and a launcher
+that puts another number of ranks on some node is named as such.
+
 Names are left out (they do not change a collective, and two replicas may name a parameter
 differently), and so are the hardware profile's ``name`` and ``source`` texts: two profiles with
 equal constants plan the same step.
@@ -31,6 +36,8 @@ _DECIDED = "the planner decides from the fields before it (ranks running differe
 PLAN_FIELDS: tuple[tuple[str, str], ...] = (
     ("step settings", "the --muon-* flags decide (NS steps, coefficients, dtype, scale, bucket, TP and DP modes)"),
     ("hardware constants", "--muon-auto-hardware gives (detect: the GPU model)"),
+    ("rank map", "the launcher and the process groups decide (LOCAL_WORLD_SIZE; the DP and TP groups' global "
+                 "ranks, which must repeat one grid over the stage, as Megatron's do)"),
     ("matrices", "the model decides (their shapes, TP splits and fused rows)"),
     ("DP ranges", "the DP layout decides (--muon-dp-layout, the distributed optimizer's buckets)"),
     ("DP owners", _DECIDED),
@@ -56,8 +63,9 @@ def plan_digests(plan: StepPlan) -> tuple[int, ...]:
     constants = None if hw is None else tuple((f.name, getattr(hw, f.name)) for f in dataclasses.fields(hw)
                                               if f.name not in ("name", "source"))
     values = (
-        (dataclasses.replace(settings, hardware=None), plan.dp_size, plan.tp_size),
+        (dataclasses.replace(settings, hardware=None, topology=None), plan.dp_size, plan.tp_size),
         constants,
+        settings.topology,
         tuple((lay.local_shape, lay.partition_dim, lay.tp_size, lay.split) for lay in plan.matrices),
         tuple(lay.dp_ranges for lay in plan.matrices),
         plan.dp_owners,

@@ -10,11 +10,23 @@ torchrun, Slurm's block distribution), and answers the planner's three questions
 group span nodes, does a DP group, and how many consecutive DP ranks share a node (the largest
 DP team whose all-reduces stay on NVLink).
 
+The map comes from one rank's own groups (``from_groups``): its DP group's global ranks and its TP
+group's, with no collective. That is exact where every DP group of the stage is a translate of
+every other (and so every TP group): Megatron's ``RankGenerator`` numbers ranks mixed-radix
+(global rank = Σ coordinate × stride, over tp-cp-ep-dp-pp, the expert grid over etp-ep-edp-pp), a
+DP group varies only the DP (and CP) coordinates and a TP group only the TP one, so position
+(d, j)'s rank is ``dp_ranks[d] + tp_ranks[j] − rank`` from any rank's view. Where the groups are
+not translates, the ranks derive different maps, and the plan digests' check at construction
+refuses them (``plan.digest``'s rank map): each rank's map holds its own DP and TP groups
+exactly, the check makes the maps equal across every DP and every TP group, those groups connect
+the stage, so maps that pass are one map, and it is the true one.
+
 Pure: every rank derives the same answers from the same rank map.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["Topology"]
@@ -39,6 +51,16 @@ class Topology:
         """Megatron's default order at the stage's front: TP fastest, then DP (position = global
         rank − ``first``)."""
         return Topology(tuple(range(first, first + dp_size * tp_size)), tp_size, ranks_per_node)
+
+    @staticmethod
+    def from_groups(dp_ranks: Sequence[int], tp_ranks: Sequence[int], rank: int, ranks_per_node: int) -> Topology:
+        """The stage's map as global rank ``rank`` sees it, from its DP and TP groups' global ranks
+        (each in group-rank order, ``rank`` in both): position (d, j) holds ``dp_ranks[d] +
+        tp_ranks[j] − rank`` (the module docstring says when that is exact)."""
+        if rank not in dp_ranks or rank not in tp_ranks:
+            raise ValueError(f"Topology.from_groups: global rank {rank} is not in its own DP group {list(dp_ranks)} "
+                             f"and TP group {list(tp_ranks)}")
+        return Topology(tuple(d + j - rank for d in dp_ranks for j in tp_ranks), len(tp_ranks), ranks_per_node)
 
     @property
     def dp_size(self) -> int:

@@ -18,6 +18,7 @@ from megatron_muon.optimizer import step_plans
 from megatron_muon.parallel.step_setup import SetupReport
 from megatron_muon.plan.auto_mode import CPU_GLOO
 from megatron_muon.plan.digest import PLAN_FIELDS, plan_digests
+from megatron_muon.plan.topology import Topology
 
 FIELDS = [name for name, _ in PLAN_FIELDS]
 HARDWARE = dataclasses.replace(CPU_GLOO, matmul_flops=1e6, collective_latency_s=0.0, kernel_overhead_s=0.0,
@@ -31,8 +32,8 @@ def _layouts(names=("a", "b"), ranges=((0, 300), (300, 576))):
             MatrixLayout(names[1], (12, 60), None, 1, None, ((0, 0), (0, 720)))]
 
 
-def _digests(layouts=None, hardware=HARDWARE, **config):
-    plan = step_plans(MuonConfig(tp_mode="auto", **config), layouts or _layouts(), 2, 1, hardware)["muon"]
+def _digests(layouts=None, hardware=HARDWARE, topology=None, **config):
+    plan = step_plans(MuonConfig(tp_mode="auto", **config), layouts or _layouts(), 2, 1, hardware, topology)["muon"]
     return dict(zip(FIELDS, plan_digests(plan)))
 
 
@@ -50,6 +51,20 @@ def test_each_input_moves_its_own_field_first():
               MatrixLayout("b", (12, 48), None, 1, None, ((0, 0), (0, 576)))]
     assert _first_difference(base, _digests(shapes)) == "matrices"
     assert _first_difference(base, _digests(_layouts(ranges=((0, 288), (288, 576))))) == "DP ranges"
+
+
+def test_the_rank_map_moves_its_own_field_first():
+    """The stage's DP ranks 0 and 1 on one node of 2 or on two nodes of 1 (another launch), and at
+    global ranks 4 and 5 (another PP stage's; the same node structure): each moves the rank map,
+    never the step settings, which hold every other setting."""
+    one_node = _digests(topology=Topology.contiguous(2, 1, 2))
+    assert _first_difference(one_node, _digests(topology=Topology.contiguous(2, 1, 2))) is None
+    assert _first_difference(one_node, _digests(topology=Topology.contiguous(2, 1, 1))) == "rank map"
+    later_stage = _digests(topology=Topology.contiguous(2, 1, 2, first=4))
+    assert _first_difference(one_node, later_stage) == "rank map" and later_stage["step settings"] == \
+        one_node["step settings"]
+    # no map (None: the contiguous default) and a given one are different inputs
+    assert _first_difference(_digests(), one_node) == "rank map"
 
 
 def test_names_and_profile_labels_do_not_count():

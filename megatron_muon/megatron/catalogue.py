@@ -29,15 +29,15 @@ from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer, Rang
 from megatron.core.utils import get_pg_size
 
 from ..config import MuonConfig
-from ..core.matrix_layout import MatrixLayout, RowSplit
+from ..core.matrix_layout import MatrixLayout
 from ..optimizer import MatrixCatalogue
+from ..plan.param_marks import ParamMarks, RowSplits, matrix_layout
 from .megatron_fsdp import check_own_range, fsdp_item_ranges, optimizer_buffer
 from .torch_fsdp2 import torch_fsdp2_ranges
 
 __all__ = ["MatrixOf", "describe_megatron_fsdp", "describe_whole", "describe_zero1", "is_expert_parallel",
-           "is_muon_matrix", "layout_of", "packed_in_backprop_order", "param_names", "ranges_on_every_rank",
-           "tag_grouped_experts",
-           "tag_qkv"]
+           "is_muon_matrix", "layout_of", "marks_of", "packed_in_backprop_order", "param_names",
+           "ranges_on_every_rank", "row_splits", "tag_grouped_experts", "tag_qkv"]
 
 MatrixOf = dict[int, tuple[MatrixLayout, torch.Tensor | None]]
 """id(model param) → (its layout, the tensor this rank updates for it, or None)."""
@@ -92,30 +92,29 @@ def tag_grouped_experts(model_chunks) -> None:
 
 def layout_of(name: str, param: torch.nn.Parameter, tp_size: int, muon_config: MuonConfig,
               dp_ranges=None, local_shape: tuple[int, int] | None = None) -> MatrixLayout:
-    """The layout of one Muon matrix. ``local_shape``: this TP rank's shape of the weight when
-    ``param.shape`` is not it (a Megatron-FSDP DTensor reports its global shape)."""
+    """The layout of one Muon matrix (``plan.param_marks.matrix_layout`` on the param's
+    attributes). ``local_shape``: this TP rank's shape of the weight when ``param.shape`` is not
+    it (a Megatron-FSDP DTensor reports its global shape)."""
     rows, cols = local_shape if local_shape is not None else param.shape
-    tensor_parallel = getattr(param, "tensor_model_parallel", False) and tp_size > 1
-    partition_dim = getattr(param, "partition_dim", -1) if tensor_parallel else None
-    split = None
-    if muon_config.split_qkv and getattr(param, "is_qkv", False):
-        sizes = tuple(param.qkv_split_shapes)
-        if rows % sum(sizes):
-            raise ValueError(f"{name}: QKV rows {rows} are not a multiple of the query-group size {sum(sizes)}")
-        split = RowSplit(rows // sum(sizes), sizes)
-    elif (muon_config.split_fc1 and (getattr(param, "partition_stride", 1) == 2 or getattr(param, "gated_fc1", False))
-          and partition_dim in (0, None)):
-        split = RowSplit(1, (rows // 2, rows // 2))  # a gated fc1 holds [gate; up] on every TP rank
-    elif muon_config.split_in_proj and getattr(param, "partition_sizes", None) is not None:
-        # A Mamba in_proj: megatron-core shards each of z, x, B, C, dt over TP on its own and marks
-        # this rank's rows per role (``partition_sizes``), so role k's whole matrix is the TP ranks'
-        # k-th blocks in rank order, as for fc1's gate and up.
-        sizes = tuple(int(n) for n in param.partition_sizes)
-        if sum(sizes) != rows or partition_dim not in (0, None):
-            raise ValueError(f"{name}: partition_sizes {list(sizes)} do not describe its {rows} local rows")
-        split = RowSplit(1, sizes)
-    return MatrixLayout(name, (rows, cols), partition_dim if partition_dim in (0, 1) else None, tp_size, split,
-                        dp_ranges)
+    return matrix_layout(name, (rows, cols), marks_of(param), tp_size, row_splits(muon_config), dp_ranges)
+
+
+def marks_of(param: torch.nn.Parameter) -> ParamMarks:
+    """The attributes megatron-core (and ``tag_qkv`` / ``tag_grouped_experts``) set on ``param``."""
+    sizes = getattr(param, "partition_sizes", None)
+    return ParamMarks(
+        tensor_parallel=bool(getattr(param, "tensor_model_parallel", False)),
+        partition_dim=getattr(param, "partition_dim", -1),
+        qkv_split=tuple(param.qkv_split_shapes) if getattr(param, "is_qkv", False) else None,
+        gated=getattr(param, "partition_stride", 1) == 2 or getattr(param, "gated_fc1", False),
+        partition_sizes=tuple(int(n) for n in sizes) if sizes is not None else None,
+        embedding_or_output=getattr(param, "is_embedding_or_output_parameter", False),
+    )
+
+
+def row_splits(muon_config: MuonConfig) -> RowSplits:
+    """The fused weights ``muon_config`` splits (``--muon-split-qkv`` and its siblings)."""
+    return RowSplits(qkv=muon_config.split_qkv, fc1=muon_config.split_fc1, in_proj=muon_config.split_in_proj)
 
 
 def param_names(model_chunks) -> dict[int, str]:

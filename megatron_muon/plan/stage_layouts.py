@@ -1,0 +1,180 @@
+"""A stage's DDP buffer and the ``MatrixLayout``s the optimizer plans with, from its parameters.
+
+The road from a model to its plan, without building the model (``stage_params`` → here →
+``step_plan.build_step_plan``), taking every step the real job takes with the same rules:
+
+1. the buffer layout, as ``--muon-dp-layout`` gives it to megatron-core's DDP:
+   ``balanced`` — ``plan.balanced_layout.balanced_layout`` on the ``LayoutItem``s the adapter
+   builds (``megatron.layout.balanced_buffer_layouts``: a Muon matrix whole, costed by its NS
+   FLOPs, its rows as long as its TP-local columns); ``megatron`` — megatron-core 0.19.2's own
+   packing, replayed (``megatron_packing``: ``DistributedOptimizer._compute_per_buffer_param_layout``);
+2. every DP rank's range of each param, as the distributed optimizer cuts each bucket into DP
+   equal shards (``dp_ranges``: ``DistributedOptimizer._build_model_gbuf_param_range_map``, which
+   ``megatron.catalogue.ranges_on_every_rank`` calls);
+3. the Muon matrices in the catalogue's order (``megatron.catalogue.describe_zero1``: bucket by
+   bucket, each bucket's params in backprop order — the reverse of registration), each laid out
+   by ``param_marks.matrix_layout``, the function ``catalogue.layout_of`` calls.
+
+The bucket size follows DDP's own rule: the given size on the first pipeline stage, one bucket on
+the others. A stage's dense params share one buffer (one dtype; expert-parallel buffers are not
+described). ``tests/megatron/test_stage_layouts.py`` compares every step with the real DDP's and
+the real catalogue's on models megatron-core builds. Pure: no torch, no Megatron.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..core.matrix_layout import MatrixLayout
+from ..core.models import ModelShape
+from ..core.newton_schulz import NSOptions
+from .balanced_layout import DEFAULT_ALPHA, MAX_PADDING, PARAM_ALIGN, BufferLayout, LayoutItem, balanced_layout
+from .param_marks import DEFAULT_SPLITS, RowSplits, matrix_layout
+from .stage_params import StageGrid, StageParam, stage_params
+
+__all__ = ["DP_LAYOUTS", "BufferSettings", "StageLayouts", "buffer_layout", "dp_ranges", "megatron_packing",
+           "shard_divisor", "stage_layouts", "whole_layouts", "zero1_layouts"]
+
+DP_LAYOUTS = ("balanced", "megatron")
+"""``--muon-dp-layout``'s choices."""
+
+
+@dataclass(frozen=True)
+class BufferSettings:
+    """How the stage's DDP buffer is laid out and its matrices split (the optimizer's flags)."""
+
+    dp_layout: str = "balanced"
+    """``--muon-dp-layout``: ``balanced`` (ours, the default) or ``megatron`` (megatron-core's packing)."""
+    bucket_numel: int | None = None
+    """DDP's bucket size in elements (``--ddp-bucket-size``, or its default with
+    ``--overlap-grad-reduce``: max(40M, 1M·DP)); None: one bucket. The first stage only (DDP's rule)."""
+    splits: RowSplits = DEFAULT_SPLITS
+    """the fused weights split into their parts (``--muon-split-qkv`` and its siblings)."""
+    ns: NSOptions = NSOptions()
+    """the NS settings whose FLOPs the balanced layout balances (steps, method)."""
+    alpha: float = DEFAULT_ALPHA
+    """``--muon-layout-alpha``."""
+    max_padding: float = MAX_PADDING
+    """``balanced_layout``'s fallback threshold (a bucket padding more is packed as megatron-core packs it)."""
+
+    def __post_init__(self) -> None:
+        if self.dp_layout not in DP_LAYOUTS:
+            raise ValueError(f"--muon-dp-layout: expected one of {DP_LAYOUTS}, got {self.dp_layout!r}")
+        if self.bucket_numel is not None and self.bucket_numel < 1:
+            raise ValueError(f"BufferSettings: bucket_numel must be None (one bucket) or >= 1, got {self.bucket_numel}")
+
+
+@dataclass(frozen=True)
+class StageLayouts:
+    """A stage on one TP rank: its params, its buffer and the matrices its optimizer plans."""
+
+    params: tuple[StageParam, ...]
+    """registration order."""
+    buffer: BufferLayout
+    """where each param lies (``ranges`` in the order of ``params``), the buckets."""
+    matrices: tuple[MatrixLayout, ...]
+    """the Muon matrices with every DP rank's range, in the catalogue's order."""
+
+
+def shard_divisor(dp: int) -> int:
+    """Every DP shard of a bucket is a multiple of this: 64-aligned shard starts, and DP × shard a
+    multiple of megatron-core's bucket-end divisor lcm(DP, 128) (``megatron.layout.shard_divisor``
+    without ``--ddp-pad-buckets-for-high-nccl-busbw``)."""
+    return math.lcm(PARAM_ALIGN, math.lcm(dp, 128) // dp)
+
+
+def megatron_packing(numels: Sequence[int], own_bucket: Sequence[bool], dp: int,
+                     bucket_numel: int | None) -> BufferLayout:
+    """megatron-core 0.19.2's buffer layout of params in registration order (``numels``), replayed
+    on sizes: walked in backprop order (the reverse), each start 64-aligned, a bucket closed once
+    it holds ``bucket_numel`` elements from its start (None: never), a shared embedding
+    (``own_bucket``) alone in its own bucket, each bucket's end padded to a multiple of lcm(DP, 128)."""
+    divisor = math.lcm(dp, 128)
+    ranges: list[tuple[int, int, int] | None] = [None] * len(numels)
+    buckets: list[tuple[int, int]] = []
+    unpadded: list[int] = []
+    bucket_start = cursor = end = held = 0  # held: params in the open bucket
+
+    def close(param_end: int) -> int:
+        nonlocal held
+        unpadded.append(param_end - bucket_start)
+        buckets.append((bucket_start, -(-param_end // divisor) * divisor))
+        held = 0
+        return buckets[-1][1]
+
+    for i in reversed(range(len(numels))):
+        cursor = -(-cursor // PARAM_ALIGN) * PARAM_ALIGN
+        if own_bucket[i] and held:
+            bucket_start = cursor = close(cursor)
+        end = cursor + numels[i]
+        ranges[i] = (cursor, end, len(buckets))
+        held += 1
+        if (bucket_numel is not None and end - bucket_start >= bucket_numel) or own_bucket[i]:
+            bucket_start = cursor = close(end)
+        else:
+            cursor = end
+    if held:
+        close(end)
+    sizes = [0] * len(buckets)
+    for (_, _, b), n in zip(ranges, numels):
+        sizes[b] += n
+    return BufferLayout(tuple(ranges), tuple(buckets), tuple(unpadded), tuple(sizes), dp)  # type: ignore[arg-type]
+
+
+def dp_ranges(buffer: BufferLayout, i: int) -> tuple[tuple[int, int], ...]:
+    """Per DP rank, the ``[start, end)`` of param ``i`` (its own flat indices) that the rank's
+    shard of its bucket holds; ``(0, 0)`` where it holds none."""
+    start, end, b = buffer.ranges[i]
+    bucket_start, bucket_end = buffer.buckets[b]
+    size = (bucket_end - bucket_start) // buffer.dp_size
+    out = []
+    for r in range(buffer.dp_size):
+        shard_start = bucket_start + r * size
+        shard_end = min(bucket_end, shard_start + size)
+        local_start, local_end = max(0, start - shard_start), min(shard_end - shard_start, end - shard_start)
+        if local_end > local_start:
+            first = max(0, shard_start - start)
+            out.append((first, first + local_end - local_start))
+        else:
+            out.append((0, 0))
+    return tuple(out)
+
+
+def buffer_layout(params: Sequence[StageParam], grid: StageGrid, settings: BufferSettings) -> BufferLayout:
+    """The stage's DDP buffer on the ``settings.dp_layout`` layout (the module docstring, step 1)."""
+    bucket = settings.bucket_numel if grid.first else None  # DDP buckets the first stage only
+    if settings.dp_layout == "megatron":
+        return megatron_packing([p.numel for p in params], [False] * len(params), grid.dp, bucket)
+    items = [LayoutItem(p.numel, _layout(p, grid.tp, settings.splits).ns_cost(settings.ns.steps, settings.ns.method),
+                        whole=True, row=p.shape[-1]) if p.is_muon else LayoutItem(p.numel)
+             for p in params]
+    return balanced_layout(items, grid.dp, bucket, alpha=settings.alpha, shard_divisor=shard_divisor(grid.dp),
+                           max_padding=settings.max_padding)
+
+
+def zero1_layouts(params: Sequence[StageParam], buffer: BufferLayout, tp: int,
+                  splits: RowSplits = DEFAULT_SPLITS) -> tuple[MatrixLayout, ...]:
+    """The Muon matrices as ``catalogue.describe_zero1`` describes them (step 3): in buffer order,
+    bucket by bucket, each bucket's params in backprop order, with every DP rank's range."""
+    order = sorted(reversed(range(len(params))), key=lambda i: buffer.ranges[i][2])  # stable: backprop within
+    return tuple(_layout(params[i], tp, splits, dp_ranges(buffer, i)) for i in order if params[i].is_muon)
+
+
+def whole_layouts(params: Sequence[StageParam], tp: int,
+                  splits: RowSplits = DEFAULT_SPLITS) -> tuple[MatrixLayout, ...]:
+    """The Muon matrices as ``catalogue.describe_whole`` describes them without the distributed
+    optimizer: registration order, whole on every DP rank (no DP ranges)."""
+    return tuple(_layout(p, tp, splits) for p in params if p.is_muon)
+
+
+def stage_layouts(model: ModelShape, grid: StageGrid, settings: BufferSettings = BufferSettings()) -> StageLayouts:
+    """``model``'s stage ``grid.stage`` on one TP rank, laid out as the optimizer finds it."""
+    params = stage_params(model, grid)
+    buffer = buffer_layout(params, grid, settings)
+    return StageLayouts(params, buffer, zero1_layouts(params, buffer, grid.tp, settings.splits))
+
+
+def _layout(p: StageParam, tp: int, splits: RowSplits, ranges=None) -> MatrixLayout:
+    return matrix_layout(p.name, (p.shape[0], p.shape[1]), p.marks, tp, splits, ranges)

@@ -690,15 +690,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="MuonBP: the measured step is a full step, and a second, block, step is measured too")
     parser.add_argument("--muonbp-block", default="tp_shard", choices=MUONBP_BLOCKS,
                         help="with --muonbp-period: what the block step orthogonalizes (--muonbp-block)")
+    parser.add_argument("--ranks-per-node", type=int, default=8,
+                        help="ranks per node, as the launcher's LOCAL_WORLD_SIZE gives it (node = global rank // "
+                             "this): the plans' rank map, which decides auto's DP teams (default 8)")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
     if args.muonbp_period is not None and args.muonbp_period < 2:
         parser.error(f"--muonbp-period {args.muonbp_period}: the dry run measures a full step, then a block "
                      "step; expected a period >= 2")
     muonbp = (args.muonbp_period, args.muonbp_block) if args.muonbp_period is not None else None
-    for flag in ("tp", "pp", "vpp", "dp", "ep", "etp"):
+    for flag in ("tp", "pp", "vpp", "dp", "ep", "etp", "ranks_per_node"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
-            parser.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     args.dp_layout = args.dp_layout or "balanced"
     shape = MODELS[args.model]
     if args.fsdp is not None and (shape.num_experts or args.ep > 1):
@@ -726,6 +729,8 @@ def main(argv: list[str] | None = None) -> int:
                            + (",expert-dp-group,expert-tp-group" if shape.num_experts else ""))
     warnings.filterwarnings("ignore")  # Megatron: no TE / Apex on this machine; GPTModel deprecation
     os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    # what torchrun sets on every rank: the optimizer reads the nodes of its groups' ranks from it
+    os.environ["LOCAL_WORLD_SIZE"] = str(args.ranks_per_node)
     from megatron_muon.megatron.cpu_patches import apply_cpu_patches, view_device
 
     apply_cpu_patches()
@@ -767,7 +772,8 @@ def main(argv: list[str] | None = None) -> int:
     wrapper = f"Megatron-FSDP {args.fsdp}" if args.fsdp else f"--muon-dp-layout {args.dp_layout}"
     vpp = f" x VPP{args.vpp}" if args.vpp > 1 else ""
     print(f"Dry run: {args.model}, TP{args.tp} x PP{args.pp}{vpp} x DP{args.dp} ({world} ranks){experts}, "
-          f"tp_mode {args.tp_mode}, {wrapper}, bf16 NS, meta device, fake process group\n")
+          f"tp_mode {args.tp_mode}, {wrapper}, bf16 NS, meta device, fake process group, "
+          f"{args.ranks_per_node} ranks per node\n")
     print("| rank | kinds | TP/DP/PP rank | Muon matrices | cut across DP | DP-owned units "
           "| NS TFLOP (plan) [planner table] "
           "| MiB sent (all_to_all / all_gather / all_reduce / broadcast / shape check) "
@@ -818,7 +824,7 @@ def main(argv: list[str] | None = None) -> int:
         for res in results.values():
             res["trace"] = len(res["trace"])
         args.json.write_text(json.dumps(dict(model=args.model, tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp,
-                                             ep=args.ep,
+                                             ep=args.ep, ranks_per_node=args.ranks_per_node,
                                              etp=etp, tp_mode=args.tp_mode, fsdp=args.fsdp,
                                              dp_layout=None if args.fsdp else args.dp_layout,
                                              ranks={str(r): dict(res, kinds=chosen.get(r, []))

@@ -1,0 +1,355 @@
+"""The iteration tables: the real DDP's buckets, priced over a whole training iteration.
+
+    python -m scripts.bench.iteration_table --model llama3-405b --tp 8 --pp 16 --dp 64
+    python -m scripts.bench.iteration_table --model llama3-70b --tp 8 --dp 8
+    python -m scripts.bench.iteration_table --model llama3-8b --tp 8 --dp 8
+    python -m scripts.bench.iteration_table --model llama3-405b --tp 8 --pp 16 --dp 64 --no-overlap-param-gather
+
+For each buffer layout (megatron-core's, ``--muon-dp-layout megatron``, and ours, ``balanced``)
+it builds the stages' model, DDP and optimizer on the meta device the way ``scripts/dry_run.py``'s
+``build_rank`` does (its function, called here; megatron-core's GPTModel, bf16, the fake process
+group) and reads the DDP's buckets: each bucket's numel (padding included) and the params it
+holds. A pipeline's stages are built once each of the first, a middle one (stage 1: every middle
+stage holds the same layers) and the last. Each bucket's compute is its params' FLOPs per
+micro-batch (``plan.iteration.linear_flops``: 2·numel·tokens forward for a weight, the embedding
+a lookup; ``attention_flops`` with each layer's QKV), backward twice the forward.
+
+The optimizer step's seconds are the cost model's (``step_cost.optimizer_step_cost`` on each
+stage's weights, h100-sxm): Adam's distributed optimizer on megatron-core's layout, and ours
+(``--muon-tp-mode owner``, the default flags) on each layout; Megatron's param all-gather, which
+the cost model counts in the step, is taken out (``plan.iteration`` prices it with the buckets).
+Rows: Adam on megatron-core's layout, Muon (ours) on the balanced layout (the default), Muon on
+megatron-core's layout; columns: buckets (first / last stage), the exposed reduce-scatter,
+all-gather and step, the iteration, and Muon against Adam. The global batch (default 4M tokens
+of 8192-token sequences) gives M = batch / (DP × micro-batch) micro-batches per iteration.
+"""
+
+from __future__ import annotations
+
+import os
+
+if __name__ == "__main__":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as scripts/dry_run.py: Megatron's CUDA-isms take the meta path
+
+import argparse
+import contextlib
+import dataclasses
+import io
+import json
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_muon.core.models import ModelShape
+from megatron_muon.plan.cost_model import GPU_PROFILES, Hardware, collective_time
+from megatron_muon.plan.iteration import (
+    Bucket,
+    Iteration,
+    IterationSettings,
+    Stage,
+    attention_flops,
+    iteration_time,
+    linear_flops,
+)
+from megatron_muon.plan.step_cost import optimizer_step_cost
+from megatron_muon.plan.topology import Topology
+
+LAYOUTS = ("megatron", "balanced")
+GLOBAL_BATCH_TOKENS = 4 * 2**20
+
+
+@dataclass(frozen=True)
+class RealBucket:
+    """One bucket of the real DDP, as one TP rank holds it."""
+
+    numel: int
+    """elements of its grad buffer, padding included."""
+    params: tuple[tuple[str, int, int], ...]
+    """(name, TP-local numel, ndim) of each param it holds, in the bucket's order."""
+    grad_bytes: int
+    param_bytes: int
+
+
+@dataclass(frozen=True)
+class RealStage:
+    """What one pipeline stage's DDP holds: its buckets, its layers, its ends of the model."""
+
+    stage: int
+    buckets: tuple[RealBucket, ...]
+    """DDP's buckets (over its bucket groups, in order: backprop order)."""
+    bucket_groups: int
+    layers: int
+    embedding: bool
+    output_layer: bool
+    build_s: float
+    """seconds the meta build took (model, DDP, our optimizer and its plans)."""
+
+
+@contextlib.contextmanager
+def _recording_ddp():
+    """Every megatron-core ``DistributedDataParallel`` built inside the block, in a list:
+    ``build_rank`` returns the optimizers, the DDP it wraps the model in is read here."""
+    from megatron.core.distributed import distributed_data_parallel as ddp_module
+
+    built = []
+    cls = ddp_module.DistributedDataParallel
+    init = cls.__init__
+
+    def recording(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    cls.__init__ = recording
+    try:
+        yield built
+    finally:
+        cls.__init__ = init
+
+
+def real_stage(shape: ModelShape, tp: int, pp: int, dp: int, stage: int, dp_layout: str,
+               tp_mode: str = "owner") -> RealStage:
+    """Build the first rank of pipeline stage ``stage`` on meta (``dry_run.build_rank``: the model,
+    Megatron's DDP on ``dp_layout``, our optimizer in ``tp_mode``) and read its DDP."""
+    import torch
+
+    from megatron_muon.megatron.cpu_patches import view_device
+    from scripts import dry_run
+
+    started = time.perf_counter()
+    # the optimizer's startup report (printed by global rank 0) is the dry run's business, not this table's
+    with _recording_ddp() as built, view_device(torch.device("meta")), contextlib.redirect_stdout(io.StringIO()):
+        dry_run.build_rank(shape, tp, pp, dp, tp * dp * stage, tp_mode, dp_layout)
+        try:
+            (ddp,) = built
+            names = {p: n for n, p in ddp.module.named_parameters()}
+            buckets = tuple(
+                RealBucket(bucket.grad_data.numel(),
+                           tuple((names[p], p.numel(), p.dim()) for p in bucket.params_list),
+                           bucket.grad_data.element_size(), bucket.param_data.element_size())
+                for group in ddp.bucket_groups for bucket in group.buckets)
+            groups = len(ddp.bucket_groups)
+        finally:
+            dry_run.teardown()
+    held = [n for b in buckets for n, _, _ in b.params]
+    layers = len({n.split("decoder.layers.")[1].split(".")[0] for n in held if "decoder.layers." in n})
+    return RealStage(stage, buckets, groups, layers, any("embedding" in n for n in held),
+                     any("output_layer" in n for n in held), time.perf_counter() - started)
+
+
+def bucket_compute(bucket: RealBucket, shape: ModelShape, tp: int, seq: int, micro_batch: int) -> Bucket:
+    """The bucket's forward / backward FLOPs per micro-batch: a weight's linear FLOPs (the
+    embedding is a lookup, norms are elementwise: none), each layer's attention core with its QKV."""
+    tokens = seq * micro_batch
+    forward = 0.0
+    for name, numel, ndim in bucket.params:
+        if ndim >= 2 and "embedding" not in name:
+            forward += linear_flops(numel, tokens)
+        if name.endswith("linear_qkv.weight"):
+            forward += attention_flops(seq, micro_batch, shape.num_heads, shape.head_dim, tp)
+    return Bucket(bucket.numel, forward, 2 * forward)
+
+
+@dataclass(frozen=True)
+class StepSeconds:
+    """One stage's optimizer step on h100-sxm, Megatron's param all-gather taken out."""
+
+    adam: float
+    ours: dict[str, float]
+    """by buffer layout."""
+
+
+def step_seconds(shape: ModelShape, real: RealStage, pp: int, grid: tuple[int, int], hw: Hardware,
+                 tp_mode: str) -> StepSeconds:
+    """Stage ``real.stage``'s step by the cost model, for Adam and for ours on each layout."""
+    tp, dp = grid
+    common = dict(tp=tp, dp=dp, pp=pp, stage=real.stage, hw=hw)
+    # megatron-core's default bucket size; the cost model's layouts drop it after the first stage, as DDP does
+    bucket = max(40_000_000, 1_000_000 * dp)
+
+    def without_gather(cost) -> float:
+        # The cost model's step ends with Megatron's param all-gather (``param_gather_bytes``, priced
+        # as step_cost prices it: one all-gather on the DP group, across nodes once TP x DP fills
+        # more than one); plan.iteration prices it from the real buckets, so it comes out here.
+        gather = collective_time("all_gather", cost.param_gather_bytes, 1, dp, hw, tp * dp > hw.ranks_per_node)
+        return cost.total_s - gather
+
+    adam = optimizer_step_cost(shape, optimizer="adam", **common)
+    ours = {layout: without_gather(optimizer_step_cost(shape, optimizer="ours", tp_mode=tp_mode, dp_layout=layout,
+                                                       bucket_numel=bucket, **common))
+            for layout in LAYOUTS}
+    return StepSeconds(without_gather(adam), ours)
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The job: model, parallel sizes, batch, DDP flags."""
+
+    shape: ModelShape
+    tp: int
+    pp: int
+    dp: int
+    seq: int = 8192
+    micro_batch: int = 1
+    global_batch_tokens: int = GLOBAL_BATCH_TOKENS
+    overlap_param_gather: bool = True
+    tp_mode: str = "owner"
+    """ours' ``--muon-tp-mode``."""
+
+    @property
+    def micro_batches(self) -> int:
+        sequences = self.global_batch_tokens // self.seq
+        if sequences % (self.dp * self.micro_batch):
+            raise SystemExit(f"error: --global-batch-tokens {self.global_batch_tokens}: {sequences} sequences of "
+                             f"{self.seq} do not split into DP {self.dp} x micro-batch {self.micro_batch}")
+        return sequences // (self.dp * self.micro_batch)
+
+    def built_stages(self) -> list[int]:
+        """The stages built: the first, one middle stage, the last."""
+        return sorted({0, min(1, self.pp - 1), self.pp - 1})
+
+    def stand_in(self, stage: int) -> int:
+        """The built stage that stands for ``stage`` (every middle stage holds the same layers)."""
+        return stage if stage in (0, self.pp - 1) else 1
+
+
+@dataclass(frozen=True)
+class Row:
+    label: str
+    layout: str
+    iteration: Iteration
+    buckets: tuple[int, ...]
+    """bucket count of each built stage."""
+
+
+def price(job: Layout, reals: dict[str, dict[int, RealStage]], hw: Hardware) -> list[Row]:
+    """The three rows: Adam and ours on megatron-core's layout, ours on the balanced one."""
+    settings = IterationSettings(job.micro_batches, job.dp,
+                                 Topology.contiguous(job.dp, job.tp, hw.ranks_per_node).dp_spans_nodes,
+                                 overlap_param_gather=job.overlap_param_gather)
+    steps = {layout: {s: step_seconds(job.shape, real, job.pp, (job.tp, job.dp), hw, job.tp_mode)
+                      for s, real in by_stage.items()} for layout, by_stage in reals.items()}
+
+    def stages(layout: str, optimizer: str) -> list[Stage]:
+        out = []
+        for s in range(job.pp):
+            real = reals[layout][job.stand_in(s)]
+            step = steps[layout][job.stand_in(s)]
+            buckets = tuple(bucket_compute(b, job.shape, job.tp, job.seq, job.micro_batch) for b in real.buckets)
+            out.append(Stage(buckets, step.adam if optimizer == "adam" else step.ours[layout],
+                             real.buckets[0].grad_bytes, real.buckets[0].param_bytes))
+        return out
+
+    rows = []
+    for label, layout, optimizer in (("Adam", "megatron", "adam"), ("Muon (ours)", "balanced", "ours"),
+                                     ("Muon (ours)", "megatron", "ours")):
+        rows.append(Row(label, layout, iteration_time(stages(layout, optimizer), settings, hw),
+                        tuple(len(reals[layout][s].buckets) for s in job.built_stages())))
+    return rows
+
+
+def table(job: Layout, rows: list[Row]) -> str:
+    adam = rows[0].iteration
+    stages = job.built_stages()
+    head = "buckets (stage " + " / ".join(str(s) for s in stages) + ")" if job.pp > 1 else "buckets"
+    lines = [f"| optimizer | layout | {head} | exposed RS ms | exposed AG ms | exposed step ms | exposed DDP ÷ Adam's "
+             "| iteration ms | iteration − Adam's |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        it = r.iteration
+        ratio = it.exposed_ddp_s / adam.exposed_ddp_s if adam.exposed_ddp_s else float("nan")
+        extra = (it.iteration_s - adam.iteration_s) / adam.iteration_s
+        lines.append(f"| {r.label} | {r.layout} | {' / '.join(map(str, r.buckets))} | "
+                     f"{1e3 * it.exposed_reduce_scatter_s:.1f} | {1e3 * it.exposed_all_gather_s:.1f} | "
+                     f"{1e3 * it.exposed_step_s:.1f} | {ratio:.2f} | {1e3 * it.iteration_s:.1f} | {extra:+.2%} |")
+    return "\n".join(lines)
+
+
+def stage_table(job: Layout, rows: list[Row]) -> str:
+    """The built stages' own figures: what each alone would expose."""
+    lines = ["| optimizer | layout | stage | fwd / bwd ms per micro-batch | RS / AG ms on the link | exposed RS ms "
+             "| exposed AG ms | exposed step ms |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        for s in job.built_stages():
+            st = r.iteration.stages[s]
+            lines.append(f"| {r.label} | {r.layout} | {s} | {1e3 * st.forward_s:.1f} / {1e3 * st.backward_s:.1f} | "
+                         f"{1e3 * st.reduce_scatter_s:.1f} / {1e3 * st.all_gather_s:.1f} | "
+                         f"{1e3 * st.exposed_reduce_scatter_s:.1f} | {1e3 * st.exposed_all_gather_s:.1f} | "
+                         f"{1e3 * st.exposed_step_s:.1f} |")
+    return "\n".join(lines)
+
+
+def build_all(job: Layout) -> dict[str, dict[int, RealStage]]:
+    warnings.filterwarnings("ignore")  # Megatron: no TE / Apex here; GPTModel deprecation
+    os.environ.setdefault("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    from megatron_muon.megatron.cpu_patches import apply_cpu_patches
+
+    apply_cpu_patches()
+    return {layout: {s: real_stage(job.shape, job.tp, job.pp, job.dp, s, layout, job.tp_mode)
+                     for s in job.built_stages()}
+            for layout in LAYOUTS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from scripts.dry_run import MODELS
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(m for m, s in MODELS.items() if not s.num_experts and s.mla is None
+                                                  and s.hybrid_pattern is None), required=True)
+    parser.add_argument("--tp", type=int, default=8)
+    parser.add_argument("--pp", type=int, default=1)
+    parser.add_argument("--dp", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=None, help="build the model with this many layers (tests)")
+    parser.add_argument("--seq", type=int, default=8192, help="sequence length")
+    parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
+    parser.add_argument("--global-batch-tokens", type=int, default=GLOBAL_BATCH_TOKENS)
+    parser.add_argument("--hardware", default="h100-sxm", choices=sorted(GPU_PROFILES))
+    parser.add_argument("--no-overlap-param-gather", action="store_true",
+                        help="the param all-gather inside the step (Megatron without --overlap-param-gather)")
+    parser.add_argument("--tp-mode", default="owner", choices=("owner", "duplicated", "distributed", "auto"),
+                        help="ours' --muon-tp-mode (auto plans on the h100-sxm constants)")
+    parser.add_argument("--json", type=Path, help="also write every figure here")
+    args = parser.parse_args(argv)
+    for flag in ("tp", "pp", "dp", "seq", "micro_batch", "global_batch_tokens"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    shape = MODELS[args.model]
+    if args.layers is not None:
+        if args.layers < args.pp:
+            parser.error(f"--layers {args.layers}: fewer layers than --pp {args.pp} stages")
+        shape = dataclasses.replace(shape, num_layers=args.layers)
+    job = Layout(shape, args.tp, args.pp, args.dp, args.seq, args.micro_batch, args.global_batch_tokens,
+                 not args.no_overlap_param_gather, args.tp_mode)
+    hw = GPU_PROFILES[args.hardware]
+    started = time.perf_counter()
+    reals = build_all(job)
+    rows = price(job, reals, hw)
+    command = " ".join(["python -m scripts.bench.iteration_table", *(sys.argv[1:] if argv is None else argv)])
+    flags = "--overlap-grad-reduce" + ("" if args.no_overlap_param_gather else " --overlap-param-gather")
+    print(f"Iteration: {args.model} ({shape.num_layers} layers), TP{args.tp} x PP{args.pp} x DP{args.dp}, "
+          f"{args.global_batch_tokens / 2**20:g}M-token global batch of {args.seq}-token sequences, micro-batch "
+          f"{args.micro_batch}: M = {job.micro_batches} micro-batches, 1F1B; {flags}; {hw.name}; Muon --muon-tp-mode "
+          f"{args.tp_mode}\n")
+    print(table(job, rows))
+    if job.pp > 1:
+        print("\nEach built stage alone (the other stages exposing nothing):\n")
+        print(stage_table(job, rows))
+    builds = [f"{layout} stage {s} {r.build_s:.1f} s" for layout, by in reals.items() for s, r in by.items()]
+    print(f"\nmeta builds: {', '.join(builds)}; total {time.perf_counter() - started:.1f} s\ncommand: {command}")
+    if args.json:
+        args.json.write_text(json.dumps(dict(
+            model=args.model, layers=shape.num_layers, tp=args.tp, pp=args.pp, dp=args.dp,
+            micro_batches=job.micro_batches, overlap_param_gather=job.overlap_param_gather, hardware=hw.name,
+            stages={layout: {str(s): dict(buckets=[dict(numel=b.numel, params=[n for n, _, _ in b.params],
+                                                        param_numel=sum(k for _, k, _ in b.params))
+                                                   for b in r.buckets],
+                                          bucket_groups=r.bucket_groups, layers=r.layers, build_s=r.build_s)
+                             for s, r in by.items()} for layout, by in reals.items()},
+            rows=[dict(label=r.label, layout=r.layout, buckets=r.buckets, iteration=dataclasses.asdict(r.iteration))
+                  for r in rows], command=command), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

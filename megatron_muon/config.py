@@ -212,7 +212,7 @@ class MuonConfig:
             # should not wait until someone switches to auto). ``detect`` waits for the optimizer:
             # asking CUDA for the device name before Megatron sets the device would open a context
             # on GPU 0 from every rank.
-            from .plan.auto_mode import hardware_profile
+            from .plan.hardware import hardware_profile
 
             hardware_profile(self.auto_hardware)
 
@@ -228,7 +228,7 @@ class MuonConfig:
         """The cost model's constants for tp_mode auto (None for the other modes)."""
         if self.tp_mode != "auto":
             return None
-        from .plan.auto_mode import hardware_profile
+        from .plan.hardware import hardware_profile
 
         return hardware_profile(self.auto_hardware)
 

@@ -349,7 +349,7 @@ def run_real_step(args) -> dict:
     between layouts; a layout is skipped, saying so, once the budget is spent."""
     import gc
 
-    from megatron_muon.plan.auto_mode import hardware_profile
+    from megatron_muon.plan.hardware import hardware_profile
     from scripts import dry_run
 
     device = torch.device("cuda", torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")

@@ -13,7 +13,7 @@ import torch
 from megatron_muon.core.newton_schulz import DEFAULT_COEFFICIENTS, NSOptions
 from megatron_muon.parallel import comm
 from megatron_muon.parallel.orthogonalize import StepGroups, orthogonalize_updates
-from megatron_muon.plan.auto_mode import hardware_profile
+from megatron_muon.plan.hardware import hardware_profile
 from megatron_muon.plan.step_plan import DEFAULT_BUCKET_BYTES, PlanSettings, StepPlan, build_step_plan
 
 

@@ -164,7 +164,7 @@ def _auto_hint(plan: StepPlan, config: MuonConfig) -> list[str]:
     on paper, once, only for an imbalanced plan; nothing about the run changes."""
     from dataclasses import replace
 
-    from ..plan.auto_mode import hardware_profile
+    from ..plan.hardware import hardware_profile
     from ..plan.step_plan import build_step_plan
 
     hardware = hardware_profile(config.auto_hardware)

@@ -248,7 +248,7 @@ def orthogonalize_sharded(
     device = resolve_device(shards, group, what="orthogonalize_sharded: shards") if device is None else device
     subs = check_local_shards(shards, partition_dims, mode, size, steps, coefficients, full_shapes)
     if mode == "auto" and hardware is None:
-        from ..plan.auto_mode import hardware_profile
+        from ..plan.hardware import hardware_profile
 
         hardware = hardware_profile("detect")
     if validate and size > 1 and mode != "blockwise":

@@ -64,8 +64,8 @@ from ..core.newton_schulz import (
     sharded_runs_gram,
     splits_gram,
 )
-from ..plan.cost_model import DISTRIBUTED_SUM_BYTES
 from ..plan.exchange import split_rounds
+from ..plan.pricing import DISTRIBUTED_SUM_BYTES
 from ..plan.step_plan import TP_MODES
 from . import comm
 from .sharding import group_by, join_shards, split_full

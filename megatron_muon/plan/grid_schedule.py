@@ -42,9 +42,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from ..core.matrix_layout import MatrixLayout
-from ..core.newton_schulz import method_flops
-from .cost_model import Hardware, collective_time, distributed_cost, ns_time
+from ..core.newton_schulz import NSOptions
+from .cost_model import Hardware
+from .pricing import Link, Price, dp_exchange, seconds, sub_price
 from .teams import team_layout
+from .topology import Topology
 
 __all__ = ["GridSchedule", "schedule_grid"]
 
@@ -92,10 +94,9 @@ class _Task:
         return self.wide_mode is not None and tp * self.wide_s <= self.narrow_s + (tp - 1) * self.narrow_other_s
 
 
-def schedule_grid(units: Sequence[MatrixLayout], dp_size: int, tp_size: int, hw: Hardware, *, steps: int = 5,
-                  dtype_bytes: int = 2, pinned: Mapping[int, int] | None = None,
-                  prefer: Sequence[int | None] | None = None, team: int = 1,
-                  method: str = "standard") -> GridSchedule:
+def schedule_grid(units: Sequence[MatrixLayout], dp_size: int, tp_size: int, hw: Hardware, ns: NSOptions, *,
+                  pinned: Mapping[int, int] | None = None, prefer: Sequence[int | None] | None = None, team: int = 1,
+                  topology: Topology | None = None) -> GridSchedule:
     """The schedule of the module docstring.
 
     Args:
@@ -106,27 +107,31 @@ def schedule_grid(units: Sequence[MatrixLayout], dp_size: int, tp_size: int, hw:
         hw: the cost model's constants.
         pinned: unit → DP group it must go to (it lies whole there).
         prefer: per unit, a DP group to take unless it ends later (the holder of its largest piece).
-        method: ``NSOptions.method``, for the FLOPs and collectives of each form.
+        ns: the Newton–Schulz settings (FLOPs, iterations, element size of each form).
+        topology: where the ranks live (``topology.Topology``; None: the contiguous order with
+            ``hw.ranks_per_node``), for the TP and DP groups' link classes.
         team: DP ranks per team at TP 1 (see the module docstring; 1: no teams). Then the
             schedule's groups are teams: ``dp_owners`` holds team indices and ``tp_owners`` the
             member of a narrow unit; ``pinned`` and ``prefer`` still name DP ranks.
     """
     pinned = dict(pinned or {})
+    topo = topology if topology is not None else Topology.contiguous(dp_size, tp_size, hw.ranks_per_node)
+    tp_link, dp_link = Link(tp_size, topo.tp_spans_nodes), Link(dp_size, topo.dp_spans_nodes)
     members: dict[int, int] = {}
     groups, width = dp_size, tp_size
     if team > 1:
         if tp_size != 1 or dp_size % team:
             raise ValueError(f"schedule_grid: teams of {team} need TP 1 and a DP size they divide, got TP {tp_size} "
                              f"x DP {dp_size}")
-        tasks = [[_team_task(unit, team, hw, steps, dtype_bytes, method)] for unit in units]
-        moves = [_team_move_s(unit, dp_size, team, hw, dtype_bytes) for unit in units]
+        tasks = [[_team_task(unit, team, hw, ns)] for unit in units]
+        moves = [_team_move_s(unit, dp_size, team, hw, ns.dtype_bytes, dp_link) for unit in units]
         members = {u: d % team for u, d in pinned.items()}
         pinned = {u: d // team for u, d in pinned.items()}
         prefer = None if prefer is None else [None if d is None else d // team for d in prefer]
         groups, width = dp_size // team, team
     else:
-        tasks = [[_task(sub, tp_size, hw, steps, dtype_bytes, method) for sub in unit.sub_matrices()] for unit in units]
-        moves = [_dp_move_s(unit, dp_size, tp_size, hw, dtype_bytes) for unit in units]
+        tasks = [[_task(sub, hw, ns, tp_link) for sub in unit.sub_matrices()] for unit in units]
+        moves = [_dp_move_s(unit, dp_size, hw, ns.dtype_bytes, dp_link) for unit in units]
     widenable = sorted({t.narrow_s for ts in tasks for t in ts if t.wide_mode is not None}, reverse=True)
     best = None
     allotments = [(float("inf"), False)] + [(threshold, True) for threshold in (float("inf"), *widenable)]
@@ -187,79 +192,72 @@ def _try(group: list[float], tasks: list[_Task], wide: list[bool], move_s: float
     return loads, tuple(owners)
 
 
-def _task(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: int, method: str = "standard") -> _Task:
-    full = sub.full_shape
-    compute = ns_time(method_flops(method, *full, steps), 1, hw, steps)
+def _task(sub: MatrixLayout, hw: Hardware, ns: NSOptions, link: Link) -> _Task:
+    """A sub-matrix's seconds narrow and wide on a TP group (``pricing.sub_price``, the plan's
+    own price, on ``link``)."""
+    tp = link.size
+
+    def on(mode: str, rank: int, owner: int | None = None) -> float:
+        price = sub_price(sub, mode, ns, tp=tp, rank=rank, owner=owner)
+        return seconds(price, hw, link, batches=1 if price.flops else 0, steps=ns.steps)
+
     if tp == 1 or not sub.numel:
-        return _Task(compute, 0.0, None, 0.0)
+        return _Task(on("owner", 0, 0), 0.0, None, 0.0)
     if not sub.is_sharded:
         # Every rank holds it, yet one computes it and broadcasts the result (the others' copies
         # could differ in their last bits, their GEMMs picking other kernels): narrow only.
-        cast = collective_time("broadcast", full[0] * full[1] * elem, 1, tp, hw)
-        return _Task(compute + cast, cast, None, 0.0, narrow_mode="duplicated")
-    shard = sub.numel * elem
-    # owner: shards there and back (the latency is the micro-group's, shared by its matrices)
-    narrow = compute + _bytes_s(2 * (tp - 1) * shard, tp, hw)
-    other = _bytes_s(2 * shard, tp, hw)
-    duplicated = compute + collective_time("all_gather", (tp - 1) * shard, 1, tp, hw)
-    distributed = _distributed_s(sub, tp, hw, steps, elem, method)
+        return _Task(on("duplicated", 0, 0), on("duplicated", 1, 0), None, 0.0, narrow_mode="duplicated")
+    # owner: shards there and back (the all-to-alls' latency is the micro-group's, shared)
+    narrow, other = on("owner", 0, 0), on("owner", 1, 0)
+    duplicated, distributed = on("duplicated", 0), on("distributed", 0)
     if distributed < duplicated:
         return _Task(narrow, other, "distributed", distributed)
     return _Task(narrow, other, "duplicated", duplicated)
 
 
-def _distributed_s(sub: MatrixLayout, tp: int, hw: Hardware, steps: int, elem: int,
-                   method: str = "standard") -> float:
-    """Seconds of the distributed mode on each of ``tp`` ranks holding ``sub``'s shards
-    (``cost_model.distributed_cost``: NS share, Gram all-reduces, B's row gathers)."""
-    k, cols = (sub.local_shape[1], sub.local_shape[0]) if sub.partition_dim == 0 else sub.local_shape
-    return distributed_cost(k, cols, tp, hw, steps=steps, dtype_bytes=elem, method=method).total_s
-
-
-def _team_task(unit: MatrixLayout, team: int, hw: Hardware, steps: int, elem: int,
-               method: str = "standard") -> _Task:
+def _team_task(unit: MatrixLayout, team: int, hw: Hardware, ns: NSOptions) -> _Task:
     """A TP-1 unit on a team: narrow on one member (the rest of the unit gathered there over the
     node and returned), or wide as the team's blocks (each member receives its block and runs its
     share of the distributed mode); one task per unit, since a unit goes whole to one rank."""
-    compute = ns_time(sum(method_flops(method, *sub.full_shape, steps) for sub in unit.sub_matrices()), 1, hw, steps)
-    gather = _bytes_s(2 * unit.numel * elem * (team - 1) / team, team, hw)
-    block = _bytes_s(2 * unit.numel * elem / team, team, hw)
+    link = Link(team, False)  # a team is one node's DP ranks (teams.team_size)
+    compute = seconds(Price(flops=sum(ns.flops(*sub.full_shape) for sub in unit.sub_matrices())), hw, link,
+                      batches=1, steps=ns.steps)
+    gather = _moved_s(unit.numel * ns.dtype_bytes * (team - 1) / team, hw, link)
+    block = _moved_s(unit.numel * ns.dtype_bytes / team, hw, link)
     layout = team_layout(unit, team)
     if layout is None:
         return _Task(compute + gather, block, None, 0.0, gather)
-    return _Task(compute + gather, block, "team", _distributed_s(layout, team, hw, steps, elem, method) + block,
-                 gather)
+    wide = seconds(sub_price(layout, "team", ns, tp=team, rank=0), hw, link, batches=1, steps=ns.steps)
+    return _Task(compute + gather, block, "team", wide + block, gather)
 
 
-def _team_move_s(unit: MatrixLayout, dp: int, team: int, hw: Hardware, elem: int) -> list[float]:
+def _team_move_s(unit: MatrixLayout, dp: int, team: int, hw: Hardware, elem: int, link: Link) -> list[float]:
     """Per team, seconds on each member of the unit's exchange with the other teams: what the team
     does not hold, there and back, shared by its members (or the result broadcast to every DP rank
     when each holds the unit whole)."""
     if not unit.numel:
         return [0.0] * (dp // team)
-    spans = dp > hw.ranks_per_node
     if unit.dp_ranges is None:
-        return [_bytes_s(unit.numel * elem, dp, hw, spans)] * (dp // team)
+        return [_moved_s(unit.numel * elem, hw, link)] * (dp // team)
     holders = unit.holders(dp)
     held = [sum(holders.get(d, 0) for d in range(g * team, (g + 1) * team)) for g in range(dp // team)]
-    return [_bytes_s(2 * (unit.numel - h) * elem / team, dp, hw, spans) for h in held]
+    return [_moved_s((unit.numel - h) * elem / team, hw, link) for h in held]
 
 
-def _dp_move_s(unit: MatrixLayout, dp: int, tp: int, hw: Hardware, elem: int) -> list[float]:
-    """Per DP group, seconds of the unit's DP exchange on that group's ranks if it owns the unit:
-    the pieces it does not hold, there and back (each TP rank its own shard's), or with every rank
-    holding the whole unit (no distributed optimizer) the result broadcast to the others."""
+def _dp_move_s(unit: MatrixLayout, dp: int, hw: Hardware, elem: int, link: Link) -> list[float]:
+    """Per DP group, seconds of the unit's DP exchange on that group's ranks if it owns the unit
+    (``pricing.dp_exchange``: the pieces it does not hold arrive and their results leave, the
+    busier direction of its link; or, every rank holding the whole unit, the result broadcast)."""
     if dp == 1 or not unit.numel:
         return [0.0] * dp
-    spans = tp * dp > hw.ranks_per_node
-    if unit.dp_ranges is None:
-        return [_bytes_s(unit.numel * elem, dp, hw, spans)] * dp
-    holders = unit.holders(dp)
-    return [_bytes_s(2 * (unit.numel - holders.get(d, 0)) * elem, dp, hw, spans) for d in range(dp)]
+    out = []
+    for d in range(dp):
+        sent, received = dp_exchange(unit, d, dp, elem).get(d, (0, 0))
+        out.append(_moved_s(max(sent, received), hw, link))
+    return out
 
 
-def _bytes_s(nbytes: float, group: int, hw: Hardware, spans_nodes: bool | None = None) -> float:
-    """Seconds an all-to-all spends moving ``nbytes`` from one rank, without its call latency
-    (the owner exchanges' calls are per micro-group, shared by the matrices in it)."""
-    return collective_time("all_to_all", nbytes, 1, group, hw, spans_nodes) - (hw.collective_latency_s if group > 1
-                                                                               else 0.0)
+def _moved_s(nbytes: float, hw: Hardware, link: Link) -> float:
+    """Seconds a rank's link spends on ``nbytes`` of an all-to-all, without its call latency (the
+    owner exchanges' calls are per micro-group, shared by the matrices in it)."""
+    return seconds(Price(link=(nbytes, 0.0, 0.0, 0.0)), hw, link, batches=0, steps=0)

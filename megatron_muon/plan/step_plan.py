@@ -31,27 +31,21 @@ Ranks are indexed ``dp_rank * tp_size + tp_rank``.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..core.block_grid import block_shape, check_grid
 from ..core.matrix_layout import MatrixLayout
-from ..core.newton_schulz import (
-    NSOptions,
-    gram_block_rows,
-    gram_blocks,
-    sharded_gram_flops,
-    sharded_ns_flops,
-    sharded_runs_gram,
-    splits_gram,
-)
+from ..core.newton_schulz import NSOptions
 from ..core.scaling import SCALE_MODES, muon_scale
 from . import exchange
-from .cost_model import DISTRIBUTED_SUM_BYTES, Hardware
+from .cost_model import Hardware
 from .grid_schedule import GridSchedule, schedule_grid
 from .local_blocks import Block, fragment_blocks
 from .owners import dp_pins, plan_owners, plan_unit_owners, unit_pinnable
-from .teams import team_blocks, team_layout, team_size
+from .pricing import rank_prices
+from .teams import team_layout, team_size
 from .topology import Topology
 from .units import Unit, split_units
 
@@ -209,9 +203,8 @@ def auto_schedule(matrices: Sequence[MatrixLayout], units: Sequence[Unit], dp_gr
     layouts = [unit.layout for unit in units]
     pinned, prefer = dp_pins(layouts, dp_groups, unit_pinnable(matrices, units, dp_groups)) if dp_groups > 1 \
         else ({}, None)
-    return schedule_grid(layouts, dp_groups, tp_size, settings.hardware, steps=settings.ns.steps,
-                         dtype_bytes=settings.ns.dtype_bytes, pinned=pinned, prefer=prefer, team=team,
-                         method=settings.ns.method)
+    return schedule_grid(layouts, dp_groups, tp_size, settings.hardware, settings.ns, pinned=pinned, prefer=prefer,
+                         team=team, topology=settings.topology)
 
 
 def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: int,
@@ -267,9 +260,11 @@ def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: 
                                  settings, schedule, blocks) for d in range(dp_size))
     blockwise = settings.tp_mode == "blockwise"
     scales = tuple(_scales(lay, blockwise, settings) for lay in layouts)
-    flops, dp_sent, tp_sent = _costs(layouts, dp_owners, work, dp_size, tp_size, ns, teams, team, settings.block_grid)
-    return StepPlan(matrices, units, dp_size, tp_size, settings, dp_owners, micro_groups, work, scales, flops,
-                    dp_sent, tp_sent, teams=teams, team_size=team)
+    plan = StepPlan(matrices, units, dp_size, tp_size, settings, dp_owners, micro_groups, work, scales, (), (), (),
+                    teams=teams, team_size=team)
+    prices, dp_sent, _ = rank_prices(plan)
+    return dataclasses.replace(plan, ns_flops=tuple(int(p.flops) for p in prices),
+                               dp_bytes=tuple(round(b) for b in dp_sent), tp_bytes=tuple(round(p.sent) for p in prices))
 
 
 def _from_teams(schedule: GridSchedule, layouts, team: int) -> tuple[GridSchedule, tuple[int | None, ...]]:
@@ -396,88 +391,3 @@ def _scales(layout: MatrixLayout, blockwise: bool, settings: PlanSettings) -> tu
     if settings.scale_mode is None:
         return (1.0,) * len(shapes)
     return tuple(muon_scale(r, c, settings.scale_mode, settings.extra_scale_factor) for r, c in shapes)
-
-
-# ---- per-rank FLOPs and bytes ---------------------------------------------------------------------
-
-
-def _costs(matrices, dp_owners, work, dp: int, tp: int, ns: NSOptions, teams=None, team: int = 1,
-           grid: tuple[int, int] = (1, 1)):
-    """(NS FLOPs, DP bytes, TP bytes) per rank, by ``comm.py``'s convention (what leaves a rank);
-    a DP team's all-reduces count with the TP bytes (the bytes of a unit's wide mode)."""
-    flops, dp_sent, tp_sent = [0.0] * (tp * dp), [0.0] * (tp * dp), [0.0] * (tp * dp)
-    if dp_owners is not None:
-        for i, lay in enumerate(matrices):
-            if not lay.numel:
-                continue
-            if teams is not None and teams[i] is not None:
-                for d, b in _team_dp_bytes(lay, teams[i], team, ns.dtype_bytes).items():
-                    dp_sent[d] += b  # teams only at TP 1
-                continue
-            for d, b in _dp_bytes(lay, dp_owners[i], dp, ns.dtype_bytes).items():
-                for j in range(tp):  # every TP peer moves its own TP-local shard alike
-                    dp_sent[d * tp + j] += b
-    for d, w in enumerate(work):
-        for sub, mode, owner in zip(w.subs, w.modes, w.tp_owners):
-            for j in range(tp):
-                f, b = _sub_cost(sub, "distributed", None, 0, sub.tp_size, ns) if mode == "team" else \
-                    _sub_cost(sub, mode, owner, j, tp, ns, grid)
-                flops[d * tp + j] += f
-                tp_sent[d * tp + j] += b
-    return tuple(int(f) for f in flops), tuple(round(b) for b in dp_sent), tuple(round(b) for b in tp_sent)
-
-
-def _dp_bytes(layout: MatrixLayout, owner: int, dp: int, elem: int) -> dict[int, int]:
-    """DP rank → bytes it sends for ``layout``: pieces to the owner, the results back."""
-    out: dict[int, int] = {}
-    if layout.dp_ranges is None:  # every DP rank holds it: the owner broadcasts the result (one copy)
-        if dp > 1:
-            out[owner] = layout.numel * elem
-        return out
-    for r, n in layout.holders(dp).items():
-        if r != owner:
-            out[r] = out.get(r, 0) + n * elem
-            out[owner] = out.get(owner, 0) + n * elem
-    return out
-
-
-def _team_dp_bytes(layout: MatrixLayout, t: int, team: int, elem: int) -> dict[int, int]:
-    """DP rank → bytes it sends for a unit that team ``t`` runs as blocks: each holder its piece of
-    every block to that block's member, each member the block's pieces back."""
-    out: dict[int, int] = {}
-    for block in team_blocks(layout, team, t * team):
-        owner = block.owned.owner
-        for p in block.owned.gather:
-            if p.rank != owner:
-                out[p.rank] = out.get(p.rank, 0) + p.numel * elem
-                out[owner] = out.get(owner, 0) + p.numel * elem
-    return out
-
-
-def _sub_cost(sub: MatrixLayout, mode: str, owner: int | None, j: int, tp: int, ns: NSOptions,
-              grid: tuple[int, int] = (1, 1)) -> tuple[float, float]:
-    """(NS FLOPs, bytes sent) of one sub-matrix on TP rank ``j`` (blockwise: in ``grid``'s blocks)."""
-    local, full, elem = sub.local_shape, sub.full_shape, ns.dtype_bytes
-    local_n, full_n = sub.numel, full[0] * full[1]
-    sharded = sub.is_sharded
-    if mode == "blockwise":  # NS of what the rank holds, block by block
-        return grid[0] * grid[1] * ns.flops(*block_shape(local, grid)), 0
-    if not sharded and mode in ("duplicated", "distributed") and tp > 1:  # on its owner, the result broadcast
-        return (ns.flops(*full), full_n * elem) if j == owner else (0, 0)
-    if not sharded and mode != "owner":  # NS of what the rank holds (a TP group of one)
-        return ns.flops(*local), 0
-    if mode == "duplicated":
-        return ns.flops(*full), (tp - 1) * local_n * elem
-    if mode == "distributed":  # k: the unsharded dim; the scale, the norm and `steps` k×k Grams all-reduced in fp32
-        k, cols = (local[1], local[0]) if sub.partition_dim == 0 else local
-        summed = DISTRIBUTED_SUM_BYTES
-        if sharded_runs_gram(ns.method, k, cols, tp):  # the scale, and one k×k Gram per block
-            grams = len(gram_blocks([None] * ns.steps, ns.restarts))
-            return sharded_gram_flops(k, cols, ns.steps, ns.restarts), 2 * (tp - 1) * (grams * k * k + 1) * summed / tp
-        sent = 2 * (tp - 1) * (ns.steps * k * k + 2) * summed / tp
-        if splits_gram(k, cols, tp):  # B's row blocks, all-gathered every step
-            sent += ns.steps * (tp - 1) * gram_block_rows(k, tp) * k * elem
-        return sharded_ns_flops(k, cols, ns.steps, tp), sent
-    if j != owner:  # owner mode: the shard goes to the owner (a replicated matrix stays put)
-        return 0, local_n * elem if sharded else 0
-    return ns.flops(*full), (tp - 1) * (local_n if sharded else full_n) * elem

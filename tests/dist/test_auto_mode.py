@@ -21,18 +21,16 @@ from megatron_muon import comm_stats, newton_schulz, orthogonalize_sharded
 from megatron_muon.config import MuonConfig
 from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
 from megatron_muon.core.models import LLAMA3
+from megatron_muon.core.newton_schulz import NSOptions
 from megatron_muon.core.scaling import muon_scale
 from megatron_muon.megatron.cli import add_muon_args, muon_config_from_args
 from megatron_muon.optimizer import MatrixCatalogue, MuonWithAdamW
-from megatron_muon.plan.auto_mode import (
-    AUTO_CANDIDATES,
-    CPU_GLOO,
-    choose_tp_modes,
-    hardware_profile,
-    predicted_time,
-)
-from megatron_muon.plan.cost_model import GPU_PROFILES, tp_mode_cost
+from megatron_muon.plan.auto_mode import AUTO_CANDIDATES, choose_tp_modes, predicted_time
+from megatron_muon.plan.hardware import CPU_GLOO, GPU_PROFILES, hardware_profile
+from megatron_muon.plan.mode_cost import tp_mode_cost
 from megatron_muon.plan.step_plan import TP_MODES as MODES
+
+FP32_NS = NSOptions(dtype=torch.float32)  # shards in fp32: 4-byte elements
 
 H100 = GPU_PROFILES["h100-sxm"]
 # A machine with no per-call latency (collectives and kernels cost only their bytes and FLOPs).
@@ -169,11 +167,11 @@ def test_profiles_by_name():
 
 
 def test_detect(monkeypatch):
-    from megatron_muon.plan import auto_mode
+    from megatron_muon.plan import hardware
 
     if not torch.cuda.is_available():
         assert hardware_profile("detect") is CPU_GLOO
-    detect = auto_mode._detected.__wrapped__  # uncached
+    detect = hardware._detected.__wrapped__  # uncached
     for name, want in [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100-sxm"),
                        ("NVIDIA A100-SXM4-80GB", "h100-sxm")]:
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -269,14 +267,14 @@ def _exact_worker(rank: int, t: int) -> dict:
     with comm_stats() as stats:
         out = orthogonalize_sharded(shards, pdims, mode="auto", hardware=NO_LATENCY,
                                     full_shapes=[s for s, _ in cases])
-    chosen = choose_tp_modes([sub(*s, p, t) for s, p in cases], t, NO_LATENCY, dtype_bytes=4)
+    chosen = choose_tp_modes([sub(*s, p, t) for s, p in cases], t, NO_LATENCY, FP32_NS)
     return {"out": out, "chosen": chosen, "calls": dict(stats.calls)}
 
 
 @pytest.mark.parametrize("t", [2, 4])
 def test_auto_mixes_modes_and_matches_full_newton_schulz(t):
     cases = _mixed_cases(t)
-    chosen = choose_tp_modes([sub(*s, p, t) for s, p in cases], t, NO_LATENCY, dtype_bytes=4)
+    chosen = choose_tp_modes([sub(*s, p, t) for s, p in cases], t, NO_LATENCY, FP32_NS)
     assert set(chosen) == set(AUTO_CANDIDATES), chosen  # the call really mixes all three sub-modes
     assert chosen[0] == chosen[1] == "distributed" and chosen[-2] in ("owner", "duplicated")
     ranks = run_world(t, _exact_worker)
@@ -374,7 +372,7 @@ def test_optimizer_auto_equals_owner_at_tp2(tmp_path):
     # row split and the replicated one; the optimizer runs them in one call.
     layouts = [MatrixLayout(f"m{i}", s, p, TP, split) for i, (s, p, split) in enumerate(OPT_SHAPES)]
     subs = [s for lay in layouts for s in lay.sub_matrices()]
-    assert len(set(choose_tp_modes(subs, TP, NO_LATENCY, dtype_bytes=4))) >= 2
+    assert len(set(choose_tp_modes(subs, TP, NO_LATENCY, FP32_NS))) >= 2
     ranks = run_world(TP, _opt_worker, str(path))
     bound = _opt_bound()  # 2.2e-4 (measured ≤ 1e-7); blockwise in place of an exact mode: ~1e-2
     for r in ranks:

@@ -24,7 +24,7 @@ from megatron_muon import comm_stats
 from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
 from megatron_muon.core.newton_schulz import NSOptions
 from megatron_muon.core.scaling import muon_scale
-from megatron_muon.plan.auto_mode import CPU_GLOO
+from megatron_muon.plan.hardware import CPU_GLOO
 from megatron_muon.plan.teams import team_layout
 
 # Compute-bound (slow GEMMs, free collectives): a team's share of NS is then cheaper than a whole

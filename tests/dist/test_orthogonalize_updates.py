@@ -19,7 +19,7 @@ from step_harness import run_step
 from matrix_harness import expected_bound, expected_local, global_matrix, layouts, tp_local
 
 from megatron_muon import comm_stats, ns_flops
-from megatron_muon.plan.auto_mode import CPU_GLOO
+from megatron_muon.plan.hardware import CPU_GLOO
 from megatron_muon.plan.owners import plan_unit_owners
 from megatron_muon.plan.step_plan import PlanSettings, build_step_plan
 from megatron_muon.plan.units import split_units

@@ -86,7 +86,7 @@ def _worker(rank: int, world: int) -> dict:
         # auto on the CPU profile without collective latency: these small matrices then go to
         # owner (NS once, not on both TP ranks); with the profile's 50 µs per call, the owner
         # pipeline's two all-to-alls per micro-group make duplicated win every one of them.
-        from megatron_muon.plan.auto_mode import hardware_profile
+        from megatron_muon.plan.hardware import hardware_profile
 
         no_latency = dataclasses.replace(hardware_profile("cpu-gloo"), collective_latency_s=0.0)
         for mode in MODES:

@@ -32,7 +32,7 @@ from megatron_muon.core.matrix_layout import MatrixLayout
 from megatron_muon.optimizer import MatrixCatalogue, MuonWithAdamW
 from megatron_muon.parallel.comm import observe_collectives
 from megatron_muon.parallel.step_setup import broadcast_hardware
-from megatron_muon.plan.auto_mode import CPU_GLOO
+from megatron_muon.plan.hardware import CPU_GLOO
 
 # Compute-bound (slow GEMMs, free collectives), as tests/dist/test_dp_teams.py: the schedule gives
 # the large units to teams. Two ranks per node: DP 4 has two teams of two.

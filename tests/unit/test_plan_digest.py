@@ -16,8 +16,8 @@ from megatron_muon.config import MuonConfig
 from megatron_muon.core.matrix_layout import MatrixLayout
 from megatron_muon.optimizer import step_plans
 from megatron_muon.parallel.step_setup import SetupReport
-from megatron_muon.plan.auto_mode import CPU_GLOO
 from megatron_muon.plan.digest import PLAN_FIELDS, plan_digests
+from megatron_muon.plan.hardware import CPU_GLOO
 from megatron_muon.plan.topology import Topology
 
 FIELDS = [name for name, _ in PLAN_FIELDS]

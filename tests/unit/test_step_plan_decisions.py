@@ -15,7 +15,7 @@ from megatron_muon.config import MuonConfig
 from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
 from megatron_muon.core.newton_schulz import ns_flops
 from megatron_muon.optimizer import step_plans
-from megatron_muon.plan.auto_mode import hardware_profile
+from megatron_muon.plan.hardware import hardware_profile
 from megatron_muon.plan.owners import plan_dp_owners
 from megatron_muon.plan.step_plan import build_step_plan
 from megatron_muon.plan.units import split_units

@@ -1,0 +1,66 @@
+"""scripts/bench/iteration_table.py end to end, on an 8B-shaped model with few layers (TP2 × DP4, and
+TP2 × PP2 × DP4, under the fake process group on meta; about 15 s each on 2 cores).
+
+What can fail: the buckets the script reads from the real DDP (``dry_run.build_rank``'s) against
+the pure replay of the same buffers (``plan.stage_layouts``: megatron-core's packing, and our
+balanced layout as the hook hands it to DDP), bucket by bucket and param by param; the table's
+rows adding up (pipeline + exposed step, all-gather and reduce-scatter = the iteration) and
+the command printed with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_muon.core.models import LLAMA3
+from megatron_muon.plan.stage_layouts import BufferSettings, stage_layouts
+from megatron_muon.plan.stage_params import StageGrid
+
+REPO = Path(__file__).resolve().parents[2]
+# The rows add up by construction (iteration_time's increments), re-added here in another order,
+# and the simulated pipeline sums its 2M compute terms one by one: a few hundred ulps of ~5 s
+# (~1e-13 s each) at most, far below 1e-9 s.
+_ROUNDING = 1e-9
+
+
+@pytest.mark.parametrize("pp, layers", [(1, 2), (2, 4)])
+def test_buckets_are_the_real_ddps(tmp_path, pp, layers):
+    out = tmp_path / "iteration.json"
+    args = ["--model", "llama3-8b", "--tp", "2", "--pp", str(pp), "--dp", "4", "--layers", str(layers),
+            "--json", str(out)]
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.iteration_table", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    shape = dataclasses.replace(LLAMA3["8B"], num_layers=layers)
+    for layout, stages in report["stages"].items():
+        assert sorted(stages) == [str(s) for s in range(pp)], layout  # PP2: the first and the last stage
+        for stage, real in stages.items():
+            # megatron-core's default bucket (max(40M, 1M x DP)); the replay drops it after stage 0, as DDP does
+            replay = stage_layouts(shape, StageGrid(2, 4, pp, int(stage)), BufferSettings(layout, 40_000_000))
+            assert [b["numel"] for b in real["buckets"]] == [end - start for start, end in replay.buffer.buckets]
+            # every param of the stage in exactly one bucket, at its TP-local size
+            assert sum(b["param_numel"] for b in real["buckets"]) == sum(p.numel for p in replay.params)
+            held = [name for b in real["buckets"] for name in b["params"]]
+            assert len(held) == len(set(held)) == len(replay.params)
+    # the rows' bucket counts are the DDP's: megatron-core's layout cuts the first stage into several
+    counts = {layout: [len(by_stage[str(s)]["buckets"]) for s in range(pp)]
+              for layout, by_stage in report["stages"].items()}
+    assert counts["megatron"][0] > 1
+    assert [r["buckets"] for r in report["rows"]] == [counts["megatron"], counts["balanced"], counts["megatron"]]
+    for row in report["rows"]:
+        it = row["iteration"]
+        parts = it["pipeline_s"] + it["exposed_step_s"] + it["exposed_all_gather_s"] + it["exposed_reduce_scatter_s"]
+        assert parts == pytest.approx(it["iteration_s"], abs=_ROUNDING)
+        # the pipeline's M forward-backward pairs summed one by one against M x (F + B): rounding only
+        assert it["iteration_s"] >= it["pipeline_s"] >= it["compute_s"] - _ROUNDING > 0
+    assert [(r["label"], r["layout"]) for r in report["rows"]] == [
+        ("Adam", "megatron"), ("Muon (ours)", "balanced"), ("Muon (ours)", "megatron")]
+    assert "| Adam | megatron |" in proc.stdout
+    assert "command: python -m scripts.bench.iteration_table " + " ".join(args) in proc.stdout

@@ -30,7 +30,7 @@ from megatron_muon.config import MuonConfig
 from megatron_muon.core.matrix_layout import MatrixLayout
 from megatron_muon.optimizer import MatrixCatalogue, MuonWithAdamW, step_plans
 from megatron_muon.parallel.team_groups import made_groups
-from megatron_muon.plan.auto_mode import CPU_GLOO
+from megatron_muon.plan.hardware import CPU_GLOO
 from megatron_muon.plan.topology import Topology
 
 # Compute-bound (slow GEMMs, free collectives), as tests/dist/test_step_setup.py: auto gives the

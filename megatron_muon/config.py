@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .plan.cost_model import Hardware
     from .plan.topology import Topology
 
-__all__ = ["DP_LAYOUTS", "MUONBP_BLOCKS", "MuonConfig", "NS_PRECISIONS"]
+__all__ = ["DP_LAYOUTS", "MUONBP_BLOCKS", "MuonConfig", "NS_PRECISIONS", "finite"]
 
 DP_LAYOUTS = ("balanced", "megatron")
 MUONBP_BLOCKS = ("tp_shard", "local")
@@ -34,7 +34,7 @@ MUONBP_BLOCKS = ("tp_shard", "local")
 NS_PRECISIONS = {"medium": torch.bfloat16, "high": torch.float32, "highest": torch.float32}
 
 
-def _finite(value) -> bool:
+def finite(value) -> bool:
     """A real number, not NaN or ±inf (a non-finite setting would train to NaN and save it)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
@@ -175,7 +175,7 @@ class MuonConfig:
             (self.dp_layout in DP_LAYOUTS, "--muon-dp-layout", f"one of {DP_LAYOUTS}", self.dp_layout),
             (isinstance(self.layout_alpha, (int, float)) and 0.0 <= self.layout_alpha <= 1.0,
              "--muon-layout-alpha", "a value in [0, 1]", self.layout_alpha),
-            (_finite(self.extra_scale_factor) and self.extra_scale_factor > 0, "--muon-extra-scale-factor",
+            (finite(self.extra_scale_factor) and self.extra_scale_factor > 0, "--muon-extra-scale-factor",
              "a finite value > 0", self.extra_scale_factor),
             (self.owner_bucket_bytes > 0, "--muon-owner-bucket-size-mb", "a positive size in MiB",
              _Shown(f"{self.owner_bucket_bytes / 2**20:g}")),
@@ -184,7 +184,7 @@ class MuonConfig:
             checks += [
                 (isinstance(self.muonbp_period, int) and self.muonbp_period >= 0, "--muonbp-period",
                  "an integer >= 0 (0: never a full step)", self.muonbp_period),
-                (_finite(self.muonbp_block_lr_mult) and self.muonbp_block_lr_mult > 0, "--muonbp-block-lr-mult",
+                (finite(self.muonbp_block_lr_mult) and self.muonbp_block_lr_mult > 0, "--muonbp-block-lr-mult",
                  "a finite value > 0", self.muonbp_block_lr_mult),
                 (self.muonbp_block in MUONBP_BLOCKS, "--muonbp-block", f"one of {MUONBP_BLOCKS}", self.muonbp_block),
                 (self.muonbp_block_grid is None or self.muonbp_block == "tp_shard", "--muonbp-block-grid",

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 from torch.optim.adam import adam as functional_adam
 
-from .config import MuonConfig, _finite
+from .config import MuonConfig, finite
 from .core.matrix_layout import MatrixLayout
 from .parallel import comm
 from .parallel.comm import comm_stats
@@ -171,11 +171,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
             raise ValueError(f"MuonWithAdamW: decoupled_weight_decay: expected True or False, "
                              f"got {decoupled_weight_decay!r}")
         checks = [
-            (_finite(lr) and lr >= 0, "lr", "a finite value >= 0", lr),
-            (_finite(weight_decay) and weight_decay >= 0, "weight_decay", "a finite value >= 0", weight_decay),
-            (_finite(eps) and eps >= 0, "eps", "a finite value >= 0", eps),
+            (finite(lr) and lr >= 0, "lr", "a finite value >= 0", lr),
+            (finite(weight_decay) and weight_decay >= 0, "weight_decay", "a finite value >= 0", weight_decay),
+            (finite(eps) and eps >= 0, "eps", "a finite value >= 0", eps),
             (isinstance(betas, (tuple, list)) and len(betas) == 2
-             and all(_finite(b) and 0 <= b < 1 for b in betas), "betas", "two values in [0, 1)", betas),
+             and all(finite(b) and 0 <= b < 1 for b in betas), "betas", "two values in [0, 1)", betas),
         ]
         for ok, name, expected, got in checks:
             if not ok:

@@ -52,7 +52,7 @@ import torch
 from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import DEFAULT_COEFFICIENTS, Coefficients, NSOptions
 from ..plan.exchange import dp_owned_matrix
-from ..plan.step_plan import DEFAULT_BUCKET_BYTES, PlanSettings, StepPlan, build_step_plan
+from ..plan.step_plan import DEFAULT_BUCKET_BYTES, PlanSettings, StepPlan, build_step_plan, call_settings
 from ..plan.teams import Run, team_blocks
 from . import comm
 from .devices import resolve_device
@@ -262,8 +262,7 @@ def orthogonalize_sharded(
     # One plan per dtype (first-seen order, the same on every rank): NS runs in each shard's dtype.
     for dtype, members in group_by(work, lambda i: shards[i].dtype).items():
         ns = NSOptions(steps, coefficients, eps, dtype, method=ns_method, gram_dtype=gram_dtype)
-        settings = PlanSettings(mode, ns, scale_mode=None, bucket_bytes=bucket_bytes,
-                                hardware=hardware if mode == "auto" else None, pipelined=mode in ("owner", "auto"))
+        settings = call_settings(mode, ns, hardware, bucket_bytes)
         plan = _one_off_plan(tuple(subs[i] for i in members), size, settings)
 
         def put(k: int, update: torch.Tensor, scale: float, members=members) -> None:

@@ -30,10 +30,7 @@ from .cost_model import Hardware, split_dim
 from .grid_schedule import schedule_grid
 from .mode_cost import tp_mode_cost
 
-__all__ = ["AUTO_CANDIDATES", "choose_tp_modes", "predicted_time"]
-
-AUTO_CANDIDATES = ("owner", "duplicated", "distributed")
-"""the modes ``auto`` chooses among."""
+__all__ = ["choose_tp_modes", "predicted_time"]
 
 _DEFAULT_NS = NSOptions()
 

@@ -44,8 +44,7 @@ from dataclasses import dataclass
 from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import NSOptions
 from .cost_model import Hardware
-from .pricing import Link, Price, dp_exchange, seconds, sub_price
-from .teams import team_layout
+from .pricing import Link, Widths, dp_exchange, moved_s, team_widths, widths
 from .topology import Topology
 
 __all__ = ["GridSchedule", "schedule_grid"]
@@ -66,32 +65,6 @@ class GridSchedule:
     """predicted seconds of the busiest rank."""
     ns_makespan_s: float
     """the same without the DP exchange: Newton–Schulz and its TP collectives."""
-
-
-@dataclass(frozen=True)
-class _Task:
-    """One sub-matrix's predicted seconds in each width."""
-
-    narrow_s: float
-    """on its owner rank."""
-    narrow_other_s: float
-    """on each other rank of the group (sending its shard, receiving the result)."""
-    wide_mode: str | None
-    """the faster wide mode; None when it has none (a TP group of one, an empty matrix, a
-    replicated one)."""
-    wide_s: float
-    """on every rank of the group, in ``wide_mode``."""
-    narrow_move_s: float = 0.0
-    """the part of ``narrow_s`` a unit placed on the member that holds it whole does not pay
-    (with teams: the rest of the unit gathered from the other members)."""
-    narrow_mode: str = "owner"
-    """the mode it runs in narrow: ``owner`` (the owner exchange), or ``duplicated`` for a
-    replicated matrix (computed on its TP rank, the result broadcast)."""
-
-    def free_to_widen(self, tp: int) -> bool:
-        """Wide costs the group no more rank-seconds than narrow (a tall-thin shard's tiny Gram):
-        always wide."""
-        return self.wide_mode is not None and tp * self.wide_s <= self.narrow_s + (tp - 1) * self.narrow_other_s
 
 
 def schedule_grid(units: Sequence[MatrixLayout], dp_size: int, tp_size: int, hw: Hardware, ns: NSOptions, *,
@@ -123,14 +96,14 @@ def schedule_grid(units: Sequence[MatrixLayout], dp_size: int, tp_size: int, hw:
         if tp_size != 1 or dp_size % team:
             raise ValueError(f"schedule_grid: teams of {team} need TP 1 and a DP size they divide, got TP {tp_size} "
                              f"x DP {dp_size}")
-        tasks = [[_team_task(unit, team, hw, ns)] for unit in units]
+        tasks = [[team_widths(unit, team, hw, ns)] for unit in units]
         moves = [_team_move_s(unit, dp_size, team, hw, ns.dtype_bytes, dp_link) for unit in units]
         members = {u: d % team for u, d in pinned.items()}
         pinned = {u: d // team for u, d in pinned.items()}
         prefer = None if prefer is None else [None if d is None else d // team for d in prefer]
         groups, width = dp_size // team, team
     else:
-        tasks = [[_task(sub, hw, ns, tp_link) for sub in unit.sub_matrices()] for unit in units]
+        tasks = [[widths(sub, hw, ns, tp_link) for sub in unit.sub_matrices()] for unit in units]
         moves = [_dp_move_s(unit, dp_size, hw, ns.dtype_bytes, dp_link) for unit in units]
     widenable = sorted({t.narrow_s for ts in tasks for t in ts if t.wide_mode is not None}, reverse=True)
     best = None
@@ -175,7 +148,7 @@ def _place(tasks, wide, moves, dp: int, tp: int, pinned, prefer, members) -> Gri
     return GridSchedule(tuple(dp_owners), modes, tuple(tp_owners), makespan, max(max(x) for x in ns_loads))
 
 
-def _try(group: list[float], tasks: list[_Task], wide: list[bool], move_s: float, member: int | None = None):
+def _try(group: list[float], tasks: list[Widths], wide: list[bool], move_s: float, member: int | None = None):
     """The group's loads after taking one unit (wide tasks first, then narrow ones longest first,
     each on the rank where it ends earliest: on ``member``, the rank that holds the unit whole,
     it does not pay the gather, ``narrow_move_s``) and each task's TP rank."""
@@ -192,45 +165,6 @@ def _try(group: list[float], tasks: list[_Task], wide: list[bool], move_s: float
     return loads, tuple(owners)
 
 
-def _task(sub: MatrixLayout, hw: Hardware, ns: NSOptions, link: Link) -> _Task:
-    """A sub-matrix's seconds narrow and wide on a TP group (``pricing.sub_price``, the plan's
-    own price, on ``link``)."""
-    tp = link.size
-
-    def on(mode: str, rank: int, owner: int | None = None) -> float:
-        price = sub_price(sub, mode, ns, tp=tp, rank=rank, owner=owner)
-        return seconds(price, hw, link, batches=1 if price.flops else 0, steps=ns.steps)
-
-    if tp == 1 or not sub.numel:
-        return _Task(on("owner", 0, 0), 0.0, None, 0.0)
-    if not sub.is_sharded:
-        # Every rank holds it, yet one computes it and broadcasts the result (the others' copies
-        # could differ in their last bits, their GEMMs picking other kernels): narrow only.
-        return _Task(on("duplicated", 0, 0), on("duplicated", 1, 0), None, 0.0, narrow_mode="duplicated")
-    # owner: shards there and back (the all-to-alls' latency is the micro-group's, shared)
-    narrow, other = on("owner", 0, 0), on("owner", 1, 0)
-    duplicated, distributed = on("duplicated", 0), on("distributed", 0)
-    if distributed < duplicated:
-        return _Task(narrow, other, "distributed", distributed)
-    return _Task(narrow, other, "duplicated", duplicated)
-
-
-def _team_task(unit: MatrixLayout, team: int, hw: Hardware, ns: NSOptions) -> _Task:
-    """A TP-1 unit on a team: narrow on one member (the rest of the unit gathered there over the
-    node and returned), or wide as the team's blocks (each member receives its block and runs its
-    share of the distributed mode); one task per unit, since a unit goes whole to one rank."""
-    link = Link(team, False)  # a team is one node's DP ranks (teams.team_size)
-    compute = seconds(Price(flops=sum(ns.flops(*sub.full_shape) for sub in unit.sub_matrices())), hw, link,
-                      batches=1, steps=ns.steps)
-    gather = _moved_s(unit.numel * ns.dtype_bytes * (team - 1) / team, hw, link)
-    block = _moved_s(unit.numel * ns.dtype_bytes / team, hw, link)
-    layout = team_layout(unit, team)
-    if layout is None:
-        return _Task(compute + gather, block, None, 0.0, gather)
-    wide = seconds(sub_price(layout, "team", ns, tp=team, rank=0), hw, link, batches=1, steps=ns.steps)
-    return _Task(compute + gather, block, "team", wide + block, gather)
-
-
 def _team_move_s(unit: MatrixLayout, dp: int, team: int, hw: Hardware, elem: int, link: Link) -> list[float]:
     """Per team, seconds on each member of the unit's exchange with the other teams: what the team
     does not hold, there and back, shared by its members (or the result broadcast to every DP rank
@@ -238,10 +172,10 @@ def _team_move_s(unit: MatrixLayout, dp: int, team: int, hw: Hardware, elem: int
     if not unit.numel:
         return [0.0] * (dp // team)
     if unit.dp_ranges is None:
-        return [_moved_s(unit.numel * elem, hw, link)] * (dp // team)
+        return [moved_s(unit.numel * elem, hw, link)] * (dp // team)
     holders = unit.holders(dp)
     held = [sum(holders.get(d, 0) for d in range(g * team, (g + 1) * team)) for g in range(dp // team)]
-    return [_moved_s((unit.numel - h) * elem / team, hw, link) for h in held]
+    return [moved_s((unit.numel - h) * elem / team, hw, link) for h in held]
 
 
 def _dp_move_s(unit: MatrixLayout, dp: int, hw: Hardware, elem: int, link: Link) -> list[float]:
@@ -253,11 +187,5 @@ def _dp_move_s(unit: MatrixLayout, dp: int, hw: Hardware, elem: int, link: Link)
     out = []
     for d in range(dp):
         sent, received = dp_exchange(unit, d, dp, elem).get(d, (0, 0))
-        out.append(_moved_s(max(sent, received), hw, link))
+        out.append(moved_s(max(sent, received), hw, link))
     return out
-
-
-def _moved_s(nbytes: float, hw: Hardware, link: Link) -> float:
-    """Seconds a rank's link spends on ``nbytes`` of an all-to-all, without its call latency (the
-    owner exchanges' calls are per micro-group, shared by the matrices in it)."""
-    return seconds(Price(link=(nbytes, 0.0, 0.0, 0.0)), hw, link, batches=0, steps=0)

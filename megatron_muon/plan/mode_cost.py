@@ -17,14 +17,11 @@ from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import NSOptions
 from .cost_model import Cost, Hardware
 from .pricing import plan_cost
-from .step_plan import PlanSettings, build_step_plan
+from .step_plan import SUB_MODES, build_step_plan, call_settings
 
-__all__ = ["MODES", "tp_mode_cost"]
+__all__ = ["tp_mode_cost"]
 
 _DEFAULT_NS = NSOptions()
-
-MODES = ("duplicated", "distributed", "blockwise", "owner")
-"""the modes one call runs a matrix list in (``auto`` chooses among them)."""
 
 
 def tp_mode_cost(matrices: Sequence[MatrixLayout], mode: str, tp: int, hw: Hardware, ns: NSOptions = _DEFAULT_NS,
@@ -37,8 +34,8 @@ def tp_mode_cost(matrices: Sequence[MatrixLayout], mode: str, tp: int, hw: Hardw
     collective once per matrix (megatron-core's ``TensorParallelMuon``) instead of once per
     same-shape group.
     """
-    if mode not in MODES:
-        raise ValueError(f"tp_mode_cost: unknown mode {mode!r}; expected one of {MODES}")
+    if mode not in SUB_MODES:
+        raise ValueError(f"tp_mode_cost: unknown mode {mode!r}; expected one of {SUB_MODES}")
     layouts = []
     for m in matrices:
         if m.is_sharded and m.tp_size != tp:
@@ -46,5 +43,6 @@ def tp_mode_cost(matrices: Sequence[MatrixLayout], mode: str, tp: int, hw: Hardw
         layouts.append(m if m.is_sharded else dataclasses.replace(m, partition_dim=None, tp_size=tp))
     if not any(m.numel for m in layouts):
         return Cost()
-    settings = PlanSettings(mode, ns, scale_mode=None, hardware=hw, pipelined=mode == "owner")
+    # the profile's ranks per node decide whether the TP group leaves a node
+    settings = dataclasses.replace(call_settings(mode, ns, None), hardware=hw)
     return plan_cost(build_step_plan(layouts, dp_size=1, tp_size=tp, settings=settings), hw, batched=batched)

@@ -35,10 +35,10 @@ from ..core.newton_schulz import (
     splits_gram,
 )
 from .cost_model import Cost, Hardware, call_latency, collective_time, link_time, memory_time, ns_time
-from .teams import team_blocks
+from .teams import team_blocks, team_layout
 
-__all__ = ["DISTRIBUTED_SUM_BYTES", "PRIMITIVES", "Link", "Price", "dp_exchange", "plan_cost", "rank_prices",
-           "seconds", "sub_price", "team_exchange"]
+__all__ = ["AUTO_CANDIDATES", "DISTRIBUTED_SUM_BYTES", "PRIMITIVES", "Link", "Price", "Widths", "dp_exchange",
+           "moved_s", "plan_cost", "rank_prices", "seconds", "sub_price", "team_exchange", "team_widths", "widths"]
 
 PRIMITIVES = ("all_to_all", "all_gather", "all_reduce", "broadcast")
 _A2A, _GATHER, _REDUCE, _CAST = range(4)
@@ -46,6 +46,10 @@ _A2A, _GATHER, _REDUCE, _CAST = range(4)
 DISTRIBUTED_SUM_BYTES = 4
 """bytes per element of the distributed mode's all-reduces (its Grams, scale and norm): they run
 in fp32 whatever the NS dtype (``parallel.tp_modes.REDUCE_DTYPE``); B's row gathers stay in it."""
+
+AUTO_CANDIDATES = ("owner", "duplicated", "distributed")
+"""the exact modes ``auto`` chooses among: narrow (``owner``; a replicated matrix ``duplicated``
+on one rank, its result broadcast) or wide (``distributed`` or ``duplicated``), ``widths``."""
 
 _ZERO4 = (0.0, 0.0, 0.0, 0.0)
 
@@ -168,6 +172,81 @@ def _comm_s(price: Price, hw: Hardware, link: Link) -> float:
     total = sum(link_time(p, b, link.size, hw, link.spans_nodes) + call_latency(p, c, link.size, hw)
                 for p, b, c in zip(PRIMITIVES, price.link, price.calls))
     return total + call_latency("all_reduce", price.scalar_calls, link.size, hw, scalars=True)
+
+
+# ---- auto's choice: a sub-matrix narrow or wide ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Widths:
+    """One sub-matrix's (or, with teams, one unit's) predicted seconds in each width: what
+    ``auto`` chooses between (``grid_schedule``)."""
+
+    narrow_s: float
+    """on its owner rank."""
+    narrow_other_s: float
+    """on each other rank of the group (sending its shard, receiving the result)."""
+    wide_mode: str | None
+    """the faster wide mode; None when it has none (a TP group of one, an empty matrix, a
+    replicated one)."""
+    wide_s: float
+    """on every rank of the group, in ``wide_mode``."""
+    narrow_move_s: float = 0.0
+    """the part of ``narrow_s`` a unit placed on the member that holds it whole does not pay
+    (with teams: the rest of the unit gathered from the other members)."""
+    narrow_mode: str = "owner"
+    """the mode it runs in narrow: ``owner`` (the owner exchange), or ``duplicated`` for a
+    replicated matrix (computed on its TP rank, the result broadcast)."""
+
+    def free_to_widen(self, tp: int) -> bool:
+        """Wide costs the group no more rank-seconds than narrow (a tall-thin shard's tiny Gram):
+        always wide."""
+        return self.wide_mode is not None and tp * self.wide_s <= self.narrow_s + (tp - 1) * self.narrow_other_s
+
+
+def widths(sub: MatrixLayout, hw: Hardware, ns: NSOptions, link: Link) -> Widths:
+    """A sub-matrix's seconds narrow and wide on a TP group (``pricing.sub_price``, the plan's
+    own price, on ``link``)."""
+    tp = link.size
+
+    def on(mode: str, rank: int, owner: int | None = None) -> float:
+        price = sub_price(sub, mode, ns, tp=tp, rank=rank, owner=owner)
+        return seconds(price, hw, link, batches=1 if price.flops else 0, steps=ns.steps)
+
+    if tp == 1 or not sub.numel:
+        return Widths(on("owner", 0, 0), 0.0, None, 0.0)
+    if not sub.is_sharded:
+        # Every rank holds it, yet one computes it and broadcasts the result (the others' copies
+        # could differ in their last bits, their GEMMs picking other kernels): narrow only.
+        return Widths(on("duplicated", 0, 0), on("duplicated", 1, 0), None, 0.0, narrow_mode="duplicated")
+    # owner: shards there and back (the all-to-alls' latency is the micro-group's, shared)
+    narrow, other = on("owner", 0, 0), on("owner", 1, 0)
+    duplicated, distributed = on("duplicated", 0), on("distributed", 0)
+    if distributed < duplicated:
+        return Widths(narrow, other, "distributed", distributed)
+    return Widths(narrow, other, "duplicated", duplicated)
+
+
+def team_widths(unit: MatrixLayout, team: int, hw: Hardware, ns: NSOptions) -> Widths:
+    """A TP-1 unit on a team: narrow on one member (the rest of the unit gathered there over the
+    node and returned), or wide as the team's blocks (each member receives its block and runs its
+    share of the distributed mode); one task per unit, since a unit goes whole to one rank."""
+    link = Link(team, False)  # a team is one node's DP ranks (teams.team_size)
+    compute = seconds(Price(flops=sum(ns.flops(*sub.full_shape) for sub in unit.sub_matrices())), hw, link,
+                      batches=1, steps=ns.steps)
+    gather = moved_s(unit.numel * ns.dtype_bytes * (team - 1) / team, hw, link)
+    block = moved_s(unit.numel * ns.dtype_bytes / team, hw, link)
+    layout = team_layout(unit, team)
+    if layout is None:
+        return Widths(compute + gather, block, None, 0.0, gather)
+    wide = seconds(sub_price(layout, "team", ns, tp=team, rank=0), hw, link, batches=1, steps=ns.steps)
+    return Widths(compute + gather, block, "team", wide + block, gather)
+
+
+def moved_s(nbytes: float, hw: Hardware, link: Link) -> float:
+    """Seconds a rank's link spends on ``nbytes`` of an all-to-all, without its call latency (the
+    owner exchanges' calls are per micro-group, shared by the matrices in it)."""
+    return seconds(Price(link=(nbytes, 0.0, 0.0, 0.0)), hw, link, batches=0, steps=0)
 
 
 # ---- the DP exchange ----------------------------------------------------------------------

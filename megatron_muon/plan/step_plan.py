@@ -49,11 +49,13 @@ from .teams import team_layout, team_size
 from .topology import Topology
 from .units import Unit, split_units
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "DP_MODES", "TP_MODES", "LocalRound", "OwnerWork", "PlanSettings", "StepPlan",
-           "auto_schedule", "build_step_plan"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "DP_MODES", "SUB_MODES", "TP_MODES", "LocalRound", "OwnerWork", "PlanSettings",
+           "StepPlan", "auto_schedule", "build_step_plan", "call_settings"]
 
 # Append new modes last: the cross-rank check sends TP_MODES.index(mode).
-TP_MODES = ("duplicated", "distributed", "blockwise", "owner", "auto")
+SUB_MODES = ("duplicated", "distributed", "blockwise", "owner")
+"""the modes one sub-matrix runs in (``auto`` resolves to these, per sub-matrix)."""
+TP_MODES = (*SUB_MODES, "auto")
 DP_MODES = ("owner", "redundant")
 DEFAULT_BUCKET_BYTES = 256 * 2**20
 """cap on the full-matrix bytes of one micro-group (``--muon-owner-bucket-size-mb``)."""
@@ -98,6 +100,15 @@ class PlanSettings:
             return self.topology
         per_node = self.hardware.ranks_per_node if self.hardware is not None else dp_size * tp_size
         return Topology.contiguous(dp_size, tp_size, per_node)
+
+
+def call_settings(mode: str, ns: NSOptions, hardware: Hardware | None, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+                  ) -> PlanSettings:
+    """The settings of one ``orthogonalize_sharded`` call (no scale; the owner exchange and
+    ``auto`` pipelined over micro-groups, a blocking mode batching everything at once), which its
+    cost model (``mode_cost.tp_mode_cost``) plans alike."""
+    return PlanSettings(mode, ns, scale_mode=None, bucket_bytes=bucket_bytes,
+                        hardware=hardware if mode == "auto" else None, pipelined=mode in ("owner", "auto"))
 
 
 @dataclass(frozen=True)

@@ -199,9 +199,9 @@ def apply_layer_wise_cpu_patch() -> None:
     Once per process, only without CUDA."""
     from megatron.core.optimizer import layer_wise_optimizer as m
 
-    from megatron_muon.megatron.cpu_patches import _retarget
+    from megatron_muon.megatron.cpu_patches import retarget
 
-    _retarget(m.LayerWiseDistributedOptimizer, "has_grad_norm_group", consts=("cuda",))
+    retarget(m.LayerWiseDistributedOptimizer, "has_grad_norm_group", consts=("cuda",))
 
 
 def torch_optimizers(optimizer):

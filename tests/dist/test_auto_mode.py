@@ -25,9 +25,10 @@ from megatron_muon.core.newton_schulz import NSOptions
 from megatron_muon.core.scaling import muon_scale
 from megatron_muon.megatron.cli import add_muon_args, muon_config_from_args
 from megatron_muon.optimizer import MatrixCatalogue, MuonWithAdamW
-from megatron_muon.plan.auto_mode import AUTO_CANDIDATES, choose_tp_modes, predicted_time
+from megatron_muon.plan.auto_mode import choose_tp_modes, predicted_time
 from megatron_muon.plan.hardware import CPU_GLOO, GPU_PROFILES, hardware_profile
 from megatron_muon.plan.mode_cost import tp_mode_cost
+from megatron_muon.plan.pricing import AUTO_CANDIDATES
 from megatron_muon.plan.step_plan import TP_MODES as MODES
 
 FP32_NS = NSOptions(dtype=torch.float32)  # shards in fp32: 4-byte elements

@@ -19,7 +19,7 @@ every alias of a patched function, e.g. ``l2_norm_impl`` in clip_grads, sees the
 Megatron's training package (``pretrain`` and its loop) adds two more, in the later patches:
 
 * setup code that counts devices and creates streams (``device_count()``, ``set_device``,
-  ``Stream()``, ``stream(...)``): ``_retarget_device_view`` gives such a function a wider view,
+  ``Stream()``, ``stream(...)``): ``retarget_device_view`` gives such a function a wider view,
   ``_CpuDeviceTorch`` (the CPU is one device; null streams), under its own global name;
 * a call that cannot be retargeted from inside (an assertion on ``torch.cuda.is_available()``,
   ``Module.cuda(...)``, a branch on ``device_count()``): the module attribute it is called
@@ -54,7 +54,7 @@ from .core import (
     patch_utils,
 )
 from .fsdp import patch_megatron_fsdp, patch_megatron_fsdp_dry_run, patch_torch_fsdp2
-from .mechanisms import _retarget, view_device
+from .mechanisms import retarget, view_device
 from .training import (
     patch_checkpointing,
     patch_get_model,
@@ -69,8 +69,8 @@ from .training import (
 )
 
 __all__ = ["PATCHES", "apply_cpu_patches", "patch_megatron_fsdp_dry_run", "view_device"]
-# _retarget is used by scripts/bench/optimizer_step_setup.py for the benchmark's own CPU shims
-_ = _retarget
+# retarget is used by scripts/bench/optimizer_step_setup.py for the benchmark's own CPU shims
+_ = retarget
 
 _APPLIED: list[str] | None = None
 

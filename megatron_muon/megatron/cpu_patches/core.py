@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .mechanisms import _retarget, _retarget_device_view
+from .mechanisms import retarget, retarget_device_view
 
 
 def patch_rng_tracker() -> None:
@@ -33,7 +33,7 @@ def patch_rng_tracker() -> None:
 
     mrandom._get_cuda_rng_state = _get_cpu_rng_state
     mrandom._set_cuda_rng_state = _set_cpu_rng_state
-    _retarget(mrandom.CudaRNGStatesTracker, "add", view=True)
+    retarget(mrandom.CudaRNGStatesTracker, "add", view=True)
 
 
 def patch_grad_buffer() -> None:
@@ -46,8 +46,8 @@ def patch_grad_buffer() -> None:
     """
     from megatron.core.distributed import param_and_grad_buffer as m
 
-    _retarget(m._ParamAndGradBuffer, "__init__", view=True)
-    _retarget(m._ParamAndGradBucketGroup, "start_grad_sync", view=True)
+    retarget(m._ParamAndGradBuffer, "__init__", view=True)
+    retarget(m._ParamAndGradBucketGroup, "start_grad_sync", view=True)
 
 
 def patch_rotary() -> None:
@@ -60,8 +60,8 @@ def patch_rotary() -> None:
     """
     from megatron.core.models.common.embeddings import rotary_pos_embedding as m
 
-    _retarget(m.RotaryEmbedding, "get_emb", view=True)
-    _retarget(m.RotaryEmbedding, "__init__", view=True)
+    retarget(m.RotaryEmbedding, "get_emb", view=True)
+    retarget(m.RotaryEmbedding, "__init__", view=True)
 
 
 def patch_utils() -> None:
@@ -74,8 +74,8 @@ def patch_utils() -> None:
     """
     from megatron.core import utils as m
 
-    _retarget(m.GlobalMemoryBuffer, "get_tensor", view=True)
-    _retarget(m, "local_multi_tensor_l2_norm", consts=("cuda",))
+    retarget(m.GlobalMemoryBuffer, "get_tensor", view=True)
+    retarget(m, "local_multi_tensor_l2_norm", consts=("cuda",))
 
 
 def patch_grad_scaler() -> None:
@@ -85,8 +85,8 @@ def patch_grad_scaler() -> None:
     inf/NaN and skip the step."""
     from megatron.core.optimizer import grad_scaler as m
 
-    _retarget(m.MegatronGradScaler, "__init__", consts=("cuda",))
-    _retarget(m.DynamicGradScaler, "__init__", consts=("cuda",))
+    retarget(m.MegatronGradScaler, "__init__", consts=("cuda",))
+    retarget(m.DynamicGradScaler, "__init__", consts=("cuda",))
 
 
 def patch_dist_checkpointing() -> None:
@@ -103,7 +103,7 @@ def patch_dist_checkpointing() -> None:
 
     for owner, attr in ((FileSystemWriterAsync, "preload_tensors"),
                         (state_dict_saver, "save_state_dict_async_finalize")):
-        _retarget(owner, attr, view=True)
+        retarget(owner, attr, view=True)
 
 
 def patch_async_save() -> None:
@@ -128,11 +128,11 @@ def patch_async_save() -> None:
     """
     from megatron.core.dist_checkpointing.strategies import async_utils, state_dict_saver
 
-    _retarget_device_view(async_utils.PersistentAsyncCaller, "async_loop", names=("set_device", "device_count"))
-    _retarget(async_utils.AsyncCaller, "sync_all_async_calls", view=True)
-    _retarget(async_utils.AsyncCallsQueue, "maybe_finalize_async_calls", view=True)
-    _retarget(async_utils.TemporalAsyncCaller, "schedule_async_call", view=True)
-    _retarget(state_dict_saver, "verify_global_md_reuse", consts=("cuda",))
+    retarget_device_view(async_utils.PersistentAsyncCaller, "async_loop", names=("set_device", "device_count"))
+    retarget(async_utils.AsyncCaller, "sync_all_async_calls", view=True)
+    retarget(async_utils.AsyncCallsQueue, "maybe_finalize_async_calls", view=True)
+    retarget(async_utils.TemporalAsyncCaller, "schedule_async_call", view=True)
+    retarget(state_dict_saver, "verify_global_md_reuse", consts=("cuda",))
 
 
 def patch_timers() -> None:
@@ -142,9 +142,9 @@ def patch_timers() -> None:
     Megatron's training loop times every iteration with them."""
     from megatron.core import timers as m
 
-    _retarget(m.Timer, "start", view=True)
-    _retarget(m.Timer, "stop", view=True)
-    _retarget(m.Timers, "_get_elapsed_time_all_ranks", view=True)
+    retarget(m.Timer, "start", view=True)
+    retarget(m.Timer, "stop", view=True)
+    retarget(m.Timers, "_get_elapsed_time_all_ranks", view=True)
 
 
 def patch_causal_mask() -> None:
@@ -153,7 +153,7 @@ def patch_causal_mask() -> None:
     it when the batch carries no attention mask (causal mask type)."""
     from megatron.core.transformer import utils as m
 
-    _retarget(m, "get_default_causal_mask", consts=("cuda",))
+    retarget(m, "get_default_causal_mask", consts=("cuda",))
 
 
 def patch_moe_router() -> None:
@@ -161,7 +161,7 @@ def patch_moe_router() -> None:
     moves a CPU router weight to ``torch.cuda.current_device()``: CPU view (it stays put)."""
     from megatron.core.transformer.moe import router as m
 
-    _retarget(m.Router, "gating", view=True)
+    retarget(m.Router, "gating", view=True)
 
 
 def patch_sequence_parallel() -> None:
@@ -177,8 +177,8 @@ def patch_sequence_parallel() -> None:
     from megatron.core.tensor_parallel import layers, mappings
 
     for attr in ("_gather_along_last_dim", "_gather_along_first_dim", "_reduce_scatter_along_first_dim"):
-        _retarget(mappings, attr, view=True)
-    _retarget(layers.LinearWithGradAccumulationAndAsyncCommunication, "backward", view=True)
+        retarget(mappings, attr, view=True)
+    retarget(layers.LinearWithGradAccumulationAndAsyncCommunication, "backward", view=True)
 
 
 def patch_optimizer() -> None:
@@ -196,11 +196,11 @@ def patch_optimizer() -> None:
     """
     from megatron.core.optimizer import optimizer as m
 
-    _retarget(m.MegatronOptimizer, "has_grad_norm_group", consts=("cuda",))
-    _retarget(m.MixedPrecisionOptimizer, "__init__", consts=("cuda",))
+    retarget(m.MegatronOptimizer, "has_grad_norm_group", consts=("cuda",))
+    retarget(m.MixedPrecisionOptimizer, "__init__", consts=("cuda",))
     types_ = ("torch.cuda.HalfTensor", "torch.cuda.BFloat16Tensor", "torch.cuda.FloatTensor")
-    _retarget(m.Float16OptimizerWithFloat16Params, "__init__", consts=types_)
-    _retarget(m.FP32Optimizer, "__init__", consts=("cuda",))
+    retarget(m.Float16OptimizerWithFloat16Params, "__init__", consts=types_)
+    retarget(m.FP32Optimizer, "__init__", consts=("cuda",))
 
 
 def patch_clip_grads() -> None:
@@ -213,9 +213,9 @@ def patch_clip_grads() -> None:
     """
     from megatron.core.optimizer import clip_grads as m
 
-    _retarget(m, "get_grad_norm_fp32", consts=("cuda",))
-    _retarget(m, "clip_grad_by_total_norm_fp32", consts=("cuda", "torch.cuda.FloatTensor"))
-    _retarget(m, "count_zeros_fp32", consts=("cuda",))
+    retarget(m, "get_grad_norm_fp32", consts=("cuda",))
+    retarget(m, "clip_grad_by_total_norm_fp32", consts=("cuda", "torch.cuda.FloatTensor"))
+    retarget(m, "count_zeros_fp32", consts=("cuda",))
 
 
 def patch_distrib_optimizer() -> None:
@@ -232,9 +232,9 @@ def patch_distrib_optimizer() -> None:
     from megatron.core.optimizer import distrib_optimizer as m
 
     half = ("torch.cuda.HalfTensor", "torch.cuda.BFloat16Tensor")
-    _retarget(m.DistributedOptimizer, "_build_model_and_main_param_groups",
+    retarget(m.DistributedOptimizer, "_build_model_and_main_param_groups",
               consts=(*half, "torch.cuda.FloatTensor"))
-    _retarget(m.DistributedOptimizer, "__init__", consts=half)
+    retarget(m.DistributedOptimizer, "__init__", consts=half)
 
 
 def patch_pipeline() -> None:
@@ -250,10 +250,10 @@ def patch_pipeline() -> None:
     """
     from megatron.core.pipeline_parallel import p2p_communication, schedules
 
-    _retarget(schedules, "forward_backward_no_pipelining", consts=("cuda",))
-    _retarget(schedules, "forward_backward_pipelining_without_interleaving", consts=("cuda",))
-    _retarget(schedules, "forward_backward_pipelining_with_interleaving", consts=("cuda",))
-    _retarget(p2p_communication.P2PCommunicator, "_communicate", view=True)
+    retarget(schedules, "forward_backward_no_pipelining", consts=("cuda",))
+    retarget(schedules, "forward_backward_pipelining_without_interleaving", consts=("cuda",))
+    retarget(schedules, "forward_backward_pipelining_with_interleaving", consts=("cuda",))
+    retarget(p2p_communication.P2PCommunicator, "_communicate", view=True)
 
 
 def patch_rerun_state_machine() -> None:
@@ -270,10 +270,10 @@ def patch_rerun_state_machine() -> None:
     """
     from megatron.core.rerun_state_machine import RerunStateMachine as m
 
-    _retarget(m, "_save_state", view=True)
-    _retarget(m, "validate_result", view=True)
-    _retarget(m, "_log_validation_error_to_file", view=True)
-    _retarget(m, "_reduce_any", consts=("cuda",))
+    retarget(m, "_save_state", view=True)
+    retarget(m, "validate_result", view=True)
+    retarget(m, "_log_validation_error_to_file", view=True)
+    retarget(m, "_reduce_any", consts=("cuda",))
 
 
 def patch_batch_broadcast() -> None:
@@ -283,4 +283,4 @@ def patch_batch_broadcast() -> None:
     view."""
     from megatron.core import utils as m
 
-    _retarget(m, "get_batch_on_this_tp_rank", view=True)
+    retarget(m, "get_batch_on_this_tp_rank", view=True)

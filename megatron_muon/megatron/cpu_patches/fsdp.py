@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import inspect
 
-from .mechanisms import _rename_method_call, _retarget, _retarget_device_view, _unless_fake_backend
+from .mechanisms import rename_method_call, retarget, retarget_device_view, unless_fake_backend
 
 
 def patch_megatron_fsdp() -> None:
@@ -40,17 +40,17 @@ def patch_megatron_fsdp() -> None:
     from megatron.core.distributed.fsdp.src.megatron_fsdp import param_and_grad_buffer as buffers
     from megatron.core.distributed.fsdp.src.megatron_fsdp import uneven_dtensor
 
-    _retarget(adapter.FullyShardedDataParallel, "__init__", consts=("cuda:",), view=True)
-    _retarget(adapter.FullyShardedDataParallel, "_init_dist_index", consts=("cuda",))
-    _retarget(adapter, "_get_rng_state_dict", view=True)
-    _retarget(fsdp.MegatronFSDP, "__init__", consts=("cuda:",), view=True)
-    _retarget_device_view(fsdp.MegatronFSDP, "_init_fsdp_param_and_grad_buffer", names=("Stream",))
-    _retarget_device_view(buffers.GradReducePipeline, "__init__", names=("Stream",))
-    _retarget_device_view(buffers.GradReducePipeline, "_bucket_group_gradient_reduce",
+    retarget(adapter.FullyShardedDataParallel, "__init__", consts=("cuda:",), view=True)
+    retarget(adapter.FullyShardedDataParallel, "_init_dist_index", consts=("cuda",))
+    retarget(adapter, "_get_rng_state_dict", view=True)
+    retarget(fsdp.MegatronFSDP, "__init__", consts=("cuda:",), view=True)
+    retarget_device_view(fsdp.MegatronFSDP, "_init_fsdp_param_and_grad_buffer", names=("Stream",))
+    retarget_device_view(buffers.GradReducePipeline, "__init__", names=("Stream",))
+    retarget_device_view(buffers.GradReducePipeline, "_bucket_group_gradient_reduce",
                           names=("stream", "current_stream"))
-    _retarget_device_view(buffers.AllGatherPipeline, "__init__", names=("Stream",))
-    _retarget_device_view(buffers.AllGatherPipeline, "all_gather_params", names=("stream", "current_stream"))
-    _rename_method_call(uneven_dtensor, "validate_uneven_dtensor", "cuda", "cpu")
+    retarget_device_view(buffers.AllGatherPipeline, "__init__", names=("Stream",))
+    retarget_device_view(buffers.AllGatherPipeline, "all_gather_params", names=("stream", "current_stream"))
+    rename_method_call(uneven_dtensor, "validate_uneven_dtensor", "cuda", "cpu")
     buffers.AllGatherPipeline.all_gather_params = _synchronous_param_gather(buffers.AllGatherPipeline.all_gather_params)
 
 
@@ -86,7 +86,7 @@ def patch_torch_fsdp2() -> None:
     """
     from megatron.core.distributed import torch_fully_sharded_data_parallel as torch_fsdp
 
-    _retarget(torch_fsdp.TorchFullyShardedDataParallel, "__init__", consts=("cuda",))
+    retarget(torch_fsdp.TorchFullyShardedDataParallel, "__init__", consts=("cuda",))
 
 
 def patch_megatron_fsdp_dry_run() -> None:
@@ -119,7 +119,7 @@ def patch_megatron_fsdp_dry_run() -> None:
 
     if getattr(buffers.validate_uneven_dtensor, "_skips_fake_backend", False):
         return  # applied
-    _rename_method_call(buffers.ParamAndGradBuffer, "_init_each_parameter_group_buffers", "is_meta", "is_quantized")
-    buffers.validate_uneven_dtensor = _unless_fake_backend(buffers.validate_uneven_dtensor)
+    rename_method_call(buffers.ParamAndGradBuffer, "_init_each_parameter_group_buffers", "is_meta", "is_quantized")
+    buffers.validate_uneven_dtensor = unless_fake_backend(buffers.validate_uneven_dtensor)
     fsdp = adapter.FullyShardedDataParallel
-    fsdp.sync_rng_states_across_tp_group = _unless_fake_backend(fsdp.sync_rng_states_across_tp_group)
+    fsdp.sync_rng_states_across_tp_group = unless_fake_backend(fsdp.sync_rng_states_across_tp_group)

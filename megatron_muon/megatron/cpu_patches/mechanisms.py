@@ -132,7 +132,7 @@ def _walk(code: types.CodeType):
             yield from _walk(c)
 
 
-def _strings(code: types.CodeType) -> set[str]:
+def code_strings(code: types.CodeType) -> set[str]:
     """Every string constant of ``code``, inside tuple constants and nested code included."""
     found = set()
     for c in _walk(code):
@@ -160,7 +160,7 @@ def _rewrite(code: types.CodeType, consts: bool, view: bool) -> types.CodeType:
     return code.replace(co_consts=co_consts, co_names=co_names)
 
 
-def _retarget(owner, attr: str, *, consts: tuple[str, ...] = (), view: bool = False) -> None:
+def retarget(owner, attr: str, *, consts: tuple[str, ...] = (), view: bool = False) -> None:
     """Retarget ``owner.attr`` (a function or method) to the CPU, in place.
 
     ``consts``: the CUDA string constants it must contain; they are all mapped by ``_CONSTANTS``.
@@ -172,7 +172,7 @@ def _retarget(owner, attr: str, *, consts: tuple[str, ...] = (), view: bool = Fa
     func = getattr(func, "__wrapped__", func)  # functools.wraps / lru_cache
     code = func.__code__
     where = f"{getattr(owner, '__name__', owner)}.{attr}"
-    missing = set(consts) - _strings(code)
+    missing = set(consts) - code_strings(code)
     if missing:
         raise RuntimeError(f"cpu_patches: {where} has no {sorted(missing)}; Megatron changed?")
     if view:
@@ -218,8 +218,8 @@ class _CpuDeviceTorch(types.ModuleType):
 _DEVICE_VIEW = "_megatron_muon_cpu_device_torch"  # its global name, apart from _VIEW's
 
 
-def _retarget_device_view(owner, attr: str, *, names: tuple[str, ...]) -> None:
-    """``_retarget(view=True)`` with ``_CpuDeviceTorch`` as the view, under its own global name
+def retarget_device_view(owner, attr: str, *, names: tuple[str, ...]) -> None:
+    """``retarget(view=True)`` with ``_CpuDeviceTorch`` as the view, under its own global name
     (so other patched functions of the module keep ``_CPU_TORCH``). ``names``: the attribute
     names it must use (e.g. ``device_count``), else Megatron changed."""
     func = getattr(owner, attr)
@@ -241,7 +241,7 @@ def _retarget_device_view(owner, attr: str, *, names: tuple[str, ...]) -> None:
     func.__code__ = rename(code)
 
 
-def _rename_method_call(owner, attr: str, method: str, to: str) -> None:
+def rename_method_call(owner, attr: str, method: str, to: str) -> None:
     """In ``owner.attr`` only, every attribute or method named ``method`` is read as ``to``
     (``tensor.cuda()`` -> ``tensor.cpu()``). Refused if the function uses ``torch.<method>``
     (that would be renamed too) or no longer reads ``method``."""
@@ -260,7 +260,7 @@ def _rename_method_call(owner, attr: str, method: str, to: str) -> None:
     func.__code__ = rename(code)
 
 
-def _unless_fake_backend(func):
+def unless_fake_backend(func):
     """``func``, which does nothing under torch's fake process group."""
 
     @functools.wraps(func)

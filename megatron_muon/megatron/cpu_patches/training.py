@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from .mechanisms import _retarget, _retarget_device_view, _strings
+from .mechanisms import code_strings, retarget, retarget_device_view
 
 
 def patch_training_log() -> None:
@@ -18,10 +18,10 @@ def patch_training_log() -> None:
     from megatron.training import training as m
     from megatron.training.utils import common_utils
 
-    _retarget(m, "training_log", consts=("cuda",))
+    retarget(m, "training_log", consts=("cuda",))
     # The lr it logs is reduced over the model-parallel group from a tensor made on
     # ``torch.cuda.current_device()`` (CPU view).
-    _retarget(common_utils, "reduce_max_stat_across_model_parallel_group", view=True)
+    retarget(common_utils, "reduce_max_stat_across_model_parallel_group", view=True)
 
 
 def patch_validate_args() -> None:
@@ -100,10 +100,10 @@ def patch_initialize() -> None:
         raise RuntimeError("cpu_patches: _set_random_seed no longer checks device_count; Megatron changed?")
     # Its inner finish_mpu_init, with MoE: MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1,
     # device=torch.cuda.current_device())): CPU view.
-    _retarget(m, "initialize_megatron", view=True)
+    retarget(m, "initialize_megatron", view=True)
     training.initialize_megatron = _initialize_megatron_cpu
     m._set_random_seed = _set_random_seed_cpu
-    if "cuda" not in _strings(m._warmup_jit_function.__code__):
+    if "cuda" not in code_strings(m._warmup_jit_function.__code__):
         raise RuntimeError("cpu_patches: initialize._warmup_jit_function changed; Megatron changed?")
     m._warmup_jit_function = lambda tp_size=None: None
 
@@ -118,7 +118,7 @@ def patch_initialize_distributed() -> None:
     ``--inprocess-restart``."""
     from megatron.training import initialize as m
 
-    _retarget_device_view(m, "_initialize_distributed", names=("device_count", "set_device"))
+    retarget_device_view(m, "_initialize_distributed", names=("device_count", "set_device"))
 
 
 def patch_get_model() -> None:
@@ -133,7 +133,7 @@ def patch_get_model() -> None:
     """
     from megatron.training import training as m
 
-    _retarget_device_view(m, "get_model", names=("Stream", "stream", "current_stream"))
+    retarget_device_view(m, "get_model", names=("Stream", "stream", "current_stream"))
     get_model = m.get_model
 
     def _stay_on_cpu(module):
@@ -163,7 +163,7 @@ def patch_model_builders() -> None:
     ``use_cpu_initialization``, which every CPU run sets (the layers need it to build on the CPU)."""
     from megatron.training.models import dist_utils as m
 
-    _retarget_device_view(m, "_ddp_wrap", names=("Stream", "stream", "current_stream"))
+    retarget_device_view(m, "_ddp_wrap", names=("Stream", "stream", "current_stream"))
 
 
 def patch_pretrain() -> None:
@@ -172,7 +172,7 @@ def patch_pretrain() -> None:
     constants retargeted."""
     from megatron.training import training as m
 
-    _retarget(m, "pretrain", consts=("cuda",))
+    retarget(m, "pretrain", consts=("cuda",))
 
 
 def patch_training_loop() -> None:
@@ -193,7 +193,7 @@ def patch_training_loop() -> None:
 
     for attr in ("build_train_valid_test_data_loaders", "build_train_valid_test_data_iterators",
                  "evaluate", "evaluate_and_print_results", "checkpoint_and_decide_exit"):
-        _retarget(m, attr, consts=("cuda",))
+        retarget(m, attr, consts=("cuda",))
 
 
 def patch_training_utils() -> None:
@@ -207,9 +207,9 @@ def patch_training_utils() -> None:
     """
     from megatron.training.utils import common_utils as m
 
-    _retarget(m, "logical_and_across_model_parallel_group", view=True)
-    _retarget(m, "_compute_norm_2", consts=("cuda",))
-    _retarget(m, "calc_dtensor_params_l2_norm", consts=("cuda",))
+    retarget(m, "logical_and_across_model_parallel_group", view=True)
+    retarget(m, "_compute_norm_2", consts=("cuda",))
+    retarget(m, "calc_dtensor_params_l2_norm", consts=("cuda",))
 
 
 def patch_checkpointing() -> None:
@@ -225,5 +225,5 @@ def patch_checkpointing() -> None:
     """
     from megatron.training import checkpointing as m
 
-    _retarget(m, "get_rng_state", view=True)
-    _retarget(m, "read_metadata", consts=("cuda",))
+    retarget(m, "get_rng_state", view=True)
+    retarget(m, "read_metadata", consts=("cuda",))

@@ -69,12 +69,12 @@ the first buckets' all-gathers of all stages line up one after another.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from .cost_model import Hardware, collective_time
 
 __all__ = ["Bucket", "Iteration", "IterationSettings", "Stage", "StageTime", "attention_flops", "iteration_time",
-           "linear_flops", "with_step"]
+           "linear_flops"]
 
 
 def linear_flops(numel: int, tokens: int) -> float:
@@ -347,7 +347,3 @@ def iteration_time(stages: Sequence[Stage], settings: IterationSettings, hw: Har
     step, gather, reduce, full = _increments(timed, settings, frozenset(range(len(timed))), pipeline)
     return Iteration(tuple(per_stage), pipeline, max(s.compute_s for s in per_stage), step, gather, reduce, full)
 
-
-def with_step(stage: Stage, step_s: float) -> Stage:
-    """``stage`` with another optimizer step's seconds (the same buckets: Adam, Muon)."""
-    return replace(stage, step_s=step_s)

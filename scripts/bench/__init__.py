@@ -12,6 +12,8 @@ Run each from the repository root as a module, e.g. ``python -m scripts.bench.be
     planner_quality        NS load balance and exchange bytes on Llama-3 layouts
     compare_optimizers     convergence: Muon / MuonBP / BlockMuon / AdamW through Megatron's loop
     tiny_gpt_step          the tiny GPT's optimizer step: MuonBP timings, per-primitive bytes (docs tables)
+    iteration_table        the real DDP's buckets priced over a whole iteration (plan.iteration)
+    ddp_overlap            Megatron's DDP overlap measured on this CPU: many buckets, one, none
     launch                 the one rank launcher (file:// rendezvous, gloo or NCCL)
     collectives            the one byte meter over every torch.distributed collective
 """

@@ -25,7 +25,7 @@ Hybrid models (``--model nemotron-h-8b``; issue 28): megatron-core's ``HybridMod
 entry's local hybrid stack spec (``megatron_muon.megatron.hybrid``), its pattern cut into ``--pp``
 stages with ``|`` (``staged_pattern``); its Mamba mixers are built without mamba_ssm's kernels
 (``mamba_mixer_without_kernels``: their parameters only, which is all the step needs). The cost
-model's prediction is printed (``step_cost.model_weights`` lists the hybrid layers' weights), no
+model's prediction is printed (``plan.stage_params`` lists the hybrid layers' params), no
 planner-table row (GPT shapes only).
 
 MoE models (``--ep``, ``--etp``; issue 14): megatron-core's MoE layers (local spec,
@@ -593,15 +593,24 @@ def choose_ranks(kinds: list[str], tp: int, pp: int, dp: int, probe: dict, moe_s
 
 
 def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str, dp_layout: str = "balanced") -> dict:
+    """The cost model on the same layout, every pipeline stage priced (``step_cost.optimizer_step_cost``:
+    the plan of the stage's real layouts, the road ``plan.stage_layouts`` shares with this run, with
+    DDP's default bucket on the first stage), h100-sxm constants: the busiest stage's NS FLOPs and
+    Muon exchange bytes (the plans' own figures), Megatron's param all-gather apart, and the
+    predicted step of the slowest stage for ours and for Adam's distributed optimizer."""
     from megatron_muon.plan.cost_model import GPU_PROFILES
-    from megatron_muon.plan.step_cost import model_weights, optimizer_step_cost
+    from megatron_muon.plan.step_cost import optimizer_step_cost
 
-    weights, hw = model_weights(shape), GPU_PROFILES["h100-sxm"]
-    cost = optimizer_step_cost(weights, optimizer="ours", tp=tp, dp=dp, pp=pp, hw=hw, tp_mode=tp_mode, ns_bytes=2,
-                               dp_layout=dp_layout, bucket_numel=max(40_000_000, 1_000_000 * dp))
-    adam = optimizer_step_cost(weights, optimizer="adam", tp=tp, dp=dp, pp=pp, hw=hw)
-    return dict(ns_flops_max=cost.ns_flops_max, bytes_sent_max=cost.bytes_sent_max, step_ms_h100=cost.total_s * 1e3,
-                adam_step_ms_h100=adam.total_s * 1e3)
+    hw = GPU_PROFILES["h100-sxm"]
+    ours, adam = [], []
+    for stage in range(pp):
+        ours.append(optimizer_step_cost(shape, optimizer="ours", tp=tp, dp=dp, pp=pp, hw=hw, tp_mode=tp_mode,
+                                        ns_bytes=2, dp_layout=dp_layout, bucket_numel=max(40_000_000, 1_000_000 * dp),
+                                        stage=stage))
+        adam.append(optimizer_step_cost(shape, optimizer="adam", tp=tp, dp=dp, pp=pp, hw=hw, stage=stage))
+    return dict(ns_flops_max=max(c.ns_flops_max for c in ours), bytes_sent_max=max(c.bytes_sent_max for c in ours),
+                param_gather_bytes=max(c.param_gather_bytes for c in ours),
+                step_ms_h100=max(c.total_s for c in ours) * 1e3, adam_step_ms_h100=max(c.total_s for c in adam) * 1e3)
 
 
 def planner_rows(model: str, tp: int, pp: int, dp: int, dp_layout: str = "balanced", fsdp: str | None = None
@@ -811,8 +820,8 @@ def main(argv: list[str] | None = None) -> int:
         busiest = max(res["ns_flops"] for res in results.values())
         print(f"Cost model, same layout (busiest rank of the job; h100-sxm constants): NS "
               f"{predicted['ns_flops_max'] / 1e12:.2f} TFLOP (busiest simulated rank here: {busiest / 1e12:.2f}), "
-              f"{predicted['bytes_sent_max'] / 2**20:.1f} MiB sent (the whole step: Megatron's grad reduce-scatter "
-              f"and param all-gather included), predicted step {predicted['step_ms_h100']:.1f} ms; Adam's "
+              f"{predicted['bytes_sent_max'] / 2**20:.1f} MiB sent by Muon (Megatron's param all-gather: "
+              f"{predicted['param_gather_bytes'] / 2**20:.1f} MiB), step {predicted['step_ms_h100']:.1f} ms; Adam's "
               f"distributed optimizer on the same layout {predicted['adam_step_ms_h100']:.1f} ms (Muon adds "
               f"{predicted['step_ms_h100'] - predicted['adam_step_ms_h100']:.1f} ms).")
     print(f"Checked {sum(len(r['trace']) for r in results.values())} collectives on {len(results)} ranks: "

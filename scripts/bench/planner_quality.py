@@ -10,13 +10,15 @@ TP8 × DP8 (64 ranks) and TP8 × DP64 (512 ranks).
 Rows of the FLOPs table (per (dp, tp) rank: the Newton–Schulz FLOPs it runs in one step):
 
 * **ours (ZeRO-1)**: exactly what our code plans with ``--use-distributed-optimizer
-  --muon-tp-mode owner``. Megatron's DDP buffer is laid out by megatron-core's own
-  ``DistributedOptimizer.compute_full_param_layout`` (params in reverse model order, 64-element
-  aligned starts, each bucket padded to a multiple of lcm(DP, 128); embedding, norms and output
-  layer included, since they shift the cuts); each DP rank's flat range of every param comes
-  from our ``MuonDistributedOptimizer._ranges_on_every_rank`` (Megatron's own range function);
-  the ``MatrixLayout`` of each matrix from our ``megatron.catalogue.layout_of`` (QKV split per
-  query group, fc1 split into gate / up). Then our ``plan_dp_owners`` gives each matrix its DP
+  --muon-tp-mode owner``. The stage is the one road from a model to its layouts the cost model
+  and the dry run's figures share (``plan.stage_params``: every param as megatron-core registers
+  it, embedding, norms and output layer included, since they shift the cuts;
+  ``plan.stage_layouts``: the DDP buffer on megatron-core's packing — params in backprop order,
+  64-element aligned starts, each bucket padded to a multiple of lcm(DP, 128) — or on ours, each
+  DP rank's flat range of every param, the ``MatrixLayout`` of each matrix by
+  ``plan.param_marks.matrix_layout``, the function ``megatron.catalogue.layout_of`` calls: QKV
+  split per query group, fc1 into gate / up), checked param by param against the real DDP and
+  catalogue (``tests/megatron/test_stage_layouts.py``). Then our ``plan_dp_owners`` gives each matrix its DP
   owner; each DP owner's TP group plans all the sub-matrices it owns at once with
   ``plan_owners`` on ``ns_flops`` of the full sub-matrix shape (the whole list
   ``orthogonalize_updates`` plans before running it micro-group by micro-group). The replay is
@@ -55,11 +57,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import types
 import warnings
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -67,29 +69,27 @@ import torch
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")  # "Transformer Engine and Apex are not installed"
     from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.layer_wise_optimizer import (
         LayerWiseDistributedOptimizer,
         is_managed_by_layer_wise_optimizer,
     )
-    from megatron.core.optimizer.param_layout import FullParamLayout
 
     from megatron_muon.config import MuonConfig
     from megatron_muon.core.matrix_layout import MatrixLayout
-    from megatron_muon.core.models import LLAMA3
+    from megatron_muon.core.models import LLAMA3, ModelShape
     from megatron_muon.core.newton_schulz import ns_flops
-    from megatron_muon.megatron.catalogue import is_muon_matrix, layout_of, ranges_on_every_rank
-    from megatron_muon.megatron.layout import balanced_buffer_layouts
+    from megatron_muon.megatron.catalogue import is_muon_matrix, layout_of, row_splits
+    from megatron_muon.plan.balanced_layout import BufferLayout
     from megatron_muon.plan.owners import plan_dp_owners
+    from megatron_muon.plan.stage_layouts import BufferSettings, buffer_layout, whole_layouts, zero1_layouts
+    from megatron_muon.plan.stage_params import StageGrid, StageParam, stage_params
+    from megatron_muon.plan.step_cost import MEGATRON_SPLITS
     from megatron_muon.plan.step_plan import build_step_plan
 
 MODELS = ("8B", "70B", "405B")
 CONFIGS = ((8, 8), (8, 64))  # (TP, DP); PP = 1
 STEPS = 5  # Newton–Schulz iterations (--muon-num-ns-steps default)
 NS_BYTES = 2  # bf16, the default ns_dtype: the owner exchanges move bf16
-MAKE_VOCAB_SIZE_DIVISIBLE_BY = 128  # Megatron's default --make-vocab-size-divisible-by
-
-
 
 
 def default_bucket_size(dp: int) -> int:
@@ -98,98 +98,41 @@ def default_bucket_size(dp: int) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# The model, as meta parameters with Megatron's attributes
+# The model: a stage's params on the planning road, and as meta parameters for megatron-core
 
 
-@dataclass
-class MatrixSpec:
-    """One hidden weight of a toy or real model (full shape, Megatron layout)."""
-
-    name: str
-    rows: int
-    cols: int
-    partition_dim: int
-    qkv_split: tuple[int, int, int] | None = None  # (q, k, v) rows per query group
-    gated: bool = False  # SwiGLU fc1: [gate; up] on every TP rank (partition_stride 2)
+Stage = ModelShape | Sequence[StageParam]
+"""A model (its one stage at PP = 1, ``plan.stage_params``) or a stage's params given directly (a
+toy: any matrices, TP-local shapes for the TP size asked)."""
 
 
-@dataclass
-class ModelSpec:
-    """A GPT in Megatron's registration order (``named_parameters``): embedding, layers (norm,
-    proj, qkv, norm, fc1, fc2), final norm, output layer. ``vocab`` 0 and ``hidden`` 0 leave out
-    the non-matrix params."""
-
-    name: str
-    matrices: list[MatrixSpec]
-    layers: int
-    hidden: int = 0
-    vocab: int = 0
-    per_layer: int = 4
-    extra: dict = field(default_factory=dict)
+def llama3_spec(model: str) -> ModelShape:
+    """Llama-3 ``model`` (``8B``, ``70B``, ``405B``) from ``core.models``."""
+    return LLAMA3[model]
 
 
-def llama3_spec(model: str) -> ModelSpec:
-    """Llama-3 ``model`` from ``core.models`` (QKV fused per Megatron, fc1 gated)."""
-    shape = LLAMA3[model]
-    # per query group: its query heads, one k head, one v head (as megatron.catalogue.tag_qkv)
-    qkv = (shape.num_heads // shape.num_query_groups * shape.head_dim, shape.head_dim, shape.head_dim)
-    mats = []
-    # Megatron registers a layer's linear_proj before its linear_qkv (SelfAttention builds
-    # linear_qkv after Attention's __init__), and its buffers follow named_parameters(): emit them
-    # in that order, or the emulated DP ranges cut other matrices than the real ones do.
-    registration = {"linear_proj": 0, "linear_qkv": 1, "linear_fc1": 2, "linear_fc2": 3}
-    ordered = sorted(shape.matrices(), key=lambda m: (int(m[0].split(".")[1]), registration[m[0].rsplit(".", 1)[1]]))
-    for name, rows, cols, pdim in ordered:
-        kind = name.rsplit(".", 1)[1]
-        mats.append(MatrixSpec(name, rows, cols, pdim, qkv if kind == "linear_qkv" else None,
-                               kind == "linear_fc1"))
-    return ModelSpec(model, mats, shape.num_layers, shape.hidden, shape.vocab)
+def stage_of(stage: Stage, tp: int) -> tuple[StageParam, ...]:
+    """The params of one TP rank, in registration order."""
+    return stage_params(stage, StageGrid(tp=tp)) if isinstance(stage, ModelShape) else tuple(stage)
 
 
-def _meta(shape, **attrs) -> torch.nn.Parameter:
-    p = torch.nn.Parameter(torch.empty(*shape, dtype=torch.bfloat16, device="meta"))
-    for k, v in attrs.items():
-        setattr(p, k, v)
-    return p
-
-
-def _local(m: MatrixSpec, tp: int) -> tuple[int, int]:
-    if (m.rows, m.cols)[m.partition_dim] % tp:
-        raise ValueError(f"{m.name}: dim {m.partition_dim} of {(m.rows, m.cols)} not divisible by TP {tp}")
-    return (m.rows // tp, m.cols) if m.partition_dim == 0 else (m.rows, m.cols // tp)
-
-
-def _matrix_param(m: MatrixSpec, tp: int) -> torch.nn.Parameter:
-    attrs = dict(tensor_model_parallel=tp > 1, partition_dim=m.partition_dim,
-                 partition_stride=2 if m.gated else 1)
-    if m.qkv_split is not None:
-        attrs.update(is_qkv=True, qkv_split_shapes=list(m.qkv_split))
-    return _meta(_local(m, tp), **attrs)
-
-
-def model_params(spec: ModelSpec, tp: int, *, with_non_matrix: bool = True) -> list[tuple[str, torch.nn.Parameter]]:
-    """Every trainable param of one TP rank, in model-definition order (``named_parameters``)."""
-    out: list[tuple[str, torch.nn.Parameter]] = []
-    non_matrix = with_non_matrix and spec.hidden > 0
-    vocab = 0
-    if non_matrix and spec.vocab:
-        multiple = MAKE_VOCAB_SIZE_DIVISIBLE_BY * tp  # Megatron's _vocab_size_with_padding
-        vocab = math.ceil(spec.vocab / multiple) * multiple
-        out.append(("embedding.word_embeddings.weight",
-                    _meta((vocab // tp, spec.hidden), tensor_model_parallel=tp > 1, partition_dim=0,
-                          is_embedding_or_output_parameter=True)))
-    for k, m in enumerate(spec.matrices):
-        if non_matrix and k % spec.per_layer in (0, 2):  # input_layernorm / pre_mlp_layernorm
-            layer = k // spec.per_layer
-            norm = "input_layernorm" if k % spec.per_layer == 0 else "pre_mlp_layernorm"
-            out.append((f"layers.{layer}.{norm}.weight", _meta((spec.hidden,))))
-        out.append((f"{m.name}.weight", _matrix_param(m, tp)))
-    if non_matrix:
-        out.append(("final_layernorm.weight", _meta((spec.hidden,))))
-        if vocab:
-            out.append(("output_layer.weight",
-                        _meta((vocab // tp, spec.hidden), tensor_model_parallel=tp > 1, partition_dim=0,
-                              is_embedding_or_output_parameter=True)))
+def meta_params(params: Sequence[StageParam]) -> list[tuple[str, torch.nn.Parameter]]:
+    """``params`` as meta tensors carrying megatron-core's attributes (what its layer-wise and
+    Megatron-FSDP layouts read): the torch side of the same road."""
+    out = []
+    for p in params:
+        param = torch.nn.Parameter(torch.empty(*p.shape, dtype=torch.bfloat16, device="meta"))
+        marks = p.marks
+        if marks.tensor_parallel:
+            param.tensor_model_parallel, param.partition_dim = True, marks.partition_dim
+            param.partition_stride = 2 if marks.gated else 1
+        if marks.qkv_split is not None:
+            param.is_qkv, param.qkv_split_shapes = True, list(marks.qkv_split)
+        if marks.partition_sizes is not None:
+            param.partition_sizes = list(marks.partition_sizes)
+        if marks.embedding_or_output:
+            param.is_embedding_or_output_parameter = True
+        out.append((p.name, param))
     return out
 
 
@@ -201,67 +144,54 @@ def _ddp_config() -> DistributedDataParallelConfig:
 # Ours
 
 
-def full_layout(named, bucket_size: int | None, dp: int, tp: int, dp_layout: str,
-                  muon_config: MuonConfig | None = None) -> FullParamLayout:
-    """The DDP buffer layout: megatron-core's (``megatron``), ours (``balanced``,
-    ``megatron.layout.balanced_buffer_layouts``) or megatron-core's layer-wise one (``layer-wise``:
-    the matrices upstream's layer-wise optimizer manages in a shard-aligned buffer, the rest in a
-    DistributedOptimizer buffer beside it)."""
-    params = [p for _, p in named]
-    if dp_layout == "megatron":
-        return DistributedOptimizer.compute_full_param_layout(params, bucket_size, dp, _ddp_config())
-    if dp_layout == "balanced":
-        muon_config = muon_config or MuonConfig(tp_mode="owner")
-        laid = balanced_buffer_layouts(named, bucket_size, dp, _ddp_config(), muon_config=muon_config, tp_size=tp)
-        return FullParamLayout(layouts={key: full for key, (_, full) in laid.items()})
-    if dp_layout == "layer-wise":
-        for p in params:
-            p.is_managed_by_layer_wise_optimizer = is_managed_by_layer_wise_optimizer(p)
-        try:
-            return LayerWiseDistributedOptimizer.compute_full_param_layout(params, bucket_size, dp, _ddp_config())
-        finally:
-            for p in params:
-                del p.is_managed_by_layer_wise_optimizer
-    raise ValueError(dp_layout)
+def _buffer_settings(dp_layout: str, bucket_size: int | None, muon_config: MuonConfig) -> BufferSettings:
+    return BufferSettings(dp_layout, bucket_size, row_splits(muon_config), muon_config.ns, muon_config.layout_alpha)
 
 
-def ours_layouts(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, *,
+def ours_layouts(stage: Stage, tp: int, dp: int, bucket_size: int | None, *,
                  distributed_optimizer: bool = True, with_non_matrix: bool = True,
                  muon_config: MuonConfig | None = None, dp_layout: str = "megatron") -> list[MatrixLayout]:
     """The ``MatrixLayout`` list our optimizer attaches, in its order.
 
-    ZeRO-1: ``MuonDistributedOptimizer.__init__``: buffers → buckets → ``bucket.params_list``
-    (reverse model order), ranges from ``_ranges_on_every_rank``, on the ``dp_layout`` buffer
-    layout. DDP: ``catalogue.describe_whole``: model order, no ranges.
+    ZeRO-1: ``catalogue.describe_zero1``'s, on the ``dp_layout`` buffer layout (bucket by bucket,
+    backprop order, every DP rank's range: ``plan.stage_layouts.zero1_layouts``). DDP:
+    ``catalogue.describe_whole``'s: model order, no ranges.
     """
     muon_config = muon_config or MuonConfig(tp_mode="owner")
-    named = model_params(spec, tp, with_non_matrix=with_non_matrix)
+    params = stage_of(stage, tp)
     if not distributed_optimizer:
-        return [layout_of(n, p, tp, muon_config) for n, p in named if is_muon_matrix(p)]
-    names = {id(p): n for n, p in named}
-    params = [p for _, p in named]
-    full = full_layout(named, bucket_size, dp, tp, dp_layout, muon_config)
-    layouts = []
-    for buffer_layout in full.layouts.values():
-        buffer = types.SimpleNamespace(param_index_map=buffer_layout.param_index_map)
-        in_bucket: dict[int, list] = {}
-        for p in params[::-1]:  # _ParamAndGradBuffer adds params to buckets in backprop order
-            if p in buffer_layout.param_index_map:
-                in_bucket.setdefault(buffer_layout.param_index_map[p][2], []).append(p)
-        for bucket_id, (start, end) in enumerate(buffer_layout.bucket_indices):
-            bucket = types.SimpleNamespace(
-                offset=start, grad_data=torch.empty(end - start, device="meta"),
-                params_list=in_bucket.get(bucket_id, []))
-            # Our own range code, with Megatron's range function (a classmethod) behind it.
-            per_rank = ranges_on_every_rank(buffer, bucket, dp)
-            for p in bucket.params_list:
-                if is_muon_matrix(p):
-                    ranges = tuple(per_rank[r].get(p, (0, 0)) for r in range(dp))
-                    layouts.append(layout_of(names[id(p)], p, tp, muon_config, ranges))
-    return layouts
+        return list(whole_layouts(params, tp, row_splits(muon_config)))
+    if not with_non_matrix:
+        params = tuple(p for p in params if p.is_muon)
+    buffer = buffer_layout(params, StageGrid(tp=tp, dp=dp), _buffer_settings(dp_layout, bucket_size, muon_config))
+    return list(zero1_layouts(params, buffer, tp, row_splits(muon_config)))
 
 
-def fsdp_layouts(spec: ModelSpec, tp: int, dp: int, strategy: str = "optim_grads_params") -> list[MatrixLayout]:
+def layer_wise_layout(params: Sequence[StageParam], bucket_size: int | None, dp: int):
+    """megatron-core's ``LayerWiseDistributedOptimizer.compute_full_param_layout`` on ``params``
+    (meta tensors; upstream's routing marks which are layer-wise): the matrices it manages in a
+    shard-aligned buffer, the rest in a DistributedOptimizer buffer beside it. Returns the meta
+    params (in ``params``' order) and the ``FullParamLayout``."""
+    metas = [param for _, param in meta_params(params)]
+    for param in metas:
+        param.is_managed_by_layer_wise_optimizer = is_managed_by_layer_wise_optimizer(param)
+    return metas, LayerWiseDistributedOptimizer.compute_full_param_layout(metas, bucket_size, dp, _ddp_config())
+
+
+def buffer_rows(stage: Stage, tp: int, dp: int, bucket_size: int | None, dp_layout: str,
+                muon_config: MuonConfig | None = None) -> tuple[int, int]:
+    """(buffer elements with padding, param elements) of one TP rank's DDP buffers on ``dp_layout``:
+    ``megatron`` or ``balanced`` (the road's buffer), or ``layer-wise`` (``layer_wise_layout``)."""
+    params = stage_of(stage, tp)
+    if dp_layout == "layer-wise":
+        _, full = layer_wise_layout(params, bucket_size, dp)
+        return sum(lay.bucket_indices[-1][1] for lay in full.layouts.values()), sum(p.numel for p in params)
+    settings = _buffer_settings(dp_layout, bucket_size, muon_config or MuonConfig(tp_mode="owner"))
+    laid: BufferLayout = buffer_layout(params, StageGrid(tp=tp, dp=dp), settings)
+    return laid.numel, sum(laid.numel_params)
+
+
+def fsdp_layouts(stage: Stage, tp: int, dp: int, strategy: str = "optim_grads_params") -> list[MatrixLayout]:
     """The ``MatrixLayout`` list ``MuonFSDPOptimizer`` attaches under Megatron-FSDP, from
     Megatron-FSDP's own functions on meta params: ``_get_parameter_groups`` (one bucket per
     transformer layer, its FSDP unit; the rest in 40M-element buckets; each split by row size)
@@ -281,10 +211,11 @@ def fsdp_layouts(spec: ModelSpec, tp: int, dp: int, strategy: str = "optim_grads
     root = torch.nn.Module()
     root.layers = torch.nn.ModuleList()
     names = {}
-    for name, param in model_params(spec, tp):
+    for name, param in meta_params(stage_of(stage, tp)):
         owner = root
-        if name.startswith("layers."):
-            index = int(name.split(".")[1])
+        parts = name.split(".")
+        if "layers" in parts:
+            index = int(parts[parts.index("layers") + 1])
             while len(root.layers) <= index:
                 root.layers.append(Layer())
             owner = root.layers[index]
@@ -350,18 +281,15 @@ def plan_ours(layouts: list[MatrixLayout], tp: int, dp: int, *, dp_mode: str = "
 # Megatron: LayerWiseDistributedOptimizer + TensorParallelMuon
 
 
-def megatron_dp_assignment(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None) -> list[int]:
+def megatron_dp_assignment(stage: Stage, tp: int, dp: int, bucket_size: int | None) -> list[int]:
     """DP rank of every hidden matrix (model order) under the layer-wise layout, computed on
     the TP-local shapes (the Muon params sit in their own layer-wise buffer)."""
-    params = [_matrix_param(m, tp) for m in spec.matrices]
-    for p in params:
-        p.is_managed_by_layer_wise_optimizer = True
-    full = LayerWiseDistributedOptimizer.compute_full_param_layout(params, bucket_size, dp, _ddp_config())
-    (buffer_layout,) = full.layouts.values()
+    params, full = layer_wise_layout([p for p in stage_of(stage, tp) if p.is_muon], bucket_size, dp)
+    (layer_wise,) = full.layouts.values()
     out = []
     for p in params:
-        start, end, bucket_id = buffer_layout.param_index_map[p]
-        bucket_start, bucket_end = buffer_layout.bucket_indices[bucket_id]
+        start, end, bucket_id = layer_wise.param_index_map[p]
+        bucket_start, bucket_end = layer_wise.bucket_indices[bucket_id]
         shard = (bucket_end - bucket_start) // dp
         rank = (start - bucket_start) // shard
         if (end - 1 - bucket_start) // shard != rank:
@@ -370,15 +298,13 @@ def megatron_dp_assignment(spec: ModelSpec, tp: int, dp: int, bucket_size: int |
     return out
 
 
-def plan_megatron(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, mode: str) -> Plan:
+def plan_megatron(stage: Stage, tp: int, dp: int, bucket_size: int | None, mode: str) -> Plan:
     """NS FLOPs per rank of TensorParallelMuon (``duplicated`` or ``blockwise``) on the
     layer-wise assignment. Its splits: QKV per query group, fc1 not split."""
-    cfg = MuonConfig(split_qkv=True, split_fc1=False)
-    dp_of = megatron_dp_assignment(spec, tp, dp, bucket_size)
+    dp_of = megatron_dp_assignment(stage, tp, dp, bucket_size)
     flops = [0.0] * (tp * dp)
     units = []
-    for m, d in zip(spec.matrices, dp_of):
-        layout = layout_of(m.name, _matrix_param(m, tp), tp, cfg)
+    for layout, d in zip(whole_layouts(stage_of(stage, tp), tp, MEGATRON_SPLITS), dp_of):
         if mode == "duplicated":  # every TP rank: NS of the full (sub-)matrices
             per_rank = [layout.ns_cost(STEPS)] * tp
             units += [ns_flops(r, c, STEPS) for r, c in layout.sub_global_shapes()]
@@ -421,10 +347,11 @@ def bytes_summary(plan: Plan, ranks: int) -> dict:
     )
 
 
-def evaluate(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, *, with_non_matrix: bool = True) -> dict:
-    """Every row for one model at TP × DP."""
+def evaluate(model: str, tp: int, dp: int, bucket_size: int | None, *, with_non_matrix: bool = True) -> dict:
+    """Every row for Llama-3 ``model`` at TP × DP."""
     ranks = tp * dp
-    out: dict = dict(model=spec.name, tp=tp, dp=dp, ranks=ranks, bucket_size=bucket_size)
+    spec = llama3_spec(model)
+    out: dict = dict(model=model, tp=tp, dp=dp, ranks=ranks, bucket_size=bucket_size)
     zero1 = ours_layouts(spec, tp, dp, bucket_size, with_non_matrix=with_non_matrix)
     ddp = ours_layouts(spec, tp, dp, bucket_size, distributed_optimizer=False)
     fsdp = fsdp_layouts(spec, tp, dp) if with_non_matrix else []
@@ -461,7 +388,7 @@ LAYOUT_NAMES = {"megatron": "megatron-core default (--muon-dp-layout megatron)",
                 "layer-wise": "megatron-core layer-wise"}
 
 
-def layout_rows(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None) -> dict:
+def layout_rows(spec: Stage, tp: int, dp: int, bucket_size: int | None) -> dict:
     """Per buffer layout, on one TP rank's params: padding, reduce-scatter + all-gather bytes,
     NS FLOPs max/mean over the DP ranks holding the matrices, matrices cut, DP exchange bytes.
 
@@ -470,19 +397,16 @@ def layout_rows(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None) -> d
     matrix: ours' DP owner (``plan_dp_owners``) on the ``megatron`` and ``balanced`` layouts; the
     shard holding it on the layer-wise layout (upstream's optimizer updates it there).
     """
-    named = model_params(spec, tp)
     out = {}
     for name in LAYOUTS:
-        full = full_layout(named, bucket_size, dp, tp, name)
-        numel = sum(lay.bucket_indices[-1][1] for lay in full.layouts.values())
-        unpadded = sum(p.numel() for lay in full.layouts.values() for p in lay.param_index_map)  # params only
+        numel, unpadded = buffer_rows(spec, tp, dp, bucket_size, name)  # unpadded: params only
         # Megatron's reduce-scatter of the grads and all-gather of the params, both in bf16:
         # each rank sends (DP − 1)/DP of every bucket in each.
         rs_ag = 2 * (dp - 1) / dp * numel * NS_BYTES
         row = dict(padding=1 - unpadded / numel, buffer_numel=numel, rs_ag_bytes=rs_ag)
         if name == "layer-wise":
             dp_of = megatron_dp_assignment(spec, tp, dp, bucket_size)
-            costs = [layout_of(m.name, _matrix_param(m, tp), tp, MuonConfig()).ns_cost(STEPS) for m in spec.matrices]
+            costs = [lay.ns_cost(STEPS) for lay in whole_layouts(stage_of(spec, tp), tp)]
             row.update(cut=0, dp_bytes_max=0, dp_bytes_mean=0.0)
         else:
             layouts = ours_layouts(spec, tp, dp, bucket_size, dp_layout=name)
@@ -506,22 +430,20 @@ def layout_rows(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None) -> d
 ALPHAS = (0.0, 0.1, 0.25, 0.5, 1.0)
 
 
-def alpha_sweep(spec: ModelSpec, tp: int, dp: int, bucket_size: int | None, alphas=ALPHAS) -> list[dict]:
-    """The balanced layout at each α: padding, NS max/mean over DP owners and over all ranks."""
+def alpha_sweep(model: str, tp: int, dp: int, bucket_size: int | None, alphas=ALPHAS) -> list[dict]:
+    """Llama-3 ``model``'s balanced layout at each α: padding, NS max/mean over DP owners and over all ranks."""
+    spec = llama3_spec(model)
     rows = []
     for alpha in alphas:
         cfg = MuonConfig(tp_mode="owner", layout_alpha=alpha)
-        named = model_params(spec, tp)
-        full = full_layout(named, bucket_size, dp, tp, "balanced", cfg)
-        numel = sum(lay.bucket_indices[-1][1] for lay in full.layouts.values())
-        unpadded = sum(p.numel() for lay in full.layouts.values() for p in lay.param_index_map)  # params only
+        numel, unpadded = buffer_rows(spec, tp, dp, bucket_size, "balanced", cfg)  # unpadded: params only
         layouts = ours_layouts(spec, tp, dp, bucket_size, dp_layout="balanced", muon_config=cfg)
         owners = plan_dp_owners(layouts, dp, STEPS)
         loads = [0.0] * dp
         for lay, d in zip(layouts, owners):
             loads[d] += lay.ns_cost(STEPS)
         plan = plan_ours(layouts, tp, dp)
-        rows.append(dict(model=spec.name, tp=tp, dp=dp, alpha=alpha, padding=1 - unpadded / numel,
+        rows.append(dict(model=model, tp=tp, dp=dp, alpha=alpha, padding=1 - unpadded / numel,
                          dp_ns_max_over_mean=max(loads) / (sum(loads) / dp),
                          ns_max_over_mean=flops_summary(plan, tp * dp)["max_over_mean"]))
     return rows
@@ -646,7 +568,7 @@ def run(models=MODELS, configs=CONFIGS, bucket_size: int | None = -1, with_non_m
     for model in models:
         for tp, dp in configs:
             bs = default_bucket_size(dp) if bucket_size == -1 else bucket_size
-            results.append(evaluate(llama3_spec(model), tp, dp, bs, with_non_matrix=with_non_matrix))
+            results.append(evaluate(model, tp, dp, bs, with_non_matrix=with_non_matrix))
     return results
 
 
@@ -664,7 +586,7 @@ def main(argv=None) -> int:
     bucket = None if args.bucket_size == 0 else args.bucket_size
     if args.alpha_sweep:
         rows = [row for model in args.models for tp, dp in CONFIGS
-                for row in alpha_sweep(llama3_spec(model), tp, dp,
+                for row in alpha_sweep(model, tp, dp,
                                        default_bucket_size(dp) if bucket == -1 else bucket)]
         print(alpha_markdown(rows))
         if args.json:

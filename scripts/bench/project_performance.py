@@ -22,7 +22,8 @@ from pathlib import Path
 
 from megatron_muon.core.models import LLAMA3
 from megatron_muon.plan.cost_model import GPU_PROFILES
-from megatron_muon.plan.step_cost import model_params, model_weights, optimizer_step_cost
+from megatron_muon.plan.stage_params import model_numel
+from megatron_muon.plan.step_cost import optimizer_step_cost
 
 BF16_PEAK = 989e12  # dense bf16 FLOP/s of an H100 SXM / H200 (NVIDIA datasheets)
 # model -> (tp, pp, dp): TP inside a node, pipeline stages as Llama-3 405B used (TP8 × PP16)
@@ -48,13 +49,13 @@ UPSTREAM_GB300_MS = {"duplicated": 632, "distributed": 356, "layer_sharded": 157
 
 
 def fwd_bwd_seconds(model: str, tokens: int, gpus: int, mfu: float) -> float:
-    return 6 * model_params(model_weights(LLAMA3[model])) * tokens / (gpus * BF16_PEAK * mfu)
+    return 6 * model_numel(LLAMA3[model]) * tokens / (gpus * BF16_PEAK * mfu)
 
 
 def step_ms(model: str, hw_name: str, optimizer: str, mode: str, period: int, dp_layout: str = "balanced",
             ns_method: str = "standard") -> float:
     tp, pp, dp = LAYOUTS[model]
-    hw, shape = GPU_PROFILES[hw_name], model_weights(LLAMA3[model])
+    hw, shape = GPU_PROFILES[hw_name], LLAMA3[model]
     # DDP's default bucket with --overlap-grad-reduce: max(40M, 1M·DP) elements
     cost = lambda o, m: optimizer_step_cost(shape, optimizer=o, tp=tp, dp=dp, pp=pp, hw=hw, tp_mode=m,  # noqa: E731
                                             ns_bytes=2, dp_layout=dp_layout, ns_method=ns_method,

@@ -20,33 +20,26 @@ import json
 import statistics
 from pathlib import Path
 
+from megatron_muon.core.models import ModelShape
 from megatron_muon.plan.cost_model import Hardware
-from megatron_muon.plan.step_cost import ModelWeights, Weight, optimizer_step_cost
+from megatron_muon.plan.step_cost import optimizer_step_cost
 
 TARGET = 0.25  # the issue's target: every row within 25%
 
 
-def model_from_bench(bench: dict, split_fc1: bool = True) -> ModelWeights:
-    """The benchmark's model as the cost model sees it: QKV split into q, k, v; fc1 into gate and
-    up when ``split_fc1`` (ours; megatron-core 0.19.2 orthogonalizes fc1 whole)."""
+def model_from_bench(bench: dict) -> ModelShape:
+    """The benchmark's model (a scaled Llama-3 GPT: ``bench["model"]``'s sizes). The cost model
+    lays it out as megatron-core builds it (``plan.stage_params``) and splits it as each optimizer
+    does (ours: QKV, fc1's gate and up; megatron-core 0.19.2's Muon: QKV only)."""
     m = bench["model"]
-    q_rows = m["heads"] * m["head_dim"]
-    kv_rows = m["query_groups"] * m["head_dim"]
-    weights = []
-    for w in bench["muon_matrices"]:
-        halves = (w["rows"] // 2, w["rows"] // 2) if split_fc1 else ()
-        sub_rows = {"qkv": (q_rows, kv_rows, kv_rows), "fc1": halves}.get(w["kind"], ())
-        weights.append(Weight(w["name"], w["rows"], w["cols"], w["partition_dim"], sub_rows))
-    sharded = sum(p["numel"] for p in bench["adam_params"] if p["partition_dim"] is not None)
-    replicated = sum(p["numel"] for p in bench["adam_params"] if p["partition_dim"] is None)
-    return ModelWeights("bench", tuple(weights), sharded, replicated, len(bench["adam_params"]), m["layers"])
+    return ModelShape("bench", m["layers"], m["hidden"], m["heads"], m["query_groups"], m["head_dim"], m["ffn"],
+                      m["vocab"])
 
 
-def predict_row(row: dict, models: dict[str, ModelWeights], tp: int, dp: int, hw: Hardware, ns_bytes: int,
+def predict_row(row: dict, model: ModelShape, tp: int, dp: int, hw: Hardware, ns_bytes: int,
                 period: int, clip_grad: bool, bucket_numel: int | None = None) -> float:
-    """Predicted seconds of one benchmark row (``models``: "ours" and "megatron" views) on the
-    benchmark's buffer layout (the row's ``dp_layout`` and its ``bucket_numel``)."""
-    model = models[row["impl"]]
+    """Predicted seconds of one benchmark row on the benchmark's buffer layout (the row's
+    ``dp_layout`` and its ``bucket_numel``)."""
 
     def step(optimizer: str, mode: str) -> float:
         return optimizer_step_cost(model, optimizer=optimizer, tp=tp, dp=dp, hw=hw, tp_mode=mode,
@@ -84,7 +77,7 @@ def main() -> None:
             raise SystemExit(f"--hardware: expected WORLD=FILE (e.g. 2=hw.json), got {spec!r}")
         hardware[int(world)] = Hardware(**json.loads(Path(path).read_text()))
     ns_bytes = {"float32": 4, "bfloat16": 2}[bench["ns_dtype"]]
-    models = {"ours": model_from_bench(bench), "megatron": model_from_bench(bench, split_fc1=False)}
+    model = model_from_bench(bench)
     clip_grad = bench.get("clip_grad", 1.0) > 0
 
     table, errors = [], []
@@ -93,7 +86,7 @@ def main() -> None:
             raise SystemExit(f"--hardware: no constants for {layout['world']} processes (layout {layout['name']})")
         hw = hardware[layout["world"]]
         for row in layout["rows"]:
-            predicted = predict_row(row, models, layout["tp"], layout["dp"], hw, ns_bytes, args.period, clip_grad,
+            predicted = predict_row(row, model, layout["tp"], layout["dp"], hw, ns_bytes, args.period, clip_grad,
                                     bench.get("bucket_size"))
             measured = row["median_ms"] / 1e3
             error = (predicted - measured) / measured

@@ -17,7 +17,8 @@ from megatron_muon import comm_stats, ns_flops, orthogonalize_sharded
 from megatron_muon.core.models import LLAMA3
 from megatron_muon.core.matrix_layout import MatrixLayout
 from megatron_muon.plan.cost_model import GPU_PROFILES, Hardware, tp_mode_cost
-from megatron_muon.plan.step_cost import model_params, model_weights, optimizer_step_cost
+from megatron_muon.plan.stage_params import model_numel
+from megatron_muon.plan.step_cost import optimizer_step_cost
 
 H100 = GPU_PROFILES["h100-sxm"]
 # A mixed call: two same-shape row-split, one column-split, one replicated, one odd shape.
@@ -109,13 +110,13 @@ def test_group_beyond_a_node_uses_inter_node_bandwidth():
 
 def test_llama_parameter_counts():
     # Meta's published sizes: 8.03B, 70.55B, 405.85B (untied embeddings, vocab 128256)
-    assert model_params(model_weights(LLAMA3["8B"])) == pytest.approx(8.03e9, rel=1e-3)
-    assert model_params(model_weights(LLAMA3["70B"])) == pytest.approx(70.55e9, rel=1e-3)
-    assert model_params(model_weights(LLAMA3["405B"])) == pytest.approx(405.85e9, rel=1e-3)
+    assert model_numel(LLAMA3["8B"]) == pytest.approx(8.03e9, rel=1e-3)
+    assert model_numel(LLAMA3["70B"]) == pytest.approx(70.55e9, rel=1e-3)
+    assert model_numel(LLAMA3["405B"]) == pytest.approx(405.85e9, rel=1e-3)
 
 
 def test_optimizer_step_orderings():
-    model = model_weights(LLAMA3["8B"])
+    model = LLAMA3["8B"]
     cost = lambda o, m="owner", dp=8: optimizer_step_cost(model, optimizer=o, tp=8, dp=dp, hw=H100, tp_mode=m).total_s  # noqa: E731
     assert cost("adam") < cost("ours", "blockwise") < cost("ours", "owner") < cost("ours", "duplicated")
     # plain DDP: every DP rank orthogonalizes everything, so DP does not divide the NS work
@@ -126,11 +127,11 @@ def test_optimizer_step_orderings():
 
 def test_bad_arguments_name_what_was_expected():
     with pytest.raises(ValueError, match="optimizer 'sgd'"):
-        optimizer_step_cost(model_weights(LLAMA3["8B"]), optimizer="sgd", tp=8, dp=1, hw=H100)
+        optimizer_step_cost(LLAMA3["8B"], optimizer="sgd", tp=8, dp=1, hw=H100)
     with pytest.raises(ValueError, match="unknown mode 'fast'"):
         tp_mode_cost([sub(8, 8, 0, 2)], "fast", 2, H100)
     with pytest.raises(ValueError, match="--muon-tp-mode: expected one of"):
-        optimizer_step_cost(model_weights(LLAMA3["8B"]), optimizer="ours", tp=8, dp=1, hw=H100, tp_mode="fast")
+        optimizer_step_cost(LLAMA3["8B"], optimizer="ours", tp=8, dp=1, hw=H100, tp_mode="fast")
     with pytest.raises(TypeError):
         Hardware(name="x")  # every constant must be given: nothing defaults silently
 
@@ -142,9 +143,9 @@ def test_pipeline_overlap_hides_owner_all_to_alls_only():
 
     from megatron_muon.core.models import LLAMA3
     from megatron_muon.plan.cost_model import GPU_PROFILES
-    from megatron_muon.plan.step_cost import model_weights, optimizer_step_cost
+    from megatron_muon.plan.step_cost import optimizer_step_cost
 
-    model = model_weights(LLAMA3["8B"])
+    model = LLAMA3["8B"]
     gpu = GPU_PROFILES["h100-sxm"]
     none = replace(gpu, comm_overlap=0.0)
 

@@ -151,9 +151,9 @@ def test_adapter_matches_megatron_grouping_on_llama_shapes():
         from megatron_muon.config import MuonConfig
         from megatron_muon.megatron.catalogue import is_muon_matrix
         from megatron_muon.megatron.layout import balanced_buffer_layouts
-        from scripts.bench.planner_quality import default_bucket_size, llama3_spec, model_params
+        from scripts.bench.planner_quality import default_bucket_size, llama3_spec, meta_params, stage_of
 
-    named = model_params(llama3_spec("8B"), 8)
+    named = meta_params(stage_of(llama3_spec("8B"), 8))
     params = [p for _, p in named]
     ddp = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=True)
     ours = balanced_buffer_layouts(named, default_bucket_size(8), 8, ddp, muon_config=MuonConfig(), tp_size=8)

@@ -1,8 +1,8 @@
 """``auto``'s joint schedule over a stage's TP × DP grid (``plan.grid_schedule``), on paper.
 
-The stages are Llama-3's real shapes, as the cost model lays them out on one TP rank
-(``step_cost._stage_layouts``); the schedule is the step plan's (``build_step_plan`` with
-``tp_mode="auto"``), so the figures are the ones the step runs and the startup report prints.
+The stages are Llama-3's real shapes on one TP rank, the first stage's matrices whole on every
+DP rank (``plan.stage_layouts.whole_layouts``); the schedule is the step plan's (``build_step_plan``
+with ``tp_mode="auto"``), so the figures are the ones the step runs and the startup report prints.
 """
 
 from __future__ import annotations
@@ -14,14 +14,15 @@ from megatron_muon.core.models import LLAMA3
 from megatron_muon.core.newton_schulz import NSOptions
 from megatron_muon.plan.cost_model import GPU_PROFILES
 from megatron_muon.plan.grid_schedule import schedule_grid
-from megatron_muon.plan.step_cost import _stage_layouts, _stage_weights, model_weights
+from megatron_muon.plan.stage_layouts import whole_layouts
+from megatron_muon.plan.stage_params import StageGrid, stage_params
 from megatron_muon.plan.step_plan import PlanSettings, build_step_plan
 
 H100 = GPU_PROFILES["h100-sxm"]
 
 
 def _plan(model: str, pp: int, dp: int, tp_mode: str, tp: int = 8):
-    layouts = _stage_layouts(_stage_weights(model_weights(LLAMA3[model]), pp), tp)
+    layouts = whole_layouts(stage_params(LLAMA3[model], StageGrid(tp=tp, pp=pp)), tp)
     settings = PlanSettings(tp_mode, NSOptions(), hardware=H100 if tp_mode == "auto" else None)
     return build_step_plan(layouts, dp_size=dp, tp_size=tp, settings=settings)
 
@@ -80,7 +81,7 @@ def test_a_unit_whole_on_one_dp_rank_stays_there_and_same_shapes_share_a_width()
 
 
 def test_schedule_is_deterministic_and_pure():
-    units = tuple(_stage_layouts(_stage_weights(model_weights(LLAMA3["405B"]), 16), 8))
+    units = whole_layouts(stage_params(LLAMA3["405B"], StageGrid(tp=8, pp=16)), 8)
     a = schedule_grid(units, 64, 8, H100)
     assert a == schedule_grid(list(units), 64, 8, H100)
     assert len(a.dp_owners) == len(units) and all(0 <= d < 64 for d in a.dp_owners)

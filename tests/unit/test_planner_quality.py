@@ -10,7 +10,11 @@ import pytest
 
 from megatron_muon.core.models import LLAMA3
 from megatron_muon.core.newton_schulz import ns_flops
+from megatron_muon.plan.param_marks import ParamMarks
+from megatron_muon.plan.stage_params import StageParam
 from scripts.bench import planner_quality as pq
+
+ROW_PARALLEL = ParamMarks(tensor_parallel=True, partition_dim=1)
 
 # Loads are sums of Python ints stored in floats: ~1e16 FLOPs per rank, past 2^53, so additions
 # round, in an order the plan chooses; the other side is an exact int. n positive terms err by at
@@ -30,12 +34,11 @@ def llama():
 # A toy model, by hand
 
 
-def _toy(layers: int = 2) -> pq.ModelSpec:
-    """Per layer: proj 8×8 and fc2 8×16, both RowParallel (partition_dim 1); no splits."""
-    mats = []
-    for i in range(layers):
-        mats += [pq.MatrixSpec(f"layers.{i}.proj", 8, 8, 1), pq.MatrixSpec(f"layers.{i}.fc2", 8, 16, 1)]
-    return pq.ModelSpec("toy", mats, layers, per_layer=2)
+def _toy(layers: int = 2) -> list[StageParam]:
+    """Per layer: proj 8×8 and fc2 8×16, both RowParallel (partition_dim 1); no splits; TP-local
+    shapes at TP 2 (8×4 and 8×8)."""
+    return [StageParam(f"layers.{i}.{name}.weight", (8, cols // 2), ROW_PARALLEL)
+            for i in range(layers) for name, cols in (("proj", 8), ("fc2", 16))]
 
 
 PROJ, FC2 = ns_flops(8, 8), ns_flops(8, 16)
@@ -75,8 +78,8 @@ def test_toy_cut_matrix_tp2_dp2():
     padded to lcm(DP, 128) = 128 elements, so each DP rank holds half, [0,64) and [64,128).
     Equal pieces: the owner is the lower rank, 0. DP rank 1's TP peers each send 64 elements
     (128 bytes) there and DP rank 0's send 128 bytes back: the analytic minimum."""
-    spec = pq.ModelSpec("toy1", [pq.MatrixSpec("w", 8, 32, 1)], 1, per_layer=1)
-    (layout,) = pq.ours_layouts(spec, 2, 2, None, with_non_matrix=False)
+    toy = [StageParam("w", (8, 16), ROW_PARALLEL)]  # 8×32 at TP 2
+    (layout,) = pq.ours_layouts(toy, 2, 2, None, with_non_matrix=False)
     assert layout.dp_ranges == ((0, 64), (64, 128))
     plan = pq.plan_ours([layout], 2, 2)
     assert plan.flops == [ns_flops(8, 32), 0, 0, 0]  # DP owner 0, TP owner 0 (one sub-matrix)
@@ -227,21 +230,22 @@ def test_balanced_layout_cuts_nothing_and_pads_little(llama):
         assert default["cut"] > 0 and default["dp_bytes_max"] > 0, key  # what the layout removes
 
 
-def test_cost_model_counts_the_cuts_of_the_real_layout(llama):
-    """The cost model's DP term (``cost_model.dp_cut_elements``, a replay on sizes) finds exactly
-    the matrices megatron-core's real layout cuts, and moves the analytic minimum (all but each
-    cut matrix's largest piece, there and back); under the balanced layout nothing."""
-    from megatron_muon.plan.step_cost import _stage_weights, dp_cut_elements, model_weights
+def test_cost_model_prices_the_planner_tables_plan(llama):
+    """The cost model (``step_cost.optimizer_step_cost``) lays the stage out by the same road as
+    this table (``plan.stage_layouts``, which ``tests/megatron/test_stage_layouts.py`` checks
+    against the real DDP and catalogue) and prices that plan: on megatron-core's layout its NS max
+    and Muon bytes are the table's ZeRO-1 row's busiest rank's, cut matrices included; on the
+    balanced layout nothing is cut and the DP exchange sends nothing."""
+    from megatron_muon.plan.cost_model import GPU_PROFILES
+    from megatron_muon.plan.step_cost import optimizer_step_cost
 
     for (model, tp, dp), r in llama.items():
-        weights = model_weights(LLAMA3[model])
-        args = dict(bucket_numel=pq.default_bucket_size(dp), adam_numel=weights.adam_sharded_numel // tp,
-                    norm_numel=LLAMA3[model].hidden)
-        cut, moved = dp_cut_elements(_stage_weights(weights, 1), tp, dp, **args)
-        assert cut == r["cut_matrices"], (model, dp)
-        minimum = r["bytes"]["ours (ZeRO-1)"]["dp_min_mean"]
-        # The replay (norms included, fc1's gate and up and a one-group QKV's q, k, v as units)
-        # reproduced every range of five configurations exactly; 8B DP64 came out 0.037 % low.
-        # 0.1 % bounds that, while charging one unit more or fewer would be off by whole percents.
-        assert 2 * moved * pq.NS_BYTES / dp == pytest.approx(minimum, rel=1e-3), (model, dp)
-        assert dp_cut_elements(_stage_weights(weights, 1), tp, dp, dp_layout="balanced", **args) == (0, 0)
+        cost = lambda layout: optimizer_step_cost(LLAMA3[model], optimizer="ours", tp=tp, dp=dp,  # noqa: E731
+                                                  hw=GPU_PROFILES["h100-sxm"], dp_layout=layout,
+                                                  bucket_numel=pq.default_bucket_size(dp))
+        plan, _ = r["plans"]["ours (ZeRO-1)"]
+        packed = cost("megatron")
+        assert packed.ns_flops_max == max(plan.flops), (model, dp)
+        assert packed.bytes_sent_max == max(d + t for d, t in zip(plan.dp_bytes, plan.tp_bytes)), (model, dp)
+        assert r["cut_matrices"] > 0
+        assert r["layouts"]["balanced"]["cut"] == 0 and r["layouts"]["balanced"]["dp_bytes_max"] == 0

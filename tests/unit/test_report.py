@@ -122,15 +122,16 @@ def test_an_imbalanced_owner_plan_says_what_auto_would_plan():
     from megatron_muon.core.models import LLAMA3
     from megatron_muon.megatron.report import _plan_lines
     from megatron_muon.optimizer import step_plans
-    from megatron_muon.plan.step_cost import _stage_layouts, _stage_weights, model_weights
+    from megatron_muon.plan.stage_layouts import whole_layouts
+    from megatron_muon.plan.stage_params import StageGrid, stage_params
 
     config = MuonConfig(tp_mode="owner")
-    weights = model_weights(LLAMA3["405B"])
-    deep = _plan_lines(step_plans(config, _stage_layouts(_stage_weights(weights, 16), 8), 64, 8), config, "this stage")
+    stage = whole_layouts(stage_params(LLAMA3["405B"], StageGrid(tp=8, pp=16)), 8)  # its first stage, whole
+    deep = _plan_lines(step_plans(config, stage, 64, 8), config, "this stage")
     note = [line for line in deep if "NOTE" in line]
     assert len(note) == 1 and "--muon-tp-mode auto (on cpu-gloo's constants" in note[0]
     assert "plans this stage at max 41.23 TFLOP (max/mean 2.40)" in note[0], note[0]
-    shallow = _plan_lines(step_plans(config, _stage_layouts(_stage_weights(model_weights(LLAMA3["8B"]), 1), 8), 8, 8),
+    shallow = _plan_lines(step_plans(config, whole_layouts(stage_params(LLAMA3["8B"], StageGrid(tp=8)), 8), 8, 8),
                           config, "this stage")
     assert not [line for line in shallow if "NOTE" in line]
 

@@ -1,0 +1,146 @@
+"""The road from a model's shape to its layouts (``plan.stage_params`` → ``plan.stage_layouts``)
+equals what megatron-core and our optimizer build, parameter by parameter (issue 42, item 2).
+
+The real side is ``scripts/dry_run.py``'s ``build_rank``: megatron-core's ``GPTModel`` /
+``HybridModel`` on the meta device under torch's fake process group, its DDP on the buffer layout
+``--muon-dp-layout`` gives it (ours: ``megatron.layout``; megatron-core's own packing), and our
+optimizer on it, whose catalogue (``describe_zero1``) and step plan are read back. It runs in one
+child process (the fake group and Megatron's parallel state are process-wide), once per module.
+Compared exactly, since both sides are integer arithmetic on the same sizes:
+
+* every parameter's name, TP-local shape and ``(start, end, bucket)`` in the buffer, and the buckets;
+* every Muon matrix's ``MatrixLayout`` (TP shard, split dim, fused rows, every DP rank's range), in
+  the catalogue's order;
+* the step plan built on the road's layouts with the optimizer's own settings: DP owners and
+  every rank's NS FLOPs and bytes; and the cost model's NS max and Muon bytes, the plan's.
+
+Layouts: TP 1 and 2, DP 2 and 4, PP 1, PP 3's first and middle stage, a hybrid model (Mamba,
+attention and MLP layers) at PP 1 and PP 2's last stage; both buffer layouts; several DDP buckets
+where the stage holds more than DDP's default bucket (40M elements).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import io
+import os
+
+import pytest
+import torch.multiprocessing as mp
+
+from megatron_muon.core.matrix_layout import MatrixLayout
+from megatron_muon.core.models import MambaShape, ModelShape
+from megatron_muon.plan.cost_model import GPU_PROFILES
+from megatron_muon.plan.stage_layouts import BufferSettings, stage_layouts
+from megatron_muon.plan.stage_params import StageGrid
+from megatron_muon.plan.step_cost import optimizer_step_cost
+from megatron_muon.plan.step_plan import build_step_plan
+
+# 8 layers of about 15M elements at TP1 and a 33M-element embedding and output each: several
+# buckets of DDP's default 40M at TP 1 and 2.
+GPT = ModelShape("gpt-mid", 8, 1024, 8, 2, 128, 4096, 32000)
+HYBRID = ModelShape("hybrid-mid", 10, 1024, 8, 2, 128, 4096, 32000, hybrid_pattern="M-M*-M-M*-", gated_mlp=False,
+                    mamba=MambaShape(num_heads=32, head_dim=64, state_dim=64, num_groups=4))
+CASES = [  # (model, tp, pp, dp, stage, dp_layout, tp_mode)
+    *[(GPT, tp, pp, dp, stage, layout, "owner") for layout in ("balanced", "megatron")
+      for tp, pp, dp, stage in ((1, 1, 4, 0), (2, 1, 2, 0), (2, 3, 2, 0), (2, 3, 2, 1))],
+    *[(HYBRID, tp, pp, dp, stage, layout, "owner") for layout in ("balanced", "megatron")
+      for tp, pp, dp, stage in ((2, 1, 2, 0), (2, 2, 2, 1))],
+    (GPT, 2, 1, 4, 0, "balanced", "auto"),
+    (HYBRID, 2, 1, 2, 0, "megatron", "auto"),
+]
+PREFIX = "chunk0.module.module."  # the catalogue's names: chunk, DDP, Float16Module
+BUCKET = 40_000_000  # the dry run's DDP bucket at DP <= 40: max(40M, 1M x DP)
+
+
+def _ids(case) -> str:
+    model, tp, pp, dp, stage, layout, mode = case
+    return f"{model.name}-tp{tp}pp{pp}dp{dp}s{stage}-{layout}-{mode}"
+
+
+def built(cases) -> list[dict]:
+    """In a fresh process: each case's first rank of its stage as the dry run builds it, read back."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""  # as the dry run: Megatron's CUDA-isms take the meta path
+    import megatron.core.distributed as ddp_module
+    import torch
+
+    from megatron_muon.megatron.cpu_patches import apply_cpu_patches, view_device
+    from scripts import dry_run
+
+    apply_cpu_patches()
+    wrapped = []
+
+    class Recorded(ddp_module.DistributedDataParallel):  # build_rank imports the class when called
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            wrapped.append(self)
+
+    ddp_module.DistributedDataParallel = Recorded
+    out = []
+    for model, tp, pp, dp, stage, layout, mode in cases:
+        wrapped.clear()
+        with view_device(torch.device("meta")), contextlib.redirect_stdout(io.StringIO()):
+            parts, slot = dry_run.build_rank(model, tp, pp, dp, stage * tp * dp, mode, layout)
+            (chunk,) = wrapped
+            (buffer,) = chunk.buffers
+            names = {id(p): n.removeprefix("module.") for n, p in chunk.module.named_parameters()}
+            plan = parts[0]["inner"].plan
+            out.append(dict(
+                stage=slot["pp"],
+                params=[(names[id(p)], tuple(p.shape), buffer.param_index_map[p]) for p in buffer.params],
+                buckets=[(b.offset, b.offset + b.grad_data.numel()) for b in buffer.buckets],
+                matrices=plan.matrices, settings=plan.settings, dp_owners=plan.dp_owners,
+                ns_flops=plan.ns_flops, dp_bytes=plan.dp_bytes, tp_bytes=plan.tp_bytes))
+            dry_run.teardown()
+    return out
+
+
+@pytest.fixture(scope="module")
+def real():
+    """Every case built once, in one child forked from the test session's fork server."""
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=mp.get_context("forkserver")) as pool:
+        results = pool.submit(built, CASES).result(timeout=900)
+    return dict(zip(map(_ids, CASES), results))
+
+
+def _road(case):
+    model, tp, pp, dp, stage, layout, _ = case
+    return stage_layouts(model, StageGrid(tp, dp, pp, stage), BufferSettings(layout, BUCKET))
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_buffer_is_ddps(real, case):
+    got, road = real[_ids(case)], _road(case)
+    assert got["stage"] == case[4]
+    assert [(p.name, p.shape, r) for p, r in zip(road.params, road.buffer.ranges)] == got["params"]
+    assert list(road.buffer.buckets) == got["buckets"]
+
+
+def test_some_stages_hold_several_buckets(real):
+    """The comparison covers bucket boundaries, not one bucket per stage only."""
+    assert max(len(got["buckets"]) for got in real.values()) >= 3
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_matrices_are_the_catalogues(real, case):
+    got, road = real[_ids(case)], _road(case)
+    theirs = tuple(MatrixLayout(m.name.removeprefix(PREFIX), m.local_shape, m.partition_dim, m.tp_size, m.split,
+                                m.dp_ranges) for m in got["matrices"])
+    assert road.matrices == theirs
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_plan_and_cost_are_the_optimizers(real, case):
+    """The plan of the road's layouts, with the optimizer's settings, is the optimizer's: the same
+    owners and per-rank figures; the cost model (its own settings: h100-sxm, bf16 NS) prices that
+    plan, so its NS max and Muon bytes are the optimizer's plan's."""
+    got, road = real[_ids(case)], _road(case)
+    model, tp, pp, dp, stage, layout, mode = case
+    plan = build_step_plan(road.matrices, dp_size=dp, tp_size=tp, settings=got["settings"])
+    assert (plan.dp_owners, plan.ns_flops, plan.dp_bytes, plan.tp_bytes) == (
+        got["dp_owners"], got["ns_flops"], got["dp_bytes"], got["tp_bytes"])
+    cost = optimizer_step_cost(model, optimizer="ours", tp=tp, dp=dp, pp=pp, hw=GPU_PROFILES["h100-sxm"], tp_mode=mode,
+                               dp_layout=layout, bucket_numel=BUCKET, stage=stage)
+    assert cost.ns_flops_max == max(got["ns_flops"])
+    assert cost.bytes_sent_max == max(d + t for d, t in zip(got["dp_bytes"], got["tp_bytes"]))

@@ -1,0 +1,82 @@
+"""The cost model prices the plan the optimizer builds (issue 42, item 2): in every recorded dry run
+(``docs/perf-results/dry_run_*.json`` with a cost-model row) its NS max equals the plan's.
+
+The dry run steps the real optimizer on megatron-core's model (meta device, fake process group)
+and records the plans' figures over every rank of the stages it simulated
+(``summary.dense.plan``). Here the cost model (``step_cost.optimizer_step_cost``) is recomputed
+from the run's model, TP / PP / DP, TP mode and buffer layout, stage by stage, with no Megatron:
+it lays the stage out by the road the planning tools share (``plan.stage_layouts``) and prices the
+plan built on it. Before that road the cost model planned its own layouts, with no DP ranges, and
+was 3.12x under the plan in both nemotron-h-8b ``auto`` runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_muon.core.models import HYBRID_MODELS, LLAMA3, MOE_MODELS
+from megatron_muon.core.newton_schulz import NSOptions
+from megatron_muon.plan.cost_model import GPU_PROFILES
+from megatron_muon.plan.stage_layouts import BufferSettings
+from megatron_muon.plan.stage_params import StageGrid
+from megatron_muon.plan.step_cost import optimizer_step_cost, stage_plan
+from megatron_muon.plan.step_plan import PlanSettings
+
+RESULTS = Path(__file__).resolve().parents[2] / "docs" / "perf-results"
+MODELS = {**{f"llama3-{k.lower()}": v for k, v in LLAMA3.items()}, **MOE_MODELS, **HYBRID_MODELS}
+RECORDED = sorted(p.name for p in RESULTS.glob("dry_run_*.json") if json.loads(p.read_text()).get("cost_model"))
+# Both sides are the largest entry of the same plan's ``ns_flops`` (integers), so they agree
+# exactly; 1 % is the issue's goal for the ratio, which an exact match meets with room to spare.
+GOAL = 0.01
+
+
+def test_recorded_runs_are_found():
+    # 4 Llama-3 runs recorded before the plans' summary existed, 6 nemotron-h-8b / 405B runs after it
+    assert len(RECORDED) >= 6, RECORDED
+
+
+def _stage_plans(run: dict) -> dict[int, object]:
+    """Per simulated stage, the plan ``optimizer_step_cost`` prices (``step_cost.stage_plan``: the
+    same layouts and settings). A run recorded before ``--dp-layout`` existed used the balanced
+    layout, the dry run's default then as now."""
+    grid = dict(tp=run["tp"], dp=run["dp"], pp=run["pp"])
+    settings = PlanSettings(run["tp_mode"], NSOptions(), hardware=GPU_PROFILES["h100-sxm"])
+    buffer = BufferSettings(run.get("dp_layout") or "balanced", max(40_000_000, 1_000_000 * run["dp"]))
+    stages = sorted({res["pp"] for res in run["ranks"].values()})
+    return {s: stage_plan(MODELS[run["model"]], StageGrid(stage=s, **grid), settings, buffer) for s in stages}
+
+
+@pytest.mark.parametrize("name", RECORDED)
+def test_every_simulated_rank_gets_the_plans_ns(name):
+    """Rank by rank, the NS FLOPs the dry run's optimizer planned (and ran: the dry run asserts the
+    step equals its plan) are the ones of the plan the cost model prices. Exact: the same integers.
+
+    Not for ``auto``: which rank runs what follows the prices (``grid_schedule``), and those changed
+    after the recorded auto runs (the fp32 Gram all-reduces, issue 42's one price), so today's plan
+    splits them otherwise at the same NS max; at their recording commit (2a9a0d1) this road
+    reproduces every recorded rank's NS exactly."""
+    run = json.loads((RESULTS / name).read_text())
+    if run["tp_mode"] == "auto":
+        pytest.skip(f"{name}: auto's per-rank split follows prices changed since it was recorded")
+    plans = _stage_plans(run)
+    for rank, res in run["ranks"].items():
+        assert plans[res["pp"]].ns_flops[res["dp"] * run["tp"] + res["tp"]] == res["plan_ns_flops"], (name, rank)
+
+
+@pytest.mark.parametrize("name", RECORDED)
+def test_cost_model_ns_max_is_the_plans(name):
+    run = json.loads((RESULTS / name).read_text())
+    plan = run.get("summary", {}).get("dense", {}).get("plan")
+    if plan is None:
+        pytest.skip(f"{name}: recorded before the dry run wrote its plans' summary (the NS max over every rank); "
+                    "its simulated ranks are checked above, and the regenerated run has it")
+    hw = GPU_PROFILES["h100-sxm"]  # the dry run plans auto on these constants
+    costs = [optimizer_step_cost(MODELS[run["model"]], optimizer="ours", tp=run["tp"], dp=run["dp"], pp=run["pp"],
+                                 hw=hw, tp_mode=run["tp_mode"], dp_layout=run["dp_layout"],
+                                 bucket_numel=max(40_000_000, 1_000_000 * run["dp"]), stage=stage)
+             for stage in plan["stages"]]  # the stages the run simulated, each with its own layout
+    predicted = max(c.ns_flops_max for c in costs)
+    assert predicted == pytest.approx(plan["ns_flops_max"], rel=GOAL), (name, predicted / plan["ns_flops_max"])

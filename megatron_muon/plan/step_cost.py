@@ -86,7 +86,7 @@ def optimizer_step_cost(
     dp: int,
     hw: Hardware,
     pp: int = 1,
-    tp_mode: str = "owner",
+    tp_mode: str | None = None,
     steps: int = 5,
     ns_bytes: int = 2,
     clip_grad: bool = True,
@@ -98,8 +98,9 @@ def optimizer_step_cost(
     """Predicted ``optimizer.step()`` time on the busiest rank of pipeline stage ``stage`` of a
     TP × DP × PP layout of ``model``.
 
-    ``tp_mode`` is the Muon TP mode (ignored for adam; ``auto`` plans on ``hw``, as the optimizer
-    does). Ours: the plan of the stage's real layouts on ``dp_layout`` (``--muon-dp-layout``; DDP's
+    ``tp_mode`` is the Muon TP mode (``--muon-tp-mode``, one of ``step_plan.TP_MODES``; required for
+    the Muon optimizers, unused for adam; ``auto`` plans on ``hw``, as the optimizer does). Ours:
+    the plan of the stage's real layouts on ``dp_layout`` (``--muon-dp-layout``; DDP's
     ``bucket_numel`` on the first stage, None = one bucket), its matrices pinned to the DP ranges
     holding them, priced by ``pricing.plan_cost``. ``ns_method``: ``--muon-ns-method`` (ours;
     megatron-core's Muon runs the standard iteration and splits QKV only, ``MEGATRON_SPLITS``).
@@ -108,6 +109,8 @@ def optimizer_step_cost(
         raise ValueError(f"optimizer_step_cost: optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
     if ns_bytes not in _NS_DTYPES:
         raise ValueError(f"optimizer_step_cost: ns_bytes {ns_bytes!r}; expected one of {sorted(_NS_DTYPES)}")
+    if optimizer != "adam" and tp_mode is None:
+        raise ValueError(f"optimizer_step_cost: optimizer {optimizer!r} needs a tp_mode (--muon-tp-mode)")
     grid = StageGrid(tp, dp, pp, stage)
     ours = optimizer == "ours"
     ns = NSOptions(steps, dtype=_NS_DTYPES[ns_bytes], method=ns_method if ours else "standard")

@@ -77,7 +77,7 @@ def test_both_buffer_layouts_describe_every_matrix():
         assert all(sum(e - s for s, e in lay.dp_ranges) == lay.numel for lay in laid.matrices)
     cut = [sum(len(lay.holders(8)) > 1 for lay in laid.matrices) for laid in (balanced, packed)]
     assert cut[0] == 5 < cut[1], cut
-    cost = optimizer_step_cost(NEMOTRON, optimizer="ours", tp=8, dp=8, hw=GPU_PROFILES["h100-sxm"],
+    cost = optimizer_step_cost(NEMOTRON, optimizer="ours", tp=8, dp=8, hw=GPU_PROFILES["h100-sxm"], tp_mode="owner",
                                dp_layout="megatron", bucket_numel=40_000_000)
     assert cost.ns_flops_max > 0 and cost.total_s > 0
 

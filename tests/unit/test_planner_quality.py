@@ -241,7 +241,7 @@ def test_cost_model_prices_the_planner_tables_plan(llama):
 
     for (model, tp, dp), r in llama.items():
         cost = lambda layout: optimizer_step_cost(LLAMA3[model], optimizer="ours", tp=tp, dp=dp,  # noqa: E731
-                                                  hw=GPU_PROFILES["h100-sxm"], dp_layout=layout,
+                                                  hw=GPU_PROFILES["h100-sxm"], tp_mode="owner", dp_layout=layout,
                                                   bucket_numel=pq.default_bucket_size(dp))
         plan, _ = r["plans"]["ours (ZeRO-1)"]
         packed = cost("megatron")

@@ -95,22 +95,27 @@ class MuonConfig:
     ``ns_method="gram"`` and ``fp32_matmul_prec="medium"`` (elsewhere it would be ignored, or
     lower an fp32 NS's precision); the standard-iteration fallback stays bf16, and the exchanged
     pieces stay ``ns_dtype``."""
-    tp_mode: str = "owner"
-    """how NS runs across TP shards: owner, duplicated, distributed, blockwise or auto
-    (``plan/step_plan.py`` decides, ``parallel/`` runs them; docs/tp_modes.md). owner, the default
-    on every path (the command line's too, --muon-tp-mode), is exact and recommended: each
-    TP-sharded matrix is orthogonalized whole on one owner rank, which gives duplicated's update
-    with a fraction of its Newton–Schulz work per rank. This differs from upstream: megatron-core
-    0.19.2's ``OptimizerConfig`` and CLI default to blockwise, which at TP > 1 runs BlockMuon (each
-    shard orthogonalized on its own), a different algorithm whose update depends on the TP size;
-    megatron-core's main branch defaults to the exact duplicated. A config built from an upstream
-    ``OptimizerConfig`` (``get_megatron_muon_optimizer`` without ``muon_config``) takes that
-    config's ``muon_tp_mode``, blockwise unless set (at TP > 1 the startup report then says
-    BlockMuon). auto picks, per matrix, the cheapest exact mode (owner, duplicated or distributed)
-    by the cost model on ``auto_hardware`` (``auto_mode.py``); it is not the default because its
-    choice rests on a cost model's hardware constants, and a default should not."""
+    tp_mode: str = "auto"
+    """how NS runs across TP shards: auto, owner, duplicated, distributed or blockwise
+    (``plan/step_plan.py`` decides, ``parallel/`` runs them; docs/tp_modes.md). auto, the default
+    on every path (the command line's too, --muon-tp-mode), is exact whatever it picks: it plans
+    the whole stage's TP × DP grid with the exact modes only (owner, duplicated, distributed), per
+    sub-matrix, on the cost model's ``auto_hardware`` constants (``plan/grid_schedule.py``), so
+    the constants move the plan's cost, never its math. At Llama-3 405B TP8 × PP16 × DP64 it
+    balances NS at max/mean 2.40 where owner leaves 19.24 (docs/choosing-a-mode.md); on a
+    standard PP1 stage it reproduces owner. Every rank plans on the same constants: the Megatron
+    factory resolves them on global rank 0 and broadcasts them, and the plan digest is compared
+    across every DP and TP group at construction. owner (each TP-sharded matrix orthogonalized
+    whole on one owner rank, owners balanced by FLOPs, no cost model) is the choice for a plan
+    that must not depend on hardware constants. This differs from upstream: megatron-core
+    0.19.2's ``OptimizerConfig`` and CLI default to blockwise, which at TP > 1 runs BlockMuon
+    (each shard orthogonalized on its own), a different algorithm whose update depends on the TP
+    size; megatron-core's main branch defaults to the exact duplicated. A config built from an
+    upstream ``OptimizerConfig`` (``get_megatron_muon_optimizer`` without ``muon_config``) takes
+    that config's ``muon_tp_mode``, blockwise unless set (at TP > 1 the startup report then says
+    BlockMuon)."""
     auto_hardware: str = "detect"
-    """with tp_mode auto: the hardware constants of the cost model (--muon-auto-hardware):
+    """with tp_mode auto (the default): the cost model's hardware constants (--muon-auto-hardware):
     ``detect`` (this device: H200 → h200, other CUDA GPUs → h100-sxm, CPU → cpu-gloo), a profile
     name (h100-sxm, h200, cpu-gloo) or the path of a JSON file of ``cost_model.Hardware`` fields
     (``scripts/bench/calibrate_hardware.py``). Not used by the other modes, but checked in every

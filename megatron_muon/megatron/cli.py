@@ -100,14 +100,14 @@ def _on_off(name: str) -> str:
 
 _TP_MODE_HELP = (
     "How Newton-Schulz runs on tensor-parallel weights. "
-    "owner (megatron-muon; exact and recommended): each TP-sharded matrix is orthogonalized whole "
-    "on one owner rank, owners load-balanced across ranks, results identical for any TP size. "
+    "auto (megatron-muon; exact): plans the stage's TP x DP grid with the exact modes (owner, "
+    "duplicated, distributed), per matrix, on the cost model's --muon-auto-hardware constants. "
+    "owner (megatron-muon; exact): each TP-sharded matrix is orthogonalized whole on one owner "
+    "rank, owners balanced by FLOPs, no cost model. "
     "duplicated / distributed: whole-matrix NS on every rank, or sharded NS with all-reduces "
-    "(exact). auto (megatron-muon; exact): per matrix, the cheapest of owner, duplicated and "
-    "distributed by the cost model on --muon-auto-hardware. "
-    "blockwise: each shard orthogonalized on its own, so the update depends on the TP "
-    f"size (BlockMuon, not Muon). Default: {_default('tp_mode')} (MuonConfig.tp_mode says how it "
-    "differs from megatron-core's)."
+    "(exact). blockwise: each shard orthogonalized on its own, so the update depends on the TP "
+    f"size (BlockMuon, not Muon). Default: {_default('tp_mode')} (MuonConfig.tp_mode says why, and "
+    "how it differs from megatron-core's)."
 )
 
 # Upstream megatron-core 0.19.2 flags (megatron/training/arguments.py), used only when the parser

@@ -25,11 +25,11 @@ BASE = ("--num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 16
         "--max-position-embeddings 16 --micro-batch-size 2 --train-iters 1 --lr 1e-3").split()
 
 # The CLI's documented defaults, which are MuonConfig's (test_parser_default_is_the_fields): upstream
-# 0.19.2's flags (nesterov off), momentum 0.95, tp mode owner.
+# 0.19.2's flags (nesterov off), momentum 0.95, tp mode auto.
 CLI_DEFAULTS = MuonConfig(
     momentum=0.95, nesterov=False, split_qkv=True, split_fc1=True, scale_mode="spectral",
     extra_scale_factor=1.0, fp32_matmul_prec="medium", coefficient_type="quintic", num_ns_steps=5, ns_method="standard",
-    tp_mode="owner", dp_mode="owner", owner_bucket_bytes=256 * 2**20,
+    tp_mode="auto", dp_mode="owner", owner_bucket_bytes=256 * 2**20,
 )
 
 # (flags, MuonConfig field, value): every field is reached by some flag.
@@ -126,9 +126,10 @@ def test_unknown_tp_mode_is_rejected_naming_the_flag(parser, capsys):
     assert "--muon-tp-mode" in capsys.readouterr().err
 
 
-def test_help_calls_owner_exact_and_recommended(parser):
+def test_help_names_the_exact_modes_and_the_default(parser):
     help_text = parser._option_string_actions["--muon-tp-mode"].help
-    assert "owner" in help_text and "exact" in help_text and "recommended" in help_text
+    assert "auto (megatron-muon; exact)" in help_text and "owner (megatron-muon; exact)" in help_text
+    assert "Default: auto" in help_text and "BlockMuon, not Muon" in help_text
     assert any(g.title == "megatron-muon" for g in parser._action_groups)
 
 
@@ -190,7 +191,7 @@ def test_upstream_defaults_differ_where_the_docstrings_say(megatron):
     arguments, _ = megatron
     upstream = arguments.add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)).parse_args([])
     assert (upstream.muon_momentum, upstream.muon_tp_mode) == (0.9, "blockwise")
-    assert (MuonConfig().momentum, MuonConfig().tp_mode) == (0.95, "owner")
+    assert (MuonConfig().momentum, MuonConfig().tp_mode) == (0.95, "auto")
     assert (OptimizerConfig().muon_momentum, OptimizerConfig().muon_tp_mode) == (0.95, "blockwise")
 
 

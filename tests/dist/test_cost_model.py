@@ -14,9 +14,11 @@ import torch
 from dist_harness import run_world
 
 from megatron_muon import comm_stats, ns_flops, orthogonalize_sharded
-from megatron_muon.core.models import LLAMA3
 from megatron_muon.core.matrix_layout import MatrixLayout
-from megatron_muon.plan.cost_model import GPU_PROFILES, Hardware, tp_mode_cost
+from megatron_muon.core.models import LLAMA3
+from megatron_muon.core.newton_schulz import NSOptions
+from megatron_muon.plan.hardware import GPU_PROFILES, Hardware
+from megatron_muon.plan.mode_cost import tp_mode_cost
 from megatron_muon.plan.stage_params import model_numel
 from megatron_muon.plan.step_cost import optimizer_step_cost
 
@@ -52,7 +54,7 @@ def _measured(rank: int, world: int) -> dict:
 def test_bytes_and_flops_match_a_real_run(world):
     per_rank = run_world(world, _measured)
     for mode in MODES:
-        predicted = tp_mode_cost(matrices(world), mode, world, H100, dtype_bytes=4)
+        predicted = tp_mode_cost(matrices(world), mode, world, H100, NSOptions(dtype=torch.float32))
         sent = [r[mode][0] for r in per_rank]
         flops = [r[mode][1] for r in per_rank]
         # Exact integers: both sides count the same collectives and the same GEMMs. The model's
@@ -88,14 +90,18 @@ def test_distributed_wins_when_the_unsharded_dim_is_small():
 
 
 def test_faster_links_and_gemms_mean_less_time():
-    # 32 layers' worth: enough bytes that the owner pipeline's 8 all-to-all latencies stay < 5%
     ms = [sub(4096, 4096, 1, 8)] * 32 + [sub(14336, 4096, 0, 8)] * 32
-    slow_links = dataclasses.replace(H100, intra_node_bandwidth=H100.intra_node_bandwidth / 10)
-    slow_gemm = dataclasses.replace(H100, matmul_flops=H100.matmul_flops / 10)
+    # No pipeline overlap (the owner pipeline hides up to min(NS, comm), which would cap slower
+    # links' comm at the NS time) and no call latency (the plan cuts 32 layers into ~20 owner
+    # micro-groups, whose 40 all-to-all latencies are a fifth of the comm): comm is then bytes
+    # over bandwidth in every mode, and ten times slower links make it ten times longer.
+    serial = dataclasses.replace(H100, comm_overlap=0.0, collective_latency_s=0.0)
+    slow_links = dataclasses.replace(serial, intra_node_bandwidth=H100.intra_node_bandwidth / 10)
+    slow_gemm = dataclasses.replace(serial, matmul_flops=H100.matmul_flops / 10)
     for mode in ("duplicated", "distributed", "owner"):
-        base = tp_mode_cost(ms, mode, 8, H100)
+        base = tp_mode_cost(ms, mode, 8, serial)
         assert tp_mode_cost(ms, mode, 8, slow_links).comm_s == pytest.approx(
-            base.comm_s * 10, rel=0.05), mode  # comm is bandwidth-bound: latency is < 5% here
+            base.comm_s * 10, rel=1e-9), mode  # float sums of the same terms
         assert tp_mode_cost(ms, mode, 8, slow_gemm).compute_s > 5 * base.compute_s, mode
 
 

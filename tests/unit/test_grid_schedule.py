@@ -82,8 +82,8 @@ def test_a_unit_whole_on_one_dp_rank_stays_there_and_same_shapes_share_a_width()
 
 def test_schedule_is_deterministic_and_pure():
     units = whole_layouts(stage_params(LLAMA3["405B"], StageGrid(tp=8, pp=16)), 8)
-    a = schedule_grid(units, 64, 8, H100)
-    assert a == schedule_grid(list(units), 64, 8, H100)
+    a = schedule_grid(units, 64, 8, H100, NSOptions())
+    assert a == schedule_grid(list(units), 64, 8, H100, NSOptions())
     assert len(a.dp_owners) == len(units) and all(0 <= d < 64 for d in a.dp_owners)
     assert a.ns_makespan_s <= a.makespan_s
 

@@ -19,7 +19,7 @@ from .plan.balanced_layout import DEFAULT_ALPHA
 from .plan.step_plan import DEFAULT_BUCKET_BYTES, DP_MODES, TP_MODES, PlanSettings
 
 if TYPE_CHECKING:
-    from .plan.cost_model import Hardware
+    from .plan.hardware import Hardware
     from .plan.topology import Topology
 
 __all__ = ["DP_LAYOUTS", "MUONBP_BLOCKS", "MuonConfig", "NS_PRECISIONS", "finite"]
@@ -117,7 +117,7 @@ class MuonConfig:
     auto_hardware: str = "detect"
     """with tp_mode auto (the default): the cost model's hardware constants (--muon-auto-hardware):
     ``detect`` (this device: H200 → h200, other CUDA GPUs → h100-sxm, CPU → cpu-gloo), a profile
-    name (h100-sxm, h200, cpu-gloo) or the path of a JSON file of ``cost_model.Hardware`` fields
+    name (h100-sxm, h200, cpu-gloo) or the path of a JSON file of ``hardware.Hardware`` fields
     (``scripts/bench/calibrate_hardware.py``). Not used by the other modes, but checked in every
     mode; the command line refuses it with them (``startup_checks``)."""
     dp_mode: str = "owner"

@@ -58,7 +58,7 @@ from .parallel.comm import comm_stats
 from .parallel.devices import resolve_device
 from .parallel.orthogonalize import StepGroups, orthogonalize_updates
 from .parallel.step_setup import SetupReport, prepare_optimizers, stage_topology
-from .plan.cost_model import Hardware
+from .plan.hardware import Hardware
 from .plan.step_plan import StepPlan, build_step_plan
 from .plan.topology import Topology
 

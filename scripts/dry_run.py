@@ -598,14 +598,14 @@ def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str, d
     DDP's default bucket on the first stage), h100-sxm constants: the busiest stage's NS FLOPs and
     Muon exchange bytes (the plans' own figures), Megatron's param all-gather apart, and the
     predicted step of the slowest stage for ours and for Adam's distributed optimizer."""
-    from megatron_muon.plan.cost_model import GPU_PROFILES
+    from megatron_muon.plan.hardware import GPU_PROFILES
     from megatron_muon.plan.step_cost import optimizer_step_cost
 
     hw = GPU_PROFILES["h100-sxm"]
     ours, adam = [], []
     for stage in range(pp):
         ours.append(optimizer_step_cost(shape, optimizer="ours", tp=tp, dp=dp, pp=pp, hw=hw, tp_mode=tp_mode,
-                                        ns_bytes=2, dp_layout=dp_layout, bucket_numel=max(40_000_000, 1_000_000 * dp),
+                                        dp_layout=dp_layout, bucket_numel=max(40_000_000, 1_000_000 * dp),
                                         stage=stage))
         adam.append(optimizer_step_cost(shape, optimizer="adam", tp=tp, dp=dp, pp=pp, hw=hw, stage=stage))
     return dict(ns_flops_max=max(c.ns_flops_max for c in ours), bytes_sent_max=max(c.bytes_sent_max for c in ours),

@@ -63,7 +63,7 @@ from .team_groups import make_team_groups, team_request
 from .tp_modes import check_local_shards, run_blocking_mode, validate_across_ranks
 
 if TYPE_CHECKING:
-    from ..plan.cost_model import Hardware
+    from ..plan.hardware import Hardware
 
 __all__ = ["Apply", "StepGroups", "bind", "orthogonalize_sharded", "orthogonalize_updates"]
 
@@ -229,7 +229,7 @@ def orthogonalize_sharded(
         validate: check, with one small all-gather of shapes, that every rank agrees on the
             matrix list before moving data. Callers with a fixed layout may check once.
         hardware: the cost model's constants for ``auto`` (ignored by the other modes);
-            None = ``auto_mode.hardware_profile("detect")``. Every rank of ``group`` must pass
+            None = ``hardware.hardware_profile("detect")``. Every rank of ``group`` must pass
             the same constants: the choice is made locally, without communicating.
         device: where this call's buffers live; None = the shards' device, or the group's when
             this rank has no shard (``devices.resolve_device``).

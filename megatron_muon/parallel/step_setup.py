@@ -48,8 +48,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..plan.cost_model import Hardware
 from ..plan.digest import PLAN_FIELDS, plan_digests
+from ..plan.hardware import Hardware
 from ..plan.step_plan import StepPlan
 from ..plan.topology import Topology
 from . import comm

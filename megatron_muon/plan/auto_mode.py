@@ -26,8 +26,9 @@ from collections.abc import Sequence
 
 from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import NSOptions
-from .cost_model import Hardware, split_dim
+from .cost_model import split_dim
 from .grid_schedule import schedule_grid
+from .hardware import Hardware
 from .mode_cost import tp_mode_cost
 
 __all__ = ["choose_tp_modes", "predicted_time"]

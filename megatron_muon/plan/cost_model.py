@@ -25,10 +25,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..core.matrix_layout import MatrixLayout
-from .hardware import GPU_PROFILES, Hardware
+from .hardware import Hardware
 
-# GPU_PROFILES and Hardware live in ``hardware``; named here for the scripts that read them beside Cost.
-__all__ = ["GPU_PROFILES", "Cost", "Hardware", "call_latency", "collective_cost", "collective_time", "link_time",
+__all__ = ["Cost", "call_latency", "collective_cost", "collective_time", "link_time",
            "memory_time", "ns_time", "split_dim"]
 
 # Kernels one batched NS call launches: 3 GEMMs per iteration plus the norm, the divide, the

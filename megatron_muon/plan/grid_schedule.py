@@ -43,7 +43,7 @@ from dataclasses import dataclass
 
 from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import NSOptions
-from .cost_model import Hardware
+from .hardware import Hardware
 from .pricing import Link, Widths, dp_exchange, moved_s, team_widths, widths
 from .topology import Topology
 

@@ -98,7 +98,7 @@ GPU_PROFILES: dict[str, Hardware] = {
 # ``--muon-auto-hardware PATH`` (``scripts/bench/calibrate_hardware.py``).
 CPU_GLOO = Hardware(
     name="cpu-gloo",
-    source="megatron_muon.plan.auto_mode.CPU_GLOO: order-of-magnitude default for CPU ranks over gloo "
+    source="megatron_muon.plan.hardware.CPU_GLOO: order-of-magnitude default for CPU ranks over gloo "
     "(not measured); pass a calibrated JSON with --muon-auto-hardware",
     matmul_flops=50e9,
     memory_bandwidth=5e9,

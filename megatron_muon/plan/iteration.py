@@ -71,7 +71,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .cost_model import Hardware, collective_time
+from .cost_model import collective_time
+from .hardware import Hardware
 
 __all__ = ["Bucket", "Iteration", "IterationSettings", "Stage", "StageTime", "attention_flops", "iteration_time",
            "linear_flops"]

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import NSOptions
-from .cost_model import Cost, Hardware
+from .cost_model import Cost
+from .hardware import Hardware
 from .pricing import plan_cost
 from .step_plan import SUB_MODES, build_step_plan, call_settings
 

@@ -10,11 +10,14 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from ..core.matrix_layout import MatrixLayout
+from ..core.newton_schulz import NSOptions
 
 if TYPE_CHECKING:
     from .units import Unit
 
 __all__ = ["dp_pins", "plan_dp_owners", "plan_owners", "plan_unit_owners", "rank_loads", "unit_pinnable"]
+
+_DEFAULT_NS = NSOptions()
 
 
 def plan_owners(
@@ -79,9 +82,10 @@ def rank_loads(costs: Sequence[float], owner_rank: Sequence[int], num_ranks: int
     return loads
 
 
-def plan_dp_owners(layouts: Sequence[MatrixLayout], dp_size: int, steps: int = 5, *,
-                   pinnable: Sequence[bool] | None = None, method: str = "standard") -> list[int]:
-    """One DP owner per matrix: balanced on NS FLOPs (of ``method``), moving as little as possible.
+def plan_dp_owners(layouts: Sequence[MatrixLayout], dp_size: int, ns: NSOptions = _DEFAULT_NS, *,
+                   pinnable: Sequence[bool] | None = None) -> list[int]:
+    """One DP owner per matrix: balanced on NS FLOPs (``ns.flops`` of its sub-matrices' global
+    shapes), moving as little as possible.
 
     A matrix lying wholly in one rank's range is pinned to that rank (it never moves) where
     ``pinnable`` allows it (None: everywhere); any other matrix held in DP ranges prefers the rank
@@ -89,7 +93,8 @@ def plan_dp_owners(layouts: Sequence[MatrixLayout], dp_size: int, steps: int = 5
     every rank holds everything) it is plain LPT.
     """
     fixed, prefer = dp_pins(layouts, dp_size, pinnable)
-    return plan_owners([lay.ns_cost(steps, method) for lay in layouts], dp_size, fixed=fixed, prefer=prefer)
+    costs = [sum(ns.flops(r, c) for r, c in lay.sub_global_shapes()) for lay in layouts]
+    return plan_owners(costs, dp_size, fixed=fixed, prefer=prefer)
 
 
 def dp_pins(layouts: Sequence[MatrixLayout], dp_size: int,
@@ -110,8 +115,8 @@ def dp_pins(layouts: Sequence[MatrixLayout], dp_size: int,
     return fixed, prefer
 
 
-def plan_unit_owners(weights: Sequence[MatrixLayout], units: Sequence[Unit], dp_size: int, steps: int = 5,
-                     method: str = "standard") -> list[int]:
+def plan_unit_owners(weights: Sequence[MatrixLayout], units: Sequence[Unit], dp_size: int,
+                     ns: NSOptions = _DEFAULT_NS) -> list[int]:
     """One DP owner per unit (``units.split_units`` of ``weights``): ``plan_dp_owners`` on the
     units, a unit pinned to the rank holding it only when its whole weight lies there.
 
@@ -119,8 +124,7 @@ def plan_unit_owners(weights: Sequence[MatrixLayout], units: Sequence[Unit], dp_
     megatron layout: NS max/mean 1.038 against 1.011), while a weight whole on a rank (the
     balanced layout) still never moves.
     """
-    return plan_dp_owners([unit.layout for unit in units], dp_size, steps,
-                          pinnable=unit_pinnable(weights, units, dp_size), method=method)
+    return plan_dp_owners([unit.layout for unit in units], dp_size, ns, pinnable=unit_pinnable(weights, units, dp_size))
 
 
 def unit_pinnable(weights: Sequence[MatrixLayout], units: Sequence[Unit], dp_size: int) -> list[bool]:

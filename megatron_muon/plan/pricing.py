@@ -3,7 +3,7 @@
 Every figure about a step's cost is read from here: the step plan's per-rank FLOPs and bytes
 (``step_plan.build_step_plan``), ``auto``'s objective (``grid_schedule``: each sub-matrix's
 seconds narrow and wide, each unit's DP exchange) and the cost model's step time
-(``plan_cost``, and ``cost_model.tp_mode_cost`` on a plan of one TP group). A new TP mode gets its
+(``plan_cost``, and ``mode_cost.tp_mode_cost`` on a plan of one TP group). A new TP mode gets its
 price in ``sub_price`` and nowhere else.
 
 A ``Price`` is one rank's share: NS FLOPs, the bytes it sends (``comm.py``'s convention: what
@@ -34,7 +34,8 @@ from ..core.newton_schulz import (
     sharded_runs_gram,
     splits_gram,
 )
-from .cost_model import Cost, Hardware, call_latency, collective_time, link_time, memory_time, ns_time
+from .cost_model import Cost, call_latency, collective_time, link_time, memory_time, ns_time
+from .hardware import Hardware
 from .teams import team_blocks, team_layout
 
 __all__ = ["AUTO_CANDIDATES", "DISTRIBUTED_SUM_BYTES", "PRIMITIVES", "Link", "Price", "Widths", "dp_exchange",

@@ -14,22 +14,23 @@ on the same stage's parameters. ``docs/performance.md`` has the numbers;
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
 from ..core.matrix_layout import MatrixLayout
 from ..core.models import ModelShape
 from ..core.newton_schulz import NSOptions
-from .cost_model import Cost, Hardware, collective_cost, memory_time
+from .cost_model import Cost, collective_cost, memory_time
+from .hardware import Hardware
 from .owners import plan_owners
 from .param_marks import DEFAULT_SPLITS, RowSplits
 from .pricing import plan_cost
 from .stage_layouts import BufferSettings, buffer_layout, stage_layouts, whole_layouts
 from .stage_params import StageGrid, stage_params
 from .step_plan import PlanSettings, StepPlan, build_step_plan
+from .topology import Topology
 
 __all__ = ["MEGATRON_SPLITS", "OPTIMIZERS", "StepCost", "optimizer_step_cost", "stage_plan"]
 
@@ -54,7 +55,7 @@ _ADAM_BYTES = 10 * 4
 _ADAM_KERNELS = 12
 _NORM_BYTES, _NORM_KERNELS = 4 + 8, 4
 _GATHER_BYTES = 4  # per element of Megatron's ZeRO-1 param all-gather, as this model has always counted it
-_NS_DTYPES = {2: torch.bfloat16, 4: torch.float32}
+_DEFAULT_NS = NSOptions()
 
 
 @dataclass
@@ -87,12 +88,10 @@ def optimizer_step_cost(
     hw: Hardware,
     pp: int = 1,
     tp_mode: str | None = None,
-    steps: int = 5,
-    ns_bytes: int = 2,
+    ns: NSOptions = _DEFAULT_NS,
     clip_grad: bool = True,
     dp_layout: str = "balanced",
     bucket_numel: int | None = None,
-    ns_method: str = "standard",
     stage: int = 0,
 ) -> StepCost:
     """Predicted ``optimizer.step()`` time on the busiest rank of pipeline stage ``stage`` of a
@@ -102,18 +101,16 @@ def optimizer_step_cost(
     the Muon optimizers, unused for adam; ``auto`` plans on ``hw``, as the optimizer does). Ours:
     the plan of the stage's real layouts on ``dp_layout`` (``--muon-dp-layout``; DDP's
     ``bucket_numel`` on the first stage, None = one bucket), its matrices pinned to the DP ranges
-    holding them, priced by ``pricing.plan_cost``. ``ns_method``: ``--muon-ns-method`` (ours;
+    holding them, priced by ``pricing.plan_cost``. ``ns``: the Newton–Schulz settings (ours;
     megatron-core's Muon runs the standard iteration and splits QKV only, ``MEGATRON_SPLITS``).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer_step_cost: optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
-    if ns_bytes not in _NS_DTYPES:
-        raise ValueError(f"optimizer_step_cost: ns_bytes {ns_bytes!r}; expected one of {sorted(_NS_DTYPES)}")
     if optimizer != "adam" and tp_mode is None:
         raise ValueError(f"optimizer_step_cost: optimizer {optimizer!r} needs a tp_mode (--muon-tp-mode)")
     grid = StageGrid(tp, dp, pp, stage)
     ours = optimizer == "ours"
-    ns = NSOptions(steps, dtype=_NS_DTYPES[ns_bytes], method=ns_method if ours else "standard")
+    ns = ns if ours else dataclasses.replace(ns, method="standard", gram_dtype=None)
     settings = BufferSettings(dp_layout if ours else "megatron", bucket_numel,
                               DEFAULT_SPLITS if ours else MEGATRON_SPLITS, ns)
     # ours: the stage as the optimizer finds it; the others: its params (Adam's buffer: megatron-core's)
@@ -122,7 +119,7 @@ def optimizer_step_cost(
     muon = [p for p in params if p.is_muon]
     muon_local, adam_local = sum(p.numel for p in muon), sum(p.numel for p in params if not p.is_muon)
     adam_tensors = len(params) - len(muon)
-    dp_spans_nodes = tp * dp > hw.ranks_per_node
+    dp_spans_nodes = Topology.contiguous(dp, tp, hw.ranks_per_node).dp_spans_nodes  # Megatron's order, TP fastest
     cost = Cost()
 
     def elementwise(label: str, nbytes: float, kernels: int) -> None:
@@ -136,7 +133,7 @@ def optimizer_step_cost(
     else:
         sharded_state = optimizer != "megatron-muon"  # DDP Muon: every DP rank updates everything
         shard = dp if sharded_state else 1
-        elementwise("muon elementwise", muon_local / shard * _MUON_BYTES(ns_bytes), len(muon) * _MUON_KERNELS)
+        elementwise("muon elementwise", muon_local / shard * _MUON_BYTES(ns.dtype_bytes), len(muon) * _MUON_KERNELS)
         elementwise("adam", adam_local / shard * _ADAM_BYTES, adam_tensors * _ADAM_KERNELS)
         # ours on the buffer's DP ranges; megatron-core's Muon under plain DDP on whole matrices, every
         # DP rank alike (DP 1); its layer-wise optimizer on whole matrices, each on one DP home
@@ -157,7 +154,7 @@ def optimizer_step_cost(
     if dp > 1 and optimizer == "megatron-layerwise":
         # Adam params through a distributed optimizer, Muon params gathered from their DP homes
         # (padded to the largest home's size)
-        homes = _dp_homes(whole_layouts(params, tp, MEGATRON_SPLITS), dp, steps)
+        homes = _dp_homes(whole_layouts(params, tp, MEGATRON_SPLITS), dp, ns)
         largest = max(sum(muon[i].numel for i in home) for home in homes)
         gather = (adam_local / dp + largest) * _GATHER_BYTES * (dp - 1)
     if gather:
@@ -167,9 +164,10 @@ def optimizer_step_cost(
                     max(plan.ns_flops, default=0) if plan is not None else 0.0, cost.parts, param_gather_bytes=gather)
 
 
-def _dp_homes(layouts: Sequence[MatrixLayout], dp: int, steps: int) -> list[list[int]]:
+def _dp_homes(layouts: Sequence[MatrixLayout], dp: int, ns: NSOptions) -> list[list[int]]:
     """megatron-core's layer-wise homes, modelled: whole matrices by LPT on NS FLOPs."""
     homes: list[list[int]] = [[] for _ in range(dp)]
-    for i, r in enumerate(plan_owners([lay.ns_cost(steps) for lay in layouts], dp)):
+    costs = [sum(ns.flops(r, c) for r, c in lay.sub_global_shapes()) for lay in layouts]
+    for i, r in enumerate(plan_owners(costs, dp)):
         homes[r].append(i)
     return homes

@@ -40,8 +40,8 @@ from ..core.matrix_layout import MatrixLayout
 from ..core.newton_schulz import NSOptions
 from ..core.scaling import SCALE_MODES, muon_scale
 from . import exchange
-from .cost_model import Hardware
 from .grid_schedule import GridSchedule, schedule_grid
+from .hardware import Hardware
 from .local_blocks import Block, fragment_blocks
 from .owners import dp_pins, plan_owners, plan_unit_owners, unit_pinnable
 from .pricing import rank_prices
@@ -245,7 +245,7 @@ def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: 
     dp_owners = None
     if exchanges_dp:
         dp_owners = (schedule.dp_owners if schedule
-                     else tuple(plan_unit_owners(matrices, units, dp_size, ns.steps, ns.method)))
+                     else tuple(plan_unit_owners(matrices, units, dp_size, ns)))
     # Micro-groups are cut on full-matrix bytes: the TP owner holds whole matrices, and a full
     # matrix is at least the TP-local shard the DP exchange moves, so one cap bounds both.
     element = ns.dtype_bytes

@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_muon.plan.cost_model import Hardware
+from megatron_muon.plan.hardware import Hardware
 
 from .launch import backend_for, launch
 

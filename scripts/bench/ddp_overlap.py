@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_muon.core.models import ModelShape
-from megatron_muon.plan.cost_model import Hardware, collective_time
+from megatron_muon.plan.cost_model import collective_time
+from megatron_muon.plan.hardware import Hardware
 from megatron_muon.plan.iteration import Bucket, IterationSettings, Stage, attention_flops, iteration_time, linear_flops
 from megatron_muon.plan.step_cost import optimizer_step_cost
 

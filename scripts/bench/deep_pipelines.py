@@ -19,7 +19,8 @@ import argparse
 
 from megatron_muon.core.models import LLAMA3
 from megatron_muon.core.newton_schulz import NSOptions
-from megatron_muon.plan.cost_model import GPU_PROFILES, ns_time
+from megatron_muon.plan.cost_model import ns_time
+from megatron_muon.plan.hardware import GPU_PROFILES
 from megatron_muon.plan.stage_layouts import BufferSettings
 from megatron_muon.plan.stage_params import StageGrid
 from megatron_muon.plan.step_cost import optimizer_step_cost, stage_plan

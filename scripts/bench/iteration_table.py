@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_muon.core.models import ModelShape
-from megatron_muon.plan.cost_model import GPU_PROFILES, Hardware, collective_time
+from megatron_muon.plan.cost_model import collective_time
+from megatron_muon.plan.hardware import GPU_PROFILES, Hardware
 from megatron_muon.plan.iteration import (
     Bucket,
     Iteration,

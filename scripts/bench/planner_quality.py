@@ -77,7 +77,7 @@ with warnings.catch_warnings():
     from megatron_muon.config import MuonConfig
     from megatron_muon.core.matrix_layout import MatrixLayout
     from megatron_muon.core.models import LLAMA3, ModelShape
-    from megatron_muon.core.newton_schulz import ns_flops
+    from megatron_muon.core.newton_schulz import NSOptions, ns_flops
     from megatron_muon.megatron.catalogue import is_muon_matrix, layout_of, row_splits
     from megatron_muon.plan.balanced_layout import BufferLayout
     from megatron_muon.plan.owners import plan_dp_owners
@@ -410,7 +410,7 @@ def layout_rows(spec: Stage, tp: int, dp: int, bucket_size: int | None) -> dict:
             row.update(cut=0, dp_bytes_max=0, dp_bytes_mean=0.0)
         else:
             layouts = ours_layouts(spec, tp, dp, bucket_size, dp_layout=name)
-            dp_of = plan_dp_owners(layouts, dp, STEPS)
+            dp_of = plan_dp_owners(layouts, dp, NSOptions(STEPS))
             costs = [lay.ns_cost(STEPS) for lay in layouts]
             plan = plan_ours(layouts, tp, dp)
             row.update(cut=sum(1 for lay in layouts if len(lay.holders(dp)) > 1),
@@ -438,7 +438,7 @@ def alpha_sweep(model: str, tp: int, dp: int, bucket_size: int | None, alphas=AL
         cfg = MuonConfig(tp_mode="owner", layout_alpha=alpha)
         numel, unpadded = buffer_rows(spec, tp, dp, bucket_size, "balanced", cfg)  # unpadded: params only
         layouts = ours_layouts(spec, tp, dp, bucket_size, dp_layout="balanced", muon_config=cfg)
-        owners = plan_dp_owners(layouts, dp, STEPS)
+        owners = plan_dp_owners(layouts, dp, NSOptions(STEPS))
         loads = [0.0] * dp
         for lay, d in zip(layouts, owners):
             loads[d] += lay.ns_cost(STEPS)

@@ -3,7 +3,7 @@
     python -m scripts.bench.project_performance                 # Markdown tables to stdout
     python -m scripts.bench.project_performance --json out.json
 
-Nothing here is measured: ``cost_model.GPU_PROFILES`` holds the vendor-derived constants (their
+Nothing here is measured: ``hardware.GPU_PROFILES`` holds the vendor-derived constants (their
 ``source`` fields say which), and the layouts below are typical Megatron ones. The model is the
 one validated on CPU against measured steps (``scripts/bench/validate_cost_model.py``); on GPUs its
 constants are quoted, not calibrated, so read these as estimates.
@@ -21,7 +21,8 @@ import json
 from pathlib import Path
 
 from megatron_muon.core.models import LLAMA3
-from megatron_muon.plan.cost_model import GPU_PROFILES
+from megatron_muon.core.newton_schulz import NSOptions
+from megatron_muon.plan.hardware import GPU_PROFILES
 from megatron_muon.plan.stage_params import model_numel
 from megatron_muon.plan.step_cost import optimizer_step_cost
 
@@ -58,7 +59,7 @@ def step_ms(model: str, hw_name: str, optimizer: str, mode: str, period: int, dp
     hw, shape = GPU_PROFILES[hw_name], LLAMA3[model]
     # DDP's default bucket with --overlap-grad-reduce: max(40M, 1M·DP) elements
     cost = lambda o, m: optimizer_step_cost(shape, optimizer=o, tp=tp, dp=dp, pp=pp, hw=hw, tp_mode=m,  # noqa: E731
-                                            ns_bytes=2, dp_layout=dp_layout, ns_method=ns_method,
+                                            ns=NSOptions(method=ns_method), dp_layout=dp_layout,
                                             bucket_numel=max(40_000_000, 1_000_000 * dp)).total_s * 1e3
     if mode == "muonbp":
         return (cost(optimizer, "owner") + (period - 1) * cost(optimizer, "blockwise")) / period

@@ -20,9 +20,15 @@ import json
 import statistics
 from pathlib import Path
 
+import torch
+
 from megatron_muon.core.models import ModelShape
-from megatron_muon.plan.cost_model import Hardware
+from megatron_muon.core.newton_schulz import NSOptions
+from megatron_muon.plan.hardware import Hardware
 from megatron_muon.plan.step_cost import optimizer_step_cost
+
+NS_DTYPES = {2: torch.bfloat16, 4: torch.float32}
+"""the benchmark's NS element size → its dtype."""
 
 TARGET = 0.25  # the issue's target: every row within 25%
 
@@ -43,9 +49,9 @@ def predict_row(row: dict, model: ModelShape, tp: int, dp: int, hw: Hardware, ns
 
     def step(optimizer: str, mode: str) -> float:
         return optimizer_step_cost(model, optimizer=optimizer, tp=tp, dp=dp, hw=hw, tp_mode=mode,
-                                   ns_bytes=ns_bytes, clip_grad=clip_grad,
-                                   dp_layout=row.get("dp_layout", "megatron"), bucket_numel=bucket_numel,
-                                   ns_method=row.get("ns_method", "standard")).total_s
+                                   ns=NSOptions(dtype=NS_DTYPES[ns_bytes], method=row.get("ns_method", "standard")),
+                                   clip_grad=clip_grad, dp_layout=row.get("dp_layout", "megatron"),
+                                   bucket_numel=bucket_numel).total_s
 
     kind, mode = row["step_kind"], row["mode"]
     if row["optimizer"] == "adam-distopt":

@@ -148,7 +148,7 @@ def test_pipeline_overlap_hides_owner_all_to_alls_only():
     from dataclasses import replace
 
     from megatron_muon.core.models import LLAMA3
-    from megatron_muon.plan.cost_model import GPU_PROFILES
+    from megatron_muon.plan.hardware import GPU_PROFILES
     from megatron_muon.plan.step_cost import optimizer_step_cost
 
     model = LLAMA3["8B"]

@@ -221,7 +221,7 @@ def test_exchange_rounds_do_not_change_the_tp_plan():
     tp, dp = 2, 2
     lays = layouts(tp, dp, cut=True)
     units = split_units(lays)
-    owners = plan_unit_owners(lays, units, dp, 5)
+    owners = plan_unit_owners(lays, units, dp)
     for d in range(dp):
         costs = [ns_flops(*shape, 5) for u, unit in enumerate(units) if owners[u] == d
                  for shape in unit.layout.sub_global_shapes()]

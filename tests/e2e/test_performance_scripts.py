@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_muon.plan.cost_model import Hardware
+from megatron_muon.plan.hardware import Hardware
 from scripts.bench import project_performance as pp
 from scripts.bench import validate_cost_model as vcm
 

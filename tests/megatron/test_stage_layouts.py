@@ -31,7 +31,7 @@ import torch.multiprocessing as mp
 
 from megatron_muon.core.matrix_layout import MatrixLayout
 from megatron_muon.core.models import MambaShape, ModelShape
-from megatron_muon.plan.cost_model import GPU_PROFILES
+from megatron_muon.plan.hardware import GPU_PROFILES
 from megatron_muon.plan.stage_layouts import BufferSettings, stage_layouts
 from megatron_muon.plan.stage_params import StageGrid
 from megatron_muon.plan.step_cost import optimizer_step_cost

@@ -19,7 +19,7 @@ import pytest
 
 from megatron_muon.core.models import HYBRID_MODELS, LLAMA3, MOE_MODELS
 from megatron_muon.core.newton_schulz import NSOptions
-from megatron_muon.plan.cost_model import GPU_PROFILES
+from megatron_muon.plan.hardware import GPU_PROFILES
 from megatron_muon.plan.stage_layouts import BufferSettings
 from megatron_muon.plan.stage_params import StageGrid
 from megatron_muon.plan.step_cost import optimizer_step_cost, stage_plan

@@ -12,8 +12,8 @@ import pytest
 from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
 from megatron_muon.core.models import LLAMA3
 from megatron_muon.core.newton_schulz import NSOptions
-from megatron_muon.plan.cost_model import GPU_PROFILES
 from megatron_muon.plan.grid_schedule import schedule_grid
+from megatron_muon.plan.hardware import GPU_PROFILES
 from megatron_muon.plan.stage_layouts import whole_layouts
 from megatron_muon.plan.stage_params import StageGrid, stage_params
 from megatron_muon.plan.step_plan import PlanSettings, build_step_plan

@@ -11,7 +11,7 @@ import pytest
 
 from megatron_muon.core.matrix_layout import RowSplit
 from megatron_muon.core.models import HYBRID_MODELS, staged_pattern
-from megatron_muon.plan.cost_model import GPU_PROFILES
+from megatron_muon.plan.hardware import GPU_PROFILES
 from megatron_muon.plan.param_marks import RowSplits
 from megatron_muon.plan.stage_layouts import BufferSettings, stage_layouts, whole_layouts
 from megatron_muon.plan.stage_params import StageGrid, model_numel, stage_params

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from megatron_muon.plan.cost_model import Hardware
+from megatron_muon.plan.hardware import Hardware
 from megatron_muon.plan.iteration import (
     Bucket,
     IterationSettings,

@@ -180,13 +180,13 @@ def test_dp_owners_balance_the_method_that_runs():
     one 64 × 224 (aspect 3.5: standard 80 units, Gram 56) on 2 ranks: on standard costs the long
     one is alone on a rank (80 against 90); on Gram costs it shares with a square (86 against 60)."""
     from megatron_muon.core.matrix_layout import MatrixLayout
-    from megatron_muon.core.newton_schulz import method_flops
+    from megatron_muon.core.newton_schulz import NSOptions, method_flops
     from megatron_muon.plan.owners import plan_dp_owners
 
     layouts = [MatrixLayout(f"m{i}", shape, None, 1) for i, shape in enumerate([(64, 64)] * 3 + [(64, 224)])]
     for method in ("standard", "gram"):
         costs = [method_flops(method, *lay.full_shape, 5) for lay in layouts]
         assert [lay.ns_cost(5, method) for lay in layouts] == costs
-        assert plan_dp_owners(layouts, 2, 5, method=method) == plan_owners(costs, 2)
-    assert plan_dp_owners(layouts, 2, 5) == [1, 1, 1, 0]
-    assert plan_dp_owners(layouts, 2, 5, method="gram") == [1, 1, 0, 0]
+        assert plan_dp_owners(layouts, 2, NSOptions(5, method=method)) == plan_owners(costs, 2)
+    assert plan_dp_owners(layouts, 2, NSOptions(5)) == [1, 1, 1, 0]
+    assert plan_dp_owners(layouts, 2, NSOptions(5, method="gram")) == [1, 1, 0, 0]

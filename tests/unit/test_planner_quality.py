@@ -236,7 +236,7 @@ def test_cost_model_prices_the_planner_tables_plan(llama):
     against the real DDP and catalogue) and prices that plan: on megatron-core's layout its NS max
     and Muon bytes are the table's ZeRO-1 row's busiest rank's, cut matrices included; on the
     balanced layout nothing is cut and the DP exchange sends nothing."""
-    from megatron_muon.plan.cost_model import GPU_PROFILES
+    from megatron_muon.plan.hardware import GPU_PROFILES
     from megatron_muon.plan.step_cost import optimizer_step_cost
 
     for (model, tp, dp), r in llama.items():

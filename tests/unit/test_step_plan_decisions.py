@@ -46,7 +46,7 @@ def test_a_plan_for_512_ranks_is_built_on_one_process_and_counts_each_ns_once():
     # contiguous fused blocks are units: fc1's gate and up, and QKV's q, k, v (one query group per
     # rank at TP8); 8 layers x (3 + 1 + 2 + 1) = 56 units
     assert plan.units == units and len(units) == 56
-    assert plan.dp_owners == tuple(plan_dp_owners([u.layout for u in units], 64, 5))
+    assert plan.dp_owners == tuple(plan_dp_owners([u.layout for u in units], 64))
     assert len(plan.idle_dp_ranks()) == 64 - len(set(plan.dp_owners))
     # 56 units for 64 DP ranks: LPT gives each its own TP group, the two halves of an fc1 included
     assert len(set(plan.dp_owners)) == len(units)

@@ -82,8 +82,9 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from megatron_muon.config import MUONBP_BLOCKS  # noqa: E402
+from megatron_muon.config import MUONBP_BLOCKS, MuonConfig  # noqa: E402
 from megatron_muon.core.models import HYBRID_MODELS, LLAMA3, MOE_MODELS, ModelShape, staged_pattern  # noqa: E402
+from megatron_muon.plan.step_plan import TP_MODES  # noqa: E402
 
 MODELS = {**{f"llama3-{k.lower()}": v for k, v in LLAMA3.items()}, **MOE_MODELS, **HYBRID_MODELS}
 RANK_KINDS = ("first", "last", "no-first-piece", "idle-dp-owner", "pp-stages", "busiest", "tp-group", "team",
@@ -682,9 +683,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ep", type=int, default=1, help="expert model parallel size (MoE models)")
     parser.add_argument("--etp", type=int, default=None,
                         help="expert tensor parallel size (default: --tp, as Megatron)")
-    parser.add_argument("--tp-mode", default="owner",
-                        choices=("owner", "duplicated", "distributed", "blockwise", "auto"),
-                        help="--muon-tp-mode; auto plans on the h100-sxm constants")
+    parser.add_argument("--tp-mode", default=MuonConfig().tp_mode, choices=TP_MODES,
+                        help=f"--muon-tp-mode (default {MuonConfig().tp_mode}, as in training); auto plans on the "
+                             "h100-sxm constants")
     wrap = parser.add_mutually_exclusive_group()
     wrap.add_argument("--dp-layout", default=None, choices=("balanced", "megatron"),
                       help="the DDP buffer layout (--muon-dp-layout); default balanced, as in training")
@@ -761,12 +762,12 @@ def main(argv: list[str] | None = None) -> int:
                                      args.vpp)
     errors = [f"rank {r}: {e}" for r, res in results.items() for e in res["errors"]]
     errors += cross_rank_errors({r: res["trace"] for r, res in results.items()})
-    # the cost model: dense GQA GPTs, and hybrid models without MoE layers on the balanced layout
-    # (its replay of megatron-core's layout knows GPT layers only); DDP's buffer layouts only.
+    # the cost model: what plan.stage_params lists (dense GQA GPTs, hybrid models without MoE
+    # layers) on DDP's buffer layouts, one model chunk per stage (no virtual pipeline).
     # The planner table: dense GQA GPTs.
     moe = bool(shape.num_experts) or shape.mla is not None or shape.hybrid_pattern is not None
-    modeled = not (shape.num_experts or shape.mla is not None or args.fsdp or (
-        shape.hybrid_pattern is not None and ("E" in shape.hybrid_pattern or args.dp_layout != "balanced")))
+    modeled = not (shape.num_experts or shape.mla is not None or args.fsdp or args.vpp > 1 or (
+        shape.hybrid_pattern is not None and "E" in shape.hybrid_pattern))
     predicted = (cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout)
                  if modeled else None)
     planned = (planner_rows(args.model, args.tp, args.pp, args.dp, args.dp_layout, args.fsdp)

@@ -14,6 +14,7 @@ Run each from the repository root as a module, e.g. ``python -m scripts.bench.be
     tiny_gpt_step          the tiny GPT's optimizer step: MuonBP timings, per-primitive bytes (docs tables)
     iteration_table        the real DDP's buckets priced over a whole iteration (plan.iteration)
     ddp_overlap            Megatron's DDP overlap measured on this CPU: many buckets, one, none
+    record_dry_runs        regenerates every docs/perf-results/dry_run_*.json (scripts/dry_run.py)
     launch                 the one rank launcher (file:// rendezvous, gloo or NCCL)
     collectives            the one byte meter over every torch.distributed collective
 """

@@ -93,8 +93,8 @@ def test_nemotron_h_hybrid_at_tp8_dp8(tmp_path):
     kernels (parameters only): the step equals its plan, every collective on the step device."""
     proc, report = _dry_run(tmp_path, "--model", "nemotron-h-8b", "--tp", "8", "--dp", "8")
     assert report["errors"] == []
-    # The cost model lists the hybrid layers' weights (step_cost.model_weights); with every matrix
-    # whole on one DP rank its owner plan is the step's: the busiest rank's NS is the same figure.
+    # The cost model lays the hybrid stage out by the optimizer's road (plan.stage_layouts) and
+    # prices the plan it builds: the busiest rank's NS is the same figure.
     predicted = report["cost_model"]
     assert predicted["ns_flops_max"] == report["summary"]["dense"]["plan"]["ns_flops_max"]
     assert predicted["step_ms_h100"] > predicted["adam_step_ms_h100"] > 0

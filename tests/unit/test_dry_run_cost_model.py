@@ -53,14 +53,9 @@ def _stage_plans(run: dict) -> dict[int, object]:
 def test_every_simulated_rank_gets_the_plans_ns(name):
     """Rank by rank, the NS FLOPs the dry run's optimizer planned (and ran: the dry run asserts the
     step equals its plan) are the ones of the plan the cost model prices. Exact: the same integers.
-
-    Not for ``auto``: which rank runs what follows the prices (``grid_schedule``), and those changed
-    after the recorded auto runs (the fp32 Gram all-reduces, issue 42's one price), so today's plan
-    splits them otherwise at the same NS max; at their recording commit (2a9a0d1) this road
-    reproduces every recorded rank's NS exactly."""
+    ``auto`` too: its split follows the prices, so a run recorded before a change of the prices
+    fails here until ``python -m scripts.bench.record_dry_runs`` records it again."""
     run = json.loads((RESULTS / name).read_text())
-    if run["tp_mode"] == "auto":
-        pytest.skip(f"{name}: auto's per-rank split follows prices changed since it was recorded")
     plans = _stage_plans(run)
     for rank, res in run["ranks"].items():
         assert plans[res["pp"]].ns_flops[res["dp"] * run["tp"] + res["tp"]] == res["plan_ns_flops"], (name, rank)

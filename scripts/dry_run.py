@@ -763,10 +763,11 @@ def main(argv: list[str] | None = None) -> int:
     errors = [f"rank {r}: {e}" for r, res in results.items() for e in res["errors"]]
     errors += cross_rank_errors({r: res["trace"] for r, res in results.items()})
     # the cost model: what plan.stage_params lists (dense GQA GPTs, hybrid models without MoE
-    # layers) on DDP's buffer layouts, one model chunk per stage (no virtual pipeline).
+    # layers) on DDP's buffer layouts; with a virtual pipeline it prices the stage's layers as one
+    # chunk (the same matrices, one buffer instead of one per chunk).
     # The planner table: dense GQA GPTs.
     moe = bool(shape.num_experts) or shape.mla is not None or shape.hybrid_pattern is not None
-    modeled = not (shape.num_experts or shape.mla is not None or args.fsdp or args.vpp > 1 or (
+    modeled = not (shape.num_experts or shape.mla is not None or args.fsdp or (
         shape.hybrid_pattern is not None and "E" in shape.hybrid_pattern))
     predicted = (cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout)
                  if modeled else None)

@@ -47,8 +47,11 @@ def _assert_report_lines_in_docs(stdout: str) -> None:
 
 
 def _dry_run(tmp_path: Path, *args: str) -> tuple[Job, dict]:
+    """The dry run of ``args``, in owner mode unless they name a TP mode (these checks were written
+    for owner's plans, and the dry run's default follows the config's, auto)."""
     out = tmp_path / "dry.json"
-    proc = _script(*args, "--json", str(out))
+    mode = () if "--tp-mode" in args else ("--tp-mode", "owner")
+    proc = _script(*args, *mode, "--json", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc, json.loads(out.read_text())
 

@@ -24,6 +24,7 @@ from ..core.matrix_layout import MatrixLayout
 from ..core.models import ModelShape
 from ..core.newton_schulz import NSOptions
 from .cost_model import Cost, Hardware, collective_cost, memory_time
+from .layout_choice import LayoutPrice
 from .owners import plan_owners
 from .param_marks import DEFAULT_SPLITS, RowSplits
 from .pricing import plan_cost
@@ -94,6 +95,7 @@ def optimizer_step_cost(
     bucket_numel: int | None = None,
     ns_method: str = "standard",
     stage: int = 0,
+    layout_price: LayoutPrice | None = None,
 ) -> StepCost:
     """Predicted ``optimizer.step()`` time on the busiest rank of pipeline stage ``stage`` of a
     TP × DP × PP layout of ``model``.
@@ -104,6 +106,9 @@ def optimizer_step_cost(
     ``bucket_numel`` on the first stage, None = one bucket), its matrices pinned to the DP ranges
     holding them, priced by ``pricing.plan_cost``. ``ns_method``: ``--muon-ns-method`` (ours;
     megatron-core's Muon runs the standard iteration and splits QKV only, ``MEGATRON_SPLITS``).
+    ``layout_price``: the job's price inputs, with which ``dp_layout`` ``priced`` is the layout
+    ``layout_choice.choose_layout`` chooses, as the Megatron adapter lays it out under Megatron's
+    args (``layout_choice.job_price``); None: whole matrices.
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer_step_cost: optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
@@ -115,7 +120,7 @@ def optimizer_step_cost(
     ours = optimizer == "ours"
     ns = NSOptions(steps, dtype=_NS_DTYPES[ns_bytes], method=ns_method if ours else "standard")
     settings = BufferSettings(dp_layout if ours else "megatron", bucket_numel,
-                              DEFAULT_SPLITS if ours else MEGATRON_SPLITS, ns)
+                              DEFAULT_SPLITS if ours else MEGATRON_SPLITS, ns, price=layout_price if ours else None)
     # ours: the stage as the optimizer finds it; the others: its params (Adam's buffer: megatron-core's)
     laid = stage_layouts(model, grid, settings) if ours else None
     params = laid.params if ours else stage_params(model, grid)

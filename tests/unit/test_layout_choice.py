@@ -121,3 +121,14 @@ def test_priced_applies_the_price_and_balanced_ignores_it():
     assert (len(priced.buckets), len(balanced.buckets)) == (18, 4)
     # without a price (a Python API user's own DDP), priced is balanced
     assert stage_layouts(shape, grid, BufferSettings("priced", BUCKET(8))).buffer == balanced
+
+
+def test_without_megatrons_args_the_adapter_prices_nothing(monkeypatch):
+    # a Python API user's own DDP: no args parsed, so no batch or sequence to price; whole matrices
+    from megatron.training import global_vars
+
+    from megatron_muon.config import MuonConfig
+    from megatron_muon.megatron.layout import megatron_layout_price
+
+    monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", None)
+    assert megatron_layout_price(None, None, MuonConfig(dp_layout="priced"), None, None) is None

@@ -1,5 +1,5 @@
-"""Which buffer layout a DDP buffer gets: whole matrices, or megatron-core's buckets cut at rows
-(issue 42, item 4).
+"""Which buffer layout a DDP buffer gets under ``--muon-dp-layout priced``: whole matrices, or
+megatron-core's buckets cut at rows (issue 42, item 4).
 
 The balanced layout (``balanced_layout``) keeps every Muon matrix whole on one DP rank, so the
 optimizer's DP exchange moves nothing, but to do so a bucket stays open until it holds
@@ -24,7 +24,8 @@ in seconds on the hardware profile and the cheaper wins (the whole layout on a t
   direction) as one all-to-all each way on the DP link (``collective_time``), of which
   ``hw.comm_overlap`` hides under Newton–Schulz as in ``plan_cost``. The real owners are planned
   by NS FLOPs, not bytes; the first stage's step is exposed whole, so what is not hidden counts.
-  The NS balance of the two layouts is not priced: the planner balances both.
+  The NS balance of the two layouts is not priced (the planner balances each; under ``auto`` the
+  cut layout balances worse at Llama-3 8B / 70B TP8 × DP8, docs/dp_layout.md).
 
 Deterministic: every DP rank calls ``choose_layout`` on the same items and the same
 ``LayoutPrice`` (sizes, flags, one hardware profile) and gets the same layout; no process group.

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DP_LAYOUTS", "MUONBP_BLOCKS", "MuonConfig", "NS_PRECISIONS", "finite"]
 
-DP_LAYOUTS = ("balanced", "megatron")
+DP_LAYOUTS = ("balanced", "megatron", "priced")
 MUONBP_BLOCKS = ("tp_shard", "local")
 
 # Upstream --muon-fp32-matmul-prec: "medium" runs NS in bf16 (emerging-optimizers casts to bf16
@@ -127,8 +127,11 @@ class MuonConfig:
     """with the distributed optimizer, the DDP buffer layout (--muon-dp-layout): ``balanced``
     (every Muon matrix whole inside one DP rank's shard, placed by ``plan.balanced_layout``:
     no DP exchange) or ``megatron`` (megatron-core's own layout, which cuts matrices at shard
-    boundaries; the owner exchange reassembles them). Ignored without the distributed
-    optimizer (every DP rank then holds every matrix whole)."""
+    boundaries; the owner exchange reassembles them) or ``priced`` (per buffer, whichever of
+    balanced and megatron-core's buckets cut at rows costs less in predicted exposed DDP
+    communication plus DP exchange, ``plan.layout_choice``, from Megatron's args at DDP-wrap
+    time; balanced without them). Ignored without the distributed optimizer (every DP rank then
+    holds every matrix whole)."""
     layout_alpha: float = DEFAULT_ALPHA
     """α of the balanced layout (--muon-layout-alpha): the weight of Newton–Schulz balance
     against padding when whole matrices are placed in DP shards (``balanced_layout``)."""

@@ -296,14 +296,15 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
         layout = None
         if fsdp is not None:
             model = _megatron_fsdp(config, module, fsdp)
-        elif dp_layout == "balanced":  # what the hook's DDP factory builds (megatron/layout.py), same bucket rule
+        elif dp_layout in ("balanced", "priced"):  # the hook's DDP factory's layout (megatron/layout.py), same buckets
             from megatron_muon.megatron.layout import balanced_full_param_layout
 
             # get_model: buckets for the first chunk of the first stage only
             first = ps.get_pipeline_model_parallel_rank() == 0 and not vp_stage
             bucket = max(40_000_000, 1_000_000 * dp) if first else None
             layout = balanced_full_param_layout(module, bucket, dp, ddp_config, muon_config=muon_config, tp_size=tp,
-                                                expert_dp_size=ps.get_expert_data_parallel_world_size())
+                                                expert_dp_size=ps.get_expert_data_parallel_world_size(),
+                                                price=layout_price(shape, tp, dp) if dp_layout == "priced" else None)
         if fsdp is None:
             model = DistributedDataParallel(config, ddp_config, module, full_param_layout=layout)
         chunks.append(model)
@@ -593,6 +594,18 @@ def choose_ranks(kinds: list[str], tp: int, pp: int, dp: int, probe: dict, moe_s
     return chosen
 
 
+def layout_price(shape: ModelShape, tp: int, dp: int):
+    """The price inputs the balanced layout chooses on (``plan.layout_choice``), as the Megatron
+    adapter reads them from a training job's args: the iteration tables' job (4M-token global
+    batch of 8192-token sequences, micro-batch 1, ``--overlap-grad-reduce --overlap-param-gather``),
+    h100-sxm, 8 ranks per node. The meta DDP built here does not run, so its own overlap flags do
+    not matter; the layout is the one such a job gets."""
+    from megatron_muon.plan.hardware import GPU_PROFILES
+    from megatron_muon.plan.layout_choice import job_price
+
+    return job_price(shape, tp, dp, GPU_PROFILES["h100-sxm"])
+
+
 def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str, dp_layout: str = "balanced") -> dict:
     """The cost model on the same layout, every pipeline stage priced (``step_cost.optimizer_step_cost``:
     the plan of the stage's real layouts, the road ``plan.stage_layouts`` shares with this run, with
@@ -607,7 +620,7 @@ def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str, d
     for stage in range(pp):
         ours.append(optimizer_step_cost(shape, optimizer="ours", tp=tp, dp=dp, pp=pp, hw=hw, tp_mode=tp_mode,
                                         dp_layout=dp_layout, bucket_numel=max(40_000_000, 1_000_000 * dp),
-                                        stage=stage))
+                                        stage=stage, layout_price=layout_price(shape, tp, dp)))
         adam.append(optimizer_step_cost(shape, optimizer="adam", tp=tp, dp=dp, pp=pp, hw=hw, stage=stage))
     return dict(ns_flops_max=max(c.ns_flops_max for c in ours), bytes_sent_max=max(c.bytes_sent_max for c in ours),
                 param_gather_bytes=max(c.param_gather_bytes for c in ours),
@@ -626,7 +639,8 @@ def planner_rows(model: str, tp: int, pp: int, dp: int, dp_layout: str = "balanc
 
     spec = pq.llama3_spec(model.removeprefix("llama3-").upper())
     layouts = (pq.fsdp_layouts(spec, tp, dp, fsdp) if fsdp is not None
-               else pq.ours_layouts(spec, tp, dp, pq.default_bucket_size(dp), dp_layout=dp_layout))
+               else pq.ours_layouts(spec, tp, dp, pq.default_bucket_size(dp), dp_layout=dp_layout,
+                                    price=layout_price(spec, tp, dp)))
     plan = pq.plan_ours(layouts, tp, dp)
     return {r: (plan.flops[r], plan.dp_bytes[r] + plan.tp_bytes[r]) for r in range(tp * dp)}
 
@@ -687,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"--muon-tp-mode (default {MuonConfig().tp_mode}, as in training); auto plans on the "
                              "h100-sxm constants")
     wrap = parser.add_mutually_exclusive_group()
-    wrap.add_argument("--dp-layout", default=None, choices=("balanced", "megatron"),
+    wrap.add_argument("--dp-layout", default=None, choices=("balanced", "megatron", "priced"),
                       help="the DDP buffer layout (--muon-dp-layout); default balanced, as in training")
     wrap.add_argument("--fsdp", default=None, choices=("optim_grads_params", "optim_grads", "optim", "no_shard"),
                       help="Megatron-FSDP (--use-megatron-fsdp) with this --data-parallel-sharding-strategy "

@@ -228,12 +228,15 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              f"--use-distributed-optimizer). Default: {_default('dp_mode')}.",
     )
     group.add_argument(
-        "--muon-dp-layout", type=str, default=None, choices=["balanced", "megatron"],
+        "--muon-dp-layout", type=str, default=None, choices=["balanced", "megatron", "priced"],
         help="With --use-distributed-optimizer, how Megatron's DDP buffer is laid out. balanced: "
              "every Muon matrix lies whole inside one DP rank's shard of its bucket (Canzona's "
              "alpha-balanced partition; AdamW params fill in around them), so no matrix travels "
              "between DP ranks. megatron: megatron-core's own layout, which cuts matrices at shard "
-             "boundaries; the cut ones are reassembled on one DP owner every step. Default: "
+             "boundaries; the cut ones are reassembled on one DP owner every step. priced: per buffer, "
+             "whichever of the two (megatron-core's buckets with cuts at row boundaries) the iteration "
+             "model predicts cheaper: exposed DDP reduce-scatter / all-gather plus the DP exchange, on "
+             "--muon-auto-hardware's profile (the startup report prints both). Default: "
              f"{_default('dp_layout')}. Refused without --use-distributed-optimizer and under "
              "Megatron-FSDP or FSDP2 (which lay out their own buffers).",
     )

@@ -497,7 +497,7 @@ def _wrap_wrap_model_chunks_with_ddp(wrap_model_chunks_with_ddp):
         if (getattr(margs, ACTIVE, False) and dp_class is training.DDP and ddp_config.use_distributed_optimizer
                 and not kwargs.get("use_layer_wise_distributed_optimizer", False)):
             muon_config = muon_config_from_args(margs)
-            if muon_config.dp_layout == "balanced":
+            if muon_config.dp_layout in ("balanced", "priced"):
                 from .layout import ddp_with_balanced_layout
 
                 kwargs["DP"] = ddp_with_balanced_layout(muon_config)
@@ -528,7 +528,7 @@ def _wrap_ddp_wrap(ddp_wrap):
         if (getattr(margs, ACTIVE, False) and call["ddp_config"].use_distributed_optimizer
                 and not any(call.get(name) for name in other_wrappers)):
             muon_config = muon_config_from_args(margs)
-            if muon_config.dp_layout == "balanced":
+            if muon_config.dp_layout in ("balanced", "priced"):
                 from .layout import ddp_with_balanced_layout
 
                 megatron_ddp = dist_utils.DistributedDataParallel
@@ -550,7 +550,8 @@ def check_balanced_layout_applied(args, config, model_chunks) -> None:
     megatron-core's layout while the run says balanced."""
     if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
         return
-    if not getattr(config, "use_distributed_optimizer", False) or muon_config_from_args(args).dp_layout != "balanced":
+    if not getattr(config, "use_distributed_optimizer", False) or muon_config_from_args(args).dp_layout not in (
+            "balanced", "priced"):
         return
     from .layout import BALANCED_MARK
 

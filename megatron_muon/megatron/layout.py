@@ -15,6 +15,12 @@ optimizer then shards the buffer as always and ``MuonDistributedOptimizer`` find
 on one DP rank, so ``plan_dp_owners`` pins each to the rank that holds it and the DP exchange
 sends nothing. Python API users wrapping DDP themselves pass
 ``full_param_layout=balanced_full_param_layout(...)``.
+
+Under ``--muon-dp-layout priced``, with Megatron's args (``get_args()``: sequence, micro-batch and
+global batch sizes) each dense buffer's layout is the one ``plan.layout_choice.choose_layout``
+prices cheaper: whole matrices, or megatron-core's buckets cut at rows where Megatron's overlap
+is worth more than the DP exchange the cuts cost (``megatron_layout_price``); without them (a
+Python API user's own DDP), whole matrices as before. Expert-parallel buffers keep whole matrices.
 """
 
 from __future__ import annotations
@@ -29,10 +35,14 @@ from megatron.core.utils import get_pg_size
 
 from ..config import MuonConfig
 from ..plan.balanced_layout import MAX_PADDING, PARAM_ALIGN, LayoutItem, balanced_layout
+from ..plan.iteration import attention_flops
+from ..plan.layout_choice import LayoutPrice, choose_layout, forward_flops
 from .catalogue import is_muon_matrix, layout_of, tag_grouped_experts, tag_qkv
 from .checkpoint import check_saved_extents
+from .report import CHOICE_MARK
 
-__all__ = ["BALANCED_MARK", "balanced_buffer_layouts", "balanced_full_param_layout", "ddp_with_balanced_layout"]
+__all__ = ["BALANCED_MARK", "balanced_buffer_layouts", "balanced_full_param_layout",
+           "ddp_with_balanced_layout", "megatron_layout_price"]
 
 
 def shard_divisor(dp_size: int, ddp_config) -> int:
@@ -51,6 +61,7 @@ def balanced_full_param_layout(
     tp_size: int,
     expert_dp_size: int | None = None,
     max_padding: float = MAX_PADDING,
+    price: LayoutPrice | None = None,
 ) -> FullParamLayout:
     """The balanced ``FullParamLayout`` of one (un-wrapped) model chunk.
 
@@ -68,25 +79,34 @@ def balanced_full_param_layout(
         expert_dp_size: DP size of expert-parallel buffers (default ``dp_size``).
         max_padding: a bucket padding more than this with whole matrices is packed as
             megatron-core packs it (``balanced_layout``); 1.0 keeps every bucket whole-matrix.
+        price: the job's price inputs under ``--muon-dp-layout priced`` (``megatron_layout_price``,
+            or ``layout_choice.job_price`` for a planned job): each dense buffer laid out as
+            ``choose_layout`` chooses, the choices recorded on the chunk as ``CHOICE_MARK``;
+            None: whole matrices.
     """
     tag_qkv([model_chunk])
     tag_grouped_experts([model_chunk])  # TE's grouped fc1 costs as its gate and up halves, as the optimizer splits it
     named = [(n, p) for n, p in model_chunk.named_parameters() if p.requires_grad]
+    choices: dict = {}
     layouts = balanced_buffer_layouts(named, bucket_size, dp_size, ddp_config, muon_config=muon_config,
-                                      tp_size=tp_size, expert_dp_size=expert_dp_size, max_padding=max_padding)
+                                      tp_size=tp_size, expert_dp_size=expert_dp_size, max_padding=max_padding,
+                                      price=price, choices=choices)
     setattr(model_chunk, BALANCED_MARK, True)
+    setattr(model_chunk, CHOICE_MARK, choices)
     return FullParamLayout(layouts={key: full for key, (_, full) in layouts.items()})
 
 
 def balanced_buffer_layouts(
     named_params, bucket_size: int | None, dp_size: int, ddp_config, *, muon_config: MuonConfig, tp_size: int,
-    expert_dp_size: int | None = None, max_padding: float = MAX_PADDING,
+    expert_dp_size: int | None = None, max_padding: float = MAX_PADDING, price: LayoutPrice | None = None,
+    choices: dict | None = None,
 ) -> dict:
     """Per buffer (megatron-core's ``BufferKey``): ``(BufferLayout, PerBufferParamLayout)``.
 
     ``named_params``: ``(name, param)`` in model order, QKV and grouped experts already tagged
     (``catalogue.tag_qkv``, ``catalogue.tag_grouped_experts``); the
     arguments are ``balanced_full_param_layout``'s. Planning tools call this on meta params.
+    ``choices``: when given, filled with each priced buffer's ``LayoutChoice`` (by ``BufferKey``).
     """
     names = {p: n for n, p in named_params}
     params = [p for _, p in named_params]
@@ -101,10 +121,24 @@ def balanced_buffer_layouts(
             LayoutItem(p.numel(), own_bucket=getattr(p, "shared_embedding", False))
             for p in group
         ]
-        laid = balanced_layout(items, dp, bucket_size, alpha=muon_config.layout_alpha,
-                               shard_divisor=shard_divisor(dp, ddp_config), max_padding=max_padding)
+        choice = None
+        if price is not None and not key.is_expert_parallel:
+            flops = [forward_flops(names[p], p.numel(), p.dim(), price) for p in group]
+            choice = choose_layout(items, flops, dp, bucket_size, price, alpha=muon_config.layout_alpha,
+                                   shard_divisor=shard_divisor(dp, ddp_config), max_padding=max_padding)
+            laid = choice.layout
+            if choices is not None:
+                choices[key] = choice
+        else:
+            laid = balanced_layout(items, dp, bucket_size, alpha=muon_config.layout_alpha,
+                                   shard_divisor=shard_divisor(dp, ddp_config), max_padding=max_padding)
+        # megatron-core's own map lists params in buffer order (backprop), and its DP-reshardable
+        # checkpoint pads the gaps between consecutive entries of a shard, which must not run
+        # backwards: the row-aligned layout packs in backprop order, so its map goes in that order
+        # (the whole-matrix layout keeps its registration-order map, as its checkpoints were saved)
+        order = range(len(group)) if choice is None or choice.chosen == "whole" else reversed(range(len(group)))
         out[key] = (laid, PerBufferParamLayout(
-            param_index_map={p: laid.ranges[k] for k, p in enumerate(group)},
+            param_index_map={group[k]: laid.ranges[k] for k in order},
             bucket_indices=list(laid.buckets),
             per_bucket_numel_unpadded=list(laid.numel_unpadded),
             param_indices=list(indices),
@@ -147,10 +181,12 @@ def ddp_with_balanced_layout(muon_config: MuonConfig):
             pp_rank = (pp_group[0] if isinstance(pp_group, list) else pp_group).rank()
             if not ddp_config.overlap_grad_reduce or disable_bucketing or pp_rank > 0:
                 bucket_size = None
+            tp_size = get_pg_size(groups["tp_group"])
+            price = (megatron_layout_price(ddp_config, config, muon_config, groups["intra_dp_cp_group"],
+                                           groups["tp_group"]) if muon_config.dp_layout == "priced" else None)
             full_param_layout = balanced_full_param_layout(
-                module, bucket_size, dp_size, ddp_config, muon_config=muon_config,
-                tp_size=get_pg_size(groups["tp_group"]),
-                expert_dp_size=get_pg_size(groups["intra_expt_dp_group"]),
+                module, bucket_size, dp_size, ddp_config, muon_config=muon_config, tp_size=tp_size,
+                expert_dp_size=get_pg_size(groups["intra_expt_dp_group"]), price=price,
             )
         kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
@@ -162,3 +198,41 @@ def ddp_with_balanced_layout(muon_config: MuonConfig):
         return ddp
 
     return build
+
+
+def megatron_layout_price(ddp_config, config, muon_config: MuonConfig, dp_group, tp_group) -> LayoutPrice | None:
+    """The ``LayoutPrice`` of this job, from Megatron's args at DDP-wrap time: M = global batch /
+    (micro-batch × DP), tokens = sequence × micro-batch, the hardware profile
+    ``--muon-auto-hardware`` names (``detect``: this device), the DP group's node span from its
+    global ranks and ``LOCAL_WORLD_SIZE`` (``step_setup.stage_topology``), the DDP overlap flags and
+    dtypes. ``config``: the model's ``TransformerConfig`` (attention shape). None without
+    Megatron's args (DDP wrapped from Python: the caller keeps whole matrices).
+
+    Every DP rank reads the same args, flags and (on a job of one GPU kind) the same detected
+    profile, so every rank chooses the same layout; ``check_saved_extents`` and the plan digest
+    compared across DP ranks at construction would catch a rank that did not."""
+    from ..parallel.step_setup import stage_topology
+    from ..plan.hardware import hardware_profile
+
+    try:
+        from megatron.training.global_vars import get_args
+
+        args = get_args()
+    except (ImportError, AssertionError):  # megatron-core alone, or args not parsed: not Megatron's training
+        return None
+    if args is None or not getattr(args, "global_batch_size", None) or not getattr(args, "seq_length", None):
+        return None
+    hw = hardware_profile(muon_config.auto_hardware)
+    dp = getattr(args, "data_parallel_size", None) or get_pg_size(dp_group)
+    tp = get_pg_size(tp_group)
+    topology = stage_topology(dp_group, tp_group, hw)
+    spans = topology.dp_spans_nodes if topology is not None else tp * dp > hw.ranks_per_node
+    micro = args.micro_batch_size
+    heads, head_dim = config.num_attention_heads, config.kv_channels or config.hidden_size // config.num_attention_heads
+    return LayoutPrice(
+        max(1, args.global_batch_size // (micro * dp)), args.seq_length * micro, spans, hw,
+        attention_flops(args.seq_length, micro, heads, head_dim, tp),
+        grad_bytes=4 if ddp_config.grad_reduce_in_fp32 else 2,
+        param_bytes=2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4,
+        exchange_bytes=muon_config.ns_dtype.itemsize,
+        overlap_grad_reduce=ddp_config.overlap_grad_reduce, overlap_param_gather=ddp_config.overlap_param_gather)

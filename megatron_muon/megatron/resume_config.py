@@ -251,6 +251,8 @@ def _dp_layout_refusal(saved: Saved, args) -> str | None:
     saved_layout = _setting(saved.args, "muon_dp_layout") if hasattr(saved.args, "muon_dp_layout") else "megatron"
     layouts = (saved_layout, _setting(args, "muon_dp_layout"))
     return BALANCED_FROM_DP_RESHARDABLE if zero1 and layouts == ("megatron", "balanced") else None
+    # (priced may lay a buffer out as megatron-core packs it; the optimizer's own check,
+    # ``packed_like_megatron``, refuses the load where it does not)
 
 
 def _schedule(run) -> list[tuple[str, str, object, int]] | None:

@@ -52,7 +52,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_ALPHA", "BufferLayout", "LayoutItem", "balanced_layout"]
+__all__ = ["DEFAULT_ALPHA", "BufferLayout", "LayoutItem", "balanced_layout", "row_aligned_layout"]
 
 DEFAULT_ALPHA = 0.1
 """``--muon-layout-alpha`` default: chosen from ``scripts/bench/planner_quality.py``'s layout
@@ -208,6 +208,49 @@ def balanced_layout(
             cut = _bucket_end(items, run, dp_size, bucket_numel, alpha, shard_divisor, loads, per_rank_flops)
             emit(run[:cut])
             run = run[cut:]
+    return BufferLayout(tuple(ranges), tuple(buckets), tuple(extents), tuple(param_numels),  # type: ignore[arg-type]
+                        dp_size)
+
+
+def row_aligned_layout(items: Sequence[LayoutItem], dp_size: int, bucket_numel: int | None, *,
+                       shard_divisor: int = 128) -> BufferLayout:
+    """megatron-core's buckets, each packed by the row-aligned fallback (``_packed``).
+
+    A bucket closes, as megatron-core closes it, once its params reach ``bucket_numel`` elements
+    from its start (64-aligned starts; ``None``: one bucket), a shared embedding alone in its own
+    bucket; so the buckets hold the params megatron-core's would, and Megatron's overlap is as
+    fine-grained as on its own layout. Inside a bucket matrices are cut where the shards fall,
+    at row boundaries (the module docstring), and go through the DP owner exchange. Arguments as
+    ``balanced_layout``'s; ``plan.layout_choice`` chooses between the two."""
+    if isinstance(dp_size, bool) or not isinstance(dp_size, int) or dp_size < 1:
+        raise ValueError(f"row_aligned_layout: dp_size must be an integer >= 1, got {dp_size!r}")
+    ranges: list[tuple[int, int, int] | None] = [None] * len(items)
+    buckets: list[tuple[int, int]] = []
+    extents: list[int] = []
+    param_numels: list[int] = []
+
+    def emit(chunk: list[int]) -> None:
+        start = buckets[-1][1] if buckets else 0
+        placed, shard = _packed(items, chunk, dp_size, shard_divisor)
+        for i, (s, e) in placed.items():
+            ranges[i] = (start + s, start + e, len(buckets))
+        buckets.append((start, start + dp_size * shard))
+        extents.append(max(e for _, e in placed.values()))
+        param_numels.append(sum(items[i].numel for i in chunk))
+
+    chunk: list[int] = []
+    cursor = 0  # the open bucket's end, relative to its start, as megatron-core packs it
+    for i in reversed(range(len(items))):  # backprop order
+        if items[i].own_bucket and chunk:
+            emit(chunk)
+            chunk, cursor = [], 0
+        chunk.append(i)
+        cursor = _aligned(cursor) + items[i].numel
+        if items[i].own_bucket or (bucket_numel is not None and cursor >= bucket_numel):
+            emit(chunk)
+            chunk, cursor = [], 0
+    if chunk:
+        emit(chunk)
     return BufferLayout(tuple(ranges), tuple(buckets), tuple(extents), tuple(param_numels),  # type: ignore[arg-type]
                         dp_size)
 

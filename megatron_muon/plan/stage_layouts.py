@@ -31,13 +31,15 @@ from ..core.matrix_layout import MatrixLayout
 from ..core.models import ModelShape
 from ..core.newton_schulz import NSOptions
 from .balanced_layout import DEFAULT_ALPHA, MAX_PADDING, PARAM_ALIGN, BufferLayout, LayoutItem, balanced_layout
+from .layout_choice import LayoutPrice, choose_layout, forward_flops
+from .megatron_packing import megatron_packing
 from .param_marks import DEFAULT_SPLITS, RowSplits, matrix_layout
 from .stage_params import StageGrid, StageParam, stage_params
 
-__all__ = ["DP_LAYOUTS", "BufferSettings", "StageLayouts", "buffer_layout", "dp_ranges", "megatron_packing",
-           "shard_divisor", "stage_layouts", "whole_layouts", "zero1_layouts"]
+__all__ = ["DP_LAYOUTS", "BufferSettings", "StageLayouts", "buffer_items", "buffer_layout", "dp_ranges",
+           "megatron_packing", "shard_divisor", "stage_layouts", "whole_layouts", "zero1_layouts"]
 
-DP_LAYOUTS = ("balanced", "megatron")
+DP_LAYOUTS = ("balanced", "megatron", "priced")
 """``--muon-dp-layout``'s choices."""
 
 
@@ -46,7 +48,8 @@ class BufferSettings:
     """How the stage's DDP buffer is laid out and its matrices split (the optimizer's flags)."""
 
     dp_layout: str = "balanced"
-    """``--muon-dp-layout``: ``balanced`` (ours, the default) or ``megatron`` (megatron-core's packing)."""
+    """``--muon-dp-layout``: ``balanced`` (ours, the default), ``megatron`` (megatron-core's packing)
+    or ``priced`` (``layout_choice.choose_layout`` on ``price``; balanced without one)."""
     bucket_numel: int | None = None
     """DDP's bucket size in elements (``--ddp-bucket-size``, or its default with
     ``--overlap-grad-reduce``: max(40M, 1M·DP)); None: one bucket. The first stage only (DDP's rule)."""
@@ -58,6 +61,10 @@ class BufferSettings:
     """``--muon-layout-alpha``."""
     max_padding: float = MAX_PADDING
     """``balanced_layout``'s fallback threshold (a bucket padding more is packed as megatron-core packs it)."""
+    price: LayoutPrice | None = None
+    """the job's price inputs, read by ``priced`` only: the buffer laid out as
+    ``layout_choice.choose_layout`` chooses (whole matrices or megatron-core's buckets cut at
+    rows), as the Megatron adapter does with Megatron's args; None: whole matrices, as without them."""
 
     def __post_init__(self) -> None:
         if self.dp_layout not in DP_LAYOUTS:
@@ -85,44 +92,6 @@ def shard_divisor(dp: int) -> int:
     return math.lcm(PARAM_ALIGN, math.lcm(dp, 128) // dp)
 
 
-def megatron_packing(numels: Sequence[int], own_bucket: Sequence[bool], dp: int,
-                     bucket_numel: int | None) -> BufferLayout:
-    """megatron-core 0.19.2's buffer layout of params in registration order (``numels``), replayed
-    on sizes: walked in backprop order (the reverse), each start 64-aligned, a bucket closed once
-    it holds ``bucket_numel`` elements from its start (None: never), a shared embedding
-    (``own_bucket``) alone in its own bucket, each bucket's end padded to a multiple of lcm(DP, 128)."""
-    divisor = math.lcm(dp, 128)
-    ranges: list[tuple[int, int, int] | None] = [None] * len(numels)
-    buckets: list[tuple[int, int]] = []
-    unpadded: list[int] = []
-    bucket_start = cursor = end = held = 0  # held: params in the open bucket
-
-    def close(param_end: int) -> int:
-        nonlocal held
-        unpadded.append(param_end - bucket_start)
-        buckets.append((bucket_start, -(-param_end // divisor) * divisor))
-        held = 0
-        return buckets[-1][1]
-
-    for i in reversed(range(len(numels))):
-        cursor = -(-cursor // PARAM_ALIGN) * PARAM_ALIGN
-        if own_bucket[i] and held:
-            bucket_start = cursor = close(cursor)
-        end = cursor + numels[i]
-        ranges[i] = (cursor, end, len(buckets))
-        held += 1
-        if (bucket_numel is not None and end - bucket_start >= bucket_numel) or own_bucket[i]:
-            bucket_start = cursor = close(end)
-        else:
-            cursor = end
-    if held:
-        close(end)
-    sizes = [0] * len(buckets)
-    for (_, _, b), n in zip(ranges, numels):
-        sizes[b] += n
-    return BufferLayout(tuple(ranges), tuple(buckets), tuple(unpadded), tuple(sizes), dp)  # type: ignore[arg-type]
-
-
 def dp_ranges(buffer: BufferLayout, i: int) -> tuple[tuple[int, int], ...]:
     """Per DP rank, the ``[start, end)`` of param ``i`` (its own flat indices) that the rank's
     shard of its bucket holds; ``(0, 0)`` where it holds none."""
@@ -142,14 +111,24 @@ def dp_ranges(buffer: BufferLayout, i: int) -> tuple[tuple[int, int], ...]:
     return tuple(out)
 
 
+def buffer_items(params: Sequence[StageParam], tp: int, settings: BufferSettings) -> list[LayoutItem]:
+    """The ``LayoutItem``s the adapter builds for these params (``megatron.layout.balanced_buffer_layouts``):
+    a Muon matrix whole, costed by its NS FLOPs, its rows as long as its TP-local columns."""
+    return [LayoutItem(p.numel, _layout(p, tp, settings.splits).ns_cost(settings.ns.steps, settings.ns.method),
+                       whole=True, row=p.shape[-1]) if p.is_muon else LayoutItem(p.numel)
+            for p in params]
+
+
 def buffer_layout(params: Sequence[StageParam], grid: StageGrid, settings: BufferSettings) -> BufferLayout:
     """The stage's DDP buffer on the ``settings.dp_layout`` layout (the module docstring, step 1)."""
     bucket = settings.bucket_numel if grid.first else None  # DDP buckets the first stage only
     if settings.dp_layout == "megatron":
         return megatron_packing([p.numel for p in params], [False] * len(params), grid.dp, bucket)
-    items = [LayoutItem(p.numel, _layout(p, grid.tp, settings.splits).ns_cost(settings.ns.steps, settings.ns.method),
-                        whole=True, row=p.shape[-1]) if p.is_muon else LayoutItem(p.numel)
-             for p in params]
+    items = buffer_items(params, grid.tp, settings)
+    if settings.dp_layout == "priced" and settings.price is not None:
+        flops = [forward_flops(p.name, p.numel, len(p.shape), settings.price) for p in params]
+        return choose_layout(items, flops, grid.dp, bucket, settings.price, alpha=settings.alpha,
+                             shard_divisor=shard_divisor(grid.dp), max_padding=settings.max_padding).layout
     return balanced_layout(items, grid.dp, bucket, alpha=settings.alpha, shard_divisor=shard_divisor(grid.dp),
                            max_padding=settings.max_padding)
 

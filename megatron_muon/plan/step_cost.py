@@ -24,6 +24,7 @@ from ..core.models import ModelShape
 from ..core.newton_schulz import NSOptions
 from .cost_model import Cost, collective_cost, memory_time
 from .hardware import Hardware
+from .layout_choice import LayoutPrice
 from .owners import plan_owners
 from .param_marks import DEFAULT_SPLITS, RowSplits
 from .pricing import plan_cost
@@ -93,6 +94,7 @@ def optimizer_step_cost(
     dp_layout: str = "balanced",
     bucket_numel: int | None = None,
     stage: int = 0,
+    layout_price: LayoutPrice | None = None,
 ) -> StepCost:
     """Predicted ``optimizer.step()`` time on the busiest rank of pipeline stage ``stage`` of a
     TP × DP × PP layout of ``model``.
@@ -103,6 +105,9 @@ def optimizer_step_cost(
     ``bucket_numel`` on the first stage, None = one bucket), its matrices pinned to the DP ranges
     holding them, priced by ``pricing.plan_cost``. ``ns``: the Newton–Schulz settings (ours;
     megatron-core's Muon runs the standard iteration and splits QKV only, ``MEGATRON_SPLITS``).
+    ``layout_price``: the job's price inputs, with which ``dp_layout`` ``priced`` is the layout
+    ``layout_choice.choose_layout`` chooses, as the Megatron adapter lays it out under Megatron's
+    args (``layout_choice.job_price``); None: whole matrices.
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer_step_cost: optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
@@ -112,7 +117,7 @@ def optimizer_step_cost(
     ours = optimizer == "ours"
     ns = ns if ours else dataclasses.replace(ns, method="standard", gram_dtype=None)
     settings = BufferSettings(dp_layout if ours else "megatron", bucket_numel,
-                              DEFAULT_SPLITS if ours else MEGATRON_SPLITS, ns)
+                              DEFAULT_SPLITS if ours else MEGATRON_SPLITS, ns, price=layout_price if ours else None)
     # ours: the stage as the optimizer finds it; the others: its params (Adam's buffer: megatron-core's)
     laid = stage_layouts(model, grid, settings) if ours else None
     params = laid.params if ours else stage_params(model, grid)

@@ -18,10 +18,11 @@ The optimizer step's seconds are the cost model's (``step_cost.optimizer_step_co
 stage's weights, h100-sxm): Adam's distributed optimizer on megatron-core's layout, and ours
 (``--muon-tp-mode owner``, the default flags) on each layout; Megatron's param all-gather, which
 the cost model counts in the step, is taken out (``plan.iteration`` prices it with the buckets).
-Rows: Adam on megatron-core's layout, Muon (ours) on the balanced layout (the default), Muon on
-megatron-core's layout; columns: buckets (first / last stage), the exposed reduce-scatter,
-all-gather and step, the iteration, and Muon against Adam. The global batch (default 4M tokens
-of 8192-token sequences) gives M = batch / (DP × micro-batch) micro-batches per iteration.
+Rows: Adam on megatron-core's layout, Muon (ours) on the balanced layout (the default; ``--dp-layout
+priced``: the layout ``plan.layout_choice`` chooses on the dry run's price), Muon on megatron-core's
+layout; columns: buckets (first / last stage), the exposed reduce-scatter, all-gather and step, the
+iteration, and Muon against Adam. The global batch (default 4M tokens of 8192-token sequences) gives
+M = batch / (DP × micro-batch) micro-batches per iteration.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ from megatron_muon.plan.iteration import (
 from megatron_muon.plan.step_cost import optimizer_step_cost
 from megatron_muon.plan.topology import Topology
 
-LAYOUTS = ("megatron", "balanced")
+OURS_LAYOUTS = ("balanced", "priced")
+"""``--dp-layout``: the layout of the "Muon (ours)" row (``--muon-dp-layout``; megatron-core's is always built)."""
 GLOBAL_BATCH_TOKENS = 4 * 2**20
 
 
@@ -162,7 +164,7 @@ class StepSeconds:
 
 
 def step_seconds(shape: ModelShape, real: RealStage, pp: int, grid: tuple[int, int], hw: Hardware,
-                 tp_mode: str) -> StepSeconds:
+                 tp_mode: str, layouts: tuple[str, ...]) -> StepSeconds:
     """Stage ``real.stage``'s step by the cost model, for Adam and for ours on each layout."""
     tp, dp = grid
     common = dict(tp=tp, dp=dp, pp=pp, stage=real.stage, hw=hw)
@@ -177,9 +179,13 @@ def step_seconds(shape: ModelShape, real: RealStage, pp: int, grid: tuple[int, i
         return cost.total_s - gather
 
     adam = optimizer_step_cost(shape, optimizer="adam", **common)
+    from scripts.dry_run import layout_price
+
+    # priced's layout as build_rank's DDP chose it (plan.layout_choice, on the same price)
+    price = layout_price(shape, tp, dp)
     ours = {layout: without_gather(optimizer_step_cost(shape, optimizer="ours", tp_mode=tp_mode, dp_layout=layout,
-                                                       bucket_numel=bucket, **common))
-            for layout in LAYOUTS}
+                                                       bucket_numel=bucket, layout_price=price, **common))
+            for layout in layouts}
     return StepSeconds(without_gather(adam), ours)
 
 
@@ -197,6 +203,13 @@ class Layout:
     overlap_param_gather: bool = True
     tp_mode: str = "owner"
     """ours' ``--muon-tp-mode``."""
+    ours_layout: str = "balanced"
+    """ours' ``--muon-dp-layout`` (``OURS_LAYOUTS``)."""
+
+    @property
+    def layouts(self) -> tuple[str, str]:
+        """the layouts built: megatron-core's, then ours."""
+        return ("megatron", self.ours_layout)
 
     @property
     def micro_batches(self) -> int:
@@ -229,7 +242,7 @@ def price(job: Layout, reals: dict[str, dict[int, RealStage]], hw: Hardware) -> 
     settings = IterationSettings(job.micro_batches, job.dp,
                                  Topology.contiguous(job.dp, job.tp, hw.ranks_per_node).dp_spans_nodes,
                                  overlap_param_gather=job.overlap_param_gather)
-    steps = {layout: {s: step_seconds(job.shape, real, job.pp, (job.tp, job.dp), hw, job.tp_mode)
+    steps = {layout: {s: step_seconds(job.shape, real, job.pp, (job.tp, job.dp), hw, job.tp_mode, job.layouts)
                       for s, real in by_stage.items()} for layout, by_stage in reals.items()}
 
     def stages(layout: str, optimizer: str) -> list[Stage]:
@@ -243,7 +256,7 @@ def price(job: Layout, reals: dict[str, dict[int, RealStage]], hw: Hardware) -> 
         return out
 
     rows = []
-    for label, layout, optimizer in (("Adam", "megatron", "adam"), ("Muon (ours)", "balanced", "ours"),
+    for label, layout, optimizer in (("Adam", "megatron", "adam"), ("Muon (ours)", job.ours_layout, "ours"),
                                      ("Muon (ours)", "megatron", "ours")):
         rows.append(Row(label, layout, iteration_time(stages(layout, optimizer), settings, hw),
                         tuple(len(reals[layout][s].buckets) for s in job.built_stages())))
@@ -289,7 +302,7 @@ def build_all(job: Layout) -> dict[str, dict[int, RealStage]]:
     apply_cpu_patches()
     return {layout: {s: real_stage(job.shape, job.tp, job.pp, job.dp, s, layout, job.tp_mode)
                      for s in job.built_stages()}
-            for layout in LAYOUTS}
+            for layout in job.layouts}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -310,6 +323,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="the param all-gather inside the step (Megatron without --overlap-param-gather)")
     parser.add_argument("--tp-mode", default="owner", choices=("owner", "duplicated", "distributed", "auto"),
                         help="ours' --muon-tp-mode (auto plans on the h100-sxm constants)")
+    parser.add_argument("--dp-layout", default="balanced", choices=OURS_LAYOUTS,
+                        help="ours' --muon-dp-layout (priced: chosen on the dry run's price, dry_run.layout_price)")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
     for flag in ("tp", "pp", "dp", "seq", "micro_batch", "global_batch_tokens"):
@@ -321,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--layers {args.layers}: fewer layers than --pp {args.pp} stages")
         shape = dataclasses.replace(shape, num_layers=args.layers)
     job = Layout(shape, args.tp, args.pp, args.dp, args.seq, args.micro_batch, args.global_batch_tokens,
-                 not args.no_overlap_param_gather, args.tp_mode)
+                 not args.no_overlap_param_gather, args.tp_mode, args.dp_layout)
     hw = GPU_PROFILES[args.hardware]
     started = time.perf_counter()
     reals = build_all(job)

@@ -80,6 +80,7 @@ with warnings.catch_warnings():
     from megatron_muon.core.newton_schulz import NSOptions, ns_flops
     from megatron_muon.megatron.catalogue import is_muon_matrix, layout_of, row_splits
     from megatron_muon.plan.balanced_layout import BufferLayout
+    from megatron_muon.plan.layout_choice import LayoutPrice
     from megatron_muon.plan.owners import plan_dp_owners
     from megatron_muon.plan.stage_layouts import BufferSettings, buffer_layout, whole_layouts, zero1_layouts
     from megatron_muon.plan.stage_params import StageGrid, StageParam, stage_params
@@ -144,18 +145,22 @@ def _ddp_config() -> DistributedDataParallelConfig:
 # Ours
 
 
-def _buffer_settings(dp_layout: str, bucket_size: int | None, muon_config: MuonConfig) -> BufferSettings:
-    return BufferSettings(dp_layout, bucket_size, row_splits(muon_config), muon_config.ns, muon_config.layout_alpha)
+def _buffer_settings(dp_layout: str, bucket_size: int | None, muon_config: MuonConfig,
+                     price: LayoutPrice | None = None) -> BufferSettings:
+    return BufferSettings(dp_layout, bucket_size, row_splits(muon_config), muon_config.ns, muon_config.layout_alpha,
+                          price=price)
 
 
 def ours_layouts(stage: Stage, tp: int, dp: int, bucket_size: int | None, *,
                  distributed_optimizer: bool = True, with_non_matrix: bool = True,
-                 muon_config: MuonConfig | None = None, dp_layout: str = "megatron") -> list[MatrixLayout]:
+                 muon_config: MuonConfig | None = None, dp_layout: str = "megatron",
+                 price: LayoutPrice | None = None) -> list[MatrixLayout]:
     """The ``MatrixLayout`` list our optimizer attaches, in its order.
 
     ZeRO-1: ``catalogue.describe_zero1``'s, on the ``dp_layout`` buffer layout (bucket by bucket,
     backprop order, every DP rank's range: ``plan.stage_layouts.zero1_layouts``). DDP:
-    ``catalogue.describe_whole``'s: model order, no ranges.
+    ``catalogue.describe_whole``'s: model order, no ranges. ``price``: the balanced layout as
+    ``plan.layout_choice`` chooses it on the job's price (None: whole matrices).
     """
     muon_config = muon_config or MuonConfig(tp_mode="owner")
     params = stage_of(stage, tp)
@@ -163,7 +168,8 @@ def ours_layouts(stage: Stage, tp: int, dp: int, bucket_size: int | None, *,
         return list(whole_layouts(params, tp, row_splits(muon_config)))
     if not with_non_matrix:
         params = tuple(p for p in params if p.is_muon)
-    buffer = buffer_layout(params, StageGrid(tp=tp, dp=dp), _buffer_settings(dp_layout, bucket_size, muon_config))
+    buffer = buffer_layout(params, StageGrid(tp=tp, dp=dp), _buffer_settings(dp_layout, bucket_size, muon_config,
+                                                                             price))
     return list(zero1_layouts(params, buffer, tp, row_splits(muon_config)))
 
 

@@ -156,6 +156,20 @@ def test_megatron_layout_cuts_matrices_and_moves_them(tmp_path):
         assert res["bytes_by_collective"]["all_to_all"] == res["plan_bytes_sent"] == res["planner_bytes_sent"]
 
 
+def test_priced_layout_runs_what_the_plans_and_the_planner_table_say(tmp_path):
+    """--dp-layout priced: at 8B TP8 x DP8 the price picks megatron-core's 18 buckets cut at rows
+    (plan.layout_choice); the step still does what the plans and the planner table (the same
+    price, dry_run.layout_price) say, and the startup report prints the choice."""
+    proc, report = _dry_run(tmp_path, "--model", "llama3-8b", "--tp", "8", "--dp", "8", "--dp-layout", "priced",
+                            "--ranks", "first,last")
+    assert report["errors"] == []
+    assert "DDP buckets (bfloat16 params, float32 grads): row-aligned, 18 buckets:" in proc.stdout
+    for rank, res in report["ranks"].items():
+        assert res["cut_across_dp"] > 0, rank
+        assert res["ns_flops"] == res["plan_ns_flops"] == res["planner_ns_flops"] > 0, rank
+        assert res["bytes_by_collective"]["all_to_all"] == res["plan_bytes_sent"] == res["planner_bytes_sent"]
+
+
 def test_llama3_405b_at_tp8_pp16_dp64(tmp_path):
     proc, report = _dry_run(tmp_path, "--model", "llama3-405b", "--tp", "8", "--pp", "16", "--dp", "64",
                             "--ranks", "idle-dp-owner,last")

@@ -32,6 +32,7 @@ import torch.multiprocessing as mp
 from megatron_muon.core.matrix_layout import MatrixLayout
 from megatron_muon.core.models import MambaShape, ModelShape
 from megatron_muon.plan.hardware import GPU_PROFILES
+from megatron_muon.plan.layout_choice import job_price
 from megatron_muon.plan.stage_layouts import BufferSettings, stage_layouts
 from megatron_muon.plan.stage_params import StageGrid
 from megatron_muon.plan.step_cost import optimizer_step_cost
@@ -48,6 +49,8 @@ CASES = [  # (model, tp, pp, dp, stage, dp_layout, tp_mode)
     *[(HYBRID, tp, pp, dp, stage, layout, "owner") for layout in ("balanced", "megatron")
       for tp, pp, dp, stage in ((2, 1, 2, 0), (2, 2, 2, 1))],
     (GPT, 2, 1, 4, 0, "balanced", "auto"),
+    # --muon-dp-layout priced: the layout chosen on the dry run's price, whole or megatron-core's buckets cut at rows
+    *[(GPT, tp, pp, dp, stage, "priced", "owner") for tp, pp, dp, stage in ((1, 1, 4, 0), (2, 3, 2, 0))],
     (HYBRID, 2, 1, 2, 0, "megatron", "auto"),
 ]
 PREFIX = "chunk0.module.module."  # the catalogue's names: chunk, DDP, Float16Module
@@ -104,9 +107,15 @@ def real():
     return dict(zip(map(_ids, CASES), results))
 
 
+def _price(model, tp, dp):
+    """the price the dry run's DDP chooses its balanced layout on (``dry_run.layout_price``)"""
+    return job_price(model, tp, dp, GPU_PROFILES["h100-sxm"])
+
+
 def _road(case):
     model, tp, pp, dp, stage, layout, _ = case
-    return stage_layouts(model, StageGrid(tp, dp, pp, stage), BufferSettings(layout, BUCKET))
+    settings = BufferSettings(layout, BUCKET, price=_price(model, tp, dp))
+    return stage_layouts(model, StageGrid(tp, dp, pp, stage), settings)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
@@ -141,6 +150,7 @@ def test_plan_and_cost_are_the_optimizers(real, case):
     assert (plan.dp_owners, plan.ns_flops, plan.dp_bytes, plan.tp_bytes) == (
         got["dp_owners"], got["ns_flops"], got["dp_bytes"], got["tp_bytes"])
     cost = optimizer_step_cost(model, optimizer="ours", tp=tp, dp=dp, pp=pp, hw=GPU_PROFILES["h100-sxm"], tp_mode=mode,
-                               dp_layout=layout, bucket_numel=BUCKET, stage=stage)
+                               dp_layout=layout, bucket_numel=BUCKET, stage=stage,
+                               layout_price=_price(model, tp, dp))
     assert cost.ns_flops_max == max(got["ns_flops"])
     assert cost.bytes_sent_max == max(d + t for d, t in zip(got["dp_bytes"], got["tp_bytes"]))

@@ -153,3 +153,29 @@ def test_each_class_states_its_ns_method_dtype_and_precision():
     fp16 = NSOptions(method="gram", gram_dtype=torch.float16)  # --muon-gram-fp16
     assert _ns_text(fp16, long) == "gram in float16, bfloat16" and _ns_text(fp16, square) == "standard, bfloat16"
     assert _ns_text(NSOptions(), long) == "standard, bfloat16"
+
+
+def test_a_priced_buffer_prints_its_buckets_beside_megatron_cores():
+    import torch
+    from megatron.core.optimizer.param_layout import BufferKey
+
+    from megatron_muon.core.models import LLAMA3
+    from megatron_muon.megatron.report import CHOICE_MARK, layout_choice_lines
+    from megatron_muon.plan.hardware import GPU_PROFILES
+    from megatron_muon.plan.layout_choice import choose_layout, forward_flops, job_price
+    from megatron_muon.plan.stage_layouts import BufferSettings, buffer_items, shard_divisor
+    from megatron_muon.plan.stage_params import StageGrid, stage_params
+
+    shape = LLAMA3["8B"]
+    params = stage_params(shape, StageGrid(8, 8))
+    price = job_price(shape, 8, 8, GPU_PROFILES["h100-sxm"])
+    choice = choose_layout(buffer_items(params, 8, BufferSettings()),
+                           [forward_flops(p.name, p.numel, len(p.shape), price) for p in params], 8, 40_000_000,
+                           price, shard_divisor=shard_divisor(8))
+    key = BufferKey(param_dtype=torch.bfloat16, grad_dtype=torch.float32, is_expert_parallel=False)
+    chunk = SimpleNamespace(module=SimpleNamespace(**{CHOICE_MARK: {key: choice}}))
+    (line,) = layout_choice_lines([chunk])
+    assert line.startswith("  DDP buckets (bfloat16 params, float32 grads): row-aligned, 18 buckets: exposed DDP ")
+    assert "(whole matrices: 4 buckets, " in line and "megatron-core's layout: 18 buckets, " in line
+    assert line.endswith("h100-sxm, M 64")
+    assert layout_choice_lines([SimpleNamespace(module=SimpleNamespace())]) == []  # no price: no line

@@ -1,0 +1,216 @@
+"""Which buffer layout a DDP buffer gets under ``--muon-dp-layout priced``: whole matrices, or
+megatron-core's buckets cut at rows (issue 42, item 4).
+
+The balanced layout (``balanced_layout``) keeps every Muon matrix whole on one DP rank, so the
+optimizer's DP exchange moves nothing, but to do so a bucket stays open until it holds
+``BUCKET_SPAN`` × DP × its largest matrix: at Llama-3 405B TP8 × PP16 × DP64 stage 0 that is one
+bucket where megatron-core forms 22, and Megatron's grad reduce-scatter and param all-gather,
+which overlap the backward and the next forward bucket by bucket, are exposed whole. The other
+candidate is ``row_aligned_layout``: megatron-core's buckets, a matrix cut where the shards fall
+(at row boundaries), the cut matrices sent to their DP owner and back every step. Each is priced
+in seconds on the hardware profile and the cheaper wins (the whole layout on a tie):
+
+    price = exposed DDP communication of its buckets  +  the DP exchange of what it cuts
+
+* **Exposed DDP**: ``plan.iteration`` on this buffer as a one-stage pipeline (its buckets, each
+  bucket's forward and backward FLOPs per micro-batch at the profile's GEMM rate, M
+  micro-batches, the DDP overlap flags): the exposed reduce-scatter and all-gather. That is
+  exact, within the iteration model, for the first pipeline stage (the only one megatron-core
+  buckets, and the one with no pipeline wait to hide them); a later stage has one bucket in
+  either layout, and pricing it without its wait overstates what padding costs there.
+* **DP exchange** (a closed form of ``pricing.dp_exchange`` and ``plan_cost``'s DP term): each
+  matrix a shard boundary cuts goes to one DP owner, owners balanced by bytes, every other
+  holder sending its piece and receiving the result back; the busiest rank's bytes (its busier
+  direction) as one all-to-all each way on the DP link (``collective_time``), of which
+  ``hw.comm_overlap`` hides under Newton–Schulz as in ``plan_cost``. The real owners are planned
+  by NS FLOPs, not bytes; the first stage's step is exposed whole, so what is not hidden counts.
+  The NS balance of the two layouts is not priced (the planner balances each; under ``auto`` the
+  cut layout balances worse at Llama-3 8B / 70B TP8 × DP8, docs/dp_layout.md).
+
+Deterministic: every DP rank calls ``choose_layout`` on the same items and the same
+``LayoutPrice`` (sizes, flags, one hardware profile) and gets the same layout; no process group.
+Without a ``LayoutPrice`` (a Python API user wrapping DDP without Megatron's args: batch and
+sequence unknown) the caller keeps the balanced layout as before (``megatron.layout``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ..core.models import ModelShape
+from .balanced_layout import DEFAULT_ALPHA, MAX_PADDING, BufferLayout, LayoutItem, balanced_layout, row_aligned_layout
+from .cost_model import collective_time
+from .hardware import Hardware
+from .iteration import Bucket, IterationSettings, Stage, attention_flops, iteration_time, linear_flops
+from .megatron_packing import megatron_packing
+from .topology import Topology
+
+__all__ = ["CHOICES", "LayoutChoice", "LayoutPrice", "Priced", "choose_layout", "forward_flops", "job_price"]
+
+GLOBAL_BATCH_TOKENS = 4 * 2**20
+"""``job_price``'s default global batch: 4M tokens (the iteration tables', docs/performance.md §12)."""
+
+CHOICES = ("whole", "row-aligned")
+"""``LayoutChoice.chosen``: the balanced layout, or megatron-core's buckets cut at rows."""
+
+
+@dataclass(frozen=True)
+class LayoutPrice:
+    """What the price of a buffer layout needs from the job, beyond the buffer itself."""
+
+    micro_batches: int
+    """M, micro-batches per iteration per DP replica (global batch / (DP × micro-batch size))."""
+    tokens: int
+    """tokens per micro-batch (sequence length × micro-batch size): a weight's linear FLOPs."""
+    dp_spans_nodes: bool
+    """whether the DP group crosses nodes (its link class)."""
+    hardware: Hardware
+    """the profile the seconds are priced on (``--muon-auto-hardware``'s)."""
+    attention_flops: float = 0.0
+    """forward FLOPs of one layer's attention core per micro-batch on one TP rank
+    (``iteration.attention_flops``), charged to the layer's QKV weight; 0: not counted."""
+    grad_bytes: int = 4
+    """bytes per element reduce-scattered (4 with ``--grad-reduce-in-fp32``)."""
+    param_bytes: int = 2
+    """bytes per element all-gathered (the params' dtype)."""
+    exchange_bytes: int = 2
+    """bytes per element of the DP exchange (the NS dtype)."""
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+
+    def __post_init__(self) -> None:
+        if self.micro_batches < 1 or self.tokens < 1:
+            raise ValueError(f"LayoutPrice: micro_batches {self.micro_batches}, tokens {self.tokens}; expected >= 1")
+
+
+@dataclass(frozen=True)
+class Priced:
+    """One candidate layout's price."""
+
+    buckets: int
+    exposed_ddp_s: float
+    """exposed reduce-scatter + all-gather of its buckets (``plan.iteration``, one stage)."""
+    exchange_s: float
+    """the DP exchange of the matrices it cuts (0 for whole matrices)."""
+
+    @property
+    def total_s(self) -> float:
+        return self.exposed_ddp_s + self.exchange_s
+
+
+@dataclass(frozen=True)
+class LayoutChoice:
+    """The chosen layout of one buffer and what decided it."""
+
+    layout: BufferLayout
+    chosen: str
+    """one of ``CHOICES``."""
+    whole: Priced
+    row_aligned: Priced
+    megatron: Priced
+    """megatron-core's own layout (``megatron_packing``), for the startup report's comparison."""
+    price: LayoutPrice
+    """what it was priced on."""
+
+    @property
+    def priced(self) -> Priced:
+        """the chosen candidate's price."""
+        return self.whole if self.chosen == "whole" else self.row_aligned
+
+
+def forward_flops(name: str, numel: int, ndim: int, price: LayoutPrice) -> float:
+    """Forward FLOPs per micro-batch of one param: a weight (2-D or more, not an embedding, which
+    is a lookup) its linear FLOPs, a QKV weight its layer's attention core too; norms and biases
+    none. Backward is twice this (``iteration.linear_flops``)."""
+    if ndim < 2 or "embedding" in name:
+        return 0.0
+    flops = linear_flops(numel, price.tokens)
+    return flops + price.attention_flops if name.endswith("linear_qkv.weight") else flops
+
+
+def job_price(shape: ModelShape, tp: int, dp: int, hw: Hardware, *, seq: int = 8192, micro_batch: int = 1,
+              global_batch_tokens: int = GLOBAL_BATCH_TOKENS, ranks_per_node: int | None = None,
+              overlap_param_gather: bool = True) -> LayoutPrice:
+    """The ``LayoutPrice`` of a planned job (the dry run, the iteration tables, the cost model):
+    ``shape`` at TP × DP on ``hw``, the DP group on Megatron's default rank order
+    (``Topology.contiguous``, ``ranks_per_node`` or the profile's), fp32 grad reduction, bf16
+    params and NS, ``--overlap-grad-reduce``."""
+    # a batch too small for DP x micro-batch still runs one micro-batch per replica (a planning tool's
+    # very wide DP); Megatron itself would refuse it
+    micro_batches = max(1, global_batch_tokens // seq // (dp * micro_batch))
+    topology = Topology.contiguous(dp, tp, ranks_per_node or hw.ranks_per_node)
+    return LayoutPrice(micro_batches, seq * micro_batch, topology.dp_spans_nodes, hw,
+                       attention_flops(seq, micro_batch, shape.num_heads, shape.head_dim, tp),
+                       overlap_param_gather=overlap_param_gather)
+
+
+def choose_layout(items: Sequence[LayoutItem], flops: Sequence[float], dp_size: int, bucket_numel: int | None,
+                  price: LayoutPrice, *, alpha: float = DEFAULT_ALPHA, shard_divisor: int = 128,
+                  max_padding: float = MAX_PADDING) -> LayoutChoice:
+    """The cheaper of the balanced and the row-aligned layout of one buffer (module docstring).
+
+    ``items`` and the keyword arguments are ``balanced_layout``'s; ``flops``: per item (same
+    order) its forward FLOPs per micro-batch (``forward_flops``); ``bucket_numel``: megatron-core's
+    bucket size (None: one bucket)."""
+    if len(flops) != len(items):
+        raise ValueError(f"choose_layout: {len(flops)} FLOP counts for {len(items)} items; expected one per item")
+    whole = balanced_layout(items, dp_size, bucket_numel, alpha=alpha, shard_divisor=shard_divisor,
+                            max_padding=max_padding)
+    cut = row_aligned_layout(items, dp_size, bucket_numel, shard_divisor=shard_divisor)
+    packed = megatron_packing([it.numel for it in items], [it.own_bucket for it in items], dp_size, bucket_numel)
+    whole_price, cut_price, packed_price = (
+        Priced(len(lay.buckets), _exposed_ddp_s(lay, flops, price), _exchange_s(items, lay, price))
+        for lay in (whole, cut, packed))
+    chosen = "row-aligned" if cut_price.total_s < whole_price.total_s else "whole"
+    return LayoutChoice(cut if chosen == "row-aligned" else whole, chosen, whole_price, cut_price, packed_price,
+                        price)
+
+
+def _exposed_ddp_s(layout: BufferLayout, flops: Sequence[float], price: LayoutPrice) -> float:
+    forward = [0.0] * len(layout.buckets)
+    for (_, _, b), f in zip(layout.ranges, flops):
+        forward[b] += f
+    # DDP's buckets in its order, which is the layout's: backprop order
+    buckets = tuple(Bucket(end - start, f, 2 * f) for (start, end), f in zip(layout.buckets, forward))
+    settings = IterationSettings(price.micro_batches, layout.dp_size, price.dp_spans_nodes,
+                                 price.overlap_grad_reduce, price.overlap_param_gather)
+    stage = Stage(buckets, 0.0, price.grad_bytes, price.param_bytes)
+    return iteration_time([stage], settings, price.hardware).exposed_ddp_s
+
+
+def _exchange_s(items: Sequence[LayoutItem], layout: BufferLayout, price: LayoutPrice) -> float:
+    """The busiest DP rank's exposed seconds of the exchange of ``layout``'s cut matrices: owners
+    balanced by bytes (largest matrix first, to the rank whose link gains least: LPT, ties to the
+    lowest rank), each holder's piece to the owner and the result back, as one all-to-all each way;
+    ``hw.comm_overlap`` of it hidden under Newton–Schulz, as ``pricing.plan_cost`` hides the owner
+    pipeline's communication (a cut matrix's NS outlasts its exchange many times at these sizes)."""
+    dp = layout.dp_size
+    link = [0] * dp  # elements over each rank's busier direction
+    cut = [i for i, it in enumerate(items) if it.whole and layout.holder(i) is None]
+    for i in sorted(cut, key=lambda i: (-items[i].numel, i)):
+        pieces = _pieces(layout, i)
+        numel = sum(pieces.values())
+        owner = min(range(dp), key=lambda r: (link[r] + numel - pieces.get(r, 0), r))
+        for r, n in pieces.items():
+            if r != owner:
+                link[r] += n  # sends its piece, receives the result: n each way
+                link[owner] += n
+    busiest = max(link, default=0) * price.exchange_bytes
+    if not busiest:
+        return 0.0
+    hw = price.hardware
+    return (1 - hw.comm_overlap) * collective_time("all_to_all", busiest, 2, dp, hw, price.dp_spans_nodes)
+
+
+def _pieces(layout: BufferLayout, i: int) -> dict[int, int]:
+    """DP rank → elements of item ``i`` its shard holds (ranks holding none left out)."""
+    start, end, b = layout.ranges[i]
+    bucket_start, bucket_end = layout.buckets[b]
+    shard = (bucket_end - bucket_start) // layout.dp_size
+    out = {}
+    for r in range((start - bucket_start) // shard, (end - 1 - bucket_start) // shard + 1):
+        lo, hi = max(start, bucket_start + r * shard), min(end, bucket_start + (r + 1) * shard)
+        if hi > lo:
+            out[r] = hi - lo
+    return out

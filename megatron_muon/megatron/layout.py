@@ -34,7 +34,7 @@ from megatron.core.optimizer.param_layout import FullParamLayout, PerBufferParam
 from megatron.core.utils import get_pg_size
 
 from ..config import MuonConfig
-from ..plan.balanced_layout import MAX_PADDING, PARAM_ALIGN, LayoutItem, balanced_layout
+from ..plan.balanced_layout import MAX_PADDING, PARAM_ALIGN, balanced_layout, layout_item
 from ..plan.iteration import attention_flops
 from ..plan.layout_choice import LayoutPrice, choose_layout, forward_flops
 from .catalogue import is_muon_matrix, layout_of, tag_grouped_experts, tag_qkv
@@ -110,17 +110,13 @@ def balanced_buffer_layouts(
     """
     names = {p: n for n, p in named_params}
     params = [p for _, p in named_params]
+    ns = muon_config.ns
     out = {}
     for key, (group, indices) in group_params_for_buffers(params, ddp_config.grad_reduce_in_fp32).items():
         dp = (expert_dp_size or dp_size) if key.is_expert_parallel else dp_size
-        items = [
-            LayoutItem(p.numel(), layout_of(names[p], p, tp_size, muon_config).ns_cost(muon_config.num_ns_steps,
-                                                                                       muon_config.ns_method),
-                       whole=True, own_bucket=getattr(p, "shared_embedding", False), row=p.shape[-1])
-            if is_muon_matrix(p) else
-            LayoutItem(p.numel(), own_bucket=getattr(p, "shared_embedding", False))
-            for p in group
-        ]
+        items = [layout_item(p.numel(), layout_of(names[p], p, tp_size, muon_config) if is_muon_matrix(p) else None,
+                             ns, row=p.shape[-1], own_bucket=getattr(p, "shared_embedding", False))
+                 for p in group]
         choice = None
         if price is not None and not key.is_expert_parallel:
             flops = [forward_flops(names[p], p.numel(), p.dim(), price) for p in group]

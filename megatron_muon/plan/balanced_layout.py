@@ -52,7 +52,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["DEFAULT_ALPHA", "BufferLayout", "LayoutItem", "balanced_layout", "row_aligned_layout"]
+from ..core.matrix_layout import MatrixLayout
+from ..core.newton_schulz import NSOptions
+
+__all__ = ["DEFAULT_ALPHA", "BufferLayout", "LayoutItem", "balanced_layout", "layout_item", "row_aligned_layout"]
 
 DEFAULT_ALPHA = 0.1
 """``--muon-layout-alpha`` default: chosen from ``scripts/bench/planner_quality.py``'s layout
@@ -89,6 +92,17 @@ class LayoutItem:
     row: int = 0
     """elements per row (the TP-local shard's columns) of a ``whole`` item: where a shard must
     cut it (the fallback packing), the cut falls between rows when it can; 0: no rows."""
+
+
+def layout_item(numel: int, matrix: MatrixLayout | None, ns: NSOptions, *, row: int = 0,
+                own_bucket: bool = False) -> LayoutItem:
+    """A param as the layout sees it (the adapter's and ``stage_layouts``' one rule): a Muon matrix
+    (``matrix``: its layout) whole, costed by its sub-matrices' NS FLOPs at their global shapes,
+    cut between rows of ``row`` elements if it must be cut; anything else (None) an AdamW filler."""
+    if matrix is None:
+        return LayoutItem(numel, own_bucket=own_bucket)
+    flops = sum(ns.flops(r, c) for r, c in matrix.sub_global_shapes())
+    return LayoutItem(numel, flops, whole=True, own_bucket=own_bucket, row=row)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,15 @@ from dataclasses import dataclass
 from ..core.matrix_layout import MatrixLayout
 from ..core.models import ModelShape
 from ..core.newton_schulz import NSOptions
-from .balanced_layout import DEFAULT_ALPHA, MAX_PADDING, PARAM_ALIGN, BufferLayout, LayoutItem, balanced_layout
+from .balanced_layout import (
+    DEFAULT_ALPHA,
+    MAX_PADDING,
+    PARAM_ALIGN,
+    BufferLayout,
+    LayoutItem,
+    balanced_layout,
+    layout_item,
+)
 from .layout_choice import LayoutPrice, choose_layout, forward_flops
 from .megatron_packing import megatron_packing
 from .param_marks import DEFAULT_SPLITS, RowSplits, matrix_layout
@@ -114,8 +122,7 @@ def dp_ranges(buffer: BufferLayout, i: int) -> tuple[tuple[int, int], ...]:
 def buffer_items(params: Sequence[StageParam], tp: int, settings: BufferSettings) -> list[LayoutItem]:
     """The ``LayoutItem``s the adapter builds for these params (``megatron.layout.balanced_buffer_layouts``):
     a Muon matrix whole, costed by its NS FLOPs, its rows as long as its TP-local columns."""
-    return [LayoutItem(p.numel, _layout(p, tp, settings.splits).ns_cost(settings.ns.steps, settings.ns.method),
-                       whole=True, row=p.shape[-1]) if p.is_muon else LayoutItem(p.numel)
+    return [layout_item(p.numel, _layout(p, tp, settings.splits) if p.is_muon else None, settings.ns, row=p.shape[-1])
             for p in params]
 
 

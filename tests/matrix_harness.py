@@ -43,6 +43,22 @@ def layouts(tp: int, dp: int, cut: bool) -> list[MatrixLayout]:
     return out
 
 
+def packed_layouts(shapes, dp: int, tp: int = 1) -> list[MatrixLayout]:
+    """``shapes`` (``(name, (rows, cols))``) packed in one flat buffer cut into ``dp`` equal ranges
+    (cuts inside rows), each matrix whole on every TP rank of ``tp``: a ZeRO-1 buffer in miniature."""
+    total = sum(r * c for _, (r, c) in shapes)
+    per = -(-total // dp)
+    out, offset = [], 0
+    for name, (rows, cols) in shapes:
+        ranges = []
+        for d in range(dp):
+            lo, hi = max(offset, d * per), min(offset + rows * cols, (d + 1) * per)
+            ranges.append((lo - offset, hi - offset) if hi > lo else (0, 0))
+        out.append(MatrixLayout(name, (rows, cols), None, tp, None, tuple(ranges)))
+        offset += rows * cols
+    return out
+
+
 def global_matrix(i: int, tp: int) -> torch.Tensor:
     """The full (all TP ranks) update of param i, seeded by index."""
     _, (r, c), pdim, _ = PARAMS[i]

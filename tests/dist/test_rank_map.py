@@ -25,9 +25,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_harness import run_world
+from matrix_harness import packed_layouts
 
 from megatron_muon.config import MuonConfig
-from megatron_muon.core.matrix_layout import MatrixLayout
 from megatron_muon.optimizer import MatrixCatalogue, MuonWithAdamW, step_plans
 from megatron_muon.parallel.team_groups import made_groups
 from megatron_muon.plan.hardware import CPU_GLOO
@@ -42,25 +42,9 @@ SHAPES = [("tall", (48, 12)), ("wide", (12, 60)), ("small", (6, 10))]
 PER_NODE = 4
 
 
-def _layouts(dp: int, tp: int = 1) -> list[MatrixLayout]:
-    """``SHAPES`` packed in one flat buffer cut into ``dp`` equal ranges (cuts inside rows), each
-    matrix whole on every TP rank of ``tp``."""
-    total = sum(r * c for _, (r, c) in SHAPES)
-    per = -(-total // dp)
-    out, offset = [], 0
-    for name, (rows, cols) in SHAPES:
-        ranges = []
-        for d in range(dp):
-            lo, hi = max(offset, d * per), min(offset + rows * cols, (d + 1) * per)
-            ranges.append((lo - offset, hi - offset) if hi > lo else (0, 0))
-        out.append(MatrixLayout(name, (rows, cols), None, tp, None, tuple(ranges)))
-        offset += rows * cols
-    return out
-
-
 def _optimizer(dp_group, tp_group, tp_mode: str) -> MuonWithAdamW:
     """Muon on ``SHAPES`` cut over the DP group (every TP rank holds its DP range whole)."""
-    lays = _layouts(dist.get_world_size(dp_group), dist.get_world_size(tp_group))
+    lays = packed_layouts(SHAPES, dist.get_world_size(dp_group), dist.get_world_size(tp_group))
     params = []
     for lay in lays:
         lo, hi = lay.local_range(dist.get_rank(dp_group))
@@ -129,7 +113,8 @@ def test_the_size_of_a_group_alone_would_have_teamed_across_nodes():
     """Not vacuous: EP 4's plan on the contiguous default (its DP 2 read as two consecutive ranks of
     one node) gives teams of 2, each pair on two nodes."""
     config = MuonConfig(tp_mode="auto", fp32_matmul_prec="highest")
-    plan = step_plans(config, _layouts(2), 2, 1, dataclasses.replace(TEAM_HARDWARE, ranks_per_node=PER_NODE))["muon"]
+    hardware = dataclasses.replace(TEAM_HARDWARE, ranks_per_node=PER_NODE)
+    plan = step_plans(config, packed_layouts(SHAPES, 2), 2, 1, hardware)["muon"]
     assert plan.team_size == 2 and plan.teams is not None
 
 

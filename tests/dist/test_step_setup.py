@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from bad_inputs_table import expected_line
 from dist_harness import run_world
+from matrix_harness import packed_layouts
 
 from megatron_muon.config import MuonConfig
-from megatron_muon.core.matrix_layout import MatrixLayout
 from megatron_muon.optimizer import MatrixCatalogue, MuonWithAdamW
 from megatron_muon.parallel.comm import observe_collectives
 from megatron_muon.parallel.step_setup import broadcast_hardware
@@ -44,23 +44,8 @@ CONFIG = dict(tp_mode="auto", fp32_matmul_prec="highest", coefficient_type="jord
 DP_TIMEOUT = datetime.timedelta(minutes=7)  # not torch's default: a team inherits its DP group's
 
 
-def _layouts(shapes, dp: int) -> list[MatrixLayout]:
-    """The matrices packed in one flat buffer cut into ``dp`` equal ranges (cuts inside rows)."""
-    total = sum(r * c for _, (r, c) in shapes)
-    per = -(-total // dp)
-    out, offset = [], 0
-    for name, (rows, cols) in shapes:
-        ranges = []
-        for d in range(dp):
-            lo, hi = max(offset, d * per), min(offset + rows * cols, (d + 1) * per)
-            ranges.append((lo - offset, hi - offset) if hi > lo else (0, 0))
-        out.append(MatrixLayout(name, (rows, cols), None, 1, None, tuple(ranges)))
-        offset += rows * cols
-    return out
-
-
 def _optimizer(members, shapes, dp_group, tp_group, config: MuonConfig, dp_rank: int) -> MuonWithAdamW:
-    lays = _layouts(shapes, len(members))
+    lays = packed_layouts(shapes, len(members))
     params = []
     for i, lay in enumerate(lays):
         lo, hi = lay.local_range(dp_rank)

@@ -22,10 +22,13 @@ if TYPE_CHECKING:
     from .plan.hardware import Hardware
     from .plan.topology import Topology
 
-__all__ = ["DP_LAYOUTS", "MUONBP_BLOCKS", "MuonConfig", "NS_PRECISIONS", "finite"]
+__all__ = ["DP_LAYOUTS", "MAMBA_IN_PROJ", "MUONBP_BLOCKS", "MuonConfig", "NS_PRECISIONS", "finite"]
 
 DP_LAYOUTS = ("balanced", "megatron", "priced")
 MUONBP_BLOCKS = ("tp_shard", "local")
+MAMBA_IN_PROJ = ("split", "whole", "adamw")
+"""``MuonConfig.mamba_in_proj``'s choices: Muon by role (ours), Muon whole (megatron-core 0.19.2),
+AdamW (megatron-core's main branch after 0.19.2)."""
 
 # Upstream --muon-fp32-matmul-prec: "medium" runs NS in bf16 (emerging-optimizers casts to bf16
 # explicitly), "high"/"highest" keep fp32, with torch's float32 matmul precision set to the flag's
@@ -65,10 +68,16 @@ class MuonConfig:
     """orthogonalize Q, K and V of a fused QKV weight separately, per query group."""
     split_fc1: bool = True
     """orthogonalize the gate and up halves of a fused SwiGLU fc1 separately (upstream #6688)."""
-    split_in_proj: bool = True
-    """orthogonalize a Mamba mixer's fused ``in_proj`` by role, z, x, B, C and dt apart (the rows
-    megatron-core's ``partition_sizes`` marks): five different linear maps, as Q, K and V are.
-    Upstream megatron-core orthogonalizes it whole."""
+    mamba_in_proj: str = "split"
+    """what a Mamba mixer's fused ``in_proj`` gets (--muon-mamba-in-proj, ``MAMBA_IN_PROJ``):
+    ``split``, Muon by role, z, x, B, C and dt apart (the rows megatron-core's ``partition_sizes``
+    marks): five different linear maps, as Q, K and V are; ``whole``, Muon on the fused matrix, as
+    megatron-core 0.19.2 orthogonalizes it; ``adamw``, AdamW, as megatron-core's main branch (after
+    0.19.2) routes it (``use_muon=False`` on the weight, upstream PR #6074)."""
+    router_skip_muon: bool = False
+    """send an MoE router's weight to AdamW instead of Muon (--moe-router-skip-muon, upstream PR
+    #6504's flag and meaning; off, as there). megatron-core 0.19.2 has no such flag and
+    orthogonalizes the router's [experts, hidden] weight as any hidden matrix."""
     scale_mode: str = "spectral"
     """update scale by shape: spectral, shape_scaling or unit_rms_norm (``scaling.py``)."""
     extra_scale_factor: float = 1.0
@@ -175,6 +184,10 @@ class MuonConfig:
             (isinstance(self.num_ns_steps, int) and self.num_ns_steps >= 1, "--muon-num-ns-steps",
              "an integer >= 1", self.num_ns_steps),
             (self.ns_method in NS_METHODS, "--muon-ns-method", f"one of {NS_METHODS}", self.ns_method),
+            (self.mamba_in_proj in MAMBA_IN_PROJ, "--muon-mamba-in-proj", f"one of {MAMBA_IN_PROJ}",
+             self.mamba_in_proj),
+            (isinstance(self.router_skip_muon, bool), "--moe-router-skip-muon", "True or False",
+             self.router_skip_muon),
             (not self.gram_fp16 or (self.ns_method == "gram" and self.fp32_matmul_prec == "medium"),
              "--muon-gram-fp16", "only with --muon-ns-method gram and --muon-fp32-matmul-prec medium "
              "(bf16 Newton-Schulz)", _Shown(f"--muon-ns-method {self.ns_method} --muon-fp32-matmul-prec "

@@ -3,7 +3,10 @@
 One module for every question about a model's matrices:
 
 * **routing**: a 2-D weight that is not ``is_embedding_or_output_parameter`` is a Muon matrix,
-  everything else AdamW (upstream's rule; an MoE router's weight is a Muon matrix too);
+  everything else AdamW (upstream's rule; an MoE router's weight is a Muon matrix too), unless
+  it carries ``use_muon=False`` (upstream's mark, megatron-core's main branch after 0.19.2), which
+  ``tag_routing`` sets from the config: a Mamba ``in_proj`` with ``--muon-mamba-in-proj adamw``,
+  a router with ``--moe-router-skip-muon``;
 * **tags**: fused QKV weights (``is_qkv``, ``qkv_split_shapes``, set here by module as upstream's
   emerging-optimizer path does) split per query group; a gated fc1 (``partition_stride == 2``,
   or ``gated_fc1`` on Transformer Engine's grouped experts) splits into gate and up; a Mamba
@@ -37,7 +40,7 @@ from .torch_fsdp2 import torch_fsdp2_ranges
 
 __all__ = ["MatrixOf", "describe_megatron_fsdp", "describe_whole", "describe_zero1", "is_expert_parallel",
            "is_muon_matrix", "layout_of", "marks_of", "packed_in_backprop_order", "param_names",
-           "ranges_on_every_rank", "row_splits", "tag_grouped_experts", "tag_qkv"]
+           "ranges_on_every_rank", "row_splits", "tag_grouped_experts", "tag_qkv", "tag_routing"]
 
 MatrixOf = dict[int, tuple[MatrixLayout, torch.Tensor | None]]
 """id(model param) → (its layout, the tensor this rank updates for it, or None)."""
@@ -47,8 +50,32 @@ MatrixOf = dict[int, tuple[MatrixLayout, torch.Tensor | None]]
 
 
 def is_muon_matrix(param: torch.nn.Parameter) -> bool:
-    """Hidden 2-D weights get Muon; embeddings, the output layer, norms and biases get AdamW."""
-    return param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+    """Hidden 2-D weights get Muon; embeddings, the output layer, norms, biases and a weight marked
+    ``use_muon=False`` (``tag_routing``) get AdamW."""
+    return (param.dim() == 2 and not getattr(param, "is_embedding_or_output_parameter", False)
+            and getattr(param, "use_muon", True))
+
+
+def tag_routing(model_chunks, muon_config: MuonConfig) -> None:
+    """Set ``use_muon`` on the weights whose algorithm is a choice, from ``muon_config``: a Mamba
+    ``in_proj`` (the 2-D weight megatron-core marks with ``partition_sizes``) is AdamW's with
+    ``mamba_in_proj="adamw"``, an MoE router's weight (and bias) with ``router_skip_muon`` (or the
+    model config's ``moe_router_skip_muon``, upstream's field). The
+    mark is written either way, so that the config decides over a mark megatron-core's main branch
+    sets itself (it sends in_proj to AdamW, where ``split`` and ``whole`` keep it on Muon)."""
+    from megatron.core.transformer.moe.router import Router
+
+    in_proj = muon_config.mamba_in_proj != "adamw"
+    for chunk in model_chunks:
+        # the model's own setting counts too (megatron-core's main branch: TransformerConfig.moe_router_skip_muon)
+        skip = muon_config.router_skip_muon or getattr(getattr(chunk, "config", None), "moe_router_skip_muon", False)
+        for module in chunk.modules():
+            if isinstance(module, Router):
+                for param in module.parameters(recurse=False):
+                    param.use_muon = not skip
+        for param in chunk.parameters():
+            if param.dim() == 2 and getattr(param, "partition_sizes", None) is not None:
+                param.use_muon = in_proj
 
 
 def is_expert_parallel(param: torch.nn.Parameter) -> bool:
@@ -114,7 +141,8 @@ def marks_of(param: torch.nn.Parameter) -> ParamMarks:
 
 def row_splits(muon_config: MuonConfig) -> RowSplits:
     """The fused weights ``muon_config`` splits (``--muon-split-qkv`` and its siblings)."""
-    return RowSplits(qkv=muon_config.split_qkv, fc1=muon_config.split_fc1, in_proj=muon_config.split_in_proj)
+    return RowSplits(qkv=muon_config.split_qkv, fc1=muon_config.split_fc1,
+                     in_proj=muon_config.mamba_in_proj == "split")
 
 
 def param_names(model_chunks) -> dict[int, str]:

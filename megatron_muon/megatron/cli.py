@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import math
 
-from ..config import MUONBP_BLOCKS, MuonConfig
+from ..config import MAMBA_IN_PROJ, MUONBP_BLOCKS, MuonConfig
 from ..core.block_grid import parse_grid
 from ..core.newton_schulz import COEFFICIENT_SETS, NS_METHODS
 
@@ -46,7 +46,8 @@ FIELD_OF_DEST = {
     "muon_nesterov": "nesterov",
     "muon_split_qkv": "split_qkv",
     "muon_split_fc1": "split_fc1",
-    "muon_split_mamba_in_proj": "split_in_proj",
+    "muon_mamba_in_proj": "mamba_in_proj",
+    "moe_router_skip_muon": "router_skip_muon",
     "muon_scale_mode": "scale_mode",
     "muon_extra_scale_factor": "extra_scale_factor",
     "muon_fp32_matmul_prec": "fp32_matmul_prec",
@@ -188,14 +189,29 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Orthogonalize a fused SwiGLU fc1 weight as one matrix (like --muon-no-split-qkv).",
     )
     group.add_argument(
-        "--muon-split-mamba-in-proj", action="store_true", dest="muon_split_mamba_in_proj",
-        help="Orthogonalize a Mamba mixer's fused in_proj by role: z, x, B, C and dt apart "
-             f"(megatron-core's partition_sizes). Default: {_on_off('split_in_proj')}.",
+        "--muon-mamba-in-proj", type=str, choices=list(MAMBA_IN_PROJ),
+        help="What a Mamba mixer's fused in_proj gets. split: Muon by role, z, x, B, C and dt "
+             "orthogonalized apart (megatron-core's partition_sizes), five maps of different roles as Q, K "
+             "and V are. whole: Muon on the fused matrix, as megatron-core 0.19.2 does. adamw: AdamW, as "
+             "megatron-core's main branch after 0.19.2 does (use_muon=False, upstream PR #6074). Default: "
+             f"{_default('mamba_in_proj')}.",
     )
     group.add_argument(
-        "--muon-no-split-mamba-in-proj", action="store_false", dest="muon_split_mamba_in_proj",
-        help="Orthogonalize a Mamba in_proj as one matrix, as upstream megatron-core does.",
+        "--muon-split-mamba-in-proj", action="store_const", const="split", dest="muon_mamba_in_proj",
+        help="The same as --muon-mamba-in-proj split (the flag before the choice existed).",
     )
+    group.add_argument(
+        "--muon-no-split-mamba-in-proj", action="store_const", const="whole", dest="muon_mamba_in_proj",
+        help="The same as --muon-mamba-in-proj whole (the flag before the choice existed).",
+    )
+    if _action(parser, "--moe-router-skip-muon") is None:  # megatron-core's main branch defines it itself
+        group.add_argument(
+            "--moe-router-skip-muon", action="store_true",
+            help="Send MoE router weights to AdamW instead of Muon: upstream's flag and meaning (megatron-core's "
+                 "main branch after 0.19.2, PR #6504; 0.19.2 lacks it and orthogonalizes the router's "
+                 "[experts, hidden] weight as any hidden matrix). Default: "
+                 f"{_on_off('router_skip_muon')}, as upstream. Refused without MoE layers.",
+        )
     group.add_argument(
         "--muon-auto-hardware", type=str, default=None, metavar="PROFILE_OR_JSON",
         help="Hardware constants of the cost model that --muon-tp-mode auto uses to pick each "

@@ -494,6 +494,10 @@ def _wrap_wrap_model_chunks_with_ddp(wrap_model_chunks_with_ddp):
 
         margs = get_args()
         dp_class = kwargs.get("DP", training.DDP)
+        if getattr(margs, ACTIVE, False):  # the routing marks before DDP: the buffer layout reads them too
+            from .catalogue import tag_routing
+
+            tag_routing(model_chunks, muon_config_from_args(margs))
         if (getattr(margs, ACTIVE, False) and dp_class is training.DDP and ddp_config.use_distributed_optimizer
                 and not kwargs.get("use_layer_wise_distributed_optimizer", False)):
             muon_config = muon_config_from_args(margs)
@@ -525,6 +529,10 @@ def _wrap_ddp_wrap(ddp_wrap):
 
         call = signature.bind(*args, **kwargs).arguments
         margs = get_args()
+        if getattr(margs, ACTIVE, False):  # the routing marks before DDP: the buffer layout reads them too
+            from .catalogue import tag_routing
+
+            tag_routing(call["model"], muon_config_from_args(margs))
         if (getattr(margs, ACTIVE, False) and call["ddp_config"].use_distributed_optimizer
                 and not any(call.get(name) for name in other_wrappers)):
             muon_config = muon_config_from_args(margs)

@@ -16,7 +16,8 @@ Llama-style 2-layer GPT is ``*-*-``). ``hybrid_model_config`` describes it as up
 Mamba layers need mamba_ssm's kernels (CUDA) to run a forward; attention, MLP and MoE layers run
 anywhere. Routing of a Mamba mixer's parameters (docs/megatron_optimizer.md, "Model classes"):
 ``in_proj`` and ``out_proj`` are Muon matrices, ``in_proj`` split by role into z, x, B, C and dt
-(``partition_sizes``, set by megatron-core; ``--muon-no-split-mamba-in-proj`` keeps it whole);
+(``partition_sizes``, set by megatron-core; ``--muon-mamba-in-proj whole`` keeps it whole, ``adamw``
+sends it to AdamW, as megatron-core's main branch after 0.19.2 does);
 ``conv1d_weight`` (3-D), ``A_log``, ``D``, ``dt_bias`` and the norms go to AdamW.
 """
 

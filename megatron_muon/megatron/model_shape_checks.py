@@ -134,7 +134,9 @@ def local_matrices(args) -> list[MatrixLayout] | None:
                 matrix(f"decoder.layers.{i}.self_attention.linear_proj.weight", hidden, heads * kv, 1)]
 
     def moe(i) -> list[MatrixLayout]:
-        out = [matrix(f"decoder.layers.{i}.mlp.router.weight", args.num_experts, hidden, None, size=1)]
+        skip_router = getattr(args, "moe_router_skip_muon", False)  # the router on AdamW
+        out = [] if skip_router else [matrix(f"decoder.layers.{i}.mlp.router.weight", args.num_experts, hidden, None,
+                                             size=1)]
         out += mlp(f"decoder.layers.{i}.mlp.experts.local_experts.0", args.moe_ffn_hidden_size, etp)
         shared = getattr(args, "moe_shared_expert_intermediate_size", None)
         return out + (mlp(f"decoder.layers.{i}.mlp.shared_experts", shared) if shared else [])
@@ -144,9 +146,12 @@ def local_matrices(args) -> list[MatrixLayout] | None:
         nheads = getattr(args, "mamba_num_heads", None) or 2 * hidden // head_dim  # MambaMixer's expand=2
         d_inner = nheads * head_dim
         roles = (d_inner // tp, d_inner // tp, mgroups * state // tp, mgroups * state // tp, nheads // tp)
+        in_proj = getattr(args, "muon_mamba_in_proj", None) or "split"
+        out_proj = [matrix(f"decoder.layers.{i}.mixer.out_proj.weight", hidden, d_inner, 1)]
+        if in_proj == "adamw":
+            return out_proj
         return [matrix(f"decoder.layers.{i}.mixer.in_proj.weight", 2 * d_inner + 2 * mgroups * state + nheads, hidden,
-                       0, sizes=roles if getattr(args, "muon_split_mamba_in_proj", True) else None),
-                matrix(f"decoder.layers.{i}.mixer.out_proj.weight", hidden, d_inner, 1)]
+                       0, sizes=roles if in_proj == "split" else None), *out_proj]
 
     pattern = getattr(args, "hybrid_layer_pattern", None)
     if pattern is not None:

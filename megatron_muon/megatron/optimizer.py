@@ -44,6 +44,7 @@ from .catalogue import (
     param_names,
     tag_grouped_experts,
     tag_qkv,
+    tag_routing,
 )
 from .checkpoint import MuonCheckpointMixin, check_saved_extents, prepare_for_checkpointing, rechain_loaded_state
 from .cli import muon_config_from_args
@@ -303,6 +304,7 @@ def get_megatron_muon_optimizer(
     _check_supported(config, model_chunks)
     tag_qkv(model_chunks)
     tag_grouped_experts(model_chunks)
+    tag_routing(model_chunks, muon_config)
     overrides = dict(get_standard_config_overrides(config) if config_overrides is None else config_overrides)
     overrides[ParamKey(predicate=ParamPredicate(name="muon_matrix", fn=is_muon_matrix))] = {"algorithm": "muon"}
     groups = ProcessGroupCollection.setup_process_groups_for_optimizer(

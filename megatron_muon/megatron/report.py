@@ -44,20 +44,35 @@ from ..plan.step_plan import StepPlan
 from .catalogue import is_muon_matrix, packed_in_backprop_order
 from .resume_config import report_lines
 
-__all__ = ["CHOICE_MARK", "MAMBA_RULES", "layout_choice_lines", "name_pattern", "routing_note", "startup_report"]
+__all__ = ["CHOICE_MARK", "IN_PROJ_RULES", "MAMBA_RULES", "ROUTER_RULES", "layout_choice_lines", "name_pattern",
+           "routing_note", "startup_report"]
 
 # Parameter names that should never reach Muon; flagged when they do.
 _SUSPICIOUS = ("position_embeddings", "embedding", "output_layer")
 
-ROUTER_RULE = ("MoE router: Muon, as upstream megatron-core routes it (every 2-D weight that is not an "
-               "embedding or the output layer)")
-"""How the report marks an MoE router's weight (``[experts, hidden]``, 2-D): upstream's
-emerging-optimizer path (``_is_nonlinear_or_embedding`` in megatron-core 0.19.2's
-``optimizer/emerging_optimizers.py``) sends it to Muon, and so does ``is_muon_matrix``."""
+ROUTER_RULES = {
+    False: "MoE router: Muon, as megatron-core 0.19.2 routes it (every 2-D weight that is not an embedding or the "
+           "output layer); upstream main with --moe-router-skip-muon: AdamW",
+    True: "MoE router: AdamW (--moe-router-skip-muon, as upstream main with it); megatron-core 0.19.2: Muon",
+}
+"""How the report marks an MoE router's weight (``[experts, hidden]``, 2-D), by
+``MuonConfig.router_skip_muon``: megatron-core 0.19.2's emerging-optimizer path
+(``_is_nonlinear_or_embedding`` in ``optimizer/emerging_optimizers.py``) sends it to Muon, and so
+does ``is_muon_matrix``; megatron-core's main branch after 0.19.2 sends it to AdamW with
+``--moe-router-skip-muon`` (PR #6504, off by default)."""
+
+IN_PROJ_RULES = {
+    "split": "Mamba in_proj: split by role, z, x, B, C, dt orthogonalized apart, five maps of different roles, as Q, "
+             "K, V (megatron-core 0.19.2: whole; upstream main: AdamW; --muon-mamba-in-proj)",
+    "whole": "Mamba in_proj: Muon whole (--muon-mamba-in-proj whole), as megatron-core 0.19.2 (upstream main: AdamW; "
+             "megatron-muon's default: split by role)",
+    "adamw": "Mamba in_proj: AdamW (--muon-mamba-in-proj adamw), as upstream main (megatron-core 0.19.2: Muon whole; "
+             "megatron-muon's default: split by role)",
+}
+"""The report's note on a Mamba ``in_proj``, by ``MuonConfig.mamba_in_proj``: each choice beside
+megatron-core 0.19.2's routing (Muon, whole) and the main branch's after it (AdamW, PR #6074)."""
 
 MAMBA_RULES = {
-    ".mixer.in_proj.": "Mamba in_proj: z, x, B, C, dt orthogonalized apart, five maps of different roles, as Q, K, V "
-                       "(--muon-no-split-mamba-in-proj: whole, as upstream)",
     ".mixer.out_proj.": "Mamba out_proj: a hidden-to-hidden map, Muon as attention's linear_proj",
     ".mixer.conv1d_weight": "Mamba conv1d: a depthwise filter per channel (3-D), not a map between spaces: AdamW",
     ".mixer.conv1d_bias": "Mamba conv1d bias: AdamW",
@@ -66,14 +81,17 @@ MAMBA_RULES = {
     ".mixer.dt_bias": "Mamba dt_bias: per-head step bias (1-D): AdamW",
     ".mixer.norm.": "Mamba gated norm gain (1-D): AdamW",
 }
-"""Why each Mamba mixer parameter goes where it goes (``is_muon_matrix``: 2-D and not an embedding;
-the in_proj split: ``catalogue.layout_of``), the note the report puts on its line."""
+"""Why each other Mamba mixer parameter goes where it goes (``is_muon_matrix``: 2-D and not an
+embedding), the note the report puts on its line; ``in_proj``'s is ``IN_PROJ_RULES``'."""
 
 
-def routing_note(pattern: str) -> str:
-    """The report's note on a name pattern's routing ('' for none)."""
+def routing_note(pattern: str, config: MuonConfig | None = None) -> str:
+    """The report's note on a name pattern's routing under ``config`` (None: the defaults); '' for none."""
+    config = MuonConfig() if config is None else config
     if ".router." in pattern:
-        return ROUTER_RULE
+        return ROUTER_RULES[bool(config.router_skip_muon)]
+    if ".mixer.in_proj." in pattern:
+        return IN_PROJ_RULES[config.mamba_in_proj]
     return next((note for key, note in MAMBA_RULES.items() if key in pattern), "")
 
 
@@ -131,7 +149,7 @@ def _buckets(n: int) -> str:
     return f"{n} bucket{'s' if n != 1 else ''}"
 
 
-def _matrix_lines(plan: StepPlan) -> list[str]:
+def _matrix_lines(plan: StepPlan, config: MuonConfig) -> list[str]:
     """One line per name pattern: its count, the shapes NS runs on, the TP mode(s) the plan gives it."""
     classes: dict[str, list[int]] = {}
     for i, lay in enumerate(plan.matrices):
@@ -141,7 +159,7 @@ def _matrix_lines(plan: StepPlan) -> list[str]:
         lay = plan.matrices[members[0]]
         modes = sorted({m for i in members for m in plan.tp_modes_of(i)})
         flag = "  NOTE: this name usually belongs to AdamW" if any(s in pattern for s in _SUSPICIOUS) else ""
-        if note := routing_note(pattern):
+        if note := routing_note(pattern, config):
             flag = f"  {note}"
         shapes = " + ".join(f"{r}x{c}" for r, c in lay.sub_global_shapes())
         lines.append(f"  muon   {pattern:<50} x{len(members):<4} NS on {shapes} ({_ns_text(plan.settings.ns, lay)})  "
@@ -259,11 +277,11 @@ def startup_report(plans: Mapping[str, StepPlan], model_chunks, config: MuonConf
     local = f" ({len(expert_plan.matrices)} expert matrices of this EP rank)" if experts else ""
     lines = [f"megatron-muon: Muon on {len(plan.matrices) + (len(expert_plan.matrices) if experts else 0)} "
              f"matrices{local}, AdamW on {sum(adam.values())} tensors (pipeline stage {pp_rank} of {pp})"]
-    lines += _matrix_lines(plan)
+    lines += _matrix_lines(plan, config)
     if experts:
-        lines += _matrix_lines(expert_plan)
+        lines += _matrix_lines(expert_plan, config)
     for pattern, count in adam.items():
-        note = routing_note(pattern)
+        note = routing_note(pattern, config)
         lines.append(f"  adamw  {pattern:<50} x{count}" + (f"  {note}" if note else ""))
     if plan.dp_size > 1:
         lines.append(_cut_line(plan, config, buffer_layout(model_chunks)))

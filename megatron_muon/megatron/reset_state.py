@@ -43,7 +43,8 @@ import torch
 from .errors import UserInputError
 
 __all__ = ["UPSTREAM_MUON_SETTINGS", "is_plugin_checkpoint", "is_upstream_muon_checkpoint", "load_common_state",
-           "load_upstream_optimizer_state", "load_with_fresh_optimizer", "restore_scheduler", "settings_differences"]
+           "load_upstream_optimizer_state", "load_with_fresh_optimizer", "restore_scheduler", "routing_differences",
+           "settings_differences"]
 
 UPSTREAM_MUON_SETTINGS = ("muon_momentum", "muon_nesterov", "muon_coefficient_type", "muon_num_ns_steps",
                           "muon_scale_mode", "muon_extra_scale_factor", "muon_split_qkv", "muon_fp32_matmul_prec",
@@ -119,11 +120,35 @@ def settings_differences(margs, ckpt_args) -> list[str]:
     if getattr(margs, "swiglu", False) and getattr(margs, "muon_split_fc1", False):
         # megatron-core 0.19.2 orthogonalizes a fused SwiGLU fc1 whole; megatron-muon splits it by default
         out.append("fc1 gate and up orthogonalized apart (--muon-split-fc1; --muon-no-split-fc1 keeps upstream's)")
-    mamba = "M" in (getattr(margs, "hybrid_layer_pattern", None) or "")
-    if mamba and getattr(margs, "muon_split_mamba_in_proj", False):
-        # upstream orthogonalizes a Mamba in_proj whole; megatron-muon splits it by role by default
-        out.append("Mamba in_proj's z, x, B, C, dt orthogonalized apart (--muon-split-mamba-in-proj; "
-                   "--muon-no-split-mamba-in-proj keeps upstream's)")
+    out += routing_differences(margs, ckpt_args)
+    return out
+
+
+_IN_PROJ_DIFFERENCES = {
+    "split": "Mamba in_proj split by role, z, x, B, C, dt orthogonalized apart (--muon-mamba-in-proj split; "
+             "megatron-core 0.19.2: Muon whole, --muon-mamba-in-proj whole; upstream main: AdamW, "
+             "--muon-mamba-in-proj adamw)",
+    "whole": "Mamba in_proj: Muon whole, as megatron-core 0.19.2 (upstream main: AdamW, --muon-mamba-in-proj adamw)",
+    "adamw": "Mamba in_proj: AdamW, as upstream main (megatron-core 0.19.2: Muon whole, --muon-mamba-in-proj whole)",
+}
+"""The migration line of each ``--muon-mamba-in-proj`` choice against the two upstream routings:
+megatron-core 0.19.2 orthogonalizes a Mamba in_proj whole, its main branch after 0.19.2 sends it
+to AdamW (PR #6074); every choice differs from one of them."""
+
+
+def routing_differences(margs, ckpt_args) -> list[str]:
+    """One line per routing of this run that differs from megatron-core 0.19.2's or from its main
+    branch's (or from the checkpoint's recorded ``--moe-router-skip-muon``): a Mamba in_proj, an MoE
+    router."""
+    out = []
+    if "M" in (getattr(margs, "hybrid_layer_pattern", None) or ""):
+        out.append(_IN_PROJ_DIFFERENCES[getattr(margs, "muon_mamba_in_proj", None) or "split"])
+    moe = getattr(margs, "num_experts", None) or "E" in (getattr(margs, "hybrid_layer_pattern", None) or "")
+    skip, saved_skip = (bool(getattr(run, "moe_router_skip_muon", False)) for run in (margs, ckpt_args))
+    if moe and (skip or saved_skip):
+        out.append("MoE router: AdamW (--moe-router-skip-muon, as upstream main with it; megatron-core 0.19.2: Muon)"
+                   if skip else "MoE router: Muon, as megatron-core 0.19.2 (the checkpoint's run had "
+                   "--moe-router-skip-muon: AdamW)")
     return out
 
 

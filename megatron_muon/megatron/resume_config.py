@@ -19,6 +19,11 @@ CPU demo, docs/checkpoints.md "The changed-configuration table"):
   optimizer state is not loaded (``--no-load-optim``, ``--finetune``, a release checkpoint).
   A checkpoint of megatron-core's own ``--optimizer muon`` (no megatron-muon settings recorded)
   is named as such (``_from_upstream_muon``; docs/checkpoints.md#migration).
+* **The routing.** ``--muon-mamba-in-proj`` to or from ``adamw`` and ``--moe-router-skip-muon``
+  move a Mamba ``in_proj`` or an MoE router between Muon and AdamW, whose states differ as above
+  (and megatron-core's load compares neither): refused the same way unless the optimizer state
+  is not loaded (``_routing_refusal``; reported then, the moved params' state fresh). ``split``
+  <-> ``whole`` keeps the weight on Muon and is reported.
 * **Model shapes** (``--hidden-size``, ``--num-layers``, ``--ffn-hidden-size``, heads, ...):
   refused naming the first differing flag and both values, before any tensor is read (Megatron
   fails deep inside dist_checkpointing's load, or asserts after it).
@@ -109,7 +114,6 @@ _HYPERPARAMETERS: tuple[tuple[str, str], ...] = (
     ("muon_fp32_matmul_prec", "--muon-fp32-matmul-prec"),
     ("muon_split_qkv", "--muon-no-split-qkv"),
     ("muon_split_fc1", "--muon-split-fc1"),
-    ("muon_split_mamba_in_proj", "--muon-split-mamba-in-proj"),
     ("muonbp_block_lr_mult", "--muonbp-block-lr-mult"),
     ("muonbp_block", "--muonbp-block"),
     ("muonbp_block_grid", "--muonbp-block-grid"),
@@ -416,6 +420,64 @@ def check_other_optimizer(args) -> None:
         check_optimizer_change(args, saved, plugin=False)
 
 
+def _in_proj(run) -> str | None:
+    """``run``'s ``--muon-mamba-in-proj``; a checkpoint saved before the choice existed has its
+    ``--muon-(no-)split-mamba-in-proj`` (split or whole), one saved before that flag None."""
+    value = getattr(run, "muon_mamba_in_proj", None)
+    if value is None and hasattr(run, "muon_split_mamba_in_proj"):
+        value = "split" if run.muon_split_mamba_in_proj else "whole"
+    return value
+
+
+def _pattern(run) -> str:
+    return getattr(run, "hybrid_layer_pattern", None) or ""
+
+
+def _routing(saved: Saved, args) -> list[tuple[str, str, str, str]]:
+    """``(flag, the checkpoint's value, this run's, the params)`` for each change of the algorithm
+    (Muon or AdamW) some params of the saved model get: ``--muon-mamba-in-proj`` to or from adamw
+    (a Mamba in_proj), ``--moe-router-skip-muon`` (an MoE router). Split and whole are both Muon."""
+    out = []
+    old, new = _in_proj(saved.args), _in_proj(args) or "split"
+    if "M" in _pattern(saved.args) and old is not None and old != new and "adamw" in (old, new):
+        out.append(("--muon-mamba-in-proj", old, new, "Mamba in_proj"))
+    old_skip, new_skip = (bool(getattr(run, "moe_router_skip_muon", False)) for run in (saved.args, args))
+    if (saved.get("num_experts") or "E" in _pattern(saved.args)) and old_skip != new_skip:
+        out.append(("--moe-router-skip-muon", "on" if old_skip else "off", "on" if new_skip else "off", "MoE router"))
+    return out
+
+
+def _algorithm(value: str) -> str:
+    """The algorithm a ``_routing`` value gives its params."""
+    return "AdamW" if value in ("adamw", "on") else "Muon"
+
+
+def _shown(flag: str, value: str) -> str:
+    """A ``_routing`` value as its command line: ``--muon-mamba-in-proj adamw``, ``--moe-router-skip-muon``
+    or ``no --moe-router-skip-muon``."""
+    if flag == "--moe-router-skip-muon":
+        return flag if value == "on" else f"no {flag}"
+    return f"{flag} {value}"
+
+
+def _routing_refusal(saved: Saved, args) -> str | None:
+    """A resume that moves params between Muon and AdamW with the optimizer state loaded: a Muon
+    matrix's state is its momentum under ``exp_avg`` and zeros under ``exp_avg_sq``
+    (``checkpoint.py``), which AdamW would divide by sqrt(0) + eps, and AdamW's moments are no
+    Muon momentum; megatron-core's load compares neither."""
+    changes = _routing(saved, args)
+    if not changes or not _loads_optimizer(args, saved):
+        return None
+    flag, old, new, what = changes[0]
+    was, now = _algorithm(old), _algorithm(new)
+    state = _state_words("megatron-muon") if was == "Muon" else _state_words("adam")
+    fix = (" (an fsdp_dtensor checkpoint loads only with its optimizer state)" if _is_fsdp_dtensor(saved) else
+           ", or add --muon-reset-optimizer-state to load the weights, iteration and LR schedule with fresh optimizer "
+           "state")
+    return (f"{_shown(flag, new)}: {saved.directory} was saved with {_shown(flag, old)}, so its {what} state is "
+            f"{was}'s ({state}), which {now} would read as its own; resume with {_shown(flag, old)}{fix}")
+
+
 def _shape_value(run, name: str):
     """``run``'s value of ``name``; without --group-query-attention there are as many query groups
     as heads, whatever num_query_groups says (Megatron fills it in later, at any value)."""
@@ -491,6 +553,16 @@ def _changes(saved: Saved, args, padded: int | None) -> list[str]:
                "no full step (BlockMuon)" if new_period == 0 else f"a full step when t % {new_period} == 0")
         lines.append(f"--muonbp-period {'off' if old_period is None else old_period} -> "
                      f"{'off' if new_period is None else new_period}: from the checkpoint's step count t on, {now}")
+    old_in_proj, new_in_proj = _in_proj(saved.args), _in_proj(args) or "split"
+    if "M" in _pattern(saved.args) and old_in_proj is not None and old_in_proj != new_in_proj:
+        lines.append(f"--muon-mamba-in-proj {old_in_proj} -> {new_in_proj}: " + (
+            "Mamba in_proj on Muon either way, " + ("by role" if new_in_proj == "split" else "whole") +
+            " from the next step on" if "adamw" not in (old_in_proj, new_in_proj) else
+            f"Mamba in_proj on {_algorithm(new_in_proj)} from the next step on, its optimizer state fresh"))
+    for flag, old, new, what in _routing(saved, args):
+        if flag == "--moe-router-skip-muon":
+            lines.append(f"{flag} {old} -> {new}: {what} on {_algorithm(new)} from the next step on, its "
+                         "optimizer state fresh")
     for name, flag in _HYPERPARAMETERS:
         if hasattr(saved.args, name) and _setting(saved.args, name) != _setting(args, name):
             lines.append(f"{flag} ({name}) {_setting(saved.args, name)} -> {_setting(args, name)}: used from "
@@ -530,7 +602,7 @@ def check_resume_config(args, directory: str | Path | None) -> None:
     message = _layout_refusal(saved, args)  # megatron-core checks none of these: refused in the job too
     if message:
         raise UserInputError(message)
-    message = _dp_layout_refusal(saved, args) or _schedule_refusal(saved, args)
+    message = _dp_layout_refusal(saved, args) or _schedule_refusal(saved, args) or _routing_refusal(saved, args)
     if message:
         raise UserInputError(message)
     message, padded = _vocab_refusal(saved, args)

@@ -155,9 +155,14 @@ def _ignored_setting_rejections(args) -> list[tuple[bool, str]]:
          "drop one of them"),
         (not getattr(args, "muon_split_fc1", True) and not getattr(args, "swiglu", False),
          "--muon-no-split-fc1: only a SwiGLU fc1 (--swiglu) has gate and up halves to split; drop the flag"),
-        (not getattr(args, "muon_split_mamba_in_proj", True) and "M" not in (getattr(args, "hybrid_layer_pattern", None)
-                                                                              or ""),
-         "--muon-no-split-mamba-in-proj: only a Mamba layer (M in --hybrid-layer-pattern) has an in_proj to split; "
+        ((getattr(args, "muon_mamba_in_proj", None) or "split") != "split" and "M" not in (
+            getattr(args, "hybrid_layer_pattern", None) or ""),
+         f"--muon-mamba-in-proj {getattr(args, 'muon_mamba_in_proj', None)}"
+         f"{' (--muon-no-split-mamba-in-proj)' if getattr(args, 'muon_mamba_in_proj', None) == 'whole' else ''}: "
+         "only a Mamba layer (M in --hybrid-layer-pattern) has an in_proj to route; drop the flag"),
+        (getattr(args, "moe_router_skip_muon", False) and not getattr(args, "num_experts", None) and "E" not in (
+            getattr(args, "hybrid_layer_pattern", None) or ""),
+         "--moe-router-skip-muon: only an MoE layer (--num-experts, or E in --hybrid-layer-pattern) has a router; "
          "drop the flag"),
         (not getattr(args, "muon_split_qkv", True) and (getattr(args, "multi_latent_attention", False) or (
             pattern is not None and "*" not in pattern)),

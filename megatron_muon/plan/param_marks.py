@@ -41,7 +41,7 @@ class ParamMarks:
 @dataclass(frozen=True)
 class RowSplits:
     """Which fused weights Newton–Schulz runs on as their parts (``--muon-split-qkv`` and its
-    siblings; ``MuonConfig.split_qkv``, ``split_fc1``, ``split_in_proj``)."""
+    siblings; ``MuonConfig.split_qkv``, ``split_fc1``, ``mamba_in_proj == "split"``)."""
 
     qkv: bool = True
     fc1: bool = True

@@ -66,9 +66,9 @@ def inspect(rank: int, world: int, tp: int) -> dict:
                                    partition_sizes=getattr(p, "partition_sizes", None))
         out["notes"][name_pattern(name)] = routing_note(name_pattern(name))
     in_proj = chunk.decoder.layers[0].mixer.in_proj.weight
-    for split in (True, False):
-        lay = layout_of("in_proj", in_proj, tp, MuonConfig(split_in_proj=split))
-        out[f"layout_split_{split}"] = (lay.partition_dim, lay.sub_global_shapes(), lay.full_shape)
+    for choice in ("split", "whole"):
+        lay = layout_of("in_proj", in_proj, tp, MuonConfig(mamba_in_proj=choice))
+        out[f"layout_{choice}"] = (lay.partition_dim, lay.sub_global_shapes(), lay.full_shape)
     out_proj = chunk.decoder.layers[0].mixer.out_proj.weight
     out["out_proj_layout"] = (layout_of("out_proj", out_proj, tp, MuonConfig()).partition_dim,
                               layout_of("out_proj", out_proj, tp, MuonConfig()).full_shape)
@@ -132,10 +132,10 @@ def test_mixer_parameters_and_routing(inspected, tp):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_in_proj_splits_by_role_into_the_same_global_matrices(inspected, tp):
-    pdim, subs, full = inspected[tp]["layout_split_True"]
+    pdim, subs, full = inspected[tp]["layout_split"]
     assert pdim == (0 if tp > 1 else None)
     assert subs == [(r, HIDDEN) for r in ROLES] and full == (sum(ROLES), HIDDEN)
-    assert inspected[tp]["layout_split_False"][1] == [(sum(ROLES), HIDDEN)]  # --muon-no-split-mamba-in-proj
+    assert inspected[tp]["layout_whole"][1] == [(sum(ROLES), HIDDEN)]  # --muon-mamba-in-proj whole
     assert inspected[tp]["out_proj_layout"] == ((1 if tp > 1 else None), (HIDDEN, D_INNER))
 
 
@@ -147,7 +147,7 @@ def test_qk_clip_takes_the_attention_layer_and_leaves_the_mixer(inspected, tp):
 
 def test_report_says_why(inspected):
     notes = inspected[2]["notes"]
-    assert notes["decoder.layers.*.mixer.in_proj.weight"].startswith("Mamba in_proj: z, x, B, C, dt orthogonalized")
+    assert notes["decoder.layers.*.mixer.in_proj.weight"].startswith("Mamba in_proj: split by role, z, x, B, C, dt")
     for key in ("conv1d_weight", "A_log", "D", "dt_bias"):
         assert notes[f"decoder.layers.*.mixer.{key}"].endswith("AdamW"), key
     assert notes["decoder.layers.*.self_attention.linear_qkv.weight"] == ""

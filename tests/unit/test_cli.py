@@ -39,8 +39,12 @@ FLAG_TO_FIELD = [
     ("--muon-no-split-qkv", "split_qkv", False),
     ("--muon-no-split-fc1", "split_fc1", False),
     ("--muon-no-split-fc1 --muon-split-fc1", "split_fc1", True),
-    ("--muon-no-split-mamba-in-proj", "split_in_proj", False),
-    ("--muon-no-split-mamba-in-proj --muon-split-mamba-in-proj", "split_in_proj", True),
+    ("--muon-mamba-in-proj whole", "mamba_in_proj", "whole"),
+    ("--muon-mamba-in-proj adamw", "mamba_in_proj", "adamw"),
+    ("--muon-no-split-mamba-in-proj", "mamba_in_proj", "whole"),  # the flags before the choice, onto it
+    ("--muon-no-split-mamba-in-proj --muon-split-mamba-in-proj", "mamba_in_proj", "split"),
+    ("--muon-mamba-in-proj adamw --muon-no-split-mamba-in-proj", "mamba_in_proj", "whole"),  # the last one wins
+    ("--moe-router-skip-muon", "router_skip_muon", True),
     ("--muon-scale-mode unit_rms_norm", "scale_mode", "unit_rms_norm"),
     ("--muon-scale-mode shape_scaling", "scale_mode", "shape_scaling"),
     ("--muon-extra-scale-factor 0.2", "extra_scale_factor", 0.2),
@@ -124,6 +128,41 @@ def test_unknown_tp_mode_is_rejected_naming_the_flag(parser, capsys):
     with pytest.raises(SystemExit):
         _parse(parser, "--muon-tp-mode bogus")
     assert "--muon-tp-mode" in capsys.readouterr().err
+
+
+def test_unknown_mamba_in_proj_is_rejected_naming_the_flag(parser, capsys):
+    with pytest.raises(SystemExit):
+        _parse(parser, "--muon-mamba-in-proj muon")
+    err = capsys.readouterr().err
+    assert "--muon-mamba-in-proj" in err and "'split', 'whole', 'adamw'" in err
+
+
+@pytest.mark.parametrize("value", ["muon", None, True])
+def test_a_bad_mamba_in_proj_off_the_command_line_names_the_flag(value):
+    """An object with the attributes (an upstream config, a hand-built namespace) gets the one-line
+    ``ValueError`` naming the flag, as the parser's choices would."""
+    args = argparse.Namespace(muon_mamba_in_proj=value, moe_router_skip_muon=False)
+    if value is None:  # not given: the default
+        assert muon_config_from_args(args).mamba_in_proj == "split"
+        return
+    expected = r"^--muon-mamba-in-proj: expected one of \('split', 'whole', 'adamw'\)"
+    with pytest.raises(ValueError, match=expected) as info:
+        muon_config_from_args(args)
+    assert "\n" not in str(info.value)
+    with pytest.raises(ValueError, match="^--moe-router-skip-muon: expected True or False, got 'yes'"):
+        MuonConfig(router_skip_muon="yes")
+
+
+def test_upstream_main_flag_is_not_defined_twice(megatron):
+    """megatron-core's main branch defines --moe-router-skip-muon itself (PR #6504): a parser that
+    has it keeps its own action, whose dest the translation reads all the same."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--moe-router-skip-muon", action="store_true")
+    own = parser._option_string_actions["--moe-router-skip-muon"]
+    add_muon_args(parser)
+    assert parser._option_string_actions["--moe-router-skip-muon"] is own
+    assert muon_config_from_args(parser.parse_args(["--moe-router-skip-muon"])).router_skip_muon is True
+    assert muon_config_from_args(parser.parse_args([])).router_skip_muon is False
 
 
 def test_help_names_the_exact_modes_and_the_default(parser):

@@ -58,6 +58,7 @@ from .parallel.comm import comm_stats
 from .parallel.devices import resolve_device
 from .parallel.orthogonalize import StepGroups, orthogonalize_updates
 from .parallel.step_setup import SetupReport, prepare_optimizers, stage_topology
+from .parallel.step_stats import ClassStats
 from .plan.hardware import Hardware
 from .plan.step_plan import StepPlan, build_step_plan
 from .plan.topology import Topology
@@ -214,6 +215,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._last_stats: dict = {}
         self._norms: dict[str, torch.Tensor] = {}
         self._counted: tuple[list[bool], torch.Tensor] | None = None
+        self._classes: ClassStats | None = None
+        self.class_stats: torch.Tensor | None = None
+        """the last recording step's per-class table (``parallel.step_stats``: the update's RMS before
+        lr, its matched RMS, the sampled orthogonality residuals), on the device; a log reads it."""
         self._timer: StepTimer | None = None
         self._device: torch.device | None = None
         # muon_steps is MuonBP's phase: it travels in state_dict() so a resume keeps the schedule.
@@ -453,6 +458,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
         record = self.record_norms
         counted, numel = self._counted_pieces() if record else ([False] * len(params), None)
         update_sq = torch.zeros((), dtype=torch.float32, device=device) if record else None
+        classes = self._class_stats(counted).start() if record else None
 
         def apply(i: int, update: torch.Tensor, scale: float) -> None:
             p = params[i]
@@ -462,8 +468,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
             p = to_local(p)
             alpha = step_lr[i] * scale
             p.add_(update.reshape_as(p), alpha=alpha)
-            if counted[i]:  # Σ(alpha·O)², on the device
-                update_sq.add_(torch.linalg.vector_norm(update, dtype=torch.float32).square(), alpha=alpha * alpha)
+            if counted[i]:  # Σ(alpha·O)² and, per class, Σ(scale·O)², on the device
+                norm_sq = torch.linalg.vector_norm(update, dtype=torch.float32).square()
+                update_sq.add_(norm_sq, alpha=alpha * alpha)
+                classes.add_update(i, norm_sq, scale)
 
         if self._timer is None:  # built once: its CUDA events are recorded again every step
             self._timer = StepTimer(device)
@@ -471,7 +479,8 @@ class MuonWithAdamW(torch.optim.Optimizer):
             self._step_groups = StepGroups(self.catalogue.dp_group, self.catalogue.tp_group, device)
         self._timer.start()
         with comm_stats() as stats:
-            orthogonalize_updates(pieces, self.plans[kind], self._step_groups, apply)
+            orthogonalize_updates(pieces, self.plans[kind], self._step_groups, apply,
+                                  classes.probe if record else None)
         self._timer.stop()
         self._last_stats = dict(kind=kind, bytes_sent=stats.bytes_sent, ns_flops=stats.ns_flops)
         if not record:
@@ -480,6 +489,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
         param_sq = (torch.stack(torch._foreach_norm(mine)).float().square().sum() if mine
                     else torch.zeros((), dtype=torch.float32, device=device))
         self._norms[kind] = torch.stack([param_sq, update_sq, numel])
+        self.class_stats = classes.table
+
+    def _class_stats(self, counted: list[bool]) -> ClassStats:
+        """The per-class tables' fixed part for these counted pieces (built once per norm groups)."""
+        if self._classes is None or self._classes.counted is not counted:
+            cat, cfg = self._catalogue, self.config
+            dp_rank = comm.group_rank(cat.dp_group) if cat.dp_group is not None else 0
+            self._classes = ClassStats(cat.layouts, counted, dp_rank, cfg.scale_mode, cfg.extra_scale_factor,
+                                       self.device)
+        return self._classes
 
     def _momentum_and_decay(self, live: list[torch.Tensor], group_of: dict[int, dict]) -> dict[int, torch.Tensor]:
         """B ← B.lerp(G, 1 − μ); U ← G.lerp(B, μ) or B; θ ← θ·(1 − lr·wd); id(θ) → flat U.

@@ -6,6 +6,11 @@
   RMS, reduced on logging iterations only, over the groups Megatron's grad norm is reduced over
   (``MuonWithAdamW.norm_groups``: its grad-stats group — the whole job with the distributed
   optimizer, TP x PP without it — plus DP where pieces are cut over DP);
+* ``norm_scalars``, per matrix class (attention, mlp, expert, ...: ``core.update_stats``), from the
+  last step that recorded norms: the RMS of the update before the learning rate, ``scale·NS(M)``,
+  beside the RMS an exactly orthogonal ``NS(M)`` would give under ``--muon-scale-mode`` /
+  ``--muon-extra-scale-factor`` (``matched``), and the orthogonality residual ``‖XᵀX − I‖_F/√k``
+  of the NS output of a fixed sample of matrices (``parallel.step_stats``): ``muon/<class>/*``;
 * ``muon_scalars`` / ``write_scalars``: the same figures as ``muon/*`` scalars for Megatron's
   TensorBoard and W&B writers;
 * ``reads_norms`` / ``plan_next_step``: which iterations read the norms, and so which optimizer
@@ -28,6 +33,8 @@ from __future__ import annotations
 
 import torch
 
+from ..core.update_stats import CLASSES, FIELDS, class_figures
+
 __all__ = ["muon_scalars", "norm_scalars", "norm_text", "norms_for_log", "plan_first_step", "plan_next_step",
            "reads_norms", "stats_text", "write_scalars"]
 
@@ -35,12 +42,17 @@ _STEP_KINDS = ("muon", "full", "block")
 
 
 def norm_scalars(optimizers) -> dict[str, float]:
-    """The Muon parameters' global norm after the last step (``muon/param_norm``) and each step
-    kind's update RMS (``muon/update_rms_<kind>``, kinds that have run): every optimizer's
-    ``step_norms`` (a fixed kinds x 3 table) all-reduced over its ``norm_groups``, one all-reduce
-    per group for the optimizers that share them (dense and experts under the distributed
-    optimizer share Megatron's grad-stats group), then summed. A collective: every rank calls it
-    on the same iterations (``reads_norms`` reads only the run's arguments and the iteration)."""
+    """The Muon parameters' global norm after the last step (``muon/param_norm``), each step
+    kind's update RMS (``muon/update_rms_<kind>``, kinds that have run), and per matrix class
+    ``muon/<class>/update_rms``, ``muon/<class>/matched_rms`` and, where sampled,
+    ``muon/<class>/residual`` (``core.update_stats``).
+
+    Every optimizer's ``step_norms`` (a fixed kinds x 3 table) is all-reduced over its
+    ``norm_groups`` and its ``class_stats`` (a fixed classes x 5 table) over ``stats_groups``, one
+    all-reduce per group for the tables that share them (usually all: dense and experts under the
+    distributed optimizer share Megatron's grad-stats group), then summed. A collective: every
+    rank calls it on the same iterations (``reads_norms`` reads only the run's arguments and the
+    iteration)."""
     import math
 
     import torch.distributed as dist
@@ -48,29 +60,62 @@ def norm_scalars(optimizers) -> dict[str, float]:
     from ..parallel.devices import group_device
 
     device = group_device(None)
-    tables: list[tuple[tuple, torch.Tensor]] = []  # (groups, table), in the chain's order on every rank
+    kinds, width = len(_STEP_KINDS) * 3, len(CLASSES) * len(FIELDS)
+    tables: list[tuple[tuple, torch.Tensor]] = []  # (groups, [norms | classes]), in the chain's order on every rank
+
+    def entry(groups: tuple) -> torch.Tensor:
+        found = next((t for g, t in tables if len(g) == len(groups) and all(a is b for a, b in zip(g, groups))), None)
+        if found is None:
+            found = torch.zeros(kinds + width, dtype=torch.float32, device=device)
+            tables.append((groups, found))
+        return found
+
     for inner in optimizers:
-        groups = tuple(inner.norm_groups)
-        entry = next((e for e in tables if len(e[0]) == len(groups) and all(a is b for a, b in zip(e[0], groups))),
-                     None)
-        if entry is None:
-            entry = (groups, torch.zeros(len(_STEP_KINDS), 3, dtype=torch.float32, device=device))
-            tables.append(entry)
+        norms = entry(tuple(inner.norm_groups))[:kinds].view(len(_STEP_KINDS), 3)
         for kind, sums in inner.step_norms.items():
-            entry[1][_STEP_KINDS.index(kind)] += sums.to(device)
+            norms[_STEP_KINDS.index(kind)] += sums.to(device)
+        classes = entry(stats_groups(inner))[kinds:]
+        if getattr(inner, "class_stats", None) is not None:
+            classes += inner.class_stats.reshape(-1).to(device)
     for groups, table in tables:
         for group in groups:
             if dist.is_initialized() and dist.get_world_size(group) > 1:
                 dist.all_reduce(table, group=group)
     # the one host read, on a logging iteration (no optimizer with norms: nothing to read)
-    rows = sum(table for _, table in tables).tolist() if tables else [[0.0, 0.0, 0.0] for _ in _STEP_KINDS]
+    total = sum(table for _, table in tables).tolist() if tables else [0.0] * (kinds + width)
+    rows = [total[3 * k:3 * k + 3] for k in range(len(_STEP_KINDS))]
     out = {}
     last = next((o.last_step_kind for o in optimizers if o.last_step_kind is not None), None)
     if last is not None:
         out["muon/param_norm"] = math.sqrt(rows[_STEP_KINDS.index(last)][0])
     out.update({f"muon/update_rms_{kind}": math.sqrt(update_sq / n)
                 for kind, (_, update_sq, n) in zip(_STEP_KINDS, rows) if n > 0})
+    per_class = [total[kinds + len(FIELDS) * c:kinds + len(FIELDS) * (c + 1)] for c in range(len(CLASSES))]
+    out.update({f"muon/{cls}/{name}": value for cls, figures in class_figures(per_class).items()
+                for name, value in figures.items()})
     return out
+
+
+def stats_groups(inner) -> tuple:
+    """The groups ``class_stats`` are all-reduced over: ``norm_groups``, preceded by the DP and the
+    TP group where none of them holds it. The update sums are complete within ``norm_groups``
+    (each replica counts its own copy), but a residual is measured on one DP owner and one TP rank
+    (``parallel.step_stats``), so a replica without it must sum over DP too; a table's columns
+    are sums and counts, so the figures stay the same for the sums the extra group multiplies."""
+    import torch.distributed as dist
+
+    groups = tuple(inner.norm_groups)
+    if not dist.is_initialized():
+        return groups
+    world = dist.group.WORLD
+
+    def ranks(group) -> set[int]:
+        return set(dist.get_process_group_ranks(world if group is None else group))
+
+    cat = inner.catalogue
+    extra = tuple(g for g in (cat.dp_group, cat.tp_group)
+                  if g is not None and dist.get_world_size(g) > 1 and not any(ranks(g) <= ranks(h) for h in groups))
+    return (*extra, *groups)
 
 
 def reads_norms(margs, iteration: int, first: bool = False) -> bool:
@@ -113,12 +158,24 @@ def plan_next_step(optimizers, margs, iteration: int) -> None:
 
 
 def norm_text(norms: dict[str, float]) -> str:
-    """`` muon param norm: 12.35 | muon update rms: full 1.2E-03, block 4.5E-04 |`` (empty without norms)."""
+    """`` muon param norm: 12.35 | muon update rms: full 1.2E-03, block 4.5E-04 |`` (empty without
+    norms), then, with per-class figures, `` muon scale*NS rms / matched / residual: attention
+    0.183 / 0.200 / 0.094, mlp 0.176 / 0.200 / - |`` (``-``: no sampled matrix measured)."""
     if not norms:
         return ""
     rms = ", ".join(f"{k.removeprefix('muon/update_rms_')} {v:.3E}" for k, v in norms.items()
                     if k.startswith("muon/update_rms_"))
-    return f" muon param norm: {norms.get('muon/param_norm', float('nan')):.4f} | muon update rms: {rms} |"
+    text = f" muon param norm: {norms.get('muon/param_norm', float('nan')):.4f} | muon update rms: {rms} |"
+    classes = [c for c in CLASSES if f"muon/{c}/update_rms" in norms]
+    if classes:
+        def residual(c: str) -> str:
+            value = norms.get(f"muon/{c}/residual")
+            return "-" if value is None else f"{value:.3f}"
+
+        text += " muon scale*NS rms / matched / residual: " + ", ".join(
+            f"{c} {norms[f'muon/{c}/update_rms']:.3f} / {norms[f'muon/{c}/matched_rms']:.3f} / {residual(c)}"
+            for c in classes) + " |"
+    return text
 
 
 def stats_text(optimizers) -> str:

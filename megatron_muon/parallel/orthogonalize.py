@@ -59,6 +59,7 @@ from .devices import resolve_device
 from .owner_exchange import OwnerExchange
 from .owner_mode import OwnerMicroGroup
 from .sharding import group_by
+from .step_stats import ResidualProbe, measure_residuals
 from .team_groups import make_team_groups, team_request
 from .tp_modes import check_local_shards, run_blocking_mode, validate_across_ranks
 
@@ -88,7 +89,8 @@ class StepGroups:
 
 
 def orthogonalize_updates(pieces: Sequence[torch.Tensor], plan: StepPlan, groups: StepGroups = StepGroups(),
-                          apply: Apply | None = None) -> list[torch.Tensor] | None:
+                          apply: Apply | None = None,
+                          residuals: ResidualProbe | None = None) -> list[torch.Tensor] | None:
     """Scaled orthogonalized updates for this rank's pieces of every matrix of ``plan``.
 
     Args:
@@ -98,6 +100,9 @@ def orthogonalize_updates(pieces: Sequence[torch.Tensor], plan: StepPlan, groups
         groups: the plan's process groups and device; their sizes must be the plan's.
         apply: called once per matrix, micro-group by micro-group as results come back (see
             ``Apply``), so a caller can update its parameters without holding every update.
+        residuals: the weights whose NS output's orthogonality residual this step measures, and
+            where it goes (``step_stats.measure_residuals``; a log's recording step, the same
+            on every rank); None: none.
 
     Returns:
         without ``apply``: per matrix, an fp32 flat tensor shaped like ``pieces[i]`` (the scaled
@@ -113,10 +118,11 @@ def orthogonalize_updates(pieces: Sequence[torch.Tensor], plan: StepPlan, groups
                 f"orthogonalize_updates: {layout.name}: piece has {piece.numel()} elements, its range "
                 f"on DP rank {dp_rank} is [{start}, {end})"
             )
-    return _run(pieces, plan, groups, apply, validate=True)
+    return _run(pieces, plan, groups, apply, validate=True, residuals=residuals)
 
 
-def _run(pieces, plan: StepPlan, groups: StepGroups, apply: Apply | None, *, validate: bool):
+def _run(pieces, plan: StepPlan, groups: StepGroups, apply: Apply | None, *, validate: bool,
+         residuals: ResidualProbe | None = None):
     """``orthogonalize_updates``; ``validate``: check the plan's TP list across ranks when it is
     first bound to these groups (``orthogonalize_sharded`` has checked its shards already)."""
     dp_rank = comm.group_rank(groups.dp) if plan.dp_size > 1 else 0
@@ -152,7 +158,7 @@ def _run(pieces, plan: StepPlan, groups: StepGroups, apply: Apply | None, *, val
         else:
             apply(i, torch.cat([_scaled(run.matrices[v], m, x, dp_rank) for (v, m), x in zip(done, scales)]), 1.0)
 
-    comm.pipelined(_task(run, g, unit_pieces, deliver) for g in run.micro_groups)
+    comm.pipelined(_task(run, g, unit_pieces, deliver, residuals) for g in run.micro_groups)
     # An empty matrix (a zero dim) is in no micro-group: its update is empty, delivered with scale 0.
     for i, layout in enumerate(plan.matrices):
         if not layout.numel:
@@ -328,6 +334,7 @@ class _Execution:
         # Everything here is per unit (``plan.units``): the exchanges move units, NS runs on them.
         self.matrices = tuple(unit.layout for unit in plan.units)
         self.dp_owners, self.exchanges_dp = plan.dp_owners, plan.exchanges_dp
+        self.unit_weight = tuple(unit.weight for unit in plan.units)
         self.units_per_weight = [0] * len(plan.matrices)
         for unit in plan.units:
             self.units_per_weight[unit.weight] += 1
@@ -452,7 +459,7 @@ def bind(plan: StepPlan, groups: StepGroups, team_group=None) -> None:
         bound[key] = _Execution(plan, groups.dp, groups.tp, groups.device, validate=False, team_group=team_group)
 
 
-def _task(run: _Execution, g: _MicroGroup, pieces, deliver):
+def _task(run: _Execution, g: _MicroGroup, pieces, deliver, residuals: ResidualProbe | None = None):
     """One micro-group through the stages of the module docstring; yields after each issue.
 
     Each buffer is dropped (``del``) as soon as its stage is done: a generator keeps its locals
@@ -486,12 +493,18 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver):
         back = g.owner_micro_group.start_back(results)
         done = run.run_blocking(g, subs)  # overlaps the return just issued
         del subs
+        if residuals is not None:
+            measure_residuals(residuals, work, g.owned, run.unit_weight, run.teams, done, g.owner_positions, results,
+                              run.tp_group, run.tp_rank)
         yield
         done.update(zip(g.owner_positions, g.owner_micro_group.finish(back.wait(), results)))
         del back, results
     else:
         done = run.run_blocking(g, subs)
         del subs
+        if residuals is not None:
+            measure_residuals(residuals, work, g.owned, run.unit_weight, run.teams, done, (), {}, run.tp_group,
+                              run.tp_rank)
     joined = {}
     for i in g.owned:
         parts = [done.pop(p) for p in work.sub_positions[i]]

@@ -6,14 +6,26 @@ One step from the same initial weights: the reference's θ1 − θ0·(1 − lr·
 one rank of the groups the sums are reduced over (``norm_groups``: Megatron's grad-stats group,
 the whole job with the distributed optimizer, TP x PP without it): shards cut over DP (the
 distributed optimizer), matrices replicated over DP (plain DDP: each DP replica counts its own),
-TP shards and TP-replicated matrices."""
+TP shards and TP-replicated matrices.
+
+The same runs check the per-class figures (``core.update_stats``): the update before lr (scale·O)
+per class, its matched RMS, and the orthogonality residual of the sampled weights' NS output,
+measured on the TP owner (owner mode), from Grams or gathered shards summed over TP
+(distributed, duplicated), and summed over DP where the grad-stats group does not hold it (DDP)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
+import torch
 from dist_harness import run_world
-from megatron_harness import GLOBAL_BATCH
-from training_harness import LR, WD, Run, references, train_all
+from megatron_harness import FFN, GLOBAL_BATCH, GROUPS, HEADS, HIDDEN
+from training_harness import LR, MUON, WD, Run, fp32_tolerances, references, train_all
+
+from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
+from megatron_muon.core.scaling import muon_scale
+from megatron_muon.core.update_stats import matrix_class, sample_weights
 
 MUON_WEIGHTS = ("linear_qkv.weight", "linear_proj.weight", "linear_fc1.weight", "linear_fc2.weight")
 
@@ -27,15 +39,60 @@ def _norms(model, optimizer) -> dict:
 
     inners = [o.optimizer for o in optimizer.chained_optimizers]
     groups = [dist.get_process_group_ranks(g or dist.group.WORLD) for g in inners[0].norm_groups]
+    names = [lay.name for lay in inners[0].catalogue.layouts]
+    sampled = [names[i] for i in sample_weights([matrix_class(n) for n in names])]
     return dict(local={k: v.tolist() for k, v in inners[0].step_norms.items()}, groups=groups,
-                rank=dist.get_rank(), scalars=norm_scalars(inners))
+                rank=dist.get_rank(), scalars=norm_scalars(inners), sampled=sampled)
+
+
+def _sub_matrices(name: str, weight: torch.Tensor) -> list[torch.Tensor]:
+    """The reference's whole (TP1) weight cut into the matrices NS runs on: QKV's q, k, v rows of
+    every query group stacked per role, fc1's gate and up, the others whole."""
+    d = HIDDEN // HEADS
+    if name.endswith("linear_qkv.weight"):
+        split = RowSplit(GROUPS, (HEADS // GROUPS * d, d, d))
+    elif name.endswith("linear_fc1.weight"):
+        split = RowSplit(1, (FFN, FFN))
+    else:
+        return [weight]
+    return MatrixLayout(name, tuple(weight.shape), None, 1, split).split_rows(weight)
+
+
+def _residual(x: torch.Tensor) -> float:
+    """float64 ‖XᵀX − I‖_F / √k: the RMS of σ² − 1 over X's singular values."""
+    s = torch.linalg.svdvals(x.double())
+    return float((s.square() - 1).square().mean().sqrt())
+
+
+def _class_references(ref, names: list[str], sampled: list[str]) -> dict[str, dict[str, float]]:
+    """Per class, from the one-process reference's first step: the RMS of scale·O (its applied
+    update over lr), and the mean residual of O = update / (lr·scale) over the sampled weights'
+    sub-matrices (the same weights, named by the run's catalogue)."""
+    out = {}
+    for cls in ("attention", "mlp"):
+        members = [n for n in names if matrix_class(n) == cls]
+        update_sq = n_elements = 0.0
+        residuals = []
+        for n in members:
+            delta = (ref.full[n].double() - ref.initial[n].double() * (1 - LR * WD)) / LR  # scale·O
+            update_sq += float(delta.square().sum())
+            n_elements += delta.numel()
+            if any(s.endswith(n) for s in sampled):
+                for sub in _sub_matrices(n, delta):
+                    scale = muon_scale(*sub.shape, MUON["scale_mode"], MUON["extra_scale_factor"])
+                    residuals.append((_residual(sub / scale), sub.shape))
+        out[cls] = dict(update_rms=math.sqrt(update_sq / n_elements), matched_rms=MUON["extra_scale_factor"],
+                        residual=sum(r for r, _ in residuals) / len(residuals), shapes=[s for _, s in residuals])
+    return out
 
 
 # torch FSDP2: rows cut over DP under Megatron's TP x PP grad-stats group, so the sums are
 # all-reduced over DP first (norm_groups), each DP rank's batch its own slice of the global batch
 FSDP2 = dict(wrap="fsdp2", batch=GLOBAL_BATCH, split_batch=True, schedule=True)
 RUNS = [Run(tp=2, dist_opt=True, steps=1, probe=_norms), Run(tp=2, dist_opt=False, steps=1, probe=_norms),
-        Run(tp=1, dist_opt=True, steps=1, probe=_norms), Run(tp=2, steps=1, probe=_norms, **FSDP2)]
+        Run(tp=1, dist_opt=True, steps=1, probe=_norms), Run(tp=2, steps=1, probe=_norms, **FSDP2),
+        Run(tp=2, dist_opt=True, steps=1, tp_mode="distributed", probe=_norms),
+        Run(tp=2, dist_opt=True, steps=1, tp_mode="duplicated", probe=_norms)]
 
 
 def _reached(traces, rank: int = 0) -> set[int]:
@@ -46,7 +103,8 @@ def _reached(traces, rank: int = 0) -> set[int]:
     return reach
 
 
-@pytest.mark.parametrize("run", RUNS, ids=["tp2-dp2-distopt", "tp2-dp2-ddp", "tp1-dp4-distopt", "tp2-dp2-fsdp2"])
+@pytest.mark.parametrize("run", RUNS, ids=["tp2-dp2-distopt", "tp2-dp2-ddp", "tp1-dp4-distopt", "tp2-dp2-fsdp2",
+                                         "tp2-dp2-distributed", "tp2-dp2-duplicated"])
 def test_norms_equal_the_reference_matrices(run):
     traces = [t for (t,) in run_world(4, train_all, [run])]
     ref = references([run])[run]
@@ -67,10 +125,29 @@ def test_norms_equal_the_reference_matrices(run):
     # (which match this run's to ~1e-6, tests/megatron/test_megatron_optimizer.py): 1e-5 relative
     assert summed[0] == pytest.approx(param_sq, rel=1e-5)
     assert summed[1] == pytest.approx(update_sq, rel=1e-4)  # the update itself differs by ~1e-6 absolute
+    expected = _class_references(ref, names, traces[0].probes[0]["sampled"])
+    # The residual against the reference's: |res(X) − res(Y)| ≤ ‖XᵀX − YᵀY‖_F/√k ≤ (‖X‖₂ + ‖Y‖₂)·‖X − Y‖_F/√k,
+    # with ‖X‖₂ < 1.2 after NS and ‖X − Y‖_F ≤ √(mn)·ATOL/(lr·scale) (the harness's bound on a
+    # param's difference after one step, carried back through θ1 = θ0(1 − lr·wd) − lr·scale·O);
+    # the largest over the sampled sub-matrices (a mean moves by at most its largest term)
+    atol = fp32_tolerances(steps=1)[0]
+    for cls in expected.values():
+        cls["residual_tol"] = max(2.4 * math.sqrt(m * n) * atol
+                                  / (LR * muon_scale(m, n, MUON["scale_mode"], MUON["extra_scale_factor"]))
+                                  / math.sqrt(min(m, n)) for m, n in cls["shapes"])
     for t in traces:  # the all-reduce gives every rank the same scalars
-        assert t.probes[0]["scalars"]["muon/param_norm"] == pytest.approx(param_sq ** 0.5, rel=1e-5)
-        assert t.probes[0]["scalars"]["muon/update_rms_muon"] == pytest.approx((update_sq / numel) ** 0.5, rel=1e-4)
-        assert set(t.probes[0]["scalars"]) == {"muon/param_norm", "muon/update_rms_muon"}
+        scalars = t.probes[0]["scalars"]
+        assert t.probes[0]["sampled"] == traces[0].probes[0]["sampled"]  # the same sample on every rank
+        assert scalars["muon/param_norm"] == pytest.approx(param_sq ** 0.5, rel=1e-5)
+        assert scalars["muon/update_rms_muon"] == pytest.approx((update_sq / numel) ** 0.5, rel=1e-4)
+        assert set(scalars) == {"muon/param_norm", "muon/update_rms_muon"} | {
+            f"muon/{c}/{f}" for c in ("attention", "mlp") for f in ("update_rms", "matched_rms", "residual")}
+        for cls, ref_cls in expected.items():
+            # the applied update over lr: the same sums as update_rms_muon's, 1e-4 relative
+            assert scalars[f"muon/{cls}/update_rms"] == pytest.approx(ref_cls["update_rms"], rel=1e-4)
+            # spectral × 0.2: 0.04 per element, summed in fp32 over < 1e5 elements (√n·u relative)
+            assert scalars[f"muon/{cls}/matched_rms"] == pytest.approx(ref_cls["matched_rms"], rel=1e-5)
+            assert scalars[f"muon/{cls}/residual"] == pytest.approx(ref_cls["residual"], abs=ref_cls["residual_tol"])
 
 
 def test_norm_text_formats_what_it_is_given():
@@ -90,6 +167,7 @@ def test_muonbp_reports_each_kind():
     traces = [t for (t,) in run_world(4, train_all, [run])]
     for t in traces:
         first, second = t.probes[0]["scalars"], t.probes[1]["scalars"]
+        first, second = ({k: v for k, v in x.items() if k.count("/") == 1} for x in (first, second))  # per kind
         assert set(first) == {"muon/param_norm", "muon/update_rms_full"}
         assert set(second) == {"muon/param_norm", "muon/update_rms_full", "muon/update_rms_block"}
         assert second["muon/update_rms_full"] == first["muon/update_rms_full"]  # the kept full step's

@@ -16,6 +16,7 @@ import torch
 from .core.newton_schulz import COEFFICIENT_SETS, DEFAULT_COEFFICIENTS, NS_METHODS, NSOptions
 from .core.scaling import SCALE_MODES
 from .plan.balanced_layout import DEFAULT_ALPHA
+from .plan.stage_layouts import DEFAULT_DP_LAYOUT, DP_LAYOUTS
 from .plan.step_plan import DEFAULT_BUCKET_BYTES, DP_MODES, TP_MODES, PlanSettings
 
 if TYPE_CHECKING:
@@ -24,7 +25,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DP_LAYOUTS", "MAMBA_IN_PROJ", "MUONBP_BLOCKS", "MuonConfig", "NS_PRECISIONS", "finite"]
 
-DP_LAYOUTS = ("balanced", "megatron", "priced")
 MUONBP_BLOCKS = ("tp_shard", "local")
 MAMBA_IN_PROJ = ("split", "whole", "adamw")
 """``MuonConfig.mamba_in_proj``'s choices: Muon by role (ours), Muon whole (megatron-core 0.19.2),
@@ -132,14 +132,16 @@ class MuonConfig:
     dp_mode: str = "owner"
     """without the distributed optimizer: owner (NS once per DP group, results exchanged) or
     redundant (every DP rank computes everything; for comparison)."""
-    dp_layout: str = "balanced"
-    """with the distributed optimizer, the DDP buffer layout (--muon-dp-layout): ``balanced``
-    (every Muon matrix whole inside one DP rank's shard, placed by ``plan.balanced_layout``:
-    no DP exchange) or ``megatron`` (megatron-core's own layout, which cuts matrices at shard
-    boundaries; the owner exchange reassembles them) or ``priced`` (per buffer, whichever of
-    balanced and megatron-core's buckets cut at rows costs less in predicted exposed DDP
-    communication plus DP exchange, ``plan.layout_choice``, from Megatron's args at DDP-wrap
-    time; balanced without them). Ignored without the distributed optimizer (every DP rank then
+    dp_layout: str = DEFAULT_DP_LAYOUT
+    """with the distributed optimizer, the DDP buffer layout (--muon-dp-layout): ``priced``, the
+    default (per buffer, whichever of whole matrices, megatron-core's own layout and its buckets
+    cut at rows the iteration model prices cheapest: exposed DDP communication plus the step
+    plan's price of the Muon step on it, ``plan.layout_choice``, from Megatron's args at DDP-wrap
+    time; whole matrices without them: a Python API user's own DDP), ``balanced`` (every Muon
+    matrix whole inside one DP rank's shard, placed by ``plan.balanced_layout``: no DP exchange,
+    but a bucket held open to 2 × DP × its largest matrix, which gives up Megatron's overlap on
+    the first stage) or ``megatron`` (megatron-core's own layout, which cuts matrices at shard
+    boundaries; the owner exchange reassembles them). Ignored without the distributed optimizer (every DP rank then
     holds every matrix whole)."""
     layout_alpha: float = DEFAULT_ALPHA
     """α of the balanced layout (--muon-layout-alpha): the weight of Newton–Schulz balance

@@ -82,8 +82,9 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
 
-from megatron_muon.config import MUONBP_BLOCKS, MuonConfig  # noqa: E402
+from megatron_muon.config import DP_LAYOUTS, MUONBP_BLOCKS, MuonConfig  # noqa: E402
 from megatron_muon.core.models import HYBRID_MODELS, LLAMA3, MOE_MODELS, ModelShape, staged_pattern  # noqa: E402
+from megatron_muon.plan.stage_layouts import DEFAULT_DP_LAYOUT  # noqa: E402
 from megatron_muon.plan.step_plan import TP_MODES  # noqa: E402
 
 MODELS = {**{f"llama3-{k.lower()}": v for k, v in LLAMA3.items()}, **MOE_MODELS, **HYBRID_MODELS}
@@ -219,9 +220,9 @@ def _hybrid_model(shape: ModelShape, config, vocab: int, device: torch.device, v
                            pg_collection=ProcessGroupCollection.use_mpu_process_groups())
 
 
-def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode: str, dp_layout: str = "balanced",
-               ep: int = 1, etp: int | None = None, fsdp: str | None = None, muonbp: tuple | None = None,
-               vpp: int = 1, device: torch.device | None = None):
+def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode: str,
+               dp_layout: str = DEFAULT_DP_LAYOUT, ep: int = 1, etp: int | None = None, fsdp: str | None = None,
+               muonbp: tuple | None = None, vpp: int = 1, device: torch.device | None = None):
     """Megatron's state, model, DDP (on the ``dp_layout`` buffer layout, as ``--muon-dp-layout``
     gives it) and our optimizer for ``rank``, all on ``device`` (meta; a real device for ``time_rank``:
     the parameters, and Megatron's buffers where it allocates them; None: meta); with ``vpp`` > 1 one model chunk per
@@ -302,9 +303,9 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
             # get_model: buckets for the first chunk of the first stage only
             first = ps.get_pipeline_model_parallel_rank() == 0 and not vp_stage
             bucket = max(40_000_000, 1_000_000 * dp) if first else None
+            price = layout_price(shape, tp, dp, tp_mode) if dp_layout == "priced" else None
             layout = balanced_full_param_layout(module, bucket, dp, ddp_config, muon_config=muon_config, tp_size=tp,
-                                                expert_dp_size=ps.get_expert_data_parallel_world_size(),
-                                                price=layout_price(shape, tp, dp) if dp_layout == "priced" else None)
+                                                expert_dp_size=ps.get_expert_data_parallel_world_size(), price=price)
         if fsdp is None:
             model = DistributedDataParallel(config, ddp_config, module, full_param_layout=layout)
         chunks.append(model)
@@ -474,7 +475,7 @@ def _pattern(name: str) -> str:
     return name_pattern(name)
 
 
-def run_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout: str = "balanced", ep: int = 1, etp: int | None = None,
+def run_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout: str = DEFAULT_DP_LAYOUT, ep: int = 1, etp: int | None = None,
              fsdp: str | None = None, muonbp: tuple | None = None, vpp: int = 1) -> dict:
     """Build ``rank`` and run its step(s): the dense optimizer's figures at the top level (as
     for a dense model), the expert optimizer's under ``experts`` (None without experts on the stage)."""
@@ -594,19 +595,21 @@ def choose_ranks(kinds: list[str], tp: int, pp: int, dp: int, probe: dict, moe_s
     return chosen
 
 
-def layout_price(shape: ModelShape, tp: int, dp: int):
-    """The price inputs the balanced layout chooses on (``plan.layout_choice``), as the Megatron
-    adapter reads them from a training job's args: the iteration tables' job (4M-token global
-    batch of 8192-token sequences, micro-batch 1, ``--overlap-grad-reduce --overlap-param-gather``),
-    h100-sxm, 8 ranks per node. The meta DDP built here does not run, so its own overlap flags do
-    not matter; the layout is the one such a job gets."""
+def layout_price(shape: ModelShape, tp: int, dp: int, tp_mode: str):
+    """The price inputs ``--muon-dp-layout priced`` chooses on (``plan.layout_choice``), as the
+    Megatron adapter reads them from a training job's args: the iteration tables' job (4M-token
+    global batch of 8192-token sequences, micro-batch 1, ``--overlap-grad-reduce
+    --overlap-param-gather``), h100-sxm, 8 ranks per node, each candidate's step planned in
+    ``tp_mode``. The meta DDP built here does not run, so its own overlap flags do not matter; the
+    layout is the one such a job gets."""
     from megatron_muon.plan.hardware import GPU_PROFILES
     from megatron_muon.plan.layout_choice import job_price
 
-    return job_price(shape, tp, dp, GPU_PROFILES["h100-sxm"])
+    return job_price(shape, tp, dp, GPU_PROFILES["h100-sxm"], tp_mode=tp_mode)
 
 
-def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str, dp_layout: str = "balanced") -> dict:
+def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str,
+                   dp_layout: str = DEFAULT_DP_LAYOUT) -> dict:
     """The cost model on the same layout, every pipeline stage priced (``step_cost.optimizer_step_cost``:
     the plan of the stage's real layouts, the road ``plan.stage_layouts`` shares with this run, with
     DDP's default bucket on the first stage), h100-sxm constants: the busiest stage's NS FLOPs and
@@ -620,14 +623,14 @@ def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str, d
     for stage in range(pp):
         ours.append(optimizer_step_cost(shape, optimizer="ours", tp=tp, dp=dp, pp=pp, hw=hw, tp_mode=tp_mode,
                                         dp_layout=dp_layout, bucket_numel=max(40_000_000, 1_000_000 * dp),
-                                        stage=stage, layout_price=layout_price(shape, tp, dp)))
+                                        stage=stage, layout_price=layout_price(shape, tp, dp, tp_mode)))
         adam.append(optimizer_step_cost(shape, optimizer="adam", tp=tp, dp=dp, pp=pp, hw=hw, stage=stage))
     return dict(ns_flops_max=max(c.ns_flops_max for c in ours), bytes_sent_max=max(c.bytes_sent_max for c in ours),
                 param_gather_bytes=max(c.param_gather_bytes for c in ours),
                 step_ms_h100=max(c.total_s for c in ours) * 1e3, adam_step_ms_h100=max(c.total_s for c in adam) * 1e3)
 
 
-def planner_rows(model: str, tp: int, pp: int, dp: int, dp_layout: str = "balanced", fsdp: str | None = None
+def planner_rows(model: str, tp: int, pp: int, dp: int, dp_layout: str, fsdp: str | None, tp_mode: str
                  ) -> dict[int, tuple[float, float]] | None:
     """Per global rank (PP = 1 only), the planner table's NS FLOPs and bytes sent for the same
     layout (``scripts.bench.planner_quality``: the same plans, computed without running a step;
@@ -640,7 +643,7 @@ def planner_rows(model: str, tp: int, pp: int, dp: int, dp_layout: str = "balanc
     spec = pq.llama3_spec(model.removeprefix("llama3-").upper())
     layouts = (pq.fsdp_layouts(spec, tp, dp, fsdp) if fsdp is not None
                else pq.ours_layouts(spec, tp, dp, pq.default_bucket_size(dp), dp_layout=dp_layout,
-                                    price=layout_price(spec, tp, dp)))
+                                    price=layout_price(spec, tp, dp, tp_mode)))
     plan = pq.plan_ours(layouts, tp, dp)
     return {r: (plan.flops[r], plan.dp_bytes[r] + plan.tp_bytes[r]) for r in range(tp * dp)}
 
@@ -701,8 +704,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"--muon-tp-mode (default {MuonConfig().tp_mode}, as in training); auto plans on the "
                              "h100-sxm constants")
     wrap = parser.add_mutually_exclusive_group()
-    wrap.add_argument("--dp-layout", default=None, choices=("balanced", "megatron", "priced"),
-                      help="the DDP buffer layout (--muon-dp-layout); default balanced, as in training")
+    wrap.add_argument("--dp-layout", default=None, choices=DP_LAYOUTS,
+                      help=f"the DDP buffer layout (--muon-dp-layout); default {MuonConfig().dp_layout}, as in "
+                           "training (priced on the h100-sxm profile)")
     wrap.add_argument("--fsdp", default=None, choices=("optim_grads_params", "optim_grads", "optim", "no_shard"),
                       help="Megatron-FSDP (--use-megatron-fsdp) with this --data-parallel-sharding-strategy "
                            "instead of DDP (dense models only)")
@@ -726,7 +730,7 @@ def main(argv: list[str] | None = None) -> int:
     for flag in ("tp", "pp", "vpp", "dp", "ep", "etp", "ranks_per_node"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
-    args.dp_layout = args.dp_layout or "balanced"
+    args.dp_layout = args.dp_layout or MuonConfig().dp_layout
     shape = MODELS[args.model]
     if args.fsdp is not None and (shape.num_experts or args.ep > 1):
         parser.error(f"--fsdp: {args.model} has experts; experts under Muon need the distributed optimizer (DDP)")
@@ -785,7 +789,7 @@ def main(argv: list[str] | None = None) -> int:
         shape.hybrid_pattern is not None and "E" in shape.hybrid_pattern))
     predicted = (cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout)
                  if modeled else None)
-    planned = (planner_rows(args.model, args.tp, args.pp, args.dp, args.dp_layout, args.fsdp)
+    planned = (planner_rows(args.model, args.tp, args.pp, args.dp, args.dp_layout, args.fsdp, args.tp_mode)
                if args.tp_mode == "owner" and not moe else None)
     for rank, res in results.items():
         if planned is not None:

@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import math
 
-from ..config import MAMBA_IN_PROJ, MUONBP_BLOCKS, MuonConfig
+from ..config import DP_LAYOUTS, MAMBA_IN_PROJ, MUONBP_BLOCKS, MuonConfig
 from ..core.block_grid import parse_grid
 from ..core.newton_schulz import COEFFICIENT_SETS, NS_METHODS
 
@@ -244,15 +244,16 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
              f"--use-distributed-optimizer). Default: {_default('dp_mode')}.",
     )
     group.add_argument(
-        "--muon-dp-layout", type=str, default=None, choices=["balanced", "megatron", "priced"],
+        "--muon-dp-layout", type=str, default=None, choices=list(DP_LAYOUTS),
         help="With --use-distributed-optimizer, how Megatron's DDP buffer is laid out. balanced: "
              "every Muon matrix lies whole inside one DP rank's shard of its bucket (Canzona's "
              "alpha-balanced partition; AdamW params fill in around them), so no matrix travels "
              "between DP ranks. megatron: megatron-core's own layout, which cuts matrices at shard "
              "boundaries; the cut ones are reassembled on one DP owner every step. priced: per buffer, "
-             "whichever of the two (megatron-core's buckets with cuts at row boundaries) the iteration "
-             "model predicts cheaper: exposed DDP reduce-scatter / all-gather plus the DP exchange, on "
-             "--muon-auto-hardware's profile (the startup report prints both). Default: "
+             "whichever of balanced, megatron and megatron-core's buckets with cuts at row boundaries "
+             "the iteration model predicts cheapest: exposed DDP reduce-scatter / all-gather plus the "
+             "Muon step's plan, on --muon-auto-hardware's profile (the startup report prints the "
+             "figures; whole matrices when Megatron's args give no batch to price). Default: "
              f"{_default('dp_layout')}. Refused without --use-distributed-optimizer and under "
              "Megatron-FSDP or FSDP2 (which lay out their own buffers).",
     )
@@ -324,8 +325,12 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Append to Megatron's iteration log line what the last optimizer step did: the TP "
              "mode, its kind (muon, or MuonBP's full / block), the bytes megatron-muon sent from the "
              "logging rank, the wall time of its orthogonalize step, the Muon parameters' global norm "
-             "and the applied update's RMS per kind of step (one all-reduce on the iterations that "
-             "print; TensorBoard / W&B get the same scalars as muon/param_norm, muon/update_rms_<kind>).",
+             "and the applied update's RMS per kind of step, and per matrix class (attention, mlp, "
+             "expert, ...) the RMS of scale * NS(M) before the learning rate beside the RMS the scale "
+             "mode gives an orthogonal update, and the orthogonality residual of a fixed sample's NS "
+             "output (docs/flags.md, last section; one all-reduce on the iterations that print; "
+             "TensorBoard / W&B get the same scalars as muon/param_norm, muon/update_rms_<kind>, "
+             "muon/<class>/update_rms, matched_rms, residual).",
     )
     # Every default, of upstream's flags (Megatron's parser or the fallback above) and of ours:
     # MuonConfig's, but None for the flags that must tell "not given" apart.

@@ -36,7 +36,8 @@ from megatron.core.utils import get_pg_size
 from ..config import MuonConfig
 from ..plan.balanced_layout import MAX_PADDING, PARAM_ALIGN, balanced_layout, layout_item
 from ..plan.iteration import attention_flops
-from ..plan.layout_choice import LayoutPrice, choose_layout, forward_flops
+from ..plan.layout_choice import LayoutPrice, choose_layout, forward_flops, step_seconds
+from ..plan.stage_layouts import dp_ranges
 from .catalogue import is_muon_matrix, layout_of, tag_grouped_experts, tag_qkv
 from .checkpoint import check_saved_extents
 from .report import CHOICE_MARK
@@ -120,8 +121,18 @@ def balanced_buffer_layouts(
         choice = None
         if price is not None and not key.is_expert_parallel:
             flops = [forward_flops(names[p], p.numel(), p.dim(), price) for p in group]
+
+            def step_s(candidate, group=group, dp=dp) -> float:
+                # the matrices as catalogue.describe_zero1 will find them: bucket by bucket, backprop within
+                order = sorted(reversed(range(len(group))), key=lambda k: candidate.ranges[k][2])
+                matrices = [layout_of(names[group[k]], group[k], tp_size, muon_config,
+                                      dp_ranges=dp_ranges(candidate, k)) for k in order if is_muon_matrix(group[k])]
+                return step_seconds(matrices, dp, price, ns)
+
             choice = choose_layout(items, flops, dp, bucket_size, price, alpha=muon_config.layout_alpha,
-                                   shard_divisor=shard_divisor(dp, ddp_config), max_padding=max_padding)
+                                   shard_divisor=shard_divisor(dp, ddp_config), max_padding=max_padding,
+                                   bucket_divisor=bucket_end_divisor(dp, ddp_config.pad_buckets_for_high_nccl_busbw),
+                                   step_s=step_s)
             laid = choice.layout
             if choices is not None:
                 choices[key] = choice
@@ -230,5 +241,5 @@ def megatron_layout_price(ddp_config, config, muon_config: MuonConfig, dp_group,
         attention_flops(args.seq_length, micro, heads, head_dim, tp),
         grad_bytes=4 if ddp_config.grad_reduce_in_fp32 else 2,
         param_bytes=2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4,
-        exchange_bytes=muon_config.ns_dtype.itemsize,
+        exchange_bytes=muon_config.ns_dtype.itemsize, tp=tp, tp_mode=muon_config.tp_mode,
         overlap_grad_reduce=ddp_config.overlap_grad_reduce, overlap_param_gather=ddp_config.overlap_param_gather)

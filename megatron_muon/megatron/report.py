@@ -137,11 +137,12 @@ def layout_choice_lines(model_chunks) -> list[str]:
             param, grad = (str(d).removeprefix("torch.") for d in (key.param_dtype, key.grad_dtype))
             dtypes = f"{param} params, {grad} grads"
             chosen, whole, packed = c.priced, c.whole, c.megatron
+            step = "Muon step" if chosen.step_s is not None else "DP exchange + NS"
             lines.append(f"  DDP buckets ({dtypes}): {c.chosen}, {_buckets(chosen.buckets)}: exposed DDP "
-                         f"{1e3 * chosen.exposed_ddp_s:.1f} ms + DP exchange {1e3 * chosen.exchange_s:.1f} ms per "
+                         f"{1e3 * chosen.exposed_ddp_s:.1f} ms + {step} {1e3 * chosen.optimizer_s:.1f} ms per "
                          f"iteration predicted (whole matrices: {_buckets(whole.buckets)}, "
                          f"{1e3 * whole.total_s:.1f} ms; megatron-core's layout: {_buckets(packed.buckets)}, "
-                         f"{1e3 * packed.exposed_ddp_s:.1f} ms), {c.price.hardware.name}, M {c.price.micro_batches}")
+                         f"{1e3 * packed.total_s:.1f} ms), {c.price.hardware.name}, M {c.price.micro_batches}")
     return lines
 
 

@@ -1,16 +1,27 @@
-"""Which buffer layout a DDP buffer gets under ``--muon-dp-layout priced``: whole matrices, or
-megatron-core's buckets cut at rows (issue 42, item 4).
+"""Which buffer layout a DDP buffer gets under ``--muon-dp-layout priced`` (the default): whole
+matrices, megatron-core's own layout, or megatron-core's buckets cut at rows (issue 42, item 4).
 
 The balanced layout (``balanced_layout``) keeps every Muon matrix whole on one DP rank, so the
 optimizer's DP exchange moves nothing, but to do so a bucket stays open until it holds
 ``BUCKET_SPAN`` × DP × its largest matrix: at Llama-3 405B TP8 × PP16 × DP64 stage 0 that is one
 bucket where megatron-core forms 22, and Megatron's grad reduce-scatter and param all-gather,
 which overlap the backward and the next forward bucket by bucket, are exposed whole. The other
-candidate is ``row_aligned_layout``: megatron-core's buckets, a matrix cut where the shards fall
-(at row boundaries), the cut matrices sent to their DP owner and back every step. Each is priced
-in seconds on the hardware profile and the cheaper wins (the whole layout on a tie):
+candidates cut matrices where megatron-core's buckets' shards fall, the cut ones sent to their DP
+owner and back every step: megatron-core's own packing (``megatron_packing``), and
+``row_aligned_layout``, the same buckets with every cut moved between two rows of its matrix
+(which a MuonBP local block step and a resharded checkpoint read in whole rows, but which can cut
+more matrices: 80 of 128 where megatron-core's cuts 65 at Llama-3 8B TP8 × DP8). Each is priced
+in seconds on the hardware profile and the cheapest wins (ties in the order whole, megatron,
+row-aligned: fewer bytes moved, then megatron-core's own layout and checkpoint format):
 
-    price = exposed DDP communication of its buckets  +  the DP exchange of what it cuts
+    price = exposed DDP communication of its buckets  +  the optimizer's Muon step on it
+
+The step is the step plan's own price wherever the caller can describe the candidate's matrices
+(``step_s``: ``build_step_plan`` on the matrices with the candidate's DP ranges, in the job's TP
+mode, priced by ``pricing.plan_cost``; the adapter and ``stage_layouts`` do), so the layout is
+chosen on the price the plan is built on. Without it (``LayoutPrice.tp_mode`` None, or a caller
+with sizes only) two closed forms stand in: the DP exchange of what the layout cuts, and
+Newton–Schulz on its busiest DP rank.
 
 * **Exposed DDP**: ``plan.iteration`` on this buffer as a one-stage pipeline (its buckets, each
   bucket's forward and backward FLOPs per micro-batch at the profile's GEMM rate, M
@@ -24,8 +35,13 @@ in seconds on the hardware profile and the cheaper wins (the whole layout on a t
   direction) as one all-to-all each way on the DP link (``collective_time``), of which
   ``hw.comm_overlap`` hides under Newton–Schulz as in ``plan_cost``. The real owners are planned
   by NS FLOPs, not bytes; the first stage's step is exposed whole, so what is not hidden counts.
-  The NS balance of the two layouts is not priced (the planner balances each; under ``auto`` the
-  cut layout balances worse at Llama-3 8B / 70B TP8 × DP8, docs/dp_layout.md).
+* **Newton–Schulz**: the DP owners of the layout (``owners.plan_owners`` on the items' NS FLOPs,
+  a matrix lying wholly in one shard pinned there, a cut one preferring its largest piece's
+  holder, as ``owners.dp_pins`` pins them), the busiest DP rank's FLOPs spread evenly over its
+  ``tp`` TP ranks, at the profile's GEMM rate. The step runs it after the backward and before
+  the next forward's all-gather, so none of it is hidden on the first stage. An even TP spread
+  is the planner's best case (``auto`` spreads a DP rank's matrices over its TP ranks by FLOPs);
+  both candidates are priced alike, so what it leaves out shifts both.
 
 Deterministic: every DP rank calls ``choose_layout`` on the same items and the same
 ``LayoutPrice`` (sizes, flags, one hardware profile) and gets the same layout; no process group.
@@ -35,24 +51,31 @@ sequence unknown) the caller keeps the balanced layout as before (``megatron.lay
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from ..core.matrix_layout import MatrixLayout
 from ..core.models import ModelShape
+from ..core.newton_schulz import NSOptions
 from .balanced_layout import DEFAULT_ALPHA, MAX_PADDING, BufferLayout, LayoutItem, balanced_layout, row_aligned_layout
 from .cost_model import collective_time
 from .hardware import Hardware
 from .iteration import Bucket, IterationSettings, Stage, attention_flops, iteration_time, linear_flops
 from .megatron_packing import megatron_packing
+from .owners import plan_owners, rank_loads
+from .pricing import plan_cost
+from .step_plan import PlanSettings, build_step_plan
 from .topology import Topology
 
-__all__ = ["CHOICES", "LayoutChoice", "LayoutPrice", "Priced", "choose_layout", "forward_flops", "job_price"]
+__all__ = ["CHOICES", "LayoutChoice", "LayoutPrice", "Priced", "choose_layout", "forward_flops", "job_price",
+           "step_seconds"]
 
 GLOBAL_BATCH_TOKENS = 4 * 2**20
 """``job_price``'s default global batch: 4M tokens (the iteration tables', docs/performance.md §12)."""
 
-CHOICES = ("whole", "row-aligned")
-"""``LayoutChoice.chosen``: the balanced layout, or megatron-core's buckets cut at rows."""
+CHOICES = ("whole", "megatron", "row-aligned")
+"""``LayoutChoice.chosen``, in the order ties go: the balanced layout, megatron-core's own, or
+megatron-core's buckets cut at rows."""
 
 
 @dataclass(frozen=True)
@@ -76,12 +99,18 @@ class LayoutPrice:
     """bytes per element all-gathered (the params' dtype)."""
     exchange_bytes: int = 2
     """bytes per element of the DP exchange (the NS dtype)."""
+    tp: int = 1
+    """TP ranks sharing each DP rank's Newton–Schulz (the NS term's divisor)."""
+    tp_mode: str | None = None
+    """the job's ``--muon-tp-mode``, which the step plan of each candidate is built in (``step_s``);
+    None: the closed forms."""
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
 
     def __post_init__(self) -> None:
-        if self.micro_batches < 1 or self.tokens < 1:
-            raise ValueError(f"LayoutPrice: micro_batches {self.micro_batches}, tokens {self.tokens}; expected >= 1")
+        if self.micro_batches < 1 or self.tokens < 1 or self.tp < 1:
+            raise ValueError(f"LayoutPrice: micro_batches {self.micro_batches}, tokens {self.tokens}, tp {self.tp}; "
+                             "expected >= 1")
 
 
 @dataclass(frozen=True)
@@ -93,10 +122,20 @@ class Priced:
     """exposed reduce-scatter + all-gather of its buckets (``plan.iteration``, one stage)."""
     exchange_s: float
     """the DP exchange of the matrices it cuts (0 for whole matrices)."""
+    ns_s: float = 0.0
+    """Newton–Schulz on the busiest DP rank (its FLOPs over ``tp`` ranks at the GEMM rate)."""
+    step_s: float | None = None
+    """the step plan's price of the Muon step on this layout (``choose_layout``'s ``step_s``); None:
+    the two closed forms above stand for it."""
+
+    @property
+    def optimizer_s(self) -> float:
+        """the Muon step's seconds the choice counts: the plan's price, else the closed forms'."""
+        return self.step_s if self.step_s is not None else self.exchange_s + self.ns_s
 
     @property
     def total_s(self) -> float:
-        return self.exposed_ddp_s + self.exchange_s
+        return self.exposed_ddp_s + self.optimizer_s
 
 
 @dataclass(frozen=True)
@@ -109,14 +148,14 @@ class LayoutChoice:
     whole: Priced
     row_aligned: Priced
     megatron: Priced
-    """megatron-core's own layout (``megatron_packing``), for the startup report's comparison."""
+    """megatron-core's own layout (``megatron_packing``)."""
     price: LayoutPrice
     """what it was priced on."""
 
     @property
     def priced(self) -> Priced:
         """the chosen candidate's price."""
-        return self.whole if self.chosen == "whole" else self.row_aligned
+        return {"whole": self.whole, "megatron": self.megatron, "row-aligned": self.row_aligned}[self.chosen]
 
 
 def forward_flops(name: str, numel: int, ndim: int, price: LayoutPrice) -> float:
@@ -131,40 +170,57 @@ def forward_flops(name: str, numel: int, ndim: int, price: LayoutPrice) -> float
 
 def job_price(shape: ModelShape, tp: int, dp: int, hw: Hardware, *, seq: int = 8192, micro_batch: int = 1,
               global_batch_tokens: int = GLOBAL_BATCH_TOKENS, ranks_per_node: int | None = None,
-              overlap_param_gather: bool = True) -> LayoutPrice:
+              overlap_param_gather: bool = True, tp_mode: str | None = None) -> LayoutPrice:
     """The ``LayoutPrice`` of a planned job (the dry run, the iteration tables, the cost model):
     ``shape`` at TP × DP on ``hw``, the DP group on Megatron's default rank order
     (``Topology.contiguous``, ``ranks_per_node`` or the profile's), fp32 grad reduction, bf16
-    params and NS, ``--overlap-grad-reduce``."""
+    params and NS, ``--overlap-grad-reduce``; ``tp_mode``: the job's (``LayoutPrice.tp_mode``)."""
     # a batch too small for DP x micro-batch still runs one micro-batch per replica (a planning tool's
     # very wide DP); Megatron itself would refuse it
     micro_batches = max(1, global_batch_tokens // seq // (dp * micro_batch))
     topology = Topology.contiguous(dp, tp, ranks_per_node or hw.ranks_per_node)
     return LayoutPrice(micro_batches, seq * micro_batch, topology.dp_spans_nodes, hw,
                        attention_flops(seq, micro_batch, shape.num_heads, shape.head_dim, tp),
-                       overlap_param_gather=overlap_param_gather)
+                       tp=tp, tp_mode=tp_mode, overlap_param_gather=overlap_param_gather)
 
 
 def choose_layout(items: Sequence[LayoutItem], flops: Sequence[float], dp_size: int, bucket_numel: int | None,
                   price: LayoutPrice, *, alpha: float = DEFAULT_ALPHA, shard_divisor: int = 128,
-                  max_padding: float = MAX_PADDING) -> LayoutChoice:
-    """The cheaper of the balanced and the row-aligned layout of one buffer (module docstring).
+                  max_padding: float = MAX_PADDING, bucket_divisor: int | None = None,
+                  step_s: Callable[[BufferLayout], float] | None = None) -> LayoutChoice:
+    """The cheapest of the balanced, megatron-core's and the row-aligned layout of one buffer
+    (module docstring).
 
-    ``items`` and the keyword arguments are ``balanced_layout``'s; ``flops``: per item (same
-    order) its forward FLOPs per micro-batch (``forward_flops``); ``bucket_numel``: megatron-core's
-    bucket size (None: one bucket)."""
+    ``items`` and the keyword arguments but the last are ``balanced_layout``'s; ``flops``: per
+    item (same order) its forward FLOPs per micro-batch (``forward_flops``); ``bucket_numel``:
+    megatron-core's bucket size (None: one bucket); ``bucket_divisor``: megatron-core's bucket-end
+    padding (``megatron_packing``'s); ``step_s``: the Muon step's seconds on a candidate layout
+    (``step_seconds`` on its matrices; None: the closed forms)."""
     if len(flops) != len(items):
         raise ValueError(f"choose_layout: {len(flops)} FLOP counts for {len(items)} items; expected one per item")
     whole = balanced_layout(items, dp_size, bucket_numel, alpha=alpha, shard_divisor=shard_divisor,
                             max_padding=max_padding)
     cut = row_aligned_layout(items, dp_size, bucket_numel, shard_divisor=shard_divisor)
-    packed = megatron_packing([it.numel for it in items], [it.own_bucket for it in items], dp_size, bucket_numel)
-    whole_price, cut_price, packed_price = (
-        Priced(len(lay.buckets), _exposed_ddp_s(lay, flops, price), _exchange_s(items, lay, price))
-        for lay in (whole, cut, packed))
-    chosen = "row-aligned" if cut_price.total_s < whole_price.total_s else "whole"
-    return LayoutChoice(cut if chosen == "row-aligned" else whole, chosen, whole_price, cut_price, packed_price,
-                        price)
+    packed = megatron_packing([it.numel for it in items], [it.own_bucket for it in items], dp_size, bucket_numel,
+                              bucket_divisor)
+    layouts = {"whole": whole, "megatron": packed, "row-aligned": cut}
+    prices = {name: Priced(len(lay.buckets), _exposed_ddp_s(lay, flops, price), _exchange_s(items, lay, price),
+                           _ns_s(items, lay, price), None if step_s is None else step_s(lay))
+              for name, lay in layouts.items()}
+    # min keeps the first of equal totals: CHOICES' order
+    chosen = min(CHOICES, key=lambda name: prices[name].total_s)
+    return LayoutChoice(layouts[chosen], chosen, prices["whole"], prices["row-aligned"], prices["megatron"], price)
+
+
+def step_seconds(matrices: Sequence[MatrixLayout], dp_size: int, price: LayoutPrice, ns: NSOptions) -> float:
+    """The Muon step's seconds on the busiest rank of a candidate layout: the step plan of its
+    ``matrices`` (with the candidate's DP ranges) in ``price.tp_mode``, as the optimizer would
+    build it, priced by ``pricing.plan_cost`` on ``price.hardware``."""
+    if price.tp_mode is None:
+        raise ValueError("step_seconds: the LayoutPrice has no tp_mode (the step plan's --muon-tp-mode)")
+    settings = PlanSettings(price.tp_mode, ns, hardware=price.hardware)
+    plan = build_step_plan(matrices, dp_size=dp_size, tp_size=price.tp, settings=settings)
+    return plan_cost(plan, price.hardware).total_s
 
 
 def _exposed_ddp_s(layout: BufferLayout, flops: Sequence[float], price: LayoutPrice) -> float:
@@ -201,6 +257,21 @@ def _exchange_s(items: Sequence[LayoutItem], layout: BufferLayout, price: Layout
         return 0.0
     hw = price.hardware
     return (1 - hw.comm_overlap) * collective_time("all_to_all", busiest, 2, dp, hw, price.dp_spans_nodes)
+
+
+def _ns_s(items: Sequence[LayoutItem], layout: BufferLayout, price: LayoutPrice) -> float:
+    """Seconds of Newton–Schulz on the busiest DP rank of ``layout`` (module docstring)."""
+    muon = [i for i, it in enumerate(items) if it.whole]
+    fixed, prefer = {}, []
+    for k, i in enumerate(muon):
+        holder = layout.holder(i)
+        if holder is not None:
+            fixed[k] = holder
+        pieces = _pieces(layout, i)
+        prefer.append(max(pieces, key=lambda r: (pieces[r], -r)) if pieces else None)
+    costs = [items[i].ns_flops for i in muon]
+    loads = rank_loads(costs, plan_owners(costs, layout.dp_size, fixed=fixed, prefer=prefer), layout.dp_size)
+    return max(loads, default=0.0) / (price.tp * price.hardware.matmul_flops)
 
 
 def _pieces(layout: BufferLayout, i: int) -> dict[int, int]:

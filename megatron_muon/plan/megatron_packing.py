@@ -16,12 +16,14 @@ __all__ = ["megatron_packing"]
 
 
 def megatron_packing(numels: Sequence[int], own_bucket: Sequence[bool], dp: int,
-                     bucket_numel: int | None) -> BufferLayout:
+                     bucket_numel: int | None, bucket_divisor: int | None = None) -> BufferLayout:
     """megatron-core 0.19.2's buffer layout of params in registration order (``numels``), replayed
     on sizes: walked in backprop order (the reverse), each start 64-aligned, a bucket closed once
     it holds ``bucket_numel`` elements from its start (None: never), a shared embedding
-    (``own_bucket``) alone in its own bucket, each bucket's end padded to a multiple of lcm(DP, 128)."""
-    divisor = math.lcm(dp, 128)
+    (``own_bucket``) alone in its own bucket, each bucket's end padded to a multiple of
+    ``bucket_divisor`` (None: lcm(DP, 128), megatron-core's without
+    ``--ddp-pad-buckets-for-high-nccl-busbw``)."""
+    divisor = math.lcm(dp, 128) if bucket_divisor is None else bucket_divisor
     ranges: list[tuple[int, int, int] | None] = [None] * len(numels)
     buckets: list[tuple[int, int]] = []
     unpadded: list[int] = []

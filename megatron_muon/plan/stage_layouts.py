@@ -39,25 +39,28 @@ from .balanced_layout import (
     balanced_layout,
     layout_item,
 )
-from .layout_choice import LayoutPrice, choose_layout, forward_flops
+from .layout_choice import LayoutPrice, choose_layout, forward_flops, step_seconds
 from .megatron_packing import megatron_packing
 from .param_marks import DEFAULT_SPLITS, RowSplits, matrix_layout
 from .stage_params import StageGrid, StageParam, stage_params
 
-__all__ = ["DP_LAYOUTS", "BufferSettings", "StageLayouts", "buffer_items", "buffer_layout", "dp_ranges",
-           "megatron_packing", "shard_divisor", "stage_layouts", "whole_layouts", "zero1_layouts"]
+__all__ = ["DEFAULT_DP_LAYOUT", "DP_LAYOUTS", "BufferSettings", "StageLayouts", "buffer_items", "buffer_layout",
+           "dp_ranges", "megatron_packing", "shard_divisor", "stage_layouts", "whole_layouts", "zero1_layouts"]
 
 DP_LAYOUTS = ("balanced", "megatron", "priced")
 """``--muon-dp-layout``'s choices."""
+DEFAULT_DP_LAYOUT = "priced"
+"""``--muon-dp-layout``'s default, everywhere (the optimizer's ``MuonConfig``, the dry run, the cost
+model): the layout the iteration's price chooses, whole matrices where no price can be formed."""
 
 
 @dataclass(frozen=True)
 class BufferSettings:
     """How the stage's DDP buffer is laid out and its matrices split (the optimizer's flags)."""
 
-    dp_layout: str = "balanced"
-    """``--muon-dp-layout``: ``balanced`` (ours, the default), ``megatron`` (megatron-core's packing)
-    or ``priced`` (``layout_choice.choose_layout`` on ``price``; balanced without one)."""
+    dp_layout: str = DEFAULT_DP_LAYOUT
+    """``--muon-dp-layout``: ``priced`` (the default: ``layout_choice.choose_layout`` on ``price``;
+    balanced without one), ``balanced`` (whole matrices) or ``megatron`` (megatron-core's packing)."""
     bucket_numel: int | None = None
     """DDP's bucket size in elements (``--ddp-bucket-size``, or its default with
     ``--overlap-grad-reduce``: max(40M, 1M·DP)); None: one bucket. The first stage only (DDP's rule)."""
@@ -133,9 +136,15 @@ def buffer_layout(params: Sequence[StageParam], grid: StageGrid, settings: Buffe
         return megatron_packing([p.numel for p in params], [False] * len(params), grid.dp, bucket)
     items = buffer_items(params, grid.tp, settings)
     if settings.dp_layout == "priced" and settings.price is not None:
-        flops = [forward_flops(p.name, p.numel, len(p.shape), settings.price) for p in params]
-        return choose_layout(items, flops, grid.dp, bucket, settings.price, alpha=settings.alpha,
-                             shard_divisor=shard_divisor(grid.dp), max_padding=settings.max_padding).layout
+        price = settings.price
+        flops = [forward_flops(p.name, p.numel, len(p.shape), price) for p in params]
+
+        def step_s(candidate: BufferLayout) -> float:
+            return step_seconds(zero1_layouts(params, candidate, grid.tp, settings.splits), grid.dp, price, settings.ns)
+
+        return choose_layout(items, flops, grid.dp, bucket, price, alpha=settings.alpha,
+                             shard_divisor=shard_divisor(grid.dp), max_padding=settings.max_padding,
+                             step_s=step_s if price.tp_mode is not None else None).layout
     return balanced_layout(items, grid.dp, bucket, alpha=settings.alpha, shard_divisor=shard_divisor(grid.dp),
                            max_padding=settings.max_padding)
 

@@ -28,7 +28,7 @@ from .layout_choice import LayoutPrice
 from .owners import plan_owners
 from .param_marks import DEFAULT_SPLITS, RowSplits
 from .pricing import plan_cost
-from .stage_layouts import BufferSettings, buffer_layout, stage_layouts, whole_layouts
+from .stage_layouts import DEFAULT_DP_LAYOUT, BufferSettings, buffer_layout, stage_layouts, whole_layouts
 from .stage_params import StageGrid, stage_params
 from .step_plan import PlanSettings, StepPlan, build_step_plan
 from .topology import Topology
@@ -91,7 +91,7 @@ def optimizer_step_cost(
     tp_mode: str | None = None,
     ns: NSOptions = _DEFAULT_NS,
     clip_grad: bool = True,
-    dp_layout: str = "balanced",
+    dp_layout: str = DEFAULT_DP_LAYOUT,
     bucket_numel: int | None = None,
     stage: int = 0,
     layout_price: LayoutPrice | None = None,

@@ -44,7 +44,7 @@ from .grid_schedule import GridSchedule, schedule_grid
 from .hardware import Hardware
 from .local_blocks import Block, fragment_blocks
 from .owners import dp_pins, plan_owners, plan_unit_owners, unit_pinnable
-from .pricing import rank_prices
+from .pricing import plan_cost, rank_prices
 from .teams import team_layout, team_size
 from .topology import Topology
 from .units import Unit, split_units
@@ -221,11 +221,27 @@ def auto_schedule(matrices: Sequence[MatrixLayout], units: Sequence[Unit], dp_gr
 def build_step_plan(matrices: Sequence[MatrixLayout], *, dp_size: int, tp_size: int,
                     settings: PlanSettings) -> StepPlan:
     """The plan of one step (see the module docstring); raises ``ValueError`` naming the flag
-    for a setting the matrices cannot honour."""
+    for a setting the matrices cannot honour.
+
+    ``auto`` is never priced above ``owner``: the grid schedule minimizes its own makespan model
+    (NS, TP calls and each unit's DP exchange as one sum per rank), which can rank two plans
+    otherwise than the step's price (``pricing.plan_cost``: batched calls, micro-group overlap,
+    the exchange as all-to-alls). Where owner's plan prices lower, auto runs owner's plan
+    (settings still ``auto``, every sub-matrix in ``owner`` mode); every rank prices both alike."""
     _check(matrices, dp_size, tp_size, settings)
     matrices = tuple(matrices)
     if settings.local_blocks:
         return _local_block_plan(matrices, dp_size, tp_size, settings)
+    plan = _build(matrices, dp_size, tp_size, settings)
+    if settings.tp_mode == "auto":
+        rival = _build(matrices, dp_size, tp_size, dataclasses.replace(settings, tp_mode="owner"))
+        # relative margin: two float sums over the same terms; a tie keeps auto's own plan
+        if plan_cost(rival, settings.hardware).total_s < plan_cost(plan, settings.hardware).total_s * (1 - 1e-9):
+            plan = dataclasses.replace(rival, settings=settings)
+    return plan
+
+
+def _build(matrices: tuple[MatrixLayout, ...], dp_size: int, tp_size: int, settings: PlanSettings) -> StepPlan:
     units = split_units(matrices)
     layouts = tuple(unit.layout for unit in units)
     ns = settings.ns

@@ -15,14 +15,16 @@ micro-batch (``plan.iteration.linear_flops``: 2·numel·tokens forward for a wei
 a lookup; ``attention_flops`` with each layer's QKV), backward twice the forward.
 
 The optimizer step's seconds are the cost model's (``step_cost.optimizer_step_cost`` on each
-stage's weights, h100-sxm): Adam's distributed optimizer on megatron-core's layout, and ours
-(``--muon-tp-mode owner``, the default flags) on each layout; Megatron's param all-gather, which
-the cost model counts in the step, is taken out (``plan.iteration`` prices it with the buckets).
-Rows: Adam on megatron-core's layout, Muon (ours) on the balanced layout (the default; ``--dp-layout
-priced``: the layout ``plan.layout_choice`` chooses on the dry run's price), Muon on megatron-core's
-layout; columns: buckets (first / last stage), the exposed reduce-scatter, all-gather and step, the
-iteration, and Muon against Adam. The global batch (default 4M tokens of 8192-token sequences) gives
-M = batch / (DP × micro-batch) micro-batches per iteration.
+stage's weights, h100-sxm): Adam's distributed optimizer on megatron-core's layout, and ours on
+each layout; Megatron's param all-gather, which the cost model counts in the step, is taken out
+(``plan.iteration`` prices it with the buckets). Rows: Adam on megatron-core's layout; Muon with
+the default flags (``--muon-dp-layout priced``: the layout ``plan.layout_choice`` chooses on the
+dry run's price, ``--muon-tp-mode auto``; ``--dp-layout`` and ``--tp-mode`` change them); and
+Muon at ``--muon-dp-layout megatron --muon-tp-mode owner``, the plan the default must never
+predict slower than (issue 42, item 6); columns: buckets (first / last stage), the exposed
+reduce-scatter, all-gather and step, the iteration, and Muon against Adam. The global batch
+(default 4M tokens of 8192-token sequences) gives M = batch / (DP × micro-batch) micro-batches
+per iteration.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from megatron_muon.config import MuonConfig
 from megatron_muon.core.models import ModelShape
 from megatron_muon.plan.cost_model import collective_time
 from megatron_muon.plan.hardware import GPU_PROFILES, Hardware
@@ -59,6 +62,8 @@ from megatron_muon.plan.step_cost import optimizer_step_cost
 from megatron_muon.plan.topology import Topology
 
 OURS_LAYOUTS = ("balanced", "priced")
+BASELINE = ("megatron", "owner")
+"""the third row's ``--muon-dp-layout`` and ``--muon-tp-mode``."""
 """``--dp-layout``: the layout of the "Muon (ours)" row (``--muon-dp-layout``; megatron-core's is always built)."""
 GLOBAL_BATCH_TOKENS = 4 * 2**20
 
@@ -159,15 +164,15 @@ class StepSeconds:
     """One stage's optimizer step on h100-sxm, Megatron's param all-gather taken out."""
 
     adam: float
-    ours: dict[str, float]
-    """by buffer layout."""
+    ours: dict[tuple[str, str], float]
+    """by (buffer layout, TP mode)."""
 
 
-def step_seconds(shape: ModelShape, real: RealStage, pp: int, grid: tuple[int, int], hw: Hardware,
-                 tp_mode: str, layouts: tuple[str, ...]) -> StepSeconds:
-    """Stage ``real.stage``'s step by the cost model, for Adam and for ours on each layout."""
+def step_seconds(shape: ModelShape, stage: int, pp: int, grid: tuple[int, int], hw: Hardware,
+                 runs: tuple[tuple[str, str], ...]) -> StepSeconds:
+    """Stage ``stage``'s step by the cost model, for Adam and for ours in each (layout, TP mode)."""
     tp, dp = grid
-    common = dict(tp=tp, dp=dp, pp=pp, stage=real.stage, hw=hw)
+    common = dict(tp=tp, dp=dp, pp=pp, stage=stage, hw=hw)
     # megatron-core's default bucket size; the cost model's layouts drop it after the first stage, as DDP does
     bucket = max(40_000_000, 1_000_000 * dp)
 
@@ -182,10 +187,10 @@ def step_seconds(shape: ModelShape, real: RealStage, pp: int, grid: tuple[int, i
     from scripts.dry_run import layout_price
 
     # priced's layout as build_rank's DDP chose it (plan.layout_choice, on the same price)
-    price = layout_price(shape, tp, dp)
-    ours = {layout: without_gather(optimizer_step_cost(shape, optimizer="ours", tp_mode=tp_mode, dp_layout=layout,
-                                                       bucket_numel=bucket, layout_price=price, **common))
-            for layout in layouts}
+    price = layout_price(shape, tp, dp, runs[0][1])
+    ours = {(layout, mode): without_gather(optimizer_step_cost(shape, optimizer="ours", tp_mode=mode, dp_layout=layout,
+                                                               bucket_numel=bucket, layout_price=price, **common))
+            for layout, mode in runs}
     return StepSeconds(without_gather(adam), ours)
 
 
@@ -201,15 +206,20 @@ class Layout:
     micro_batch: int = 1
     global_batch_tokens: int = GLOBAL_BATCH_TOKENS
     overlap_param_gather: bool = True
-    tp_mode: str = "owner"
+    tp_mode: str = MuonConfig().tp_mode
     """ours' ``--muon-tp-mode``."""
-    ours_layout: str = "balanced"
+    ours_layout: str = MuonConfig().dp_layout
     """ours' ``--muon-dp-layout`` (``OURS_LAYOUTS``)."""
 
     @property
     def layouts(self) -> tuple[str, str]:
         """the layouts built: megatron-core's, then ours."""
         return ("megatron", self.ours_layout)
+
+    @property
+    def runs(self) -> tuple[tuple[str, str], tuple[str, str]]:
+        """Muon's two rows' (layout, TP mode): ours, then the baseline."""
+        return ((self.ours_layout, self.tp_mode), BASELINE)
 
     @property
     def micro_batches(self) -> int:
@@ -238,27 +248,28 @@ class Row:
 
 
 def price(job: Layout, reals: dict[str, dict[int, RealStage]], hw: Hardware) -> list[Row]:
-    """The three rows: Adam and ours on megatron-core's layout, ours on the balanced one."""
+    """The three rows: Adam on megatron-core's layout, ours, and the baseline (``Layout.runs``)."""
     settings = IterationSettings(job.micro_batches, job.dp,
                                  Topology.contiguous(job.dp, job.tp, hw.ranks_per_node).dp_spans_nodes,
                                  overlap_param_gather=job.overlap_param_gather)
-    steps = {layout: {s: step_seconds(job.shape, real, job.pp, (job.tp, job.dp), hw, job.tp_mode, job.layouts)
-                      for s, real in by_stage.items()} for layout, by_stage in reals.items()}
+    # the cost model lays each run's stage out itself (the same layouts, stage_layouts): one per stage
+    steps = {s: step_seconds(job.shape, s, job.pp, (job.tp, job.dp), hw, job.runs) for s in job.built_stages()}
 
-    def stages(layout: str, optimizer: str) -> list[Stage]:
+    def stages(layout: str, mode: str | None) -> list[Stage]:
         out = []
         for s in range(job.pp):
             real = reals[layout][job.stand_in(s)]
-            step = steps[layout][job.stand_in(s)]
+            step = steps[job.stand_in(s)]
             buckets = tuple(bucket_compute(b, job.shape, job.tp, job.seq, job.micro_batch) for b in real.buckets)
-            out.append(Stage(buckets, step.adam if optimizer == "adam" else step.ours[layout],
+            out.append(Stage(buckets, step.adam if mode is None else step.ours[layout, mode],
                              real.buckets[0].grad_bytes, real.buckets[0].param_bytes))
         return out
 
     rows = []
-    for label, layout, optimizer in (("Adam", "megatron", "adam"), ("Muon (ours)", job.ours_layout, "ours"),
-                                     ("Muon (ours)", "megatron", "ours")):
-        rows.append(Row(label, layout, iteration_time(stages(layout, optimizer), settings, hw),
+    (ours_layout, ours_mode), (base_layout, base_mode) = job.runs
+    for label, layout, mode in (("Adam", "megatron", None), (f"Muon {ours_mode}", ours_layout, ours_mode),
+                                (f"Muon {base_mode}", base_layout, base_mode)):
+        rows.append(Row(label, layout, iteration_time(stages(layout, mode), settings, hw),
                         tuple(len(reals[layout][s].buckets) for s in job.built_stages())))
     return rows
 
@@ -321,10 +332,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hardware", default="h100-sxm", choices=sorted(GPU_PROFILES))
     parser.add_argument("--no-overlap-param-gather", action="store_true",
                         help="the param all-gather inside the step (Megatron without --overlap-param-gather)")
-    parser.add_argument("--tp-mode", default="owner", choices=("owner", "duplicated", "distributed", "auto"),
-                        help="ours' --muon-tp-mode (auto plans on the h100-sxm constants)")
-    parser.add_argument("--dp-layout", default="balanced", choices=OURS_LAYOUTS,
-                        help="ours' --muon-dp-layout (priced: chosen on the dry run's price, dry_run.layout_price)")
+    parser.add_argument("--tp-mode", default=MuonConfig().tp_mode,
+                        choices=("owner", "duplicated", "distributed", "auto"),
+                        help=f"ours' --muon-tp-mode (default {MuonConfig().tp_mode}, as in training; auto plans on "
+                             "the h100-sxm constants)")
+    parser.add_argument("--dp-layout", default=MuonConfig().dp_layout, choices=OURS_LAYOUTS,
+                        help=f"ours' --muon-dp-layout (default {MuonConfig().dp_layout}, as in training; priced: "
+                             "chosen on the dry run's price, dry_run.layout_price)")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
     for flag in ("tp", "pp", "dp", "seq", "micro_batch", "global_batch_tokens"):
@@ -345,8 +359,9 @@ def main(argv: list[str] | None = None) -> int:
     flags = "--overlap-grad-reduce" + ("" if args.no_overlap_param_gather else " --overlap-param-gather")
     print(f"Iteration: {args.model} ({shape.num_layers} layers), TP{args.tp} x PP{args.pp} x DP{args.dp}, "
           f"{args.global_batch_tokens / 2**20:g}M-token global batch of {args.seq}-token sequences, micro-batch "
-          f"{args.micro_batch}: M = {job.micro_batches} micro-batches, 1F1B; {flags}; {hw.name}; Muon --muon-tp-mode "
-          f"{args.tp_mode}\n")
+          f"{args.micro_batch}: M = {job.micro_batches} micro-batches, 1F1B; {flags}; {hw.name}; Muon "
+          f"--muon-dp-layout {args.dp_layout} --muon-tp-mode {args.tp_mode}, and the baseline --muon-dp-layout "
+          f"{BASELINE[0]} --muon-tp-mode {BASELINE[1]}\n")
     print(table(job, rows))
     if job.pp > 1:
         print("\nEach built stage alone (the other stages exposing nothing):\n")

@@ -2,8 +2,9 @@
 TP2 × PP2 × DP4, under the fake process group on meta; about 15 s each on 2 cores).
 
 What can fail: the buckets the script reads from the real DDP (``dry_run.build_rank``'s) against
-the pure replay of the same buffers (``plan.stage_layouts``: megatron-core's packing, and our
-balanced layout as the hook hands it to DDP), bucket by bucket and param by param; the table's
+the pure replay of the same buffers (``plan.stage_layouts``: megatron-core's packing, and the
+default ``priced`` layout as the hook hands it to DDP, chosen on the dry run's price), bucket by
+bucket and param by param; the table's
 rows adding up (pipeline + exposed step, all-gather and reduce-scatter = the iteration) and
 the command printed with it.
 """
@@ -19,6 +20,8 @@ from pathlib import Path
 import pytest
 
 from megatron_muon.core.models import LLAMA3
+from megatron_muon.plan.hardware import GPU_PROFILES
+from megatron_muon.plan.layout_choice import job_price
 from megatron_muon.plan.stage_layouts import BufferSettings, stage_layouts
 from megatron_muon.plan.stage_params import StageGrid
 
@@ -27,6 +30,8 @@ REPO = Path(__file__).resolve().parents[2]
 # and the simulated pipeline sums its 2M compute terms one by one: a few hundred ulps of ~5 s
 # (~1e-13 s each) at most, far below 1e-9 s.
 _ROUNDING = 1e-9
+# the dry run's price (``dry_run.layout_price``: a 4M-token job on h100-sxm, the default auto)
+PRICE = lambda shape: job_price(shape, 2, 4, GPU_PROFILES["h100-sxm"], tp_mode="auto")  # noqa: E731
 
 
 @pytest.mark.parametrize("pp, layers", [(1, 2), (2, 4)])
@@ -43,7 +48,8 @@ def test_buckets_are_the_real_ddps(tmp_path, pp, layers):
         assert sorted(stages) == [str(s) for s in range(pp)], layout  # PP2: the first and the last stage
         for stage, real in stages.items():
             # megatron-core's default bucket (max(40M, 1M x DP)); the replay drops it after stage 0, as DDP does
-            replay = stage_layouts(shape, StageGrid(2, 4, pp, int(stage)), BufferSettings(layout, 40_000_000))
+            replay = stage_layouts(shape, StageGrid(2, 4, pp, int(stage)),
+                                   BufferSettings(layout, 40_000_000, price=PRICE(shape)))
             assert [b["numel"] for b in real["buckets"]] == [end - start for start, end in replay.buffer.buckets]
             # every param of the stage in exactly one bucket, at its TP-local size
             assert sum(b["param_numel"] for b in real["buckets"]) == sum(p.numel for p in replay.params)
@@ -53,14 +59,16 @@ def test_buckets_are_the_real_ddps(tmp_path, pp, layers):
     counts = {layout: [len(by_stage[str(s)]["buckets"]) for s in range(pp)]
               for layout, by_stage in report["stages"].items()}
     assert counts["megatron"][0] > 1
-    assert [r["buckets"] for r in report["rows"]] == [counts["megatron"], counts["balanced"], counts["megatron"]]
+    assert [r["buckets"] for r in report["rows"]] == [counts["megatron"], counts["priced"], counts["megatron"]]
     for row in report["rows"]:
         it = row["iteration"]
         parts = it["pipeline_s"] + it["exposed_step_s"] + it["exposed_all_gather_s"] + it["exposed_reduce_scatter_s"]
         assert parts == pytest.approx(it["iteration_s"], abs=_ROUNDING)
         # the pipeline's M forward-backward pairs summed one by one against M x (F + B): rounding only
         assert it["iteration_s"] >= it["pipeline_s"] >= it["compute_s"] - _ROUNDING > 0
+    # the default flags' row, then the baseline the default must never predict slower than
     assert [(r["label"], r["layout"]) for r in report["rows"]] == [
-        ("Adam", "megatron"), ("Muon (ours)", "balanced"), ("Muon (ours)", "megatron")]
+        ("Adam", "megatron"), ("Muon auto", "priced"), ("Muon owner", "megatron")]
+    assert report["rows"][1]["iteration"]["iteration_s"] <= report["rows"][2]["iteration"]["iteration_s"] * (1 + 1e-9)
     assert "| Adam | megatron |" in proc.stdout
     assert "command: python -m scripts.bench.iteration_table " + " ".join(args) in proc.stdout

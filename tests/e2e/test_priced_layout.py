@@ -18,8 +18,8 @@ def test_priced_layout_trains_and_reports_its_choice(tmp_path):
                   "--overlap-grad-reduce", "--muon-dp-layout", "priced"], tmp_path, nproc=2, timeout=300)
     assert job.returncode == 0, f"pretrain_gpt.py failed (rc={job.returncode}):\n{job.out[-6000:]}"
     # M = global batch 4 / (micro-batch 2 x DP 2) = 1, priced on the profile detected on this CPU
-    line = re.search(r"DDP buckets \(float32 params, float32 grads\): (whole|row-aligned), \d+ buckets?: exposed DDP "
-                     r"[0-9.]+ ms \+ DP exchange [0-9.]+ ms per iteration predicted \(whole matrices: .*\), "
+    line = re.search(r"DDP buckets \(float32 params, float32 grads\): (whole|megatron|row-aligned), \d+ buckets?: "
+                     r"exposed DDP [0-9.]+ ms \+ Muon step [0-9.]+ ms per iteration predicted \(whole matrices: .*\), "
                      r"cpu-gloo, M 1", job.out)
     assert line, job.out[-6000:]
     assert "iteration        3/       3" in job.out

@@ -101,8 +101,66 @@ def render(parser: argparse.ArgumentParser | None = None) -> str:
         *header,
         *(_row(parser, a, by_dest[a.dest]) for a in ours),
         "",
+        *UPDATE_SCALE,
     ]
     return "\n".join(lines)
+
+
+UPDATE_SCALE = """\
+## The update's scale, and what `--muon-log-stats` shows of it
+
+Newton–Schulz returns O with singular values near 1. An orthogonal m × n O has min(m, n) of them, so
+its RMS per element is 1/√max(m, n): 0.0078 for a 16384-wide matrix, far below the RMS of an AdamW
+update (about 0.2 to 0.4 per element in LLM training, the figure recipes match). The step applies
+θ ← θ − lr · scale · O, and `--muon-scale-mode` sets `scale` by the (sub-)matrix's global shape, times
+f = `--muon-extra-scale-factor` (`megatron_muon/core/scaling.py`):
+
+| `--muon-scale-mode` | scale | RMS of scale · O, O orthogonal (the log's *matched*) |
+|---|---|---|
+| `spectral` (default) | f · √max(m, n) | f, whatever the shape |
+| `shape_scaling` | f · √max(1, m / n) | f / √n (n = fan-in) |
+| `unit_rms_norm` | f · √(m / n) | f · √min(m, n) / n |
+
+* **Moonlight's match** (Liu et al., arXiv 2502.16982, §2.2): scale = 0.2 · √max(m, n), so that the
+  update's RMS is about 0.2, AdamW's, and AdamW's learning rate and weight decay carry over:
+  `--muon-scale-mode spectral --muon-extra-scale-factor 0.2` (`torch.optim.Muon`'s
+  `adjust_lr_fn="match_rms_adamw"` is the same rule).
+* **The default** (spectral, f = 1) gives an update of RMS about 1: five times Moonlight's 0.2 at
+  the same learning rate. AMD's Primus, bringing DeepSeek-V4 up on Megatron's Muon, found
+  Megatron's default update scale about 5.5 times too large for that model and added an extra
+  scale factor to bring it down (as this project's issue 43 reports it); here that factor is
+  `--muon-extra-scale-factor` (1 / 5.5 ≈ 0.18, next to Moonlight's 0.2), or the learning rate
+  divided by as much. The log's *scale*NS rms* beside AdamW's 0.2 to 0.4 shows such a mismatch
+  on the first logged iteration.
+
+With `--muon-log-stats` each logged iteration's line ends, per matrix class, with
+
+```
+ muon scale*NS rms / matched / residual: attention 0.183 / 0.200 / 0.094, mlp 0.176 / 0.200 / 0.101 |
+```
+
+* **scale*NS rms**: the RMS of scale · O over every element of the class's matrices, *before* the
+  learning rate (the applied update is lr times this; `muon update rms` before it is that applied
+  update's RMS per step kind, lr included). This is the figure to hold against AdamW's 0.2 to 0.4.
+* **matched**: what it would be were O exactly orthogonal, from the table above (0.200 for every
+  class under Moonlight's match). scale*NS rms / matched is the RMS of O's singular values: a little
+  below 1 for the quintic coefficients, which leave them in about [0.7, 1.1], and lower while the
+  momentum is of low rank (early steps), whose null directions NS leaves near 0.
+* **residual**: ‖XᵀX − I‖_F / √k of the NS output X, the Gram over its short side k = min(m, n),
+  i.e. the RMS of σ² − 1 over its singular values (0 for an orthogonal X), averaged over a fixed
+  sample: the first and the last matrix of each class in the stage, each of its sub-matrices (QKV's
+  q, k, v; fc1's gate and up). It is measured where the whole NS output is (the TP owner in owner
+  mode; TP-summed Grams or gathered shards in duplicated and distributed), on logged steps only;
+  `-` where none was measured (MuonBP block steps and DP teams never hold a whole matrix's NS).
+* The classes: `attention` (QKV, output projection; `attention_head` is kept for a per-head split),
+  `mlp` (dense MLPs and shared experts), `expert` (routed experts), `mamba`, `other`. TensorBoard and
+  W&B get `muon/<class>/update_rms`, `muon/<class>/matched_rms` and `muon/<class>/residual`.
+
+The figures cost nothing on iterations that do not log: the steps before a log record them (one
+norm per matrix, the sampled matrices' Grams: 2k²·max(m, n) FLOPs each), the log reduces them in
+the one all-reduce it already makes (plus one over DP without the distributed optimizer, where the
+sampled residuals are measured on one DP replica).
+""".splitlines()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -171,8 +171,9 @@ class MuonConfig:
     when the plan is built)."""
     log_stats: bool = False
     """append the last step's kind (muon / full / block), bytes sent, orthogonalize time, the Muon
-    parameters' global norm and the update's RMS per step kind to Megatron's iteration log line
-    (--muon-log-stats)."""
+    parameters' global norm, the update's RMS per step kind and, per matrix class, scale·NS's RMS
+    before lr, its matched RMS and a fixed sample's orthogonality residual to Megatron's iteration
+    log line (--muon-log-stats; ``core.update_stats``)."""
 
     def __post_init__(self) -> None:
         checks = [

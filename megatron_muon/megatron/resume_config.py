@@ -452,12 +452,13 @@ def _algorithm(value: str) -> str:
     return "AdamW" if value in ("adamw", "on") else "Muon"
 
 
-def _shown(flag: str, value: str) -> str:
-    """A ``_routing`` value as its command line: ``--muon-mamba-in-proj adamw``, ``--moe-router-skip-muon``
-    or ``no --moe-router-skip-muon``."""
-    if flag == "--moe-router-skip-muon":
-        return flag if value == "on" else f"no {flag}"
-    return f"{flag} {value}"
+def _shown(flag: str, value: str) -> tuple[str, str, str]:
+    """A ``_routing`` value as the refusal says it: (this run's, the checkpoint's, how to resume)."""
+    if flag != "--moe-router-skip-muon":
+        return f"{flag} {value}", f"with {flag} {value}", f"resume with {flag} {value}"
+    given = value == "on"
+    return (flag if given else f"{flag} not given", f"with{'' if given else 'out'} {flag}",
+            f"resume with{'' if given else 'out'} {flag}")
 
 
 def _routing_refusal(saved: Saved, args) -> str | None:
@@ -474,8 +475,9 @@ def _routing_refusal(saved: Saved, args) -> str | None:
     fix = (" (an fsdp_dtensor checkpoint loads only with its optimizer state)" if _is_fsdp_dtensor(saved) else
            ", or add --muon-reset-optimizer-state to load the weights, iteration and LR schedule with fresh optimizer "
            "state")
-    return (f"{_shown(flag, new)}: {saved.directory} was saved with {_shown(flag, old)}, so its {what} state is "
-            f"{was}'s ({state}), which {now} would read as its own; resume with {_shown(flag, old)}{fix}")
+    (subject, _, _), (_, saved_with, resume) = _shown(flag, new), _shown(flag, old)
+    return (f"{subject}: {saved.directory} was saved {saved_with}, so its {what} state is {was}'s ({state}), which "
+            f"{now} would read as its own; {resume}{fix}")
 
 
 def _shape_value(run, name: str):

@@ -48,10 +48,14 @@ def test_in_proj_to_or_from_adamw_is_refused_with_the_state(old, new):
 
 def test_router_skip_change_is_refused_with_the_state():
     line = _routing_refusal(_saved(**MOE), _run(moe_router_skip_muon=True, **MOE))  # saved before the flag: Muon
-    assert line == (f"--moe-router-skip-muon: {CKPT} was saved with no --moe-router-skip-muon, so its MoE router "
+    assert line == (f"--moe-router-skip-muon: {CKPT} was saved without --moe-router-skip-muon, so its MoE router "
                     "state is Muon's (Muon momentum under exp_avg, zeros under exp_avg_sq), which AdamW would read "
-                    "as its own; resume with no --moe-router-skip-muon, or add --muon-reset-optimizer-state to load "
+                    "as its own; resume without --moe-router-skip-muon, or add --muon-reset-optimizer-state to load "
                     "the weights, iteration and LR schedule with fresh optimizer state")
+    line = _routing_refusal(_saved(moe_router_skip_muon=True, **MOE), _run(**MOE))
+    assert line.startswith(f"--moe-router-skip-muon not given: {CKPT} was saved with --moe-router-skip-muon, so its "
+                           "MoE router state is AdamW's (Adam's moments exp_avg and exp_avg_sq), which Muon would read")
+    assert "; resume with --moe-router-skip-muon, or add --muon-reset-optimizer-state" in line
 
 
 @pytest.mark.parametrize("saved, run", [

@@ -16,7 +16,8 @@ seconds on ``hardware`` (NS, its TP collectives and the unit's DP exchange), in 
                   θ = ∞) so does every one whose narrow time is ≥ θ; the rest run narrow (one more
                   candidate: all narrow). Same shapes therefore always share a width (and batch
                   together in their mode).
-    2. placement  list scheduling, longest first (Graham's LPT): each unit goes to the DP group
+    2. placement  list scheduling, the pinned units first, then longest first (Graham's LPT,
+                  against the loads the pins fix, as ``owners.plan_owners``): each unit goes to the DP group
                   where the busiest of its ranks ends earliest (a pinned unit to its pin; a cut
                   unit to the holder of its largest piece unless that ends later than both the
                   current makespan and the best group), its wide sub-matrices on every rank of
@@ -132,7 +133,8 @@ def _place(tasks, wide, moves, dp: int, tp: int, pinned, prefer, members) -> Gri
     dp_owners = [0] * len(tasks)
     tp_owners: list[tuple[int | None, ...]] = [()] * len(tasks)
     makespan = 0.0
-    for u in sorted(range(len(tasks)), key=lambda u: (-seconds[u], u)):
+    # pinned units first (their group is fixed: the loads the others are placed against), then LPT
+    for u in sorted(range(len(tasks)), key=lambda u: (u not in pinned, -seconds[u], u)):
         groups = [pinned[u]] if u in pinned else range(dp)
         trials = {d: _try(loads[d], tasks[u], wide[u], moves[u][d], members.get(u)) for d in groups}
         d = min(trials, key=lambda d: (max(trials[d][0]), sum(trials[d][0]), d))

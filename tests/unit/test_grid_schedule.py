@@ -7,16 +7,21 @@ with ``tp_mode="auto"``), so the figures are the ones the step runs and the star
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
+from matrix_harness import layouts as harness_layouts
 
 from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
 from megatron_muon.core.models import LLAMA3
 from megatron_muon.core.newton_schulz import NSOptions
 from megatron_muon.plan.grid_schedule import schedule_grid
 from megatron_muon.plan.hardware import GPU_PROFILES
+from megatron_muon.plan.pricing import plan_cost
 from megatron_muon.plan.stage_layouts import whole_layouts
 from megatron_muon.plan.stage_params import StageGrid, stage_params
-from megatron_muon.plan.step_plan import PlanSettings, build_step_plan
+from megatron_muon.plan.step_plan import PlanSettings, auto_schedule, build_step_plan
+from megatron_muon.plan.units import split_units
 
 H100 = GPU_PROFILES["h100-sxm"]
 
@@ -119,3 +124,33 @@ def test_deepseek_v3_tp1_is_balanced_by_dp_teams():
     assert sum(auto.ns_flops) == pytest.approx(sum(owner.ns_flops), rel=2e-3)
     teamed = {auto.units[u].layout.local_shape for u in range(len(auto.units)) if auto.team_of(u) is not None}
     assert {(18432, 7168), (7168, 18432), (7168, 16384)} <= teamed
+
+
+
+# matrix_harness's mixed list with Megatron-style DP ranges (the buffer cut in DP equal parts), on
+# compute-bound constants (NS at 1 MFLOP/s, nothing else costs): before pinned units were placed
+# first, the grid alone put a cut unit on the pinned-heavy DP group at TP2 x DP2 and priced 0.377 s
+# where owner's plan prices 0.306 s
+_COMPUTE_BOUND = dataclasses.replace(GPU_PROFILES["h100-sxm"], name="compute-bound", matmul_flops=1e6,
+                                     collective_latency_s=0.0, kernel_overhead_s=0.0)
+
+
+@pytest.mark.parametrize("hw", [_COMPUTE_BOUND, GPU_PROFILES["h100-sxm"]], ids=lambda h: h.name)
+@pytest.mark.parametrize(("tp", "dp"), [(2, 2), (2, 4), (4, 2)])
+def test_auto_is_never_priced_above_owner(tp, dp, hw):
+    lays = harness_layouts(tp, dp, True)
+    auto = build_step_plan(lays, dp_size=dp, tp_size=tp, settings=PlanSettings("auto", hardware=hw))
+    owner = build_step_plan(lays, dp_size=dp, tp_size=tp, settings=PlanSettings("owner", hardware=hw))
+    # the same float sums over the same terms when auto runs owner's plan: 1e-9 relative is far above
+    # their rounding and far below a difference of plans
+    assert plan_cost(auto, hw).total_s <= plan_cost(owner, hw).total_s * (1 + 1e-9)
+
+
+def test_pinned_units_are_placed_first():
+    # the grid's own schedule (no guard) on the case above: within 1 % of owner's plan, from 23 % above
+    lays = harness_layouts(2, 2, True)
+    settings = PlanSettings("auto", hardware=_COMPUTE_BOUND)
+    schedule = auto_schedule(lays, split_units(lays), 2, 2, settings)
+    owner = build_step_plan(lays, dp_size=2, tp_size=2, settings=PlanSettings("owner", hardware=_COMPUTE_BOUND))
+    assert schedule.makespan_s <= 1.01 * plan_cost(owner, _COMPUTE_BOUND).total_s
+

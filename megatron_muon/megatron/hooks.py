@@ -552,14 +552,14 @@ def _wrap_ddp_wrap(ddp_wrap):
 
 
 def check_balanced_layout_applied(args, config, model_chunks) -> None:
-    """``--muon-dp-layout balanced`` (the default) with the distributed optimizer: the module every
+    """``--muon-dp-layout balanced`` or ``priced`` (the default) with the distributed optimizer: the module every
     DDP chunk wraps must carry ``layout.BALANCED_MARK`` (set by ``balanced_full_param_layout``). A
     chunk without it was wrapped on a path neither DDP hook reaches, and would train on
     megatron-core's layout while the run says balanced."""
     if getattr(args, "use_megatron_fsdp", False) or getattr(args, "use_torch_fsdp2", False):
         return
-    if not getattr(config, "use_distributed_optimizer", False) or muon_config_from_args(args).dp_layout not in (
-            "balanced", "priced"):
+    layout = muon_config_from_args(args).dp_layout
+    if not getattr(config, "use_distributed_optimizer", False) or layout not in ("balanced", "priced"):
         return
     from .layout import BALANCED_MARK
 
@@ -573,7 +573,7 @@ def check_balanced_layout_applied(args, config, model_chunks) -> None:
     for index, chunk in enumerate(model_chunks):
         if not marked(chunk):
             raise UserInputError(
-                f"--muon-dp-layout balanced: model chunk {index} ({type(chunk).__name__}) was wrapped in DDP "
+                f"--muon-dp-layout {layout}: model chunk {index} ({type(chunk).__name__}) was wrapped in DDP "
                 "outside megatron.training's get_model / ModelConfig builders, so its buffers have "
                 "megatron-core's layout; build it with full_param_layout=megatron_muon.megatron.layout."
                 "balanced_full_param_layout(...), or pass --muon-dp-layout megatron")

@@ -66,6 +66,11 @@ class MuonConfig:
     meaning."""
     split_qkv: bool = True
     """orthogonalize Q, K and V of a fused QKV weight separately, per query group."""
+    split_qkv_per_head: bool = False
+    """orthogonalize a split QKV per head (--muon-split-qkv-per-head, upstream PR #6326's flag):
+    each query head and each query group's k and v head its own head_dim x hidden matrix, scaled by
+    that shape; a column-parallel QKV gives every TP rank whole heads, so they run on their TP rank
+    with no TP traffic in any mode (docs/per_head.md). Needs split_qkv; MLA is not split per head."""
     split_fc1: bool = True
     """orthogonalize the gate and up halves of a fused SwiGLU fc1 separately (upstream #6688)."""
     mamba_in_proj: str = "split"
@@ -191,6 +196,8 @@ class MuonConfig:
              self.mamba_in_proj),
             (isinstance(self.router_skip_muon, bool), "--moe-router-skip-muon", "True or False",
              self.router_skip_muon),
+            (not self.split_qkv_per_head or self.split_qkv, "--muon-split-qkv-per-head",
+             "the per-group QKV split it refines (drop --muon-no-split-qkv)", _Shown("--muon-no-split-qkv")),
             (not self.gram_fp16 or (self.ns_method == "gram" and self.fp32_matmul_prec == "medium"),
              "--muon-gram-fp16", "only with --muon-ns-method gram and --muon-fp32-matmul-prec medium "
              "(bf16 Newton-Schulz)", _Shown(f"--muon-ns-method {self.ns_method} --muon-fp32-matmul-prec "

@@ -499,9 +499,11 @@ def _mla_config(mla: dict | None) -> dict:
     return dict(MLA, **mla, rope_type="rope")
 
 
-def reference_param_groups(chunk) -> tuple[list[dict], list, list]:
+def reference_param_groups(chunk, per_head: bool = False) -> tuple[list[dict], list, list]:
     """How the one-process references (TP1) split a tiny GPT's params, as megatron-muon routes them:
-    Muon groups (a fused QKV split per query group into q, k and v; a gated fc1 into [gate; up]),
+    Muon groups (a fused QKV split per query group into q, k and v, or with ``per_head`` into its
+    heads, each query head and each group's k and v head of head_dim rows, contiguous in
+    megatron-core's layout; a gated fc1 into [gate; up]),
     AdamW params with weight decay, and AdamW params without (biases and 1-D params: Megatron's
     standard override, wd_mult 0). Reads ``HEADS`` / ``GROUPS`` when called (a test may change them)."""
     from megatron_muon.core.matrix_layout import RowSplit
@@ -513,6 +515,8 @@ def reference_param_groups(chunk) -> tuple[list[dict], list, list]:
         if is_muon_matrix(p):
             split = RowSplit(GROUPS, (q, kv, kv)) if "linear_qkv" in name else (
                 RowSplit(1, (p.shape[0] // 2,) * 2) if "linear_fc1" in name else None)
+            if per_head and "linear_qkv" in name:
+                split = RowSplit(1, (kv,) * (p.shape[0] // kv))
             muon_groups.append(dict(params=[p], row_split=split))
         elif name.endswith(".bias") or p.dim() == 1:
             no_decay.append(p)

@@ -244,6 +244,9 @@ class Run:
     hybrid: str | None = None
     """a ``HybridModel`` of this layer pattern (``*`` attention, ``-`` MLP, ``E`` MoE) instead of the
     GPT; ``layers`` must be its length (``build_tiny_gpt``'s ``hybrid``)."""
+    per_head: bool = False
+    """``--muon-split-qkv-per-head``: the run's ``MuonConfig`` and the reference's row split of a
+    QKV, every head its own matrix."""
 
     def __post_init__(self):
         object.__setattr__(self, "muon", _settings(self.muon, MUON_KEYS, "muon"))
@@ -272,7 +275,7 @@ class Run:
 
 
 REFERENCE_FIELDS = ("layers", "seed", "steps", "batch", "data_seed", "fresh_batches", "microbatches", "clip", "moe",
-                    "mla", "qk_clip", "hybrid")
+                    "mla", "qk_clip", "hybrid", "per_head")
 """The fields ``reference`` reads; the others describe how a distributed run gets there."""
 
 
@@ -384,7 +387,7 @@ def build(run: Run):
 
     from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
 
-    muon_config = MuonConfig(tp_mode=run.tp_mode, **dict(MUON, **dict(run.muon)))
+    muon_config = MuonConfig(tp_mode=run.tp_mode, **dict(MUON, split_qkv_per_head=run.per_head, **dict(run.muon)))
     model = build_tiny_gpt(run.tp, run.pp, bf16=run.bf16, use_distributed_optimizer=run.dist_opt,
                            bucket_size=run.bucket_size, seed=run.seed, num_layers=run.layers, dp_layout=run.layout,
                            muon_config=muon_config, vpp=run.vpp, overlap=run.overlap,
@@ -627,7 +630,7 @@ def _reference(run: Run) -> Trace:
     assert not any(is_expert(p) for p in model[0].parameters())  # one process: every expert is local
     initial = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
     qk_clip = _ReferenceClip(model[0], run) if run.qk_clip is not None else None
-    muon_groups, decay, no_decay = reference_param_groups(model[0])
+    muon_groups, decay, no_decay = reference_param_groups(model[0], per_head=run.per_head)
     muon = Muon(muon_groups, lr=LR, weight_decay=WD, momentum=MUON["momentum"], nesterov=MUON["nesterov"],
                 ns_dtype=torch.float32, coefficients=MUON["coefficient_type"], scale_mode=MUON["scale_mode"],
                 extra_scale_factor=MUON["extra_scale_factor"])

@@ -10,6 +10,11 @@ A fused weight may also hold several independent matrices stacked by rows (``Row
 QKV per query group ``[q; k; v] × groups`` and SwiGLU fc1 ``[gate; up]``. Each sub-matrix is
 itself TP-sharded along the same ``partition_dim``, because TP gives every rank whole query
 groups and matching halves of gate and up.
+
+Per-head QKV (``--muon-split-qkv-per-head``) is the exception: its sub-matrices are the heads,
+and a column-parallel QKV gives every TP rank whole heads of its own, so each TP rank's block is
+a whole matrix, not a shard of one (``per_rank``). Newton–Schulz then runs on every TP rank on
+its own heads: per-head Muon exactly, with nothing crossing TP.
 """
 
 from __future__ import annotations
@@ -50,6 +55,11 @@ class MatrixLayout:
     """independent sub-matrices fused in the rows (None: one matrix)."""
     dp_ranges: tuple[tuple[int, int], ...] | None = None
     """per DP rank, the [start, end) flat range of the TP-local shard it holds; None: all of it."""
+    per_rank: bool = False
+    """each TP rank's sub-matrices are whole matrices of their own (per-head QKV: a TP rank holds
+    whole heads), not shards of the TP group's; its sub-matrices are then unsharded
+    (``partition_dim`` None) and ``per_rank``: NS runs on every TP rank on its own, TP sends
+    nothing, and ``full_shape`` of one is its local shape."""
 
     @classmethod
     def from_full_shape(cls, name: str, full: tuple[int, int], partition_dim: int | None,
@@ -73,16 +83,24 @@ class MatrixLayout:
         """cut across more than one TP rank."""
         return self.partition_dim is not None and self.tp_size > 1
 
+    @property
+    def tp_copies(self) -> int:
+        """distinct matrices the TP group holds of each sub-matrix: one per TP rank for a
+        ``per_rank`` layout (each rank's own heads), else one (sharded or replicated)."""
+        return self.tp_size if self.per_rank else 1
+
     def sub_matrices(self) -> tuple[MatrixLayout, ...]:
         """The independent matrices Newton–Schulz runs on: one per fused row block (itself when
-        there is none), each TP-sharded like the weight, with no DP ranges (the DP owner holds the
-        whole TP-local shard before it splits the rows)."""
-        if self.split is None and self.dp_ranges is None:
+        there is none), each TP-sharded like the weight (``per_rank``: whole on each TP rank,
+        unsharded), with no DP ranges (the DP owner holds the whole TP-local shard before it
+        splits the rows)."""
+        if self.split is None and self.dp_ranges is None and not self.per_rank:
             return (self,)
         shapes = self.sub_local_shapes()
+        pdim = None if self.per_rank else self.partition_dim
         if len(shapes) == 1:
-            return (MatrixLayout(self.name, shapes[0], self.partition_dim, self.tp_size),)
-        return tuple(MatrixLayout(f"{self.name}[{k}]", shape, self.partition_dim, self.tp_size)
+            return (MatrixLayout(self.name, shapes[0], pdim, self.tp_size, per_rank=self.per_rank),)
+        return tuple(MatrixLayout(f"{self.name}[{k}]", shape, pdim, self.tp_size, per_rank=self.per_rank)
                      for k, shape in enumerate(shapes))
 
     # ---- sub-matrices ----------------------------------------------------------------------
@@ -96,7 +114,15 @@ class MatrixLayout:
         return [(groups * s, self.local_shape[1]) for s in sizes]
 
     def sub_global_shapes(self) -> list[tuple[int, int]]:
+        """the shape of each matrix NS runs on (``per_rank``: the local one, a head)."""
+        if self.per_rank:
+            return self.sub_local_shapes()
         return [full_shape(s, self.partition_dim, self.tp_size) for s in self.sub_local_shapes()]
+
+    def group_flops(self, flops) -> float:
+        """``flops(rows, cols)`` summed over every matrix the TP group orthogonalizes for this
+        layout: each sub-matrix once, a ``per_rank`` one once per TP rank (what balancing weighs)."""
+        return self.tp_copies * sum(flops(r, c) for r, c in self.sub_global_shapes())
 
     def split_rows(self, x: torch.Tensor) -> list[torch.Tensor]:
         """TP-local ``(rows, cols)`` → its sub-matrices (views when there is no interleaving)."""
@@ -123,7 +149,7 @@ class MatrixLayout:
     def ns_cost(self, steps: int, method: str = "standard") -> int:
         """NS FLOPs of the whole (global) sub-matrices with ``method`` (``--muon-ns-method``): what
         the owner's TP group must do."""
-        return sum(method_flops(method, r, c, steps) for r, c in self.sub_global_shapes())
+        return self.group_flops(lambda r, c: method_flops(method, r, c, steps))
 
     # ---- DP pieces --------------------------------------------------------------------------
     def holders(self, dp_size: int) -> dict[int, int]:

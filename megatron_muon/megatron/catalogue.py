@@ -40,7 +40,7 @@ from .torch_fsdp2 import torch_fsdp2_ranges
 
 __all__ = ["MatrixOf", "describe_megatron_fsdp", "describe_whole", "describe_zero1", "is_expert_parallel",
            "is_muon_matrix", "layout_of", "marks_of", "packed_in_backprop_order", "param_names",
-           "ranges_on_every_rank", "row_splits", "tag_grouped_experts", "tag_qkv", "tag_routing"]
+           "ranges_on_every_rank", "qkv_heads_of", "row_splits", "tag_grouped_experts", "tag_qkv", "tag_routing"]
 
 MatrixOf = dict[int, tuple[MatrixLayout, torch.Tensor | None]]
 """id(model param) → (its layout, the tensor this rank updates for it, or None)."""
@@ -85,7 +85,10 @@ def is_expert_parallel(param: torch.nn.Parameter) -> bool:
 
 def tag_qkv(model_chunks) -> None:
     """Mark fused QKV weights the way upstream's emerging-optimizer path does (by module, since
-    Megatron's layers set no QKV attribute themselves)."""
+    Megatron's layers set no QKV attribute themselves), and with ``qkv_heads`` (query groups on
+    this TP rank, query heads per group, head dim) from the attention module's own per-partition
+    counts, i.e. after TP sharding, for ``--muon-split-qkv-per-head`` (``param_marks.per_head_split``
+    checks them against the local shard)."""
     for chunk in model_chunks:
         cfg = chunk.config
         q = cfg.num_attention_heads // cfg.num_query_groups * cfg.kv_channels
@@ -95,6 +98,21 @@ def tag_qkv(model_chunks) -> None:
             if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2:
                 weight.is_qkv = True
                 weight.qkv_split_shapes = [q, cfg.kv_channels, cfg.kv_channels]
+                heads = qkv_heads_of(module)
+                if heads is not None:
+                    weight.qkv_heads = heads
+
+
+def qkv_heads_of(attention) -> tuple[int, int, int] | None:
+    """(query groups, query heads per group, head dim) on this TP rank of a megatron-core
+    attention module (its ``num_query_groups_per_partition``, ``num_attention_heads_per_partition``,
+    ``hidden_size_per_attention_head``: counted after TP sharding); None if it has none of them."""
+    groups = getattr(attention, "num_query_groups_per_partition", None)
+    heads = getattr(attention, "num_attention_heads_per_partition", None)
+    head_dim = getattr(attention, "hidden_size_per_attention_head", None)
+    if groups is None or heads is None or head_dim is None or not groups or heads % groups:
+        return None
+    return int(groups), int(heads) // int(groups), int(head_dim)
 
 
 def tag_grouped_experts(model_chunks) -> None:
@@ -133,6 +151,7 @@ def marks_of(param: torch.nn.Parameter) -> ParamMarks:
         tensor_parallel=bool(getattr(param, "tensor_model_parallel", False)),
         partition_dim=getattr(param, "partition_dim", -1),
         qkv_split=tuple(param.qkv_split_shapes) if getattr(param, "is_qkv", False) else None,
+        qkv_heads=tuple(param.qkv_heads) if getattr(param, "qkv_heads", None) is not None else None,
         gated=getattr(param, "partition_stride", 1) == 2 or getattr(param, "gated_fc1", False),
         partition_sizes=tuple(int(n) for n in sizes) if sizes is not None else None,
         embedding_or_output=getattr(param, "is_embedding_or_output_parameter", False),
@@ -142,7 +161,7 @@ def marks_of(param: torch.nn.Parameter) -> ParamMarks:
 def row_splits(muon_config: MuonConfig) -> RowSplits:
     """The fused weights ``muon_config`` splits (``--muon-split-qkv`` and its siblings)."""
     return RowSplits(qkv=muon_config.split_qkv, fc1=muon_config.split_fc1,
-                     in_proj=muon_config.mamba_in_proj == "split")
+                     in_proj=muon_config.mamba_in_proj == "split", qkv_per_head=muon_config.split_qkv_per_head)
 
 
 def param_names(model_chunks) -> dict[int, str]:

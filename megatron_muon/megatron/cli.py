@@ -45,6 +45,7 @@ FIELD_OF_DEST = {
     "muon_momentum": "momentum",
     "muon_nesterov": "nesterov",
     "muon_split_qkv": "split_qkv",
+    "muon_split_qkv_per_head": "split_qkv_per_head",
     "muon_split_fc1": "split_fc1",
     "muon_mamba_in_proj": "mamba_in_proj",
     "moe_router_skip_muon": "router_skip_muon",
@@ -183,6 +184,18 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--muon-split-fc1", action="store_true", dest="muon_split_fc1",
         help="Orthogonalize the gate and up halves of a fused SwiGLU fc1 weight separately "
              f"(upstream #6688). Default: {_on_off('split_fc1')}.",
+    )
+    group.add_argument(
+        "--muon-split-qkv-per-head", action="store_true", dest="muon_split_qkv_per_head",
+        help="Orthogonalize each head of a fused QKV weight on its own (upstream PR #6326's flag): every "
+             "query head and each query group's k and v head is a head_dim x hidden matrix, its update scaled "
+             "by that shape. Under TP each rank holds whole heads, so they run on their TP rank with no TP "
+             f"traffic in any mode. Needs the per-group QKV split; MLA is not split per head. Default: "
+             f"{_on_off('split_qkv_per_head')}.",
+    )
+    group.add_argument(
+        "--muon-no-split-qkv-per-head", action="store_false", dest="muon_split_qkv_per_head",
+        help="Orthogonalize Q, K and V per query group, not per head (the default).",
     )
     group.add_argument(
         "--muon-no-split-fc1", action="store_false", dest="muon_split_fc1",

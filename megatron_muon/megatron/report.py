@@ -163,6 +163,10 @@ def _matrix_lines(plan: StepPlan, config: MuonConfig) -> list[str]:
         if note := routing_note(pattern, config):
             flag = f"  {note}"
         shapes = " + ".join(f"{r}x{c}" for r, c in lay.sub_global_shapes())
+        if lay.per_rank:  # --muon-split-qkv-per-head: every TP rank its own whole heads, run there
+            kinds = " / ".join(f"{r}x{c}" for r, c in sorted(set(lay.sub_global_shapes())))
+            shapes = f"{len(lay.sub_global_shapes())} heads of {kinds} per TP rank"
+            modes = ["on its TP rank (per head, no TP traffic)"]
         lines.append(f"  muon   {pattern:<50} x{len(members):<4} NS on {shapes} ({_ns_text(plan.settings.ns, lay)})  "
                      f"tp mode {'/'.join(modes)}{flag}")
     return lines

@@ -113,6 +113,7 @@ _HYPERPARAMETERS: tuple[tuple[str, str], ...] = (
     ("muon_extra_scale_factor", "--muon-extra-scale-factor"),
     ("muon_fp32_matmul_prec", "--muon-fp32-matmul-prec"),
     ("muon_split_qkv", "--muon-no-split-qkv"),
+    ("muon_split_qkv_per_head", "--muon-split-qkv-per-head"),
     ("muon_split_fc1", "--muon-split-fc1"),
     ("muonbp_block_lr_mult", "--muonbp-block-lr-mult"),
     ("muonbp_block", "--muonbp-block"),

@@ -169,6 +169,11 @@ def _ignored_setting_rejections(args) -> list[tuple[bool, str]]:
          "--muon-no-split-qkv: only an attention layer's fused linear_qkv has q, k and v to split, and this model "
          f"has none ({'multi-latent attention' if pattern is None else 'no * in --hybrid-layer-pattern'}); drop "
          "the flag"),
+        (getattr(args, "muon_split_qkv_per_head", False) and (getattr(args, "multi_latent_attention", False) or (
+            pattern is not None and "*" not in pattern)),
+         "--muon-split-qkv-per-head: only an attention layer's fused linear_qkv is split per head, and this model "
+         "has none (" + ("multi-latent attention: its up-projections are not split per head yet, docs/per_head.md"
+                         if pattern is None else "no * in --hybrid-layer-pattern") + "); drop the flag"),
         *[(not getattr(args, "qk_clip", False) and getattr(args, dest, None) != megatron_default(dest),
            f"--{dest.replace('_', '-')} {getattr(args, dest, None)}: only --qk-clip uses it ({what}), and this run "
            "does not clip; add --qk-clip or drop the flag")
@@ -292,7 +297,9 @@ def _training_rejections(args) -> list[tuple[bool, str]]:
          and getattr(args, "muon_split_qkv", True),
          f"--num-query-groups {groups} with --tensor-model-parallel-size {tp}: expected a multiple of {tp}, or "
          "--muon-no-split-qkv (with fewer query groups than TP ranks megatron-core replicates each key/value head "
-         "on several ranks, so no rank's linear_qkv shard holds whole groups for the per-group QKV split)"),
+         "on several ranks, so no rank's linear_qkv shard holds whole groups for the per-group QKV split"
+         + ("; --muon-split-qkv-per-head needs them too, and per-head Muon at TP above the query groups is not "
+            "supported" if getattr(args, "muon_split_qkv_per_head", False) else "") + ")"),
         (groups is not None and heads is not None and groups >= tp and groups % tp != 0,
          f"--num-query-groups {groups}: expected a multiple of --tensor-model-parallel-size {tp} (each TP rank "
          "holds whole query groups)"),

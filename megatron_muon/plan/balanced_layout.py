@@ -101,7 +101,7 @@ def layout_item(numel: int, matrix: MatrixLayout | None, ns: NSOptions, *, row: 
     cut between rows of ``row`` elements if it must be cut; anything else (None) an AdamW filler."""
     if matrix is None:
         return LayoutItem(numel, own_bucket=own_bucket)
-    flops = sum(ns.flops(r, c) for r, c in matrix.sub_global_shapes())
+    flops = matrix.group_flops(ns.flops)
     return LayoutItem(numel, flops, whole=True, own_bucket=own_bucket, row=row)
 
 

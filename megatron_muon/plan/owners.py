@@ -93,7 +93,7 @@ def plan_dp_owners(layouts: Sequence[MatrixLayout], dp_size: int, ns: NSOptions 
     every rank holds everything) it is plain LPT.
     """
     fixed, prefer = dp_pins(layouts, dp_size, pinnable)
-    costs = [sum(ns.flops(r, c) for r, c in lay.sub_global_shapes()) for lay in layouts]
+    costs = [lay.group_flops(ns.flops) for lay in layouts]
     return plan_owners(costs, dp_size, fixed=fixed, prefer=prefer)
 
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..core.matrix_layout import MatrixLayout, RowSplit
 
-__all__ = ["DEFAULT_SPLITS", "ParamMarks", "RowSplits", "matrix_layout"]
+__all__ = ["DEFAULT_SPLITS", "ParamMarks", "RowSplits", "matrix_layout", "per_head_split"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,10 @@ class ParamMarks:
     """``partition_dim``: the dim TP cut (0 ColumnParallel, 1 RowParallel; -1 none)."""
     qkv_split: tuple[int, ...] | None = None
     """``qkv_split_shapes`` of a fused QKV (``is_qkv``): rows of q, k and v per query group."""
+    qkv_heads: tuple[int, int, int] | None = None
+    """``qkv_heads`` of a fused QKV (the catalogue's ``tag_qkv``, from the attention module's
+    per-partition counts, i.e. after TP sharding): (query groups on this TP rank, query heads per
+    group, head dim), what ``--muon-split-qkv-per-head`` splits the local rows by."""
     gated: bool = False
     """a gated fc1 holding ``[gate; up]`` on every TP rank (``partition_stride`` 2, or the
     catalogue's ``gated_fc1`` on Transformer Engine's grouped experts)."""
@@ -46,6 +50,9 @@ class RowSplits:
     qkv: bool = True
     fc1: bool = True
     in_proj: bool = True
+    qkv_per_head: bool = False
+    """``--muon-split-qkv-per-head``: a split QKV further into its heads (each query head, and each
+    query group's k and v head), every one its own matrix."""
 
 
 DEFAULT_SPLITS = RowSplits()
@@ -62,7 +69,11 @@ def matrix_layout(name: str, local_shape: tuple[int, int], marks: ParamMarks, tp
     tensor_parallel = marks.tensor_parallel and tp_size > 1
     partition_dim = marks.partition_dim if tensor_parallel else None
     split = None
-    if splits.qkv and marks.qkv_split is not None:
+    per_rank = False
+    if splits.qkv and marks.qkv_split is not None and splits.qkv_per_head:
+        split = per_head_split(name, rows, marks.qkv_split, marks.qkv_heads)
+        per_rank = partition_dim == 0  # a column-parallel QKV gives every TP rank whole heads of its own
+    elif splits.qkv and marks.qkv_split is not None:
         sizes = tuple(marks.qkv_split)
         if rows % sum(sizes):
             raise ValueError(f"{name}: QKV rows {rows} are not a multiple of the query-group size {sum(sizes)}")
@@ -78,4 +89,23 @@ def matrix_layout(name: str, local_shape: tuple[int, int], marks: ParamMarks, tp
             raise ValueError(f"{name}: partition_sizes {list(sizes)} do not describe its {rows} local rows")
         split = RowSplit(1, sizes)
     return MatrixLayout(name, (rows, cols), partition_dim if partition_dim in (0, 1) else None, tp_size, split,
-                        dp_ranges)
+                        dp_ranges, per_rank=per_rank)
+
+
+def per_head_split(name: str, rows: int, qkv_split: tuple[int, ...], heads: tuple[int, int, int] | None) -> RowSplit:
+    """The ``RowSplit`` of a fused QKV's TP-local ``rows`` into its heads
+    (``--muon-split-qkv-per-head``): per query group on this TP rank, each of its query heads, then
+    its k head and its v head, ``head_dim`` rows each, one contiguous block per head (so each is
+    its own unit, placed and batched apart). ``heads``: (query groups on this TP rank, query heads
+    per group, head dim), counted after TP sharding (``ParamMarks.qkv_heads``); they must describe
+    the local shard and agree with the per-group split, else ``ValueError`` (widths taken before
+    TP sharding would cut heads in halves: DeepSpeed #8384)."""
+    flag = "--muon-split-qkv-per-head"
+    if heads is None:
+        raise ValueError(f"{name}: {flag}: the QKV weight carries no per-rank head counts (qkv_heads)")
+    groups, per_group, head_dim = heads
+    if (per_group * head_dim, head_dim, head_dim) != tuple(qkv_split) or groups * (per_group + 2) * head_dim != rows:
+        raise ValueError(f"{name}: {flag}: {groups} query groups x ({per_group} query + k + v heads) x head dim "
+                         f"{head_dim} on this TP rank do not describe its {rows} local rows split {list(qkv_split)} "
+                         f"per query group (head counts must be taken after TP sharding)")
+    return RowSplit(1, ((head_dim,) * per_group + (head_dim, head_dim)) * groups)

@@ -216,6 +216,11 @@ def widths(sub: MatrixLayout, hw: Hardware, ns: NSOptions, link: Link) -> Widths
 
     if tp == 1 or not sub.numel:
         return Widths(on("owner", 0, 0), 0.0, None, 0.0)
+    if sub.per_rank:
+        # Each TP rank holds its own whole matrix (a head, ``MatrixLayout.per_rank``): NS on every
+        # rank at once, nothing sent; blockwise's kernel is that, exactly. Narrow only, every rank alike.
+        local = on("blockwise", 0)
+        return Widths(local, local, None, 0.0, narrow_mode="blockwise")
     if not sub.is_sharded:
         # Every rank holds it, yet one computes it and broadcasts the result (the others' copies
         # could differ in their last bits, their GEMMs picking other kernels): narrow only.

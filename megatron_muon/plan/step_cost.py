@@ -172,7 +172,7 @@ def optimizer_step_cost(
 def _dp_homes(layouts: Sequence[MatrixLayout], dp: int, ns: NSOptions) -> list[list[int]]:
     """megatron-core's layer-wise homes, modelled: whole matrices by LPT on NS FLOPs."""
     homes: list[list[int]] = [[] for _ in range(dp)]
-    costs = [sum(ns.flops(r, c) for r, c in lay.sub_global_shapes()) for lay in layouts]
+    costs = [lay.group_flops(ns.flops) for lay in layouts]
     for i, r in enumerate(plan_owners(costs, dp)):
         homes[r].append(i)
     return homes

@@ -396,9 +396,13 @@ def _owner_work(matrices, owned: list[int], tp_size: int, settings: PlanSettings
         subs += parts
     if schedule is not None:
         modes = tuple(m for i in owned for m in schedule.modes[i])
-        owners = tuple(r for i in owned for r in schedule.tp_owners[i])
+        owners = tuple(None if m == "blockwise" else r
+                       for m, r in zip(modes, (r for i in owned for r in schedule.tp_owners[i])))
         return OwnerWork(tuple(owned), tuple(subs), positions, modes, owners)
-    modes = (settings.tp_mode,) * len(subs)
+    # A per-rank sub-matrix (a head whole on each TP rank, ``MatrixLayout.per_rank``) runs in
+    # blockwise's kernel in every mode: NS of what each TP rank holds, which is that whole matrix,
+    # so the update is exact and TP sends nothing (``pricing.widths`` tells ``auto`` the same).
+    modes = tuple("blockwise" if sub.per_rank else settings.tp_mode for sub in subs)
     # One TP rank runs each owner-mode sub-matrix, and each replicated one in duplicated and
     # distributed mode (broadcast from there): LPT over everything this DP owner holds.
     on_one = [p for p, m in enumerate(modes)

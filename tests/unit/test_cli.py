@@ -37,6 +37,8 @@ FLAG_TO_FIELD = [
     ("--muon-momentum 0.8", "momentum", 0.8),
     ("--muon-nesterov", "nesterov", True),
     ("--muon-no-split-qkv", "split_qkv", False),
+    ("--muon-split-qkv-per-head", "split_qkv_per_head", True),
+    ("--muon-split-qkv-per-head --muon-no-split-qkv-per-head", "split_qkv_per_head", False),
     ("--muon-no-split-fc1", "split_fc1", False),
     ("--muon-no-split-fc1 --muon-split-fc1", "split_fc1", True),
     ("--muon-mamba-in-proj whole", "mamba_in_proj", "whole"),
@@ -73,6 +75,7 @@ FLAG_TO_FIELD = [
 BAD_VALUES = [
     ("--muon-fp32-matmul-prec low", "--muon-fp32-matmul-prec"),
     ("--muon-gram-fp16", "--muon-gram-fp16"),  # the standard method: it would be ignored
+    ("--muon-split-qkv-per-head --muon-no-split-qkv", "--muon-split-qkv-per-head"),  # it refines the split
     ("--muon-ns-method gram --muon-gram-fp16 --muon-fp32-matmul-prec high", "--muon-gram-fp16"),
     ("--muon-scalar-optimizer lion", "--muon-scalar-optimizer"),
     ("--muon-coefficient-type nope", "--muon-coefficient-type"),

@@ -20,6 +20,7 @@ import pytest
 from megatron_muon.core.models import HYBRID_MODELS, LLAMA3, MOE_MODELS
 from megatron_muon.core.newton_schulz import NSOptions
 from megatron_muon.plan.hardware import GPU_PROFILES
+from megatron_muon.plan.layout_choice import job_price
 from megatron_muon.plan.stage_layouts import BufferSettings
 from megatron_muon.plan.stage_params import StageGrid
 from megatron_muon.plan.step_cost import optimizer_step_cost, stage_plan
@@ -40,13 +41,16 @@ def test_recorded_runs_are_found():
 
 def _stage_plans(run: dict) -> dict[int, object]:
     """Per simulated stage, the plan ``optimizer_step_cost`` prices (``step_cost.stage_plan``: the
-    same layouts and settings). A run recorded before ``--dp-layout`` existed used the balanced
-    layout, the dry run's default then as now."""
+    same layouts and settings; ``priced`` on the dry run's price, ``dry_run.layout_price``). Every
+    recorded run names its layout."""
     grid = dict(tp=run["tp"], dp=run["dp"], pp=run["pp"])
-    settings = PlanSettings(run["tp_mode"], NSOptions(), hardware=GPU_PROFILES["h100-sxm"])
-    buffer = BufferSettings(run.get("dp_layout") or "balanced", max(40_000_000, 1_000_000 * run["dp"]))
+    hw = GPU_PROFILES["h100-sxm"]
+    settings = PlanSettings(run["tp_mode"], NSOptions(), hardware=hw)
+    layout, shape = run["dp_layout"], MODELS[run["model"]]
+    price = job_price(shape, run["tp"], run["dp"], hw, tp_mode=run["tp_mode"]) if layout == "priced" else None
+    buffer = BufferSettings(layout, max(40_000_000, 1_000_000 * run["dp"]), price=price)
     stages = sorted({res["pp"] for res in run["ranks"].values()})
-    return {s: stage_plan(MODELS[run["model"]], StageGrid(stage=s, **grid), settings, buffer) for s in stages}
+    return {s: stage_plan(shape, StageGrid(stage=s, **grid), settings, buffer) for s in stages}
 
 
 @pytest.mark.parametrize("name", RECORDED)
@@ -67,10 +71,12 @@ def test_cost_model_ns_max_is_the_plans(name):
     plan = run.get("summary", {}).get("dense", {}).get("plan")
     # every recorded run carries it (scripts/bench/record_dry_runs writes them all with today's dry run)
     assert plan is not None, f"{name}: no plans' summary; python -m scripts.bench.record_dry_runs {name[8:-5]}"
-    hw = GPU_PROFILES["h100-sxm"]  # the dry run plans auto on these constants
-    costs = [optimizer_step_cost(MODELS[run["model"]], optimizer="ours", tp=run["tp"], dp=run["dp"], pp=run["pp"],
+    hw = GPU_PROFILES["h100-sxm"]  # the dry run plans auto (and prices the priced layout) on these constants
+    shape = MODELS[run["model"]]
+    price = job_price(shape, run["tp"], run["dp"], hw, tp_mode=run["tp_mode"])
+    costs = [optimizer_step_cost(shape, optimizer="ours", tp=run["tp"], dp=run["dp"], pp=run["pp"],
                                  hw=hw, tp_mode=run["tp_mode"], dp_layout=run["dp_layout"],
-                                 bucket_numel=max(40_000_000, 1_000_000 * run["dp"]), stage=stage)
+                                 bucket_numel=max(40_000_000, 1_000_000 * run["dp"]), stage=stage, layout_price=price)
              for stage in plan["stages"]]  # the stages the run simulated, each with its own layout
     predicted = max(c.ns_flops_max for c in costs)
     assert predicted == pytest.approx(plan["ns_flops_max"], rel=GOAL), (name, predicted / plan["ns_flops_max"])

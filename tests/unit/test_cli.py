@@ -360,6 +360,8 @@ REJECTED = [
     ("--optimizer muon --muon-fp32-matmul-prec low", "--muon-fp32-matmul-prec"),
     ("--optimizer muon --muon-scalar-optimizer lion", "--muon-scalar-optimizer"),
     ("--optimizer adaptive_muon --muon-tp-mode owner", "--muon-tp-mode"),
+    ("--optimizer muon --muon-split-qkv-per-head --multi-latent-attention", "--muon-split-qkv-per-head: only"),
+    ("--optimizer muon --muon-split-qkv-per-head --muon-no-split-qkv", "--muon-split-qkv-per-head: expected"),
 ]
 
 

@@ -387,7 +387,7 @@ def build(run: Run):
 
     from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
 
-    muon_config = MuonConfig(tp_mode=run.tp_mode, **dict(MUON, split_qkv_per_head=run.per_head, **dict(run.muon)))
+    muon_config = MuonConfig(tp_mode=run.tp_mode, **{**MUON, "split_qkv_per_head": run.per_head, **dict(run.muon)})
     model = build_tiny_gpt(run.tp, run.pp, bf16=run.bf16, use_distributed_optimizer=run.dist_opt,
                            bucket_size=run.bucket_size, seed=run.seed, num_layers=run.layers, dp_layout=run.layout,
                            muon_config=muon_config, vpp=run.vpp, overlap=run.overlap,

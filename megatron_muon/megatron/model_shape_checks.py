@@ -129,8 +129,11 @@ def local_matrices(args) -> list[MatrixLayout] | None:
 
     def attention(i) -> list[MatrixLayout]:
         per_group = (heads // groups * kv, kv, kv)
+        if getattr(args, "muon_split_qkv_per_head", False):  # every head its own block (param_marks.per_head_split)
+            per_group = (kv,) * (heads // groups + 2) * (groups // tp)
         return [matrix(f"decoder.layers.{i}.self_attention.linear_qkv.weight", (heads + 2 * groups) * kv, hidden, 0,
-                       sizes=per_group if getattr(args, "muon_split_qkv", True) else None, groups_local=groups // tp),
+                       sizes=per_group if getattr(args, "muon_split_qkv", True) else None,
+                       groups_local=1 if getattr(args, "muon_split_qkv_per_head", False) else groups // tp),
                 matrix(f"decoder.layers.{i}.self_attention.linear_proj.weight", hidden, heads * kv, 1)]
 
     def moe(i) -> list[MatrixLayout]:

@@ -29,6 +29,7 @@ VARIANTS = {
     "split": dict(split_qkv=True, split_fc1=True, mamba_in_proj="split"),
     "whole": dict(split_qkv=False, split_fc1=False, mamba_in_proj="whole"),
     "adamw": dict(mamba_in_proj="adamw", router_skip_muon=True),  # megatron-core main's routing, by flag
+    "per_head": dict(split_qkv_per_head=True),  # QKV per head (--muon-split-qkv-per-head)
 }
 """The ``MuonConfig`` settings of each build: the fused-row splits on, off, and the two routings to AdamW."""
 
@@ -52,7 +53,8 @@ def _flags(config, run: Run, muon_config) -> types.SimpleNamespace:
         hybrid_layer_pattern=run.hybrid, mamba_head_dim=config.mamba_head_dim, mamba_state_dim=config.mamba_state_dim,
         mamba_num_groups=config.mamba_num_groups, mamba_num_heads=config.mamba_num_heads,
         muon_split_qkv=muon_config.split_qkv, muon_split_fc1=muon_config.split_fc1,
-        muon_mamba_in_proj=muon_config.mamba_in_proj, moe_router_skip_muon=muon_config.router_skip_muon)
+        muon_mamba_in_proj=muon_config.mamba_in_proj, moe_router_skip_muon=muon_config.router_skip_muon,
+        muon_split_qkv_per_head=muon_config.split_qkv_per_head)
 
 
 def _both(rank: int, world: int, case: str, variant: str) -> tuple[list, list, dict, list[str]]:

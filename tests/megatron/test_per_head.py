@@ -1,8 +1,9 @@
 """``--muon-split-qkv-per-head`` on megatron-core's tiny GPT (GQA: 4 heads in 2 query groups):
-trained at TP2 (each TP rank holds one query group, whole heads) and TP1 x DP{1,2}, with the
-distributed optimizer in buckets that cut a QKV matrix across DP ranks (heads cut in the middle)
-and without it, with QK-clip on top; against one process at TP1 whose ``megatron_muon.Muon`` cuts
-each QKV into its heads by rows (``reference_param_groups(per_head=True)``) and orthogonalizes
+trained at TP2 x DP2 (each TP rank holds one query group, whole heads) and TP1 x DP2, with the
+distributed optimizer in buckets that cut a QKV matrix across DP ranks (heads cut in the middle),
+on the balanced layout, under Megatron-FSDP and without a distributed optimizer, with QK-clip on
+top; against one process at TP1 whose ``megatron_muon.Muon`` cuts each QKV into its heads by rows
+(``reference_param_groups(per_head=True)``) and orthogonalizes
 each alone, scaled by the head's shape.
 
 The refusal of per-head counts taken before TP sharding (DeepSpeed #8384) on the real model:
@@ -28,7 +29,11 @@ TAU, ALPHA = 0.09, 0.5  # test_qk_clip's: crossed by some heads at every step
 RUNS = [Run(tp=2, dist_opt=True, layout_bucket_size=CUT_QKV_BUCKET, **SPLIT),
         Run(tp=2, dist_opt=False, **SPLIT),
         Run(tp=2, tp_mode="duplicated", dist_opt=True, layout_bucket_size=CUT_QKV_BUCKET, **SPLIT),
-        Run(tp=2, dist_opt=True, layout_bucket_size=CUT_QKV_BUCKET, qk_clip=(TAU, ALPHA), **SPLIT)]
+        Run(tp=2, dist_opt=True, layout_bucket_size=CUT_QKV_BUCKET, qk_clip=(TAU, ALPHA), **SPLIT),
+        # Megatron-FSDP (optim: one bucket halved over DP2 inside layer 1's QKV, as in test_qk_clip)
+        Run(tp=2, dist_opt=True, wrap="megatron_fsdp", sharding="optim", **SPLIT),
+        # the balanced layout: every matrix whole on one DP rank, its heads pinned there
+        Run(tp=2, dist_opt=True, layout="balanced", **SPLIT)]
 RUNS_TP1 = [Run(tp=1, dist_opt=True, layout_bucket_size=CUT_QKV_BUCKET, **SPLIT)]
 
 
@@ -64,7 +69,7 @@ def test_tp2_matches_per_head_reference(trained, index):
     result = trained[0][index]
     worst = _worst(result, reference)
     assert worst[0] <= ATOL, f"{RUNS[index]}: {worst[1]} off by {worst[0]:.2e}"
-    if RUNS[index].dist_opt:
+    if RUNS[index].dist_opt and RUNS[index].layout != "balanced":
         cut = [len(lay.holders(r[index].dp_size)) for r in trained for lay in r[index].layouts
                if "linear_qkv" in lay.name]
         assert max(cut) > 1, "no QKV matrix is cut across DP"

@@ -40,7 +40,7 @@ def _real_optimizer(rank: int, world: int) -> dict:
     arguments.validate_args(args)
     global_vars.set_global_variables(args, build_tokenizer=False)  # args, timers, ... as training does
     init_megatron(1)
-    model = build_tiny_gpt(1, use_distributed_optimizer=True, dp_layout="balanced")  # --muon-dp-layout's default
+    model = build_tiny_gpt(1, use_distributed_optimizer=True, dp_layout="balanced")  # at DP 1 every layout is whole
     config, overrides = training.get_megatron_optimizer_config(args)
     optimizer = training.get_megatron_optimizer(config, model, config_overrides=overrides,
                                                 use_gloo_process_groups=args.use_gloo_process_groups,

@@ -6,9 +6,9 @@ The reference is one process: the whole (all TP ranks) fused QKV of megatron-cor
 ``MatrixLayout``), each head's Newton–Schulz run alone and scaled by the head's own shape, then cut
 back to the TP rank's rows and the DP rank's flat range. The layouts come from
 ``param_marks.matrix_layout``, the adapter's own road, with the per-rank head counts a
-megatron-core attention module reports after TP sharding. World sizes 1 to 4: TP 1, 2, 4 at DP 1
-and TP 1, 2 at DP 2 (TP 4 x DP 2 needs 8 processes, past this harness's 4); every TP size is at
-most the 4 query groups, so every TP rank holds whole heads.
+megatron-core attention module reports after TP sharding. TP 1, 2, 4 at DP 1 and at DP 2 (TP 4 x
+DP 2 in a fresh world of 8 processes); every TP size is at most the 4 query groups, so every TP
+rank holds whole heads.
 """
 
 from __future__ import annotations
@@ -147,11 +147,12 @@ def _worker(rank: int, world: int, tp: int) -> dict:
     return {"tp_rank": tp_rank, "dp_rank": dp_rank, "results": out}
 
 
-@pytest.fixture(scope="module", params=[(1, 1), (2, 2), (4, 4), (2, 1), (4, 2)],
+@pytest.fixture(scope="module", params=[(1, 1), (2, 2), (4, 4), (2, 1), (4, 2), (8, 4)],
                 ids=lambda p: f"world{p[0]}-tp{p[1]}")
 def world(request):
     n, tp = request.param
-    return n, tp, run_world(n, _worker, tp)
+    # TP4 x DP2 takes 8 processes: a world of its own, not kept in the pool of the 1-4 worlds
+    return n, tp, run_world(n, _worker, tp, fresh=n > 4)
 
 
 @pytest.mark.parametrize("mode", MODES)

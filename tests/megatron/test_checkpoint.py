@@ -45,11 +45,13 @@ SEED, OTHER_SEED = 1234, 999
 # (measured by breaking checkpoint.py): momentum not restored 1.0e-2 (already in the bitwise load
 # check), one step tensor shared by all params (Megatron's own load) 5.6e-3 after the step.
 KINDS = {"distopt": (True, False), "ddp": (False, False),
-         "distopt-bf16": (True, True), "ddp-bf16": (False, True), "distopt-balanced": (True, False)}
-"""run name: (use_distributed_optimizer, bf16); ``-balanced``: --muon-dp-layout balanced."""
+         "distopt-bf16": (True, True), "ddp-bf16": (False, True), "distopt-balanced": (True, False),
+         "distopt-per-head": (True, False)}
+"""run name: (use_distributed_optimizer, bf16); ``-balanced``: --muon-dp-layout balanced; ``-per-head``:
+--muon-split-qkv-per-head (every QKV head its own unit and matrix: the state is the param's all the same)."""
 SHARDINGS = {"distopt": ("dp_reshardable", "fully_reshardable"), "ddp": (None,),
              "distopt-bf16": ("dp_reshardable",), "ddp-bf16": (None,),
-             "distopt-balanced": ("dp_reshardable", "fully_reshardable")}
+             "distopt-balanced": ("dp_reshardable", "fully_reshardable"), "distopt-per-head": ("dp_reshardable",)}
 """the checkpoints each run saves; the first is the one it resumes from."""
 CROSS_LAYOUT = [("distopt-fully_reshardable", "balanced"), ("distopt-balanced-fully_reshardable", "megatron"),
                 ("distopt-balanced-dp_reshardable", "megatron")]
@@ -65,7 +67,8 @@ def _run(kind: str, layout: str | None = None) -> Run:
     """``kind``'s run (``KINDS``), in its --muon-dp-layout unless ``layout`` is given."""
     dist_opt, bf16 = KINDS[kind]
     layout = layout or ("balanced" if kind.endswith("-balanced") else "megatron")
-    return dataclasses.replace(BASE, dist_opt=dist_opt, bf16=bf16, layout=layout, muon=dict(dp_layout=layout))
+    return dataclasses.replace(BASE, dist_opt=dist_opt, bf16=bf16, layout=layout, muon=dict(dp_layout=layout),
+                               per_head=kind.endswith("-per-head"))
 
 
 def _build(run: Run, seed: int):

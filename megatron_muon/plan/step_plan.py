@@ -263,9 +263,11 @@ def _build(matrices: tuple[MatrixLayout, ...], dp_size: int, tp_size: int, setti
         dp_owners = (schedule.dp_owners if schedule
                      else tuple(plan_unit_owners(matrices, units, dp_size, ns)))
     # Micro-groups are cut on full-matrix bytes: the TP owner holds whole matrices, and a full
-    # matrix is at least the TP-local shard the DP exchange moves, so one cap bounds both.
+    # matrix is at least the TP-local shard the DP exchange moves, so one cap bounds both (a
+    # per-rank weight's matrices are whole in its TP-local shard already).
     element = ns.dtype_bytes
-    full_bytes = [matrices[i].numel * element * (matrices[i].tp_size if matrices[i].is_sharded else 1) for i in live]
+    full_bytes = [matrices[i].numel * element * (matrices[i].tp_size if matrices[i].is_sharded
+                                                 and not matrices[i].per_rank else 1) for i in live]
     min_groups = exchange.MIN_MICRO_GROUPS if settings.min_micro_groups is None else settings.min_micro_groups
     if not settings.pipelined:
         weight_groups = [tuple(live)] if live else []

@@ -303,7 +303,8 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
             # get_model: buckets for the first chunk of the first stage only
             first = ps.get_pipeline_model_parallel_rank() == 0 and not vp_stage
             bucket = max(40_000_000, 1_000_000 * dp) if first else None
-            price = layout_price(shape, tp, dp, tp_mode) if dp_layout == "priced" else None
+            local = muonbp is not None and muonbp[1] == "local"
+            price = layout_price(shape, tp, dp, tp_mode, local) if dp_layout == "priced" else None
             layout = balanced_full_param_layout(module, bucket, dp, ddp_config, muon_config=muon_config, tp_size=tp,
                                                 expert_dp_size=ps.get_expert_data_parallel_world_size(), price=price)
         if fsdp is None:
@@ -595,21 +596,22 @@ def choose_ranks(kinds: list[str], tp: int, pp: int, dp: int, probe: dict, moe_s
     return chosen
 
 
-def layout_price(shape: ModelShape, tp: int, dp: int, tp_mode: str):
+def layout_price(shape: ModelShape, tp: int, dp: int, tp_mode: str, whole_rows: bool = False):
     """The price inputs ``--muon-dp-layout priced`` chooses on (``plan.layout_choice``), as the
     Megatron adapter reads them from a training job's args: the iteration tables' job (4M-token
     global batch of 8192-token sequences, micro-batch 1, ``--overlap-grad-reduce
     --overlap-param-gather``), h100-sxm, 8 ranks per node, each candidate's step planned in
-    ``tp_mode``. The meta DDP built here does not run, so its own overlap flags do not matter; the
-    layout is the one such a job gets."""
+    ``tp_mode`` (``whole_rows``: ``--muonbp-block local``'s cuts between rows). The meta DDP
+    built here does not run, so its own overlap flags do not matter; the layout is the one such a
+    job gets."""
     from megatron_muon.plan.hardware import GPU_PROFILES
     from megatron_muon.plan.layout_choice import job_price
 
-    return job_price(shape, tp, dp, GPU_PROFILES["h100-sxm"], tp_mode=tp_mode)
+    return job_price(shape, tp, dp, GPU_PROFILES["h100-sxm"], tp_mode=tp_mode, whole_rows=whole_rows)
 
 
 def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str,
-                   dp_layout: str = DEFAULT_DP_LAYOUT) -> dict:
+                   dp_layout: str = DEFAULT_DP_LAYOUT, whole_rows: bool = False) -> dict:
     """The cost model on the same layout, every pipeline stage priced (``step_cost.optimizer_step_cost``:
     the plan of the stage's real layouts, the road ``plan.stage_layouts`` shares with this run, with
     DDP's default bucket on the first stage), h100-sxm constants: the busiest stage's NS FLOPs and
@@ -623,7 +625,7 @@ def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str,
     for stage in range(pp):
         ours.append(optimizer_step_cost(shape, optimizer="ours", tp=tp, dp=dp, pp=pp, hw=hw, tp_mode=tp_mode,
                                         dp_layout=dp_layout, bucket_numel=max(40_000_000, 1_000_000 * dp),
-                                        stage=stage, layout_price=layout_price(shape, tp, dp, tp_mode)))
+                                        stage=stage, layout_price=layout_price(shape, tp, dp, tp_mode, whole_rows)))
         adam.append(optimizer_step_cost(shape, optimizer="adam", tp=tp, dp=dp, pp=pp, hw=hw, stage=stage))
     return dict(ns_flops_max=max(c.ns_flops_max for c in ours), bytes_sent_max=max(c.bytes_sent_max for c in ours),
                 param_gather_bytes=max(c.param_gather_bytes for c in ours),
@@ -787,8 +789,8 @@ def main(argv: list[str] | None = None) -> int:
     moe = bool(shape.num_experts) or shape.mla is not None or shape.hybrid_pattern is not None
     modeled = not (shape.num_experts or shape.mla is not None or args.fsdp or (
         shape.hybrid_pattern is not None and "E" in shape.hybrid_pattern))
-    predicted = (cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout)
-                 if modeled else None)
+    predicted = (cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout,
+                                muonbp is not None and muonbp[1] == "local") if modeled else None)
     planned = (planner_rows(args.model, args.tp, args.pp, args.dp, args.dp_layout, args.fsdp, args.tp_mode)
                if args.tp_mode == "owner" and not moe else None)
     for rank, res in results.items():

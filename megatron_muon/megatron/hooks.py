@@ -351,7 +351,7 @@ def _wrap_save_checkpoint(save_checkpoint):
         # (MuonDistributedOptimizer.sharded_state_dict); asking for it here makes Megatron's own
         # "Storing distributed optimizer sharded state of type ..." line name the format written.
         switch = (getattr(margs, ACTIVE, False) and not margs.dist_ckpt_optim_fully_reshardable
-                  and any(not getattr(o, "packed_like_megatron", True) and not getattr(o, "is_stub_optimizer", False)
+                  and any(getattr(o, "saves_fully_reshardable", False) and not getattr(o, "is_stub_optimizer", False)
                           for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]))
         if switch:
             margs.dist_ckpt_optim_fully_reshardable = True
@@ -561,17 +561,10 @@ def check_balanced_layout_applied(args, config, model_chunks) -> None:
     layout = muon_config_from_args(args).dp_layout
     if not getattr(config, "use_distributed_optimizer", False) or layout not in ("balanced", "priced"):
         return
-    from .layout import BALANCED_MARK
-
-    def marked(module) -> bool:  # DDP -> Float16Module -> the model: the layout marked the one DDP wraps
-        while module is not None:
-            if getattr(module, BALANCED_MARK, False):
-                return True
-            module = getattr(module, "module", None)
-        return False
+    from .layout import laid_out_by_muon
 
     for index, chunk in enumerate(model_chunks):
-        if not marked(chunk):
+        if not laid_out_by_muon(chunk):
             raise UserInputError(
                 f"--muon-dp-layout {layout}: model chunk {index} ({type(chunk).__name__}) was wrapped in DDP "
                 "outside megatron.training's get_model / ModelConfig builders, so its buffers have "

@@ -42,7 +42,7 @@ from .catalogue import is_muon_matrix, layout_of, tag_grouped_experts, tag_qkv
 from .checkpoint import check_saved_extents
 from .report import CHOICE_MARK
 
-__all__ = ["BALANCED_MARK", "balanced_buffer_layouts", "balanced_full_param_layout",
+__all__ = ["BALANCED_MARK", "laid_out_by_muon", "balanced_buffer_layouts", "balanced_full_param_layout",
            "ddp_with_balanced_layout", "megatron_layout_price"]
 
 
@@ -161,6 +161,16 @@ was built on a path the hooks do not reach, so the layout asked for would be sil
 megatron-core's)."""
 
 
+def laid_out_by_muon(module) -> bool:
+    """Whether ``module`` (a DDP chunk, or what it wraps: DDP -> Float16Module -> the model) was laid
+    out by ``balanced_full_param_layout`` (``BALANCED_MARK``), whichever layout it chose."""
+    while module is not None:
+        if getattr(module, BALANCED_MARK, False):
+            return True
+        module = getattr(module, "module", None)
+    return False
+
+
 def ddp_with_balanced_layout(muon_config: MuonConfig):
     """A drop-in for the ``DP`` class Megatron's DDP wrappers construct
     (``training.wrap_model_chunks_with_ddp``, and ``models.dist_utils._ddp_wrap`` of the
@@ -242,4 +252,5 @@ def megatron_layout_price(ddp_config, config, muon_config: MuonConfig, dp_group,
         grad_bytes=4 if ddp_config.grad_reduce_in_fp32 else 2,
         param_bytes=2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4,
         exchange_bytes=muon_config.ns_dtype.itemsize, tp=tp, tp_mode=muon_config.tp_mode,
+        whole_rows=muon_config.muonbp_period is not None and muon_config.muonbp_block == "local",
         overlap_grad_reduce=ddp_config.overlap_grad_reduce, overlap_param_gather=ddp_config.overlap_param_gather)

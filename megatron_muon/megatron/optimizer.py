@@ -48,6 +48,7 @@ from .catalogue import (
 )
 from .checkpoint import MuonCheckpointMixin, check_saved_extents, prepare_for_checkpointing, rechain_loaded_state
 from .cli import muon_config_from_args
+from .layout import laid_out_by_muon
 from .megatron_fsdp import MuonFSDPOptimizer
 from .qk_clip import build_qk_clip
 from .report import print_startup_report
@@ -76,6 +77,12 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
         self.packed_like_megatron = all(packed_in_backprop_order(buffer) for buffer in self.buffers)
         """True when every bucket holds its params back to back in backprop order, padding only at
         its end (megatron-core's own layout): what the ``dp_reshardable`` checkpoint format assumes."""
+        self.saves_fully_reshardable = not self.packed_like_megatron or any(
+            laid_out_by_muon(chunk) for chunk in self.model_chunks)
+        """Saves are written ``fully_reshardable`` whatever was asked: a layout ``dp_reshardable``
+        cannot describe, or any layout ``--muon-dp-layout balanced`` / ``priced`` chose (even one
+        packed as megatron-core packs it), so that its checkpoints reshard as they did when every
+        such layout was whole matrices: across DP, EP and layout changes alike."""
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, sharding_type=None,
                            metadata=None):
@@ -92,10 +99,11 @@ class MuonDistributedOptimizer(MuonCheckpointMixin, DistributedOptimizer):
         if metadata is None:  # Megatron's deprecated sharding_type argument becomes metadata, as upstream reads it
             metadata = {} if sharding_type is None else {"distrib_optim_sharding_type": sharding_type}
         kind = metadata.get("distrib_optim_sharding_type")
-        if kind == "dp_reshardable" and not self.packed_like_megatron and not self.is_stub_optimizer:
-            if is_loading:
+        if kind == "dp_reshardable" and not self.is_stub_optimizer:
+            if is_loading and not self.packed_like_megatron:
                 raise RuntimeError(BALANCED_FROM_DP_RESHARDABLE)  # the preflight says it first (resume_config)
-            metadata["distrib_optim_sharding_type"] = "fully_reshardable"
+            if not is_loading and self.saves_fully_reshardable:
+                metadata["distrib_optim_sharding_type"] = "fully_reshardable"
         if (metadata.get("distrib_optim_sharding_type") == "fully_reshardable" and not is_loading
                 and not self.is_stub_optimizer and self.optimizer.device.type != "cuda"):
             # Megatron's default gather for this format (mem_efficient False:
@@ -123,7 +131,7 @@ class MuonChainedOptimizer(ChainedOptimizer):
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         metadata = kwargs.get("metadata")
         if (not is_loading and metadata is not None and metadata.get("distrib_optim_sharding_type") == "dp_reshardable"
-                and any(not getattr(o, "packed_like_megatron", True) and not getattr(o, "is_stub_optimizer", False)
+                and any(getattr(o, "saves_fully_reshardable", False) and not getattr(o, "is_stub_optimizer", False)
                         for o in self.chained_optimizers)):
             metadata["distrib_optim_sharding_type"] = "fully_reshardable"  # recorded with the checkpoint
         return super().sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)

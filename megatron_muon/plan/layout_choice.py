@@ -104,6 +104,12 @@ class LayoutPrice:
     tp_mode: str | None = None
     """the job's ``--muon-tp-mode``, which the step plan of each candidate is built in (``step_s``);
     None: the closed forms."""
+    whole_rows: bool = False
+    """every cut must fall between two rows of its matrix (``--muonbp-block local``: a block step
+    orthogonalizes each DP rank's own rows, and a row cut in two would be a block of its own): a
+    candidate that cuts a row (megatron-core's packing; the row-aligned one where its buckets are
+    too small to round every shard to the rows) is priced but not chosen, and whole matrices are
+    kept where every candidate does."""
     overlap_grad_reduce: bool = True
     overlap_param_gather: bool = True
 
@@ -170,18 +176,20 @@ def forward_flops(name: str, numel: int, ndim: int, price: LayoutPrice) -> float
 
 def job_price(shape: ModelShape, tp: int, dp: int, hw: Hardware, *, seq: int = 8192, micro_batch: int = 1,
               global_batch_tokens: int = GLOBAL_BATCH_TOKENS, ranks_per_node: int | None = None,
-              overlap_param_gather: bool = True, tp_mode: str | None = None) -> LayoutPrice:
+              overlap_param_gather: bool = True, tp_mode: str | None = None,
+              whole_rows: bool = False) -> LayoutPrice:
     """The ``LayoutPrice`` of a planned job (the dry run, the iteration tables, the cost model):
     ``shape`` at TP × DP on ``hw``, the DP group on Megatron's default rank order
     (``Topology.contiguous``, ``ranks_per_node`` or the profile's), fp32 grad reduction, bf16
-    params and NS, ``--overlap-grad-reduce``; ``tp_mode``: the job's (``LayoutPrice.tp_mode``)."""
+    params and NS, ``--overlap-grad-reduce``; ``tp_mode`` and ``whole_rows``: the job's
+    (``LayoutPrice``'s fields)."""
     # a batch too small for DP x micro-batch still runs one micro-batch per replica (a planning tool's
     # very wide DP); Megatron itself would refuse it
     micro_batches = max(1, global_batch_tokens // seq // (dp * micro_batch))
     topology = Topology.contiguous(dp, tp, ranks_per_node or hw.ranks_per_node)
     return LayoutPrice(micro_batches, seq * micro_batch, topology.dp_spans_nodes, hw,
                        attention_flops(seq, micro_batch, shape.num_heads, shape.head_dim, tp),
-                       tp=tp, tp_mode=tp_mode, overlap_param_gather=overlap_param_gather)
+                       tp=tp, tp_mode=tp_mode, whole_rows=whole_rows, overlap_param_gather=overlap_param_gather)
 
 
 def choose_layout(items: Sequence[LayoutItem], flops: Sequence[float], dp_size: int, bucket_numel: int | None,
@@ -208,7 +216,8 @@ def choose_layout(items: Sequence[LayoutItem], flops: Sequence[float], dp_size: 
                            _ns_s(items, lay, price), None if step_s is None else step_s(lay))
               for name, lay in layouts.items()}
     # min keeps the first of equal totals: CHOICES' order
-    chosen = min(CHOICES, key=lambda name: prices[name].total_s)
+    allowed = [name for name in CHOICES if not price.whole_rows or _cuts_between_rows(items, layouts[name])]
+    chosen = min(allowed or ["whole"], key=lambda name: prices[name].total_s)
     return LayoutChoice(layouts[chosen], chosen, prices["whole"], prices["row-aligned"], prices["megatron"], price)
 
 
@@ -272,6 +281,20 @@ def _ns_s(items: Sequence[LayoutItem], layout: BufferLayout, price: LayoutPrice)
     costs = [items[i].ns_flops for i in muon]
     loads = rank_loads(costs, plan_owners(costs, layout.dp_size, fixed=fixed, prefer=prefer), layout.dp_size)
     return max(loads, default=0.0) / (price.tp * price.hardware.matmul_flops)
+
+
+def _cuts_between_rows(items: Sequence[LayoutItem], layout: BufferLayout) -> bool:
+    """Whether every shard boundary inside a Muon matrix of ``layout`` falls between two of its rows."""
+    for i, it in enumerate(items):
+        if not it.whole or not it.row:
+            continue
+        start, end, b = layout.ranges[i]
+        bucket_start, bucket_end = layout.buckets[b]
+        shard = (bucket_end - bucket_start) // layout.dp_size
+        first = bucket_start + ((start - bucket_start) // shard + 1) * shard
+        if any((boundary - start) % it.row for boundary in range(first, end, shard)):
+            return False
+    return True
 
 
 def _pieces(layout: BufferLayout, i: int) -> dict[int, int]:

@@ -100,7 +100,7 @@ def test_honoured_changes_are_listed(saved, hooks_restored):
                        "--muon-momentum", "0.9")
     assert lines == [
         f"  resume from {root}/ckpt/iter_0000003: changed against the checkpoint's settings:",
-        "    --muon-dp-layout balanced -> megatron: another buffer layout, the same update (the state is read per "
+        "    --muon-dp-layout priced -> megatron: another buffer layout, the same update (the state is read per "
         "param)",
         "    --muon-tp-mode owner -> duplicated: how Newton-Schulz runs only, the same update",
         "    --muonbp-period off -> 2: from the checkpoint's step count t on, a full step when t % 2 == 0",

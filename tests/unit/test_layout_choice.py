@@ -139,3 +139,23 @@ def test_without_megatrons_args_the_adapter_prices_nothing(monkeypatch):
 
     monkeypatch.setattr(global_vars, "_GLOBAL_ARGS", None)
     assert megatron_layout_price(None, None, MuonConfig(dp_layout="priced"), None, None) is None
+
+
+def test_muonbp_local_blocks_keep_every_cut_between_rows():
+    # --muonbp-block local orthogonalizes each DP rank's own rows: at 405B stage 0 megatron-core's packing
+    # and the row-aligned one (22 buckets too small to round every shard to the rows) both cut rows, so
+    # whole matrices stay, as they did before the price (one bucket, the row-aligned fallback packing)
+    shape = next(s for s in LLAMA3.values() if s.name == "llama3-405b")
+    grid = StageGrid(8, 64, 16, 0)
+    params = stage_params(shape, grid)
+    items = buffer_items(params, 8, BufferSettings())
+    price = replace(job_price(shape, 8, 64, H100, tp_mode="owner"), whole_rows=True)
+    flops = [forward_flops(p.name, p.numel, len(p.shape), price) for p in params]
+    c = choose_layout(items, flops, 64, BUCKET(64), price, shard_divisor=shard_divisor(64))
+    assert c.chosen == "whole" and c.megatron.total_s < c.whole.total_s  # priced, not chosen
+    for i, it in enumerate(items):
+        start, end, b = c.layout.ranges[i]
+        lo, hi = c.layout.buckets[b]
+        shard = (hi - lo) // 64
+        cuts = range(lo + ((start - lo) // shard + 1) * shard, end, shard)
+        assert not it.whole or all((cut - start) % it.row == 0 for cut in cuts), i

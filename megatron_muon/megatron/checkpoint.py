@@ -73,9 +73,11 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "BALANCED_MARK",
     "CANONICAL_STATE_KEYS",
     "MuonCheckpointMixin",
     "check_saved_extents",
+    "laid_out_by_muon",
     "load_canonical_state",
     "prepare_for_checkpointing",
     "rechain_loaded_state",
@@ -455,3 +457,20 @@ class MuonCheckpointMixin:
         self._copy_main_params_to_model_params()
         for model_chunk in self.model_chunks:
             model_chunk.start_param_sync(force_sync=True)
+
+
+BALANCED_MARK = "megatron_muon_balanced_layout"
+"""Attribute set (True) on a model chunk (the module DDP wraps) by ``balanced_full_param_layout``;
+the training hooks refuse ``--muon-dp-layout balanced`` when a DDP chunk's module lacks it (its DDP
+was built on a path the hooks do not reach, so the layout asked for would be silently
+megatron-core's)."""
+
+
+def laid_out_by_muon(module) -> bool:
+    """Whether ``module`` (a DDP chunk, or what it wraps: DDP -> Float16Module -> the model) was laid
+    out by ``balanced_full_param_layout`` (``BALANCED_MARK``), whichever layout it chose."""
+    while module is not None:
+        if getattr(module, BALANCED_MARK, False):
+            return True
+        module = getattr(module, "module", None)
+    return False

@@ -561,7 +561,7 @@ def check_balanced_layout_applied(args, config, model_chunks) -> None:
     layout = muon_config_from_args(args).dp_layout
     if not getattr(config, "use_distributed_optimizer", False) or layout not in ("balanced", "priced"):
         return
-    from .layout import laid_out_by_muon
+    from .checkpoint import laid_out_by_muon
 
     for index, chunk in enumerate(model_chunks):
         if not laid_out_by_muon(chunk):

@@ -39,10 +39,10 @@ from ..plan.iteration import attention_flops
 from ..plan.layout_choice import LayoutPrice, choose_layout, forward_flops, step_seconds
 from ..plan.stage_layouts import dp_ranges
 from .catalogue import is_muon_matrix, layout_of, tag_grouped_experts, tag_qkv
-from .checkpoint import check_saved_extents
+from .checkpoint import BALANCED_MARK, check_saved_extents
 from .report import CHOICE_MARK
 
-__all__ = ["BALANCED_MARK", "laid_out_by_muon", "balanced_buffer_layouts", "balanced_full_param_layout",
+__all__ = ["BALANCED_MARK", "balanced_buffer_layouts", "balanced_full_param_layout",
            "ddp_with_balanced_layout", "megatron_layout_price"]
 
 
@@ -152,23 +152,6 @@ def balanced_buffer_layouts(
             num_optimizer_shards=dp,
         ))
     return out
-
-
-BALANCED_MARK = "megatron_muon_balanced_layout"
-"""Attribute set (True) on a model chunk (the module DDP wraps) by ``balanced_full_param_layout``;
-the training hooks refuse ``--muon-dp-layout balanced`` when a DDP chunk's module lacks it (its DDP
-was built on a path the hooks do not reach, so the layout asked for would be silently
-megatron-core's)."""
-
-
-def laid_out_by_muon(module) -> bool:
-    """Whether ``module`` (a DDP chunk, or what it wraps: DDP -> Float16Module -> the model) was laid
-    out by ``balanced_full_param_layout`` (``BALANCED_MARK``), whichever layout it chose."""
-    while module is not None:
-        if getattr(module, BALANCED_MARK, False):
-            return True
-        module = getattr(module, "module", None)
-    return False
 
 
 def ddp_with_balanced_layout(muon_config: MuonConfig):

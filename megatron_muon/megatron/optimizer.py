@@ -46,9 +46,14 @@ from .catalogue import (
     tag_qkv,
     tag_routing,
 )
-from .checkpoint import MuonCheckpointMixin, check_saved_extents, prepare_for_checkpointing, rechain_loaded_state
+from .checkpoint import (
+    MuonCheckpointMixin,
+    check_saved_extents,
+    laid_out_by_muon,
+    prepare_for_checkpointing,
+    rechain_loaded_state,
+)
 from .cli import muon_config_from_args
-from .layout import laid_out_by_muon
 from .megatron_fsdp import MuonFSDPOptimizer
 from .qk_clip import build_qk_clip
 from .report import print_startup_report

@@ -2,7 +2,7 @@
 the refusal of head counts that do not describe the local shard (taken before TP sharding:
 DeepSpeed #8384), and a Llama-3 70B stage planned per head (zero TP bytes for the QKV heads in every
 exact mode). The exactness of the step is checked in ``tests/dist/test_per_head.py`` and on the
-tiny GPT in ``tests/megatron/test_per_head.py``."""
+tiny GPT in ``tests/megatron/test_per_head_training.py``."""
 
 from __future__ import annotations
 

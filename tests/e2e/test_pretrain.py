@@ -154,6 +154,32 @@ def test_moe_demo_config_trains_and_resumes(tmp_path, demo_data):
     assert [int(m) for m in re.findall(r"iteration\s+(\d+)/\s*33", out)] == [31, 32, 33]
 
 
+def test_per_head_demo_config_trains_and_resumes(tmp_path, demo_data):
+    """configs/tiny-cpu-per-head.yaml as a user runs it: TP2, GQA (one query group of 2 heads per TP
+    rank), --muon-split-qkv-per-head under the distributed optimizer. 30 iterations with a save, the
+    loss falling, each layer's QKV as 4 heads of 16 x 64 on every TP rank with no TP traffic (the
+    startup report), then a resume for 3 more through Megatron's loop."""
+    from megatron_muon.megatron.yaml_config import load_yaml_args
+
+    (tmp_path / "data").symlink_to(demo_data)
+    config = load_yaml_args(REPO / "configs" / "tiny-cpu-per-head.yaml")
+    ckpt = str(tmp_path / "ckpt")
+
+    def run(*extra: str) -> str:
+        job = launch([*config, "--save", ckpt, "--load", ckpt, *extra], tmp_path, timeout=400)
+        assert job.returncode == 0, job.out[-6000:]
+        return job.out
+
+    out = run("--train-iters", "30", "--log-interval", "3", "--save-interval", "30", "--eval-iters", "0")
+    assert "4 heads of 16x64 per TP rank" in out and "(per head, no TP traffic)" in out, out[-6000:]
+    losses = [float(m) for m in re.findall(r"lm loss: ([0-9.E+-]+)", out)]
+    assert len(losses) == 11 and losses[-1] < losses[0] - 1.0, losses
+    out = run("--train-iters", "33", "--log-interval", "1", "--eval-iters", "0", "--save-interval", "1000",
+              "--override-opt-param-scheduler")
+    assert re.search(r"loading distributed checkpoint from \S+ at iteration 30", out), out[-4000:]
+    assert [int(m) for m in re.findall(r"iteration\s+(\d+)/\s*33", out)] == [31, 32, 33]
+
+
 def test_fsdp_demo_config_trains_and_resumes(tmp_path, demo_data):
     """configs/tiny-cpu-fsdp.yaml as a user runs it: Megatron-FSDP (optim_grads_params) over 2
     ranks, bf16, its own checkpoint format (fsdp_dtensor). 30 iterations with a save, the loss

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 EXPECTED_CONFIGS = {"tiny-cpu", "gpt-125m-muon", "llama3-8b-tp8-owner", "llama3-8b-tp8-muonbp",
                     "llama3-70b-tp8-pp4-owner", "moe-tiny-cpu", "moonlight-16b-a3b-ep8", "tiny-cpu-fsdp",
-                    "tiny-cpu-fsdp2", "hybrid-tiny-cpu"}
+                    "tiny-cpu-fsdp2", "hybrid-tiny-cpu", "tiny-cpu-per-head"}
 
 
 @pytest.fixture(scope="module")
@@ -371,6 +371,17 @@ def test_fsdp_config_is_what_it_says(installed, monkeypatch):
     assert not args.gradient_reduce_div_fusion and args.distributed_backend == "gloo"
     assert args.save == "checkpoints/tiny-cpu-fsdp" and args.load == args.save
 
+
+
+def test_per_head_config_is_what_it_says(installed, monkeypatch):
+    """The per-head demo: tiny-cpu.yaml with GQA (4 heads in 2 query groups, one group per TP rank at
+    TP2, so every rank holds whole heads) and --muon-split-qkv-per-head, its own checkpoint directory."""
+    _as_on_a_gpu_node(installed, monkeypatch)
+    args = _parse_and_validate(installed, monkeypatch, load_yaml_args(ROOT / "configs" / "tiny-cpu-per-head.yaml"))
+    assert args.muon_split_qkv_per_head and args.muon_split_qkv
+    assert (args.tensor_model_parallel_size, args.num_attention_heads, args.num_query_groups) == (2, 4, 2)
+    assert args.group_query_attention and args.tensor_model_parallel_size <= args.num_query_groups
+    assert args.save == "checkpoints/tiny-cpu-per-head" and args.load == args.save
 
 
 def test_fsdp2_config_is_what_it_says(installed, monkeypatch):

@@ -17,6 +17,7 @@ Runs (each optimizer × each LR of its grid; ``--optimizers`` picks a subset):
     muonbp     --optimizer muon --muon-tp-mode owner --muonbp-period 5   (same lrs as muon)
     muon_gram  --optimizer muon --muon-tp-mode owner --muon-ns-method gram   (not in the default set)
     muon_gram_fp16   the same with --muon-gram-fp16                           (not in the default set)
+    muon_per_head    --optimizer muon --muon-tp-mode owner --muon-split-qkv-per-head   (not in the default set)
 
 all with ``--use-distributed-optimizer``, the same seed (same initial weights, same batches in
 the same order; ``--seeds 1234,1,2`` runs every (optimizer, lr) once per seed, and the tables then
@@ -106,6 +107,8 @@ OPTIMIZERS = {
     "muon_gram": ("Muon, Gram NS", ["--optimizer", "muon", "--muon-tp-mode", "owner", "--muon-ns-method", "gram"]),
     "muon_gram_fp16": ("Muon, Gram NS, fp16 products", ["--optimizer", "muon", "--muon-tp-mode", "owner",
                                                         "--muon-ns-method", "gram", "--muon-gram-fp16"]),
+    "muon_per_head": ("Muon, per-head QKV", ["--optimizer", "muon", "--muon-tp-mode", "owner",
+                                              "--muon-split-qkv-per-head"]),
 }
 DEFAULT_LRS = {
     "adamw": [3e-4, 1e-3, 3e-3],
@@ -114,6 +117,7 @@ DEFAULT_LRS = {
     "muonbp": [3e-4, 1e-3, 3e-3],
     "muon_gram": [3e-4, 1e-3, 3e-3],
     "muon_gram_fp16": [3e-4, 1e-3, 3e-3],
+    "muon_per_head": [3e-4, 1e-3, 3e-3],
 }
 DEFAULT_OPTIMIZERS = ("adamw", "muon", "blockmuon", "muonbp")
 DEFAULT_SEED = 1234  # Megatron's --seed default: the single-seed runs recorded so far used it

@@ -222,7 +222,8 @@ def _hybrid_model(shape: ModelShape, config, vocab: int, device: torch.device, v
 
 def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode: str,
                dp_layout: str = DEFAULT_DP_LAYOUT, ep: int = 1, etp: int | None = None, fsdp: str | None = None,
-               muonbp: tuple | None = None, vpp: int = 1, device: torch.device | None = None):
+               muonbp: tuple | None = None, vpp: int = 1, device: torch.device | None = None, *,
+               per_head: bool = False):
     """Megatron's state, model, DDP (on the ``dp_layout`` buffer layout, as ``--muon-dp-layout``
     gives it) and our optimizer for ``rank``, all on ``device`` (meta; a real device for ``time_rank``:
     the parameters, and Megatron's buffers where it allocates them; None: meta); with ``vpp`` > 1 one model chunk per
@@ -270,6 +271,7 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
     # auto plans for the GPUs the layout is meant for, not the meta device's CPU default
     muon_config = MuonConfig(tp_mode=tp_mode, fp32_matmul_prec="medium", dp_layout=dp_layout,
                              auto_hardware="h100-sxm" if tp_mode == "auto" else "detect",
+                             split_qkv_per_head=per_head,
                              **(dict(muonbp_period=muonbp[0], muonbp_block=muonbp[1]) if muonbp else {}))
     chunks = []
     for vp_stage in (range(vpp) if vpp > 1 else [None]):
@@ -477,10 +479,11 @@ def _pattern(name: str) -> str:
 
 
 def run_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout: str = DEFAULT_DP_LAYOUT, ep: int = 1, etp: int | None = None,
-             fsdp: str | None = None, muonbp: tuple | None = None, vpp: int = 1) -> dict:
+             fsdp: str | None = None, muonbp: tuple | None = None, vpp: int = 1, *, per_head: bool = False) -> dict:
     """Build ``rank`` and run its step(s): the dense optimizer's figures at the top level (as
     for a dense model), the expert optimizer's under ``experts`` (None without experts on the stage)."""
-    parts, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout, ep, etp, fsdp, muonbp, vpp)
+    parts, slot = build_rank(shape, tp, pp, dp, rank, tp_mode, dp_layout, ep, etp, fsdp, muonbp, vpp,
+                             per_head=per_head)
     try:
         recorder = Recorder(parts[0]["inner"].device)
         results = {part["part"]: _step_part(part, recorder) for part in parts}
@@ -720,6 +723,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="MuonBP: the measured step is a full step, and a second, block, step is measured too")
     parser.add_argument("--muonbp-block", default="tp_shard", choices=MUONBP_BLOCKS,
                         help="with --muonbp-period: what the block step orthogonalizes (--muonbp-block)")
+    parser.add_argument("--split-qkv-per-head", action="store_true",
+                        help="--muon-split-qkv-per-head: Q, K and V orthogonalized per head (docs/per_head.md); "
+                             "the cost model and the planner table are not printed (they split per query group)")
     parser.add_argument("--ranks-per-node", type=int, default=8,
                         help="ranks per node, as the launcher's LOCAL_WORLD_SIZE gives it (node = global rank // "
                              "this): the plans' rank map, which decides auto's DP teams (default 8)")
@@ -771,7 +777,8 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     layout = (shape, args.tp, args.pp, args.dp)
     with view_device(torch.device("meta")):  # Megatron's buffers: allocated on meta, not the CPU
-        probe = run_rank(*layout, 0, args.tp_mode, args.dp_layout, args.ep, etp, args.fsdp, muonbp, args.vpp)
+        probe = run_rank(*layout, 0, args.tp_mode, args.dp_layout, args.ep, etp, args.fsdp, muonbp, args.vpp,
+                         per_head=args.split_qkv_per_head)
         moe_stage = first_moe_stage(shape, args.pp) if shape.num_experts else 0
         chosen = choose_ranks(ranks.split(","), args.tp, args.pp, args.dp, probe, moe_stage)
         if not chosen:
@@ -779,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
         results = {0: probe} if 0 in chosen else {}
         for rank in sorted(set(chosen) - set(results)):
             results[rank] = run_rank(*layout, rank, args.tp_mode, args.dp_layout, args.ep, etp, args.fsdp, muonbp,
-                                     args.vpp)
+                                     args.vpp, per_head=args.split_qkv_per_head)
     errors = [f"rank {r}: {e}" for r, res in results.items() for e in res["errors"]]
     errors += cross_rank_errors({r: res["trace"] for r, res in results.items()})
     # the cost model: what plan.stage_params lists (dense GQA GPTs, hybrid models without MoE
@@ -787,12 +794,13 @@ def main(argv: list[str] | None = None) -> int:
     # chunk (the same matrices, one buffer instead of one per chunk).
     # The planner table: dense GQA GPTs.
     moe = bool(shape.num_experts) or shape.mla is not None or shape.hybrid_pattern is not None
-    modeled = not (shape.num_experts or shape.mla is not None or args.fsdp or (
+    # (the cost model's and the planner's stage replay split QKV per query group, not per head)
+    modeled = not (shape.num_experts or shape.mla is not None or args.fsdp or args.split_qkv_per_head or (
         shape.hybrid_pattern is not None and "E" in shape.hybrid_pattern))
     predicted = (cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout,
                                 muonbp is not None and muonbp[1] == "local") if modeled else None)
     planned = (planner_rows(args.model, args.tp, args.pp, args.dp, args.dp_layout, args.fsdp, args.tp_mode)
-               if args.tp_mode == "owner" and not moe else None)
+               if args.tp_mode == "owner" and not moe and not args.split_qkv_per_head else None)
     for rank, res in results.items():
         if planned is not None:
             res["planner_ns_flops"], res["planner_bytes_sent"] = planned[rank]
@@ -803,7 +811,8 @@ def main(argv: list[str] | None = None) -> int:
     wrapper = f"Megatron-FSDP {args.fsdp}" if args.fsdp else f"--muon-dp-layout {args.dp_layout}"
     vpp = f" x VPP{args.vpp}" if args.vpp > 1 else ""
     print(f"Dry run: {args.model}, TP{args.tp} x PP{args.pp}{vpp} x DP{args.dp} ({world} ranks){experts}, "
-          f"tp_mode {args.tp_mode}, {wrapper}, bf16 NS, meta device, fake process group, "
+          f"tp_mode {args.tp_mode}, {wrapper}{', QKV per head' if args.split_qkv_per_head else ''}, bf16 NS, "
+          "meta device, fake process group, "
           f"{args.ranks_per_node} ranks per node\n")
     print("| rank | kinds | TP/DP/PP rank | Muon matrices | cut across DP | DP-owned units "
           "| NS TFLOP (plan) [planner table] "
@@ -855,6 +864,7 @@ def main(argv: list[str] | None = None) -> int:
         for res in results.values():
             res["trace"] = len(res["trace"])
         args.json.write_text(json.dumps(dict(model=args.model, tp=args.tp, pp=args.pp, vpp=args.vpp, dp=args.dp,
+                                             split_qkv_per_head=args.split_qkv_per_head,
                                              ep=args.ep, ranks_per_node=args.ranks_per_node,
                                              etp=etp, tp_mode=args.tp_mode, fsdp=args.fsdp,
                                              dp_layout=None if args.fsdp else args.dp_layout,

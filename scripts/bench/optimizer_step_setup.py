@@ -158,6 +158,9 @@ def build_row(row: Row, shape: ModelShape, tp: int, device, ns_precision: str, o
     opt_config = optimizer_config(row, ns_precision)
     if row.impl == "ours":
         optimizer = get_megatron_muon_optimizer(opt_config, [ddp], muon_config)
+        # a training step that no log reads (megatron.log_stats.plan_next_step): without the norms,
+        # per-class RMS and sampled residuals a logged step adds (the residuals' TP collectives too)
+        muon_inner(optimizer).record_norms = False
     else:
         with fp32_layer_wise_workaround() if row.optimizer_kind == "layerwise" else contextlib.nullcontext():
             optimizer = get_megatron_optimizer(opt_config, [ddp])

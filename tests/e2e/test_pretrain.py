@@ -8,6 +8,7 @@ Two gloo ranks under torchrun (TP=2, the CPU patches, CUDA hidden), a tiny GPT o
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from entry_harness import ITERATION, REPO, TINY, launch, run_tiny
 
@@ -121,21 +122,29 @@ def test_pretrain_with_qk_clip(tmp_path):
     assert [float(u) == 0 for *_, u in norms] == [True, False, False], norms
 
 
+def _config_job(name: str, tmp_path: Path, demo_data: Path, env: dict | None = None):
+    """``run(*extra)``: configs/``name`` as a user runs it (the YAML loader's argv into the entry
+    script) on the demo's data, saving to and loading from one checkpoint directory; its output."""
+    from megatron_muon.megatron.yaml_config import load_yaml_args
+
+    (tmp_path / "data").symlink_to(demo_data)
+    config = load_yaml_args(REPO / "configs" / name)
+    ckpt = str(tmp_path / "ckpt")
+
+    def run(*extra: str) -> str:
+        job = launch([*config, "--save", ckpt, "--load", ckpt, *extra], tmp_path, env=env, timeout=400)
+        assert job.returncode == 0, job.out[-6000:]
+        return job.out
+
+    return run
+
+
 def test_moe_demo_config_trains_and_resumes(tmp_path, demo_data):
     """configs/moe-tiny-cpu.yaml as a user runs it (the YAML loader's argv into the entry script):
     EP2 over 2 ranks, 4 experts top-2, QK-clip on, on the demo's byte-level data. 30 iterations
     with a save, then a resume for 3 more through Megatron's loop (both optimizers of the chain,
     the expert one's state in its own buffers)."""
-    from megatron_muon.megatron.yaml_config import load_yaml_args
-
-    (tmp_path / "data").symlink_to(demo_data)
-    config = load_yaml_args(REPO / "configs" / "moe-tiny-cpu.yaml")
-    ckpt = str(tmp_path / "ckpt")
-
-    def run(*extra: str) -> str:
-        job = launch([*config, "--save", ckpt, "--load", ckpt, *extra], tmp_path, timeout=400)
-        assert job.returncode == 0, job.out[-6000:]
-        return job.out
+    run = _config_job("moe-tiny-cpu.yaml", tmp_path, demo_data)
 
     # tau 0.2 (the config's 1.0 is for its 200 iterations): this model's logits start near 0.1
     # and pass 0.2 within these 30 steps, so the clip has to act
@@ -159,16 +168,7 @@ def test_per_head_demo_config_trains_and_resumes(tmp_path, demo_data):
     rank), --muon-split-qkv-per-head under the distributed optimizer. 30 iterations with a save, the
     loss falling, each layer's QKV as 4 heads of 16 x 64 on every TP rank with no TP traffic (the
     startup report), then a resume for 3 more through Megatron's loop."""
-    from megatron_muon.megatron.yaml_config import load_yaml_args
-
-    (tmp_path / "data").symlink_to(demo_data)
-    config = load_yaml_args(REPO / "configs" / "tiny-cpu-per-head.yaml")
-    ckpt = str(tmp_path / "ckpt")
-
-    def run(*extra: str) -> str:
-        job = launch([*config, "--save", ckpt, "--load", ckpt, *extra], tmp_path, timeout=400)
-        assert job.returncode == 0, job.out[-6000:]
-        return job.out
+    run = _config_job("tiny-cpu-per-head.yaml", tmp_path, demo_data)
 
     out = run("--train-iters", "30", "--log-interval", "3", "--save-interval", "30", "--eval-iters", "0")
     assert "4 heads of 16x64 per TP rank" in out and "(per head, no TP traffic)" in out, out[-6000:]
@@ -185,18 +185,8 @@ def test_fsdp_demo_config_trains_and_resumes(tmp_path, demo_data):
     ranks, bf16, its own checkpoint format (fsdp_dtensor). 30 iterations with a save, the loss
     falling (6.02 -> 3.64 measured), a QKV of each layer cut between the ranks (the startup
     report), then a resume for 3 more through Megatron's loop."""
-    from megatron_muon.megatron.yaml_config import load_yaml_args
-
-    (tmp_path / "data").symlink_to(demo_data)
-    config = load_yaml_args(REPO / "configs" / "tiny-cpu-fsdp.yaml")
-    ckpt = str(tmp_path / "ckpt")
-
-    def run(*extra: str) -> str:
-        # no CUDA_DEVICE_MAX_CONNECTIONS=1: Megatron-FSDP refuses it
-        job = launch([*config, "--save", ckpt, "--load", ckpt, *extra], tmp_path,
-                     env=dict(CUDA_DEVICE_MAX_CONNECTIONS=None), timeout=400)
-        assert job.returncode == 0, job.out[-6000:]
-        return job.out
+    # no CUDA_DEVICE_MAX_CONNECTIONS=1: Megatron-FSDP refuses it
+    run = _config_job("tiny-cpu-fsdp.yaml", tmp_path, demo_data, env=dict(CUDA_DEVICE_MAX_CONNECTIONS=None))
 
     out = run("--train-iters", "30", "--log-interval", "3", "--save-interval", "30", "--eval-iters", "0")
     assert "Megatron-FSDP optim_grads_params layout" in out and "2 of 8 matrices cut across DP ranks" in out

@@ -12,7 +12,8 @@ owner and back every step: megatron-core's own packing (``megatron_packing``), a
 (which a MuonBP local block step and a resharded checkpoint read in whole rows, but which can cut
 more matrices: 80 of 128 where megatron-core's cuts 65 at Llama-3 8B TP8 × DP8). Each is priced
 in seconds on the hardware profile and the cheapest wins (ties in the order whole, megatron,
-row-aligned: fewer bytes moved, then megatron-core's own layout and checkpoint format):
+row-aligned: fewer bytes moved, then megatron-core's own layout; with ``LayoutPrice.whole_rows``,
+``--muonbp-block local``, a candidate that cuts a row is priced but not chosen):
 
     price = exposed DDP communication of its buckets  +  the optimizer's Muon step on it
 
@@ -41,7 +42,7 @@ Newton–Schulz on its busiest DP rank.
   ``tp`` TP ranks, at the profile's GEMM rate. The step runs it after the backward and before
   the next forward's all-gather, so none of it is hidden on the first stage. An even TP spread
   is the planner's best case (``auto`` spreads a DP rank's matrices over its TP ranks by FLOPs);
-  both candidates are priced alike, so what it leaves out shifts both.
+  every candidate is priced alike, so what it leaves out shifts them all.
 
 Deterministic: every DP rank calls ``choose_layout`` on the same items and the same
 ``LayoutPrice`` (sizes, flags, one hardware profile) and gets the same layout; no process group.

@@ -333,3 +333,16 @@ class WorldsOnDemand(dict):
     def __missing__(self, world: int):
         self[world] = value = self._start(world)
         return value
+
+
+def grid_groups(rank: int, world: int, tp: int):
+    """``(tp_rank, dp_rank, tp_group, dp_group)`` of ``rank`` on Megatron's grid: TP groups are
+    consecutive ranks, DP groups stride by ``tp``. Every rank makes every group, in one order (as
+    ``parallel_state`` does), so it is called by all ranks of the world alike."""
+    import torch.distributed as dist
+
+    dp = world // tp
+    tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
+    dp_groups = [dist.new_group(list(range(j, world, tp))) for j in range(tp)]
+    tp_rank, dp_rank = rank % tp, rank // tp
+    return tp_rank, dp_rank, tp_groups[dp_rank], dp_groups[tp_rank]

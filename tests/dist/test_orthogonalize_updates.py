@@ -13,17 +13,15 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_harness import run_world
-from step_harness import run_step
+from dist_harness import grid_groups, run_world
 from matrix_harness import expected_bound, expected_local, global_matrix, layouts, tp_local
+from step_harness import run_step
 
 from megatron_muon import comm_stats, ns_flops
 from megatron_muon.plan.hardware import CPU_GLOO
 from megatron_muon.plan.owners import plan_unit_owners
 from megatron_muon.plan.step_plan import PlanSettings, build_step_plan
 from megatron_muon.plan.units import split_units
-
 
 # auto on a compute-bound machine (the CPU profile with slow GEMMs and no per-call latencies): the
 # split sub-matrices then cost the same rank-seconds wide as narrow and run distributed, the
@@ -39,11 +37,7 @@ AUTO_HARDWARE = dataclasses.replace(CPU_GLOO, name="compute-bound", matmul_flops
 
 def _worker(rank: int, world: int, tp: int) -> dict:
     dp = world // tp
-    # Megatron's grid: TP groups are consecutive ranks, DP groups stride by tp.
-    tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
-    dp_groups = [dist.new_group(list(range(j, world, tp))) for j in range(tp)]
-    tp_rank, dp_rank = rank % tp, rank // tp
-    tp_group, dp_group = tp_groups[dp_rank], dp_groups[tp_rank]
+    tp_rank, dp_rank, tp_group, dp_group = grid_groups(rank, world, tp)
     results = {}
     for cut in (True, False):
         lays = layouts(tp, dp, cut)
@@ -184,9 +178,7 @@ def test_plain_ddp_owner_runs_each_matrix_once(world):
 
 def _rounds_worker(rank: int, world: int, tp: int) -> dict:
     dp = world // tp
-    tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
-    dp_groups = [dist.new_group(list(range(j, world, tp))) for j in range(tp)]
-    tp_rank, dp_rank = rank % tp, rank // tp
+    tp_rank, dp_rank, tp_group, dp_group = grid_groups(rank, world, tp)
     lays = layouts(tp, dp, cut=True)
     pieces = []
     for i, lay in enumerate(lays):
@@ -195,8 +187,8 @@ def _rounds_worker(rank: int, world: int, tp: int) -> dict:
     out = {}
     for bucket_bytes in (1, 2**30):  # one matrix per exchange round, or a single round
         with comm_stats() as stats:
-            result = run_step(pieces, lays, tp_mode="owner", dp_group=dp_groups[tp_rank],
-                                           tp_group=tp_groups[dp_rank], ns_dtype=torch.float32,
+            result = run_step(pieces, lays, tp_mode="owner", dp_group=dp_group,
+                                           tp_group=tp_group, ns_dtype=torch.float32,
                                            coefficients="jordan", bucket_bytes=bucket_bytes)
         out[bucket_bytes] = (result, stats.ns_flops)
     return out

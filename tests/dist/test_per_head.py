@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
-from dist_harness import run_world
+from dist_harness import grid_groups, run_world
 from rounding_bounds import ns_bound
 
 from megatron_muon import comm_stats, newton_schulz
@@ -114,10 +113,8 @@ def _settings(mode: str) -> PlanSettings:
 
 def _worker(rank: int, world: int, tp: int) -> dict:
     dp = world // tp
-    tp_groups = [dist.new_group(list(range(d * tp, (d + 1) * tp))) for d in range(dp)]
-    dp_groups = [dist.new_group(list(range(j, world, tp))) for j in range(tp)]
-    tp_rank, dp_rank = rank % tp, rank // tp
-    groups = StepGroups(dp_groups[tp_rank], tp_groups[dp_rank])
+    tp_rank, dp_rank, tp_group, dp_group = grid_groups(rank, world, tp)
+    groups = StepGroups(dp_group, tp_group)
     out = {}
     for cut in (True, False):
         lays = model_layouts(tp, dp, cut)

@@ -31,6 +31,8 @@ planner-table row (GPT shapes only).
 MoE models (``--ep``, ``--etp``; issue 14): megatron-core's MoE layers (local spec,
 ``SequentialMLP``) on Megatron's expert-parallel groups; both optimizers of the chain (dense, and
 experts over the expert-DP and expert-TP groups) step, and each is measured and checked apart.
+The cost model prices both plans (``plan.stage_params`` lists the experts and MLA's projections;
+``plan.stage_layouts`` lays out the experts' own buffer).
 
 Megatron-FSDP (``--fsdp STRATEGY``, issue 15; dense models): Megatron-FSDP's
 ``FullyShardedDataParallel`` (its own buckets and equal DP shards, device meta) wraps the model
@@ -614,25 +616,32 @@ def layout_price(shape: ModelShape, tp: int, dp: int, tp_mode: str, whole_rows: 
 
 
 def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str,
-                   dp_layout: str = DEFAULT_DP_LAYOUT, whole_rows: bool = False) -> dict:
+                   dp_layout: str = DEFAULT_DP_LAYOUT, whole_rows: bool = False, ep: int = 1,
+                   etp: int | None = None) -> dict:
     """The cost model on the same layout, every pipeline stage priced (``step_cost.optimizer_step_cost``:
     the plan of the stage's real layouts, the road ``plan.stage_layouts`` shares with this run, with
     DDP's default bucket on the first stage), h100-sxm constants: the busiest stage's NS FLOPs and
-    Muon exchange bytes (the plans' own figures), Megatron's param all-gather apart, and the
-    predicted step of the slowest stage for ours and for Adam's distributed optimizer."""
+    Muon exchange bytes (the plans' own figures; the expert optimizer's apart), Megatron's param
+    all-gather apart, and the predicted step of the slowest stage for ours and for Adam's
+    distributed optimizer."""
     from megatron_muon.plan.hardware import GPU_PROFILES
     from megatron_muon.plan.step_cost import optimizer_step_cost
 
     hw = GPU_PROFILES["h100-sxm"]
+    grid = dict(tp=tp, dp=dp, pp=pp, hw=hw, ep=ep, etp=etp)
     ours, adam = [], []
     for stage in range(pp):
-        ours.append(optimizer_step_cost(shape, optimizer="ours", tp=tp, dp=dp, pp=pp, hw=hw, tp_mode=tp_mode,
-                                        dp_layout=dp_layout, bucket_numel=max(40_000_000, 1_000_000 * dp),
-                                        stage=stage, layout_price=layout_price(shape, tp, dp, tp_mode, whole_rows)))
-        adam.append(optimizer_step_cost(shape, optimizer="adam", tp=tp, dp=dp, pp=pp, hw=hw, stage=stage))
-    return dict(ns_flops_max=max(c.ns_flops_max for c in ours), bytes_sent_max=max(c.bytes_sent_max for c in ours),
-                param_gather_bytes=max(c.param_gather_bytes for c in ours),
-                step_ms_h100=max(c.total_s for c in ours) * 1e3, adam_step_ms_h100=max(c.total_s for c in adam) * 1e3)
+        ours.append(optimizer_step_cost(shape, optimizer="ours", tp_mode=tp_mode, dp_layout=dp_layout,
+                                        bucket_numel=max(40_000_000, 1_000_000 * dp), stage=stage,
+                                        layout_price=layout_price(shape, tp, dp, tp_mode, whole_rows), **grid))
+        adam.append(optimizer_step_cost(shape, optimizer="adam", stage=stage, **grid))
+    row = dict(ns_flops_max=max(c.ns_flops_max for c in ours), bytes_sent_max=max(c.bytes_sent_max for c in ours),
+               param_gather_bytes=max(c.param_gather_bytes for c in ours),
+               step_ms_h100=max(c.total_s for c in ours) * 1e3, adam_step_ms_h100=max(c.total_s for c in adam) * 1e3)
+    if shape.num_experts:
+        row.update(expert_ns_flops_max=max(c.expert_ns_flops_max for c in ours),
+                   expert_bytes_sent_max=max(c.expert_bytes_sent_max for c in ours))
+    return row
 
 
 def planner_rows(model: str, tp: int, pp: int, dp: int, dp_layout: str, fsdp: str | None, tp_mode: str
@@ -789,16 +798,16 @@ def main(argv: list[str] | None = None) -> int:
                                      args.vpp, per_head=args.split_qkv_per_head)
     errors = [f"rank {r}: {e}" for r, res in results.items() for e in res["errors"]]
     errors += cross_rank_errors({r: res["trace"] for r, res in results.items()})
-    # the cost model: what plan.stage_params lists (dense GQA GPTs, hybrid models without MoE
-    # layers) on DDP's buffer layouts; with a virtual pipeline it prices the stage's layers as one
-    # chunk (the same matrices, one buffer instead of one per chunk).
-    # The planner table: dense GQA GPTs.
+    # the cost model: what plan.stage_params lists (GPTs with GQA or MLA, dense or MoE; hybrid
+    # models without MoE layers) on DDP's buffer layouts, the experts' buffer apart; with a virtual
+    # pipeline it prices the stage's layers as one chunk (the same matrices, one buffer instead of
+    # one per chunk). The planner table: dense GQA GPTs.
     moe = bool(shape.num_experts) or shape.mla is not None or shape.hybrid_pattern is not None
     # (the cost model's and the planner's stage replay split QKV per query group, not per head)
-    modeled = not (shape.num_experts or shape.mla is not None or args.fsdp or args.split_qkv_per_head or (
+    modeled = not (args.fsdp or args.split_qkv_per_head or (
         shape.hybrid_pattern is not None and "E" in shape.hybrid_pattern))
     predicted = (cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout,
-                                muonbp is not None and muonbp[1] == "local") if modeled else None)
+                                muonbp is not None and muonbp[1] == "local", args.ep, etp) if modeled else None)
     planned = (planner_rows(args.model, args.tp, args.pp, args.dp, args.dp_layout, args.fsdp, args.tp_mode)
                if args.tp_mode == "owner" and not moe and not args.split_qkv_per_head else None)
     for rank, res in results.items():
@@ -854,7 +863,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{predicted['bytes_sent_max'] / 2**20:.1f} MiB sent by Muon (Megatron's param all-gather: "
               f"{predicted['param_gather_bytes'] / 2**20:.1f} MiB), step {predicted['step_ms_h100']:.1f} ms; Adam's "
               f"distributed optimizer on the same layout {predicted['adam_step_ms_h100']:.1f} ms (Muon adds "
-              f"{predicted['step_ms_h100'] - predicted['adam_step_ms_h100']:.1f} ms).")
+              f"{predicted['step_ms_h100'] - predicted['adam_step_ms_h100']:.1f} ms)"
+              + (f"; the experts' plan: NS {predicted['expert_ns_flops_max'] / 1e12:.2f} TFLOP, "
+                 f"{predicted['expert_bytes_sent_max'] / 2**20:.1f} MiB sent"
+                 if "expert_ns_flops_max" in predicted else "") + ".")
     print(f"Checked {sum(len(r['trace']) for r in results.values())} collectives on {len(results)} ranks: "
           f"{'all on the step device, sizes consistent' if not errors else f'{len(errors)} problems'}; "
           f"{time.perf_counter() - started:.1f} s.")

@@ -16,8 +16,10 @@ The road from a model to its plan, without building the model (``stage_params`` 
    by ``param_marks.matrix_layout``, the function ``catalogue.layout_of`` calls.
 
 The bucket size follows DDP's own rule: the given size on the first pipeline stage, one bucket on
-the others. A stage's dense params share one buffer (one dtype; expert-parallel buffers are not
-described). ``tests/megatron/test_stage_layouts.py`` compares every step with the real DDP's and
+the others. A stage's dense params share one buffer (one dtype); its experts' weights, where
+megatron-core gives them their own (``StageParam.expert_parallel``), share a second, laid out the
+same way over the expert-DP group with the expert TP size (``StageLayouts.experts``). As the
+Megatron adapter, ``priced`` prices the dense buffer only and keeps the experts' whole. ``tests/megatron/test_stage_layouts.py`` compares every step with the real DDP's and
 the real catalogue's on models megatron-core builds. Pure: no torch, no Megatron.
 """
 
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.matrix_layout import MatrixLayout
 from ..core.models import ModelShape
@@ -94,6 +96,9 @@ class StageLayouts:
     """where each param lies (``ranges`` in the order of ``params``), the buckets."""
     matrices: tuple[MatrixLayout, ...]
     """the Muon matrices with every DP rank's range, in the catalogue's order."""
+    experts: StageLayouts | None = None
+    """the expert-parallel buffer's params, buffer and matrices (over the expert-DP group, TP-cut
+    over expert TP: ``StageGrid.expert_grid``); None where the stage has none."""
 
 
 def shard_divisor(dp: int) -> int:
@@ -165,10 +170,20 @@ def whole_layouts(params: Sequence[StageParam], tp: int,
 
 
 def stage_layouts(model: ModelShape, grid: StageGrid, settings: BufferSettings = BufferSettings()) -> StageLayouts:
-    """``model``'s stage ``grid.stage`` on one TP rank, laid out as the optimizer finds it."""
-    params = stage_params(model, grid)
+    """``model``'s stage ``grid.stage`` on one TP rank, laid out as the optimizer finds it: its dense
+    buffer, and its expert-parallel buffer in ``experts``."""
+    every = stage_params(model, grid)
+    params = tuple(p for p in every if not p.expert_parallel)
     buffer = buffer_layout(params, grid, settings)
-    return StageLayouts(params, buffer, zero1_layouts(params, buffer, grid.tp, settings.splits))
+    experts = None
+    if len(params) < len(every):
+        expert_params = tuple(p for p in every if p.expert_parallel)
+        expert_grid = grid.expert_grid
+        # the adapter prices dense buffers only (megatron.layout.balanced_buffer_layouts): whole experts
+        expert_buffer = buffer_layout(expert_params, expert_grid, replace(settings, price=None))
+        experts = StageLayouts(expert_params, expert_buffer,
+                               zero1_layouts(expert_params, expert_buffer, expert_grid.tp, settings.splits))
+    return StageLayouts(params, buffer, zero1_layouts(params, buffer, grid.tp, settings.splits), experts)
 
 
 def _layout(p: StageParam, tp: int, splits: RowSplits, ranges=None) -> MatrixLayout:

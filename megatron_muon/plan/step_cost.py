@@ -28,12 +28,12 @@ from .layout_choice import LayoutPrice
 from .owners import plan_owners
 from .param_marks import DEFAULT_SPLITS, RowSplits
 from .pricing import plan_cost
-from .stage_layouts import DEFAULT_DP_LAYOUT, BufferSettings, buffer_layout, stage_layouts, whole_layouts
-from .stage_params import StageGrid, stage_params
+from .stage_layouts import DEFAULT_DP_LAYOUT, BufferSettings, StageLayouts, buffer_layout, stage_layouts, whole_layouts
+from .stage_params import StageGrid, StageParam, stage_params
 from .step_plan import PlanSettings, StepPlan, build_step_plan
 from .topology import Topology
 
-__all__ = ["MEGATRON_SPLITS", "OPTIMIZERS", "StepCost", "optimizer_step_cost", "stage_plan"]
+__all__ = ["MEGATRON_SPLITS", "OPTIMIZERS", "StepCost", "group_topology", "optimizer_step_cost", "stage_plan"]
 
 
 OPTIMIZERS = ("ours", "megatron-muon", "megatron-layerwise", "adam")
@@ -70,14 +70,35 @@ class StepCost(Cost):
     param_gather_bytes: float = 0.0
     """bytes the busiest rank sends in Megatron's param all-gather after the step (ZeRO-1's, or
     the layer-wise optimizer's), in none of the figures above."""
+    expert_ns_flops_max: float = 0.0
+    """the expert optimizer's plan's ``max(ns_flops)`` (0 without an expert-parallel buffer)."""
+    expert_bytes_sent_max: float = 0.0
+    """the expert optimizer's plan's ``max(bytes_sent)``: its expert-DP owner exchange and expert-TP mode."""
 
 
 def stage_plan(model: ModelShape, grid: StageGrid, settings: PlanSettings,
-               buffer: BufferSettings | None = None) -> StepPlan:
+               buffer: BufferSettings | None = None, *, experts: bool = False) -> StepPlan | None:
     """The plan ``MuonDistributedOptimizer`` builds for stage ``grid.stage`` (``stage_layouts``
-    on ``buffer``'s layout, default ``BufferSettings()``, then ``build_step_plan``)."""
+    on ``buffer``'s layout, default ``BufferSettings()``, then ``build_step_plan``): the dense
+    optimizer's, or with ``experts`` the expert optimizer's (None where the stage has no
+    expert-parallel buffer)."""
     laid = stage_layouts(model, grid, buffer or BufferSettings())
+    if experts:
+        if laid.experts is None:
+            return None
+        grid, laid = grid.expert_grid, laid.experts
     return build_step_plan(laid.matrices, dp_size=grid.dp, tp_size=grid.tp, settings=settings)
+
+
+@dataclass(frozen=True)
+class _Group:
+    """One of the stage's optimizers' params: the dense ones, or the expert-parallel ones (their own
+    DDP buffer and optimizer, over expert TP × expert DP)."""
+
+    params: tuple[StageParam, ...]
+    grid: StageGrid
+    laid: StageLayouts | None
+    """ours: the group as the optimizer finds it; None for the other optimizers."""
 
 
 def optimizer_step_cost(
@@ -95,9 +116,11 @@ def optimizer_step_cost(
     bucket_numel: int | None = None,
     stage: int = 0,
     layout_price: LayoutPrice | None = None,
+    ep: int = 1,
+    etp: int | None = None,
 ) -> StepCost:
     """Predicted ``optimizer.step()`` time on the busiest rank of pipeline stage ``stage`` of a
-    TP × DP × PP layout of ``model``.
+    TP × DP × PP layout of ``model`` (with experts: EP × expert TP ``etp``, default ``tp``).
 
     ``tp_mode`` is the Muon TP mode (``--muon-tp-mode``, one of ``step_plan.TP_MODES``; required for
     the Muon optimizers, unused for adam; ``auto`` plans on ``hw``, as the optimizer does). Ours:
@@ -108,23 +131,36 @@ def optimizer_step_cost(
     ``layout_price``: the job's price inputs, with which ``dp_layout`` ``priced`` is the layout
     ``layout_choice.choose_layout`` chooses, as the Megatron adapter lays it out under Megatron's
     args (``layout_choice.job_price``); None: whole matrices.
+
+    A stage with an expert-parallel buffer steps two optimizers, one after the other (Megatron's
+    ``ChainedOptimizer``): the dense one over TP × DP, the experts' over expert TP × expert DP.
+    Their seconds add; ``ns_flops_max`` / ``bytes_sent_max`` are the dense plan's and
+    ``expert_ns_flops_max`` / ``expert_bytes_sent_max`` the expert plan's, each the busiest rank
+    of its own group (what the dry run's ``summary.dense`` and ``summary.experts`` report).
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer_step_cost: optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
     if optimizer != "adam" and tp_mode is None:
         raise ValueError(f"optimizer_step_cost: optimizer {optimizer!r} needs a tp_mode (--muon-tp-mode)")
-    grid = StageGrid(tp, dp, pp, stage)
+    grid = StageGrid(tp, dp, pp, stage, ep, etp)
     ours = optimizer == "ours"
     ns = ns if ours else dataclasses.replace(ns, method="standard", gram_dtype=None)
     settings = BufferSettings(dp_layout if ours else "megatron", bucket_numel,
                               DEFAULT_SPLITS if ours else MEGATRON_SPLITS, ns, price=layout_price if ours else None)
     # ours: the stage as the optimizer finds it; the others: its params (Adam's buffer: megatron-core's)
-    laid = stage_layouts(model, grid, settings) if ours else None
-    params = laid.params if ours else stage_params(model, grid)
-    muon = [p for p in params if p.is_muon]
-    muon_local, adam_local = sum(p.numel for p in muon), sum(p.numel for p in params if not p.is_muon)
-    adam_tensors = len(params) - len(muon)
-    dp_spans_nodes = Topology.contiguous(dp, tp, hw.ranks_per_node).dp_spans_nodes  # Megatron's order, TP fastest
+    if ours:
+        laid = stage_layouts(model, grid, settings)
+        groups = [_Group(laid.params, grid, laid)]
+        if laid.experts is not None:
+            groups.append(_Group(laid.experts.params, grid.expert_grid, laid.experts))
+    else:
+        every = stage_params(model, grid)
+        groups = [_Group(tuple(p for p in every if not p.expert_parallel), grid, None)]
+        if any(p.expert_parallel for p in every):
+            if optimizer == "megatron-layerwise":
+                raise NotImplementedError("optimizer_step_cost: megatron-layerwise with an expert-parallel buffer "
+                                          "is not modelled")
+            groups.append(_Group(tuple(p for p in every if p.expert_parallel), grid.expert_grid, None))
     cost = Cost()
 
     def elementwise(label: str, nbytes: float, kernels: int) -> None:
@@ -132,41 +168,71 @@ def optimizer_step_cost(
         seconds = memory_time(nbytes, kernels, hw)
         cost += Cost(memory_s=seconds, parts=Counter({label: seconds}))
 
-    plan = None
-    if optimizer == "adam":
-        elementwise("adam", (muon_local + adam_local) / dp * _ADAM_BYTES, len(params) * _ADAM_KERNELS)
-    else:
-        sharded_state = optimizer != "megatron-muon"  # DDP Muon: every DP rank updates everything
-        shard = dp if sharded_state else 1
-        elementwise("muon elementwise", muon_local / shard * _MUON_BYTES(ns.dtype_bytes), len(muon) * _MUON_KERNELS)
-        elementwise("adam", adam_local / shard * _ADAM_BYTES, adam_tensors * _ADAM_KERNELS)
-        # ours on the buffer's DP ranges; megatron-core's Muon under plain DDP on whole matrices, every
-        # DP rank alike (DP 1); its layer-wise optimizer on whole matrices, each on one DP home
-        matrices = laid.matrices if ours else whole_layouts(params, tp, settings.splits)
-        plan_dp = 1 if optimizer == "megatron-muon" else dp
-        # the profile's ranks per node in every mode
-        plan = build_step_plan(matrices, dp_size=plan_dp, tp_size=tp, settings=PlanSettings(tp_mode, ns, hardware=hw))
-        cost += plan_cost(plan, hw, batched=ours)  # megatron-core's Muon: one NS call per matrix
-    if clip_grad:
-        shard = 1 if optimizer == "megatron-muon" else dp
-        elementwise("grad norm + clip", (muon_local + adam_local) / shard * _NORM_BYTES, len(params) * _NORM_KERNELS)
-        cost += collective_cost("all_reduce", 0.0, 1, tp * dp * pp, hw, None, scalars=True)
+    plans: list[StepPlan | None] = []
     gather = 0.0
-    if dp > 1 and optimizer in ("ours", "adam"):
-        # ZeRO-1: every rank's shard of the updated params (padding included) is all-gathered
-        buffer = laid.buffer if ours else buffer_layout(params, grid, settings)
-        gather = buffer.numel / dp * _GATHER_BYTES * (dp - 1)
-    if dp > 1 and optimizer == "megatron-layerwise":
-        # Adam params through a distributed optimizer, Muon params gathered from their DP homes
-        # (padded to the largest home's size)
-        homes = _dp_homes(whole_layouts(params, tp, MEGATRON_SPLITS), dp, ns)
-        largest = max(sum(muon[i].numel for i in home) for home in homes)
-        gather = (adam_local / dp + largest) * _GATHER_BYTES * (dp - 1)
-    if gather:
-        cost += collective_cost("all_gather", gather, 1, dp, hw, dp_spans_nodes)
+    for group in groups:
+        params, g = group.params, group.grid
+        muon = [p for p in params if p.is_muon]
+        muon_local, adam_local = sum(p.numel for p in muon), sum(p.numel for p in params if not p.is_muon)
+        plan = None
+        if optimizer == "adam":
+            elementwise("adam", (muon_local + adam_local) / g.dp * _ADAM_BYTES, len(params) * _ADAM_KERNELS)
+        else:
+            shard = 1 if optimizer == "megatron-muon" else g.dp  # DDP Muon: every DP rank updates everything
+            elementwise("muon elementwise", muon_local / shard * _MUON_BYTES(ns.dtype_bytes),
+                        len(muon) * _MUON_KERNELS)
+            elementwise("adam", adam_local / shard * _ADAM_BYTES, (len(params) - len(muon)) * _ADAM_KERNELS)
+            # ours on the buffer's DP ranges; megatron-core's Muon under plain DDP on whole matrices, every
+            # DP rank alike (DP 1); its layer-wise optimizer on whole matrices, each on one DP home
+            matrices = group.laid.matrices if ours else whole_layouts(params, g.tp, settings.splits)
+            plan_dp = 1 if optimizer == "megatron-muon" else g.dp
+            # the profile's ranks per node in every mode
+            topology = group_topology(grid, experts=g is not grid, ranks_per_node=hw.ranks_per_node)
+            plan = build_step_plan(matrices, dp_size=plan_dp, tp_size=g.tp,
+                                   settings=PlanSettings(tp_mode, ns, hardware=hw,
+                                                         topology=topology if plan_dp == g.dp else None))
+            cost += plan_cost(plan, hw, batched=ours)  # megatron-core's Muon: one NS call per matrix
+        plans.append(plan)
+        if clip_grad:
+            shard = 1 if optimizer == "megatron-muon" else g.dp
+            elementwise("grad norm + clip", (muon_local + adam_local) / shard * _NORM_BYTES,
+                        len(params) * _NORM_KERNELS)
+        group_gather = 0.0
+        if g.dp > 1 and optimizer in ("ours", "adam"):
+            # ZeRO-1: every rank's shard of the updated params (padding included) is all-gathered
+            buffer = group.laid.buffer if ours else buffer_layout(params, g, settings)
+            group_gather = buffer.numel / g.dp * _GATHER_BYTES * (g.dp - 1)
+        if g.dp > 1 and optimizer == "megatron-layerwise":
+            # Adam params through a distributed optimizer, Muon params gathered from their DP homes
+            # (padded to the largest home's size)
+            homes = _dp_homes(whole_layouts(params, g.tp, MEGATRON_SPLITS), g.dp, ns)
+            largest = max(sum(muon[i].numel for i in home) for home in homes)
+            group_gather = (adam_local / g.dp + largest) * _GATHER_BYTES * (g.dp - 1)
+        if group_gather:  # over the group's DP ranks, where Megatron's grid puts them
+            spans = group_topology(grid, experts=g is not grid, ranks_per_node=hw.ranks_per_node).dp_spans_nodes
+            cost += collective_cost("all_gather", group_gather, 1, g.dp, hw, spans)
+            gather += group_gather
+    if clip_grad:  # one scalar all-reduce for the grad norm, whatever the groups
+        cost += collective_cost("all_reduce", 0.0, 1, tp * dp * pp, hw, None, scalars=True)
+    dense = plans[0]
+    expert = plans[1] if len(plans) > 1 else None
     return StepCost(cost.compute_s, cost.comm_s, cost.memory_s,
-                    max(plan.bytes_sent, default=0) if plan is not None else 0.0,
-                    max(plan.ns_flops, default=0) if plan is not None else 0.0, cost.parts, param_gather_bytes=gather)
+                    max(dense.bytes_sent, default=0) if dense is not None else 0.0,
+                    max(dense.ns_flops, default=0) if dense is not None else 0.0, cost.parts,
+                    param_gather_bytes=gather,
+                    expert_ns_flops_max=max(expert.ns_flops, default=0) if expert is not None else 0.0,
+                    expert_bytes_sent_max=max(expert.bytes_sent, default=0) if expert is not None else 0.0)
+
+
+def group_topology(grid: StageGrid, *, experts: bool, ranks_per_node: int) -> Topology:
+    """Where a stage's DP × TP positions of one optimizer live on Megatron's default rank order,
+    the stage's first rank at 0: the dense optimizer's TP fastest, then DP
+    (``Topology.contiguous``); the expert optimizer's (EP rank 0's) expert TP fastest, then EP,
+    then expert DP (megatron-core's expert grid), so expert-DP peers stand EP × expert TP apart."""
+    if not experts:
+        return Topology.contiguous(grid.dp, grid.tp, ranks_per_node)
+    etp, stride = grid.expert_tp, grid.ep * grid.expert_tp
+    return Topology(tuple(d * stride + j for d in range(grid.expert_dp) for j in range(etp)), etp, ranks_per_node)
 
 
 def _dp_homes(layouts: Sequence[MatrixLayout], dp: int, ns: NSOptions) -> list[list[int]]:

@@ -16,7 +16,11 @@ Compared exactly, since both sides are integer arithmetic on the same sizes:
 
 Layouts: TP 1 and 2, DP 2 and 4, PP 1, PP 3's first and middle stage, a hybrid model (Mamba,
 attention and MLP layers) at PP 1 and PP 2's last stage; both buffer layouts; several DDP buckets
-where the stage holds more than DDP's default bucket (40M elements).
+where the stage holds more than DDP's default bucket (40M elements). Mixture-of-experts GPTs, with
+multi-latent attention and a shared expert after a dense first layer, or with grouped-query
+attention: EP 2 and 4 with expert TP 1 and 2 (the experts' own DDP buffer over expert DP, compared
+like the dense one, and the expert optimizer's catalogue and plan), and EP 1 with expert TP = TP
+(megatron-core keeps the experts in the dense buffer).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from megatron_muon.core.matrix_layout import MatrixLayout
-from megatron_muon.core.models import MambaShape, ModelShape
+from megatron_muon.core.models import MambaShape, MLAShape, ModelShape
 from megatron_muon.plan.hardware import GPU_PROFILES
 from megatron_muon.plan.layout_choice import job_price
 from megatron_muon.plan.stage_layouts import BufferSettings, stage_layouts
@@ -43,7 +47,13 @@ from megatron_muon.plan.step_plan import build_step_plan
 GPT = ModelShape("gpt-mid", 8, 1024, 8, 2, 128, 4096, 32000)
 HYBRID = ModelShape("hybrid-mid", 10, 1024, 8, 2, 128, 4096, 32000, hybrid_pattern="M-M*-M-M*-", gated_mlp=False,
                     mamba=MambaShape(num_heads=32, head_dim=64, state_dim=64, num_groups=4))
-CASES = [  # (model, tp, pp, dp, stage, dp_layout, tp_mode)
+# 4 layers, the first dense: MLA's five projections, a router, 4 experts and a shared expert
+MOE_MLA = ModelShape("moe-mla", 4, 512, 8, 8, 64, 1024, 1000, num_experts=4, moe_topk=2, moe_ffn_hidden=256,
+                     shared_expert_ffn=256, first_dense_layers=1,
+                     mla=MLAShape(q_lora_rank=128, kv_lora_rank=64, qk_head_dim=32, qk_pos_emb_head_dim=16,
+                                  v_head_dim=32))
+MOE_GQA = ModelShape("moe-gqa", 4, 512, 8, 2, 64, 1024, 1000, num_experts=4, moe_topk=2, moe_ffn_hidden=512)
+CASES = [  # (model, tp, pp, dp, stage, dp_layout, tp_mode[, ep, etp])
     *[(GPT, tp, pp, dp, stage, layout, "owner") for layout in ("balanced", "megatron")
       for tp, pp, dp, stage in ((1, 1, 4, 0), (2, 1, 2, 0), (2, 3, 2, 0), (2, 3, 2, 1))],
     *[(HYBRID, tp, pp, dp, stage, layout, "owner") for layout in ("balanced", "megatron")
@@ -52,14 +62,35 @@ CASES = [  # (model, tp, pp, dp, stage, dp_layout, tp_mode)
     # --muon-dp-layout priced: the layout chosen on the dry run's price, whole or megatron-core's buckets cut at rows
     *[(GPT, tp, pp, dp, stage, "priced", "owner") for tp, pp, dp, stage in ((1, 1, 4, 0), (2, 3, 2, 0))],
     (HYBRID, 2, 1, 2, 0, "megatron", "auto"),
+    (MOE_MLA, 2, 1, 2, 0, "balanced", "owner", 2, 1),
+    (MOE_MLA, 2, 2, 2, 1, "megatron", "owner", 4, 1),
+    (MOE_GQA, 2, 1, 4, 0, "priced", "auto", 2, 2),
+    (MOE_GQA, 1, 1, 4, 0, "megatron", "owner", 1, None),
 ]
 PREFIX = "chunk0.module.module."  # the catalogue's names: chunk, DDP, Float16Module
 BUCKET = 40_000_000  # the dry run's DDP bucket at DP <= 40: max(40M, 1M x DP)
 
 
+def _unpack(case) -> tuple:
+    """(model, tp, pp, dp, stage, dp_layout, tp_mode, ep, etp), EP 1 and expert TP = TP by default."""
+    return (*case, 1, None) if len(case) == 7 else case
+
+
 def _ids(case) -> str:
-    model, tp, pp, dp, stage, layout, mode = case
-    return f"{model.name}-tp{tp}pp{pp}dp{dp}s{stage}-{layout}-{mode}"
+    model, tp, pp, dp, stage, layout, mode, ep, etp = _unpack(case)
+    experts = f"ep{ep}etp{etp or tp}" if model.num_experts else ""
+    return f"{model.name}-tp{tp}pp{pp}dp{dp}{experts}s{stage}-{layout}-{mode}"
+
+
+def _read(buffer, names) -> dict:
+    return dict(params=[(names[id(p)], tuple(p.shape), buffer.param_index_map[p]) for p in buffer.params],
+                buckets=[(b.offset, b.offset + b.grad_data.numel()) for b in buffer.buckets])
+
+
+def _plan(inner) -> dict:
+    plan = inner.plan
+    return dict(matrices=plan.matrices, settings=plan.settings, dp_owners=plan.dp_owners, ns_flops=plan.ns_flops,
+                dp_bytes=plan.dp_bytes, tp_bytes=plan.tp_bytes)
 
 
 def built(cases) -> list[dict]:
@@ -81,20 +112,20 @@ def built(cases) -> list[dict]:
 
     ddp_module.DistributedDataParallel = Recorded
     out = []
-    for model, tp, pp, dp, stage, layout, mode in cases:
+    for case in cases:
+        model, tp, pp, dp, stage, layout, mode, ep, etp = _unpack(case)
         wrapped.clear()
         with view_device(torch.device("meta")), contextlib.redirect_stdout(io.StringIO()):
-            parts, slot = dry_run.build_rank(model, tp, pp, dp, stage * tp * dp, mode, layout)
+            parts, slot = dry_run.build_rank(model, tp, pp, dp, stage * tp * dp, mode, layout, ep=ep, etp=etp)
             (chunk,) = wrapped
             (buffer,) = chunk.buffers
             names = {id(p): n.removeprefix("module.") for n, p in chunk.module.named_parameters()}
-            plan = parts[0]["inner"].plan
-            out.append(dict(
-                stage=slot["pp"],
-                params=[(names[id(p)], tuple(p.shape), buffer.param_index_map[p]) for p in buffer.params],
-                buckets=[(b.offset, b.offset + b.grad_data.numel()) for b in buffer.buckets],
-                matrices=plan.matrices, settings=plan.settings, dp_owners=plan.dp_owners,
-                ns_flops=plan.ns_flops, dp_bytes=plan.dp_bytes, tp_bytes=plan.tp_bytes))
+            got = dict(stage=slot["pp"], **_read(buffer, names), **_plan(parts[0]["inner"]), experts=None)
+            if chunk.expert_parallel_buffers:
+                (expert_buffer,) = chunk.expert_parallel_buffers
+                (expert_part,) = parts[1:]
+                got["experts"] = dict(**_read(expert_buffer, names), **_plan(expert_part["inner"]))
+            out.append(got)
             dry_run.teardown()
     return out
 
@@ -112,18 +143,40 @@ def _price(model, tp, dp):
     return job_price(model, tp, dp, GPU_PROFILES["h100-sxm"])
 
 
+def _grid(case) -> StageGrid:
+    model, tp, pp, dp, stage, _, _, ep, etp = _unpack(case)
+    return StageGrid(tp, dp, pp, stage, ep, etp)
+
+
 def _road(case):
-    model, tp, pp, dp, stage, layout, _ = case
+    model, tp, pp, dp, stage, layout, _, ep, etp = _unpack(case)
     settings = BufferSettings(layout, BUCKET, price=_price(model, tp, dp))
-    return stage_layouts(model, StageGrid(tp, dp, pp, stage), settings)
+    return stage_layouts(model, _grid(case), settings)
+
+
+def _pairs(real: dict, case):
+    """(what megatron-core built, the road's, the grid it is planned on) per buffer: the dense one,
+    then the experts' where megatron-core gave them one (the road must agree that it did)."""
+    got, road = real[_ids(case)], _road(case)
+    assert (got["experts"] is None) == (road.experts is None), "the experts' own buffer: megatron-core and the road"
+    out = [(got, road, _grid(case))]
+    if road.experts is not None:
+        out.append((got["experts"], road.experts, _grid(case).expert_grid))
+    return out
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_buffer_is_ddps(real, case):
-    got, road = real[_ids(case)], _road(case)
-    assert got["stage"] == case[4]
-    assert [(p.name, p.shape, r) for p, r in zip(road.params, road.buffer.ranges)] == got["params"]
-    assert list(road.buffer.buckets) == got["buckets"]
+    assert real[_ids(case)]["stage"] == case[4]
+    for got, road, _ in _pairs(real, case):
+        assert [(p.name, p.shape, r) for p, r in zip(road.params, road.buffer.ranges)] == got["params"]
+        assert list(road.buffer.buckets) == got["buckets"]
+
+
+def test_experts_have_their_own_buffer_where_megatron_gives_them_one(real):
+    """EP > 1 or expert TP != TP: a second buffer over expert DP; EP 1 at expert TP = TP: none."""
+    own = {_ids(case): real[_ids(case)]["experts"] is not None for case in CASES if case[0].num_experts}
+    assert sorted(own.values()) == [False, True, True, True], own
 
 
 def test_some_stages_hold_several_buckets(real):
@@ -133,10 +186,10 @@ def test_some_stages_hold_several_buckets(real):
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
 def test_matrices_are_the_catalogues(real, case):
-    got, road = real[_ids(case)], _road(case)
-    theirs = tuple(MatrixLayout(m.name.removeprefix(PREFIX), m.local_shape, m.partition_dim, m.tp_size, m.split,
-                                m.dp_ranges) for m in got["matrices"])
-    assert road.matrices == theirs
+    for got, road, _ in _pairs(real, case):
+        theirs = tuple(MatrixLayout(m.name.removeprefix(PREFIX), m.local_shape, m.partition_dim, m.tp_size, m.split,
+                                    m.dp_ranges) for m in got["matrices"])
+        assert road.matrices == theirs
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)
@@ -144,13 +197,15 @@ def test_plan_and_cost_are_the_optimizers(real, case):
     """The plan of the road's layouts, with the optimizer's settings, is the optimizer's: the same
     owners and per-rank figures; the cost model (its own settings: h100-sxm, bf16 NS) prices that
     plan, so its NS max and Muon bytes are the optimizer's plan's."""
-    got, road = real[_ids(case)], _road(case)
-    model, tp, pp, dp, stage, layout, mode = case
-    plan = build_step_plan(road.matrices, dp_size=dp, tp_size=tp, settings=got["settings"])
-    assert (plan.dp_owners, plan.ns_flops, plan.dp_bytes, plan.tp_bytes) == (
-        got["dp_owners"], got["ns_flops"], got["dp_bytes"], got["tp_bytes"])
+    model, tp, pp, dp, stage, layout, mode, ep, etp = _unpack(case)
+    for got, road, grid in _pairs(real, case):
+        plan = build_step_plan(road.matrices, dp_size=grid.dp, tp_size=grid.tp, settings=got["settings"])
+        assert (plan.dp_owners, plan.ns_flops, plan.dp_bytes, plan.tp_bytes) == (
+            got["dp_owners"], got["ns_flops"], got["dp_bytes"], got["tp_bytes"])
     cost = optimizer_step_cost(model, optimizer="ours", tp=tp, dp=dp, pp=pp, hw=GPU_PROFILES["h100-sxm"], tp_mode=mode,
                                dp_layout=layout, bucket_numel=BUCKET, stage=stage,
-                               layout_price=_price(model, tp, dp))
-    assert cost.ns_flops_max == max(got["ns_flops"])
-    assert cost.bytes_sent_max == max(d + t for d, t in zip(got["dp_bytes"], got["tp_bytes"]))
+                               layout_price=_price(model, tp, dp), ep=ep, etp=etp)
+    figures = [(max(got["ns_flops"]), max(d + t for d, t in zip(got["dp_bytes"], got["tp_bytes"])))
+               for got, _, _ in _pairs(real, case)]
+    assert (cost.ns_flops_max, cost.bytes_sent_max) == figures[0]
+    assert (cost.expert_ns_flops_max, cost.expert_bytes_sent_max) == (figures[1] if len(figures) > 1 else (0.0, 0.0))

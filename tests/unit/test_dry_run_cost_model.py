@@ -35,22 +35,24 @@ GOAL = 0.01
 
 
 def test_recorded_runs_are_found():
-    # 4 Llama-3 runs recorded before the plans' summary existed, 6 nemotron-h-8b / 405B runs after it
+    # the Llama-3, nemotron-h-8b and DeepSeek-V3 / Mixtral (MoE, MLA) runs
     assert len(RECORDED) >= 6, RECORDED
+    assert any(name.startswith("dry_run_moe_") for name in RECORDED), RECORDED
 
 
 def _stage_plans(run: dict) -> dict[int, object]:
     """Per simulated stage, the plan ``optimizer_step_cost`` prices (``step_cost.stage_plan``: the
     same layouts and settings; ``priced`` on the dry run's price, ``dry_run.layout_price``). Every
     recorded run names its layout."""
-    grid = dict(tp=run["tp"], dp=run["dp"], pp=run["pp"])
+    grid = dict(tp=run["tp"], dp=run["dp"], pp=run["pp"], ep=run.get("ep", 1), etp=run.get("etp"))
     hw = GPU_PROFILES["h100-sxm"]
     settings = PlanSettings(run["tp_mode"], NSOptions(), hardware=hw)
     layout, shape = run["dp_layout"], MODELS[run["model"]]
     price = job_price(shape, run["tp"], run["dp"], hw, tp_mode=run["tp_mode"]) if layout == "priced" else None
     buffer = BufferSettings(layout, max(40_000_000, 1_000_000 * run["dp"]), price=price)
     stages = sorted({res["pp"] for res in run["ranks"].values()})
-    return {s: stage_plan(shape, StageGrid(stage=s, **grid), settings, buffer) for s in stages}
+    return {s: (stage_plan(shape, StageGrid(stage=s, **grid), settings, buffer),
+                stage_plan(shape, StageGrid(stage=s, **grid), settings, buffer, experts=True)) for s in stages}
 
 
 @pytest.mark.parametrize("name", RECORDED)
@@ -62,7 +64,13 @@ def test_every_simulated_rank_gets_the_plans_ns(name):
     run = json.loads((RESULTS / name).read_text())
     plans = _stage_plans(run)
     for rank, res in run["ranks"].items():
-        assert plans[res["pp"]].ns_flops[res["dp"] * run["tp"] + res["tp"]] == res["plan_ns_flops"], (name, rank)
+        dense, experts = plans[res["pp"]]
+        assert dense.ns_flops[res["dp"] * run["tp"] + res["tp"]] == res["plan_ns_flops"], (name, rank)
+        # the expert optimizer's, over expert TP x expert DP (a stage of dense layers has none)
+        assert (experts is None) == (res.get("experts") is None), (name, rank)
+        if experts is not None:
+            etp = run["etp"] or run["tp"]
+            assert experts.ns_flops[res["edp"] * etp + res["etp"]] == res["experts"]["plan_ns_flops"], (name, rank)
 
 
 @pytest.mark.parametrize("name", RECORDED)
@@ -76,7 +84,17 @@ def test_cost_model_ns_max_is_the_plans(name):
     price = job_price(shape, run["tp"], run["dp"], hw, tp_mode=run["tp_mode"])
     costs = [optimizer_step_cost(shape, optimizer="ours", tp=run["tp"], dp=run["dp"], pp=run["pp"],
                                  hw=hw, tp_mode=run["tp_mode"], dp_layout=run["dp_layout"],
-                                 bucket_numel=max(40_000_000, 1_000_000 * run["dp"]), stage=stage, layout_price=price)
+                                 bucket_numel=max(40_000_000, 1_000_000 * run["dp"]), stage=stage, layout_price=price,
+                                 ep=run.get("ep", 1), etp=run.get("etp"))
              for stage in plan["stages"]]  # the stages the run simulated, each with its own layout
     predicted = max(c.ns_flops_max for c in costs)
     assert predicted == pytest.approx(plan["ns_flops_max"], rel=GOAL), (name, predicted / plan["ns_flops_max"])
+    experts = run["summary"].get("experts", {}).get("plan")
+    if experts is not None:  # the expert optimizer's plan, over the stages that hold experts
+        costs = [optimizer_step_cost(shape, optimizer="ours", tp=run["tp"], dp=run["dp"], pp=run["pp"],
+                                     hw=hw, tp_mode=run["tp_mode"], dp_layout=run["dp_layout"],
+                                     bucket_numel=max(40_000_000, 1_000_000 * run["dp"]), stage=stage,
+                                     layout_price=price, ep=run["ep"], etp=run["etp"])
+                 for stage in experts["stages"]]
+        assert max(c.expert_ns_flops_max for c in costs) == pytest.approx(experts["ns_flops_max"], rel=GOAL), name
+        assert max(c.expert_bytes_sent_max for c in costs) == pytest.approx(experts["bytes_sent_max"], rel=GOAL), name

@@ -83,7 +83,7 @@ def test_both_buffer_layouts_describe_every_matrix():
 
 
 def test_moe_layers_and_missing_mamba_sizes_are_refused():
-    with pytest.raises(NotImplementedError, match="mixture-of-experts"):
+    with pytest.raises(NotImplementedError, match="MoE layers"):
         stage_params(dataclasses.replace(NEMOTRON, hybrid_pattern="M*E-"), StageGrid(tp=1))
     with pytest.raises(ValueError, match="expected mamba sizes"):
         stage_params(dataclasses.replace(NEMOTRON, mamba=None), StageGrid(tp=1))

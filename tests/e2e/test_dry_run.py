@@ -308,6 +308,14 @@ def test_mixtral_experts_cut_across_expert_dp(tmp_path):
     groups = {tuple(g) for g in ranks["0"]["groups"]}
     assert (0, 8) in groups and (0, 1) in groups  # collectives on the expert-DP and the (expert-)TP group
     assert report["summary"]["experts"]["ranks"] == len(ranks)
+    # the cost model prices both optimizers' plans (plan.stage_layouts lays out the experts' own
+    # buffer over expert DP): its figures are the plans', over every rank of the stage
+    cost, plans = report["cost_model"], report["summary"]
+    assert (cost["ns_flops_max"], cost["bytes_sent_max"]) == (plans["dense"]["plan"]["ns_flops_max"],
+                                                              plans["dense"]["plan"]["bytes_sent_max"])
+    assert (cost["expert_ns_flops_max"], cost["expert_bytes_sent_max"]) == (
+        plans["experts"]["plan"]["ns_flops_max"], plans["experts"]["plan"]["bytes_sent_max"])
+    assert cost["expert_bytes_sent_max"] > 0 and "the experts' plan: NS" in proc.stdout
 
 
 def test_deepseek_v3_first_moe_stage(tmp_path):

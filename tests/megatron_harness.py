@@ -554,7 +554,7 @@ def _model_loss(model, batch) -> torch.Tensor:
 
 
 def forward_backward(model_chunks: list, batch: dict, *, pp: int, num_microbatches: int = 1,
-                     optimizer=None, use_schedule: bool | None = None) -> float:
+                     optimizer=None, use_schedule: bool | None = None, before_reduce=None) -> float:
     """One forward/backward as ``train_step`` runs it; returns the global batch's mean token loss
     on every rank (the last PP stage's, averaged over DP ranks).
 
@@ -569,6 +569,10 @@ def forward_backward(model_chunks: list, batch: dict, *, pp: int, num_microbatch
     ``num_microbatches >= pp``; or no-pipelining at pp=1) over ``num_microbatches`` slices of the batch; it divides
     each micro-batch loss by their number and calls ``config.finalize_model_grads_func``.
     Otherwise (pp=1 only): one direct model call, ``loss.backward()``, ``finalize_model_grads``.
+
+    ``before_reduce(model_chunks)``, if given, runs after the backward and before
+    ``finalize_model_grads``: a ``main_grad`` then holds this rank's local gradient, not yet
+    reduced over DP (without ``--overlap-grad-reduce``, whose buckets reduce during the backward).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import finalize_model_grads
@@ -587,11 +591,18 @@ def forward_backward(model_chunks: list, batch: dict, *, pp: int, num_microbatch
         assert pp == 1 and num_microbatches == 1
         loss = _model_loss(model_chunks[0], batch)
         loss.backward()
+        if before_reduce is not None:
+            before_reduce(model_chunks)
         finalize_model_grads(model_chunks)
         return _dp_mean(loss.detach().reshape(1))
 
     config = get_model_config(model_chunks[0])
     config.finalize_model_grads_func = finalize_model_grads  # as megatron.training.train does
+    if before_reduce is not None:
+        def finalize(*args, **kwargs):
+            before_reduce(model_chunks)
+            return finalize_model_grads(*args, **kwargs)
+        config.finalize_model_grads_func = finalize
     b = batch["tokens"].shape[0]
     assert b % num_microbatches == 0
     mbs = b // num_microbatches

@@ -232,8 +232,8 @@ class Run:
     qk_clip: tuple[float, float] | None = None
     """(τ, α): ``--qk-clip`` with ``--qk-clip-threshold`` τ and ``--qk-clip-alpha`` α."""
     nan_step: int | None = None
-    """at this step rank 1 sets one entry of its first param's main grad to NaN; the loop then
-    asserts no step's success (the test does)."""
+    """at this step rank 1 sets one entry of its first param's local gradient to NaN before DDP's
+    reduction (``plant_nan``); the loop then asserts no step's success (the test does)."""
     probe: Callable | None = None
     """``probe(model, optimizer)`` after every step (a module-level function: it travels by name);
     what it returns is that ``Step.probe``."""
@@ -260,6 +260,8 @@ class Run:
             raise TypeError("Run: Megatron-FSDP implies dist_opt=True")
         if self.layout not in LAYOUTS:
             raise TypeError(f"Run.layout: expected one of {LAYOUTS}, got {self.layout!r}")
+        if self.nan_step is not None and self.overlap:
+            raise TypeError("Run: nan_step plants a NaN before DDP's reduction, which overlap starts in the backward")
         if self.hybrid is not None and len(self.hybrid) != self.layers:
             raise TypeError(f"Run.hybrid {self.hybrid!r}: expected layers={len(self.hybrid)}, got {self.layers}")
 
@@ -410,11 +412,19 @@ def _batch(run: Run, step: int) -> dict:
     return make_batch(run.data_seed + step if run.fresh_batches else run.data_seed, micro_batch_size=run.batch)
 
 
+def plant_nan(model_chunks) -> None:
+    """``forward_backward``'s ``before_reduce`` for ``Run.nan_step``: on rank 1, one NaN in its first
+    param's local gradient, before DDP reduces it."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        next(model_chunks[0].parameters()).main_grad.view(-1)[0] = float("nan")
+
+
 def steps(run: Run, model, optimizer, scheduler, first: int = 0, count: int | None = None) -> list[Step]:
     """The training loop: steps ``first`` .. ``first + count - 1`` (``count``: ``run.steps``), each as
     ``train_step`` runs it: forward/backward, ``optimizer.step()`` (its bytes counted), then the
     scheduler if the step was taken."""
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
 
     from megatron_muon import comm_stats
@@ -428,9 +438,7 @@ def steps(run: Run, model, optimizer, scheduler, first: int = 0, count: int | No
         if run.split_batch:
             batch = dp_slice(batch, dp_rank, dp)
         forward_backward(model, batch, pp=run.pp, num_microbatches=run.microbatches, optimizer=optimizer,
-                         use_schedule=schedule)
-        if step == run.nan_step and dist.get_rank() == 1:
-            next(model[0].parameters()).main_grad.view(-1)[0] = float("nan")
+                         use_schedule=schedule, before_reduce=plant_nan if step == run.nan_step else None)
         with comm_stats() as stats:
             ok, grad_norm, _ = optimizer.step()
         assert ok or run.nan_step is not None, f"{run}: step {step} was skipped"

@@ -131,7 +131,25 @@ class MuonChainedOptimizer(ChainedOptimizer):
     chain decides from the same metadata, before it asks its optimizers, whether their keys get a
     ``chained_<i>.`` prefix (not for ``fully_reshardable``): switched inside the first optimizer,
     a save with two optimizers (dense and experts) wrote prefixed keys that its own load, reading
-    ``fully_reshardable`` back, looked for without the prefix. Here the switch happens first."""
+    ``fully_reshardable`` back, looked for without the prefix. Here the switch happens first.
+
+    Its found-inf check (``prepare_grads``, only with a grad scaler: ``--loss-scale``) is
+    Megatron's: each optimizer's flag all-reduced over its grad-stats group, the chain's flags
+    ORed. The Muon step's collectives span the DP group (the owner exchange), the expert DP group
+    and the DP teams, so the decision must be the same on every rank (a rank that skipped would
+    leave its peers waiting in an all-to-all), and it is, by what the flag reads: the grads
+    after the DP reduction. Without the distributed optimizer DDP all-reduces every grad before
+    the step (dense over the DP x CP group, experts over the expert DP group; Megatron-FSDP's
+    ``no_shard`` likewise), so every DP replica holds the same reduced grads, and a sum with a
+    NaN or inf term is NaN or inf: a non-finite local grad on any DP rank is non-finite on every
+    DP rank. The grad-stats group (TP x PP; experts: expert TP x EP x PP) holds one rank of each
+    model shard, so every DP replica's flag is the same (the grad norm's clip relies on the same
+    invariant). Under torch FSDP2 each DP rank holds only its own rows of each grad, and
+    DTensor's ``_amp_foreach_non_finite_check_and_unscale_`` reduces the flag over FSDP2's DP
+    mesh itself (MAX over its ``Shard`` dimension) before Megatron's reduction over the
+    grad-stats group: the two groups the grad norm reduces over. With the distributed optimizer
+    the grad-stats group is every rank (``intra_dist_opt_group``). No collective over the
+    default group is added (``tests/megatron/test_per_step_costs.py``)."""
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         metadata = kwargs.get("metadata")
@@ -148,37 +166,6 @@ class MuonChainedOptimizer(ChainedOptimizer):
         groups = [o.optimizer.state_dict()["param_groups"] if not getattr(o, "is_stub_optimizer", False) else []
                   for o in self.chained_optimizers]
         super().load_state_dict(rechain_loaded_state(state_dict, groups))
-
-    @torch.no_grad()
-    def prepare_grads(self) -> bool:
-        """Megatron's found-inf check, made one decision for the whole job.
-
-        Megatron reduces each optimizer's flag over its grad-stats group and ORs the chain's
-        flags (only with a grad scaler, ``--loss-scale``). The Muon step's collectives span the DP
-        group (the owner exchange), the expert DP group and the DP teams, so a rank that skipped
-        while its peers stepped would leave them waiting in an all-to-all (a hang on NCCL). With
-        the distributed optimizer that group is the whole job already (``intra_dist_opt_group``:
-        every rank, one optimizer instance). Without it (TP x PP; expert TP x EP x PP) the flags
-        would agree across DP only while every DP rank held bitwise the same reduced gradients, so
-        for this call Megatron's own reduction is made over the default group instead: Megatron's
-        one all-reduce of one scalar and one host read per optimizer, nothing added. The grad
-        norm, computed after this, reads the grad-stats group as before."""
-        narrow = [o for o in self.chained_optimizers
-                  if getattr(o, "grad_scaler", None) is not None and not _whole_job(o.get_grad_stats_parallel_group())]
-        saved = [o.grad_stats_parallel_group for o in narrow]
-        for optimizer in narrow:
-            optimizer.grad_stats_parallel_group = None  # the default group: every rank
-        try:
-            return super().prepare_grads()
-        finally:
-            for optimizer, group in zip(narrow, saved):
-                optimizer.grad_stats_parallel_group = group
-
-
-def _whole_job(group) -> bool:
-    """Whether ``group`` (None: the default group) holds every rank of the job."""
-    dist = torch.distributed
-    return group is None or not dist.is_initialized() or dist.get_world_size(group) == dist.get_world_size()
 
 
 class MainParamGroups(torch.optim.Optimizer):

@@ -26,7 +26,8 @@ def _snapshot(model, optimizer) -> dict:
 
 # TP2 x DP1. A loss scale is what makes Megatron check grads for inf/NaN (ConstantGradScaler);
 # Megatron's plain fp32 optimizer (no distributed optimizer, no bf16) has no such check at all.
-# At the second step one rank's one gradient entry is NaN: found-inf is all-reduced, so all ranks skip.
+# At the second step one rank's one local gradient entry is NaN: found-inf is all-reduced over
+# TP, so all ranks skip.
 NAN = dict(tp=2, loss_scale=1.0, nan_step=1, probe=_snapshot)
 
 
@@ -45,10 +46,11 @@ def test_nan_step_is_skipped_and_changes_nothing(dist_opt, bf16):
         assert r.oks[2], "training must resume after a skipped step"
 
 
-# One decision on every rank (MuonChainedOptimizer.prepare_grads): here the NaN lies on one DP
-# rank only, which Megatron's per-optimizer reduction (over TP x PP, not DP) would not see on the
-# other rank: that rank would step into the DP owner exchange alone. TP1 x DP2 dense, and
-# TP1 x EP2 with experts (two optimizers in the chain), without the distributed optimizer.
+# One decision on every rank (MuonChainedOptimizer.prepare_grads): here the NaN lies in one DP
+# rank's local gradient only, and DDP's all-reduce carries it into every DP rank's reduced
+# gradient, so Megatron's per-optimizer reduction (over TP x PP, not DP) finds it on both ranks:
+# neither steps into the DP owner exchange alone. TP1 x DP2 dense, and TP1 x EP2 with experts
+# (two optimizers in the chain), without the distributed optimizer.
 SPLIT_NAN = [Run(tp=1, dist_opt=False, bf16=True, loss_scale=1.0, nan_step=1, probe=_snapshot),
              Run(tp=1, ep=2, dist_opt=False, bf16=True, loss_scale=1.0, nan_step=1, probe=_snapshot,
                  moe=dict(experts=4, topk=2))]
@@ -62,6 +64,33 @@ def test_a_nan_on_one_dp_rank_skips_the_step_on_every_rank(run):
         before, after = r.probes[0], r.probes[1]
         assert all(torch.equal(before["params"][k], after["params"][k]) for k in before["params"])
         assert before["muon_steps"] == after["muon_steps"]
+
+
+def _fsdp2_nan_worker(rank: int, world: int) -> list[bool]:
+    """Two steps under torch FSDP2 at DP2 (bf16, ``--loss-scale``); at the second, after FSDP2's
+    reduce-scatter, rank 1 puts a NaN in its own rows of one grad. Returns whether each step was taken."""
+    from megatron_harness import GLOBAL_BATCH, destroy_megatron, forward_backward, make_batch
+    from training_harness import Run, build, start
+
+    run = Run(tp=1, wrap="fsdp2", bf16=True, loss_scale=1.0, batch=GLOBAL_BATCH, split_batch=True, schedule=True)
+    start(run)
+    model, optimizer, _ = build(run)
+    oks = []
+    for step in range(2):
+        forward_backward(model, make_batch(step), pp=1, optimizer=optimizer, use_schedule=True)
+        if step == 1 and rank == 1:
+            param = next(p for p in model[0].parameters() if p.grad is not None and p.grad._local_tensor.numel())
+            param.grad._local_tensor.view(-1)[0] = float("nan")
+        oks.append(optimizer.step()[0])
+    destroy_megatron()
+    return oks
+
+
+# FSDP2 leaves each DP rank its own rows of every grad, so a NaN there is on one DP rank only;
+# DTensor's found-inf check reduces the flag over FSDP2's DP mesh (MuonChainedOptimizer), and
+# both ranks skip.
+def test_fsdp2_a_nan_in_one_dp_ranks_rows_skips_the_step_on_every_rank():
+    assert run_world(2, _fsdp2_nan_worker) == [[True, False]] * 2
 
 
 def _errors_worker(rank: int, world: int) -> dict:

@@ -10,7 +10,9 @@ dearer than Megatron's own (``MuonChainedOptimizer.prepare_grads``), in gloo wor
   those of the same run logging every iteration (MuonBP P=2: each log shows the kind it did not
   step from the iteration before).
 * With ``--loss-scale`` a step makes one all-reduce and one host read more than without: Megatron's
-  own found-inf check, over every rank of the job (with and without the distributed optimizer).
+  own found-inf check, over its grad-stats group (with and without the distributed optimizer).
+  A NaN in one DP rank's local gradient, before DDP's reduction, skips the step on every rank,
+  and the step makes no collective over the default (world) group.
 """
 
 from __future__ import annotations
@@ -31,13 +33,14 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather
 class _Spy:
     """Counts, while ``active``, the collectives called through ``torch.distributed`` (name, group
     size, whether megatron-muon called it) and the norm calls made from ``megatron_muon.optimizer``
-    (the Muon step's norm passes)."""
+    (the Muon step's norm passes); ``on_default`` keeps the collectives made over the default group
+    itself (``group`` None or ``WORLD``, not another group of the same ranks)."""
 
     def __init__(self):
         import torch
         import torch.distributed as dist
 
-        self.active, self.collectives, self.norm_calls = False, [], 0
+        self.active, self.collectives, self.norm_calls, self.on_default = False, [], 0, []
         self._undo = []
         for name in COLLECTIVES:
             self._wrap(dist, name, self._collective(name, getattr(dist, name)))
@@ -49,12 +52,19 @@ class _Spy:
         setattr(owner, name, replacement)
 
     def _collective(self, name, original):
+        import inspect
+
         import torch.distributed as dist
+
+        signature = inspect.signature(original)
 
         def spy(*args, **kwargs):
             if self.active:
                 ours = sys._getframe(1).f_globals.get("__name__", "").startswith("megatron_muon")
-                self.collectives.append((name, dist.get_world_size(kwargs.get("group")), ours))
+                group = signature.bind(*args, **kwargs).arguments.get("group")
+                self.collectives.append((name, dist.get_world_size(group), ours))
+                if group is None or group is dist.group.WORLD:
+                    self.on_default.append((name, sys._getframe(1).f_globals.get("__name__")))
             return original(*args, **kwargs)
         return spy
 
@@ -66,8 +76,8 @@ class _Spy:
         return spy
 
     def take(self):
-        out = dict(collectives=list(self.collectives), norm_calls=self.norm_calls)
-        self.collectives, self.norm_calls = [], 0
+        out = dict(collectives=list(self.collectives), norm_calls=self.norm_calls, on_default=list(self.on_default))
+        self.collectives, self.norm_calls, self.on_default = [], 0, []
         return out
 
     def close(self):
@@ -158,50 +168,76 @@ def test_no_norm_pass_and_no_collective_on_iterations_that_do_not_log():
             f"muon/{c}/{f}" for c in ("attention", "mlp") for f in ("update_rms", "matched_rms")}
 
 
-def _step_cost(rank: int, world: int, dist_opt: bool, loss_scale: float | None) -> dict:
-    """One step of the tiny GPT at TP1 x DP2 (bf16 without the distributed optimizer, as Megatron's
-    Float16 wrapper needs): the collectives and the host reads (``Tensor.item``) it makes."""
+def _step_cost(rank: int, world: int, dist_opt: bool, loss_scale: float | None, nan: bool = False,
+               moe: bool = False) -> dict:
+    """Steps of the tiny GPT at TP1 x DP2 (bf16 without the distributed optimizer, as Megatron's
+    Float16 wrapper needs; ``moe``: experts at EP2, a chain of two optimizers): the collectives and
+    the host reads (``Tensor.item``) the spied step makes. ``nan``: three steps, the second with a
+    NaN in rank 1's local gradient before DDP's reduction (``training_harness.plant_nan``), spied,
+    with whether each step was taken and whether the skipped one left the params as they were."""
     import torch
-    from megatron_harness import build_tiny_gpt, destroy_megatron, forward_backward, init_megatron, make_batch
-    from training_harness import MUON, _optimizer_config
+    from megatron_harness import destroy_megatron, forward_backward, make_batch
+    from training_harness import Run, build, local_params, plant_nan, start
 
-    from megatron_muon.config import MuonConfig
-    from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
-
-    init_megatron(1)
-    bf16 = not dist_opt
-    model = build_tiny_gpt(1, bf16=bf16, use_distributed_optimizer=dist_opt)
-    optimizer = get_megatron_muon_optimizer(_optimizer_config(dist_opt, bf16=bf16, loss_scale=loss_scale), model,
-                                            MuonConfig(**MUON))
-    forward_backward(model, make_batch(0), pp=1)
+    run = Run(tp=1, ep=2 if moe else 1, dist_opt=dist_opt, bf16=not dist_opt, loss_scale=loss_scale,
+              moe=dict(experts=4, topk=2) if moe else None)
+    start(run)
+    model, optimizer, _ = build(run)
     spy, item, reads = _Spy(), torch.Tensor.item, [0]
 
     def counted_item(self):
         reads[0] += spy.active
         return item(self)
 
-    torch.Tensor.item = counted_item
+    oks, spied, unchanged = [], None, None
     try:
-        spy.active = True
-        ok, _, _ = optimizer.step()
-        spy.active = False
+        for step in range(3 if nan else 1):
+            planted = nan and step == 1
+            forward_backward(model, make_batch(step), pp=1, optimizer=optimizer,
+                             before_reduce=plant_nan if planted else None)
+            before = local_params(model)
+            torch.Tensor.item, spy.active = counted_item, planted or not nan
+            try:
+                ok, _, _ = optimizer.step()
+            finally:
+                torch.Tensor.item, spy.active = item, False
+            oks.append(ok)
+            if planted or not nan:
+                spied = dict(reads=reads[0], **spy.take())
+                after = local_params(model)
+                unchanged = all(torch.equal(before[k], after[k]) for k in before)
     finally:
-        torch.Tensor.item = item
         spy.close()
-    out = dict(ok=ok, reads=reads[0], **spy.take())
+    stats_groups = [torch.distributed.get_world_size(o.get_grad_stats_parallel_group())
+                    for o in optimizer.chained_optimizers]
     destroy_megatron()
-    return out
+    return dict(oks=oks, unchanged=unchanged, stats_groups=stats_groups, **spied)
 
 
 @pytest.mark.parametrize("dist_opt", [False, True], ids=["ddp-bf16", "distopt"])
 def test_loss_scale_costs_only_megatrons_own_check(dist_opt):
     plain, scaled = (run_world(2, _step_cost, dist_opt, scale) for scale in (None, 1.0))
     for a, b in zip(plain, scaled):
-        assert a["ok"] and b["ok"]
+        assert a["oks"] == b["oks"] == [True]
         added = list(b["collectives"])
         for call in a["collectives"]:
             added.remove(call)
-        # Megatron's found-inf all-reduce, over every rank of the job (so a NaN on one DP rank skips
-        # the step everywhere: test_megatron_stability.py), and its host read: nothing else
-        assert added == [("all_reduce", 2, False)], (a["collectives"], b["collectives"])
+        # Megatron's found-inf all-reduce over its grad-stats group (TP x PP without the
+        # distributed optimizer: here one rank; with it every rank) and its host read: nothing else
+        assert added == [("all_reduce", b["stats_groups"][0], False)], (a["collectives"], b["collectives"])
         assert b["reads"] - a["reads"] == 1, (a["reads"], b["reads"])
+        assert b["on_default"] == [], b["on_default"]
+
+
+# A NaN in one DP rank's local gradient reaches every DP rank's reduced gradient through DDP's
+# all-reduce, so each grad-stats group finds it (MuonChainedOptimizer.prepare_grads): the ranks
+# skip together, and nothing in the step reduces over the default group. Dense at TP1 x DP2, and
+# at TP1 x EP2 with experts (a chain of two optimizers: dense over DP2, experts over EP2).
+@pytest.mark.parametrize("moe", [False, True], ids=["dp2-dense", "ep2-moe"])
+def test_a_nan_on_one_dp_rank_skips_every_rank_without_a_world_collective(moe):
+    for out in run_world(2, _step_cost, False, 1.0, True, moe):
+        assert out["oks"] == [True, False, True], out["oks"]
+        assert out["unchanged"], "a skipped step changed this rank's params"
+        assert out["on_default"] == [], out["on_default"]
+        # the skipped step: Megatron's found-inf all-reduce per optimizer, over its grad-stats group
+        assert out["collectives"] == [("all_reduce", n, False) for n in out["stats_groups"]], out["collectives"]

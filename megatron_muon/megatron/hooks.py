@@ -355,9 +355,9 @@ def _wrap_save_checkpoint(save_checkpoint):
                           for o in getattr(optimizer, "chained_optimizers", None) or [optimizer]))
         if switch:
             margs.dist_ckpt_optim_fully_reshardable = True
-        from .integrity import hashing_writes, write_checksums
-        checksummed = (getattr(margs, ACTIVE, False) and margs.save and not kwargs.get("non_persistent_ckpt", False)
-                       and not getattr(margs, "async_save", False))
+        from .integrity import hashing_writes, unchecked_async_save, write_checksums
+        persistent = getattr(margs, ACTIVE, False) and margs.save and not kwargs.get("non_persistent_ckpt", False)
+        checksummed = persistent and not getattr(margs, "async_save", False)
         try:  # the files' items hashed as megatron-core writes them: nothing is read back
             with hashing_writes() if checksummed else contextlib.nullcontext() as written:
                 result = save_checkpoint(iteration, *args, **kwargs)
@@ -370,6 +370,11 @@ def _wrap_save_checkpoint(save_checkpoint):
             directory = get_checkpoint_name(margs.save, iteration, release=False, return_base_dir=True)
             if os.path.isdir(directory):
                 print_rank_0(write_checksums(directory, written).report())
+        elif persistent:  # --async-save
+            from megatron.training.checkpointing import get_checkpoint_name, print_rank_0
+
+            print_rank_0(unchecked_async_save(get_checkpoint_name(margs.save, iteration, release=False,
+                                                                  return_base_dir=True)))
         return result
 
     setattr(wrapper, _ORIGINAL, save_checkpoint)

@@ -22,6 +22,7 @@ Two checks, both at checkpoint time only — nothing here runs in a training ste
   line naming the file, on every rank (the ranks compare their findings in one all-gather after
   each read, before any of them uses what it read). A checkpoint without the file (written by
   Megatron alone, or by an async/non-persistent save, which this does not cover) loads as before;
+  an ``--async-save`` save says so in one line (``unchecked_async_save``);
   one written by an earlier megatron-muon (version 1: a digest per whole file) is verified whole,
   as it was then. The file is written after Megatron's tracker: a crash in between leaves a
   checkpoint that loads unverified, never a false refusal. Items no rank reads (the optimizer
@@ -64,8 +65,8 @@ import torch
 from .errors import UserInputError
 
 __all__ = ["CHECKSUMS", "ChecksumCheck", "SavedChecksums", "WrittenDigests", "check_finite_state",
-           "check_main_params_match_weights", "digest", "hashing_writes", "list_files", "verify_checksums",
-           "write_checksums"]
+           "check_main_params_match_weights", "digest", "hashing_writes", "list_files", "unchecked_async_save",
+           "verify_checksums", "write_checksums"]
 
 CHECKSUMS = "megatron_muon_checksums.json"
 """Name of the checksum file inside an iteration directory."""
@@ -200,6 +201,17 @@ def hashing_writes():
         yield written
     finally:
         filesystem_async._write_item = original
+
+
+def unchecked_async_save(checkpoint_dir: str | Path) -> str:
+    """The line an ``--async-save`` save prints instead of ``SavedChecksums.report``: megatron-core
+    0.19.2 writes it in its persistent checkpoint worker (``--async-save`` needs
+    ``--use-persistent-ckpt-worker``; started by ``forkserver`` at initialization), a process where
+    ``hashing_writes`` does not wrap ``_write_item`` and whose only results (DCP ``WriteResult``s)
+    become the checkpoint's metadata, so no digest reaches this process."""
+    return (f"megatron-muon: checksums not written for {checkpoint_dir}: --async-save writes it in megatron-core's "
+            "persistent checkpoint worker, where items are not hashed; it loads unverified (drop --async-save "
+            "for checksummed saves)")
 
 
 class SavedChecksums(dict):

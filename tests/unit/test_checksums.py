@@ -74,3 +74,44 @@ def test_files_the_writer_covered_go_by_item_the_rest_whole(tmp_path):
     small.write_bytes(b"SMALL")  # same size, other bytes: a whole digest is checked before the load
     with pytest.raises(UserInputError, match=r"common\.pt: contents differ from when it was saved"):
         verify_checksums(tmp_path)
+
+
+def test_an_async_save_says_it_is_not_checksummed(tmp_path, capsys):
+    """``--async-save``: Megatron's save runs unwrapped (megatron-core's persistent worker writes
+    the items, out of ``hashing_writes``' reach), no checksum file is written, and one line says so."""
+    import argparse
+
+    from megatron.training import global_vars
+
+    from megatron_muon.megatron import hooks
+
+    calls = []
+    save = hooks._wrap_save_checkpoint(lambda iteration, *args, **kwargs: calls.append(iteration))
+    args = argparse.Namespace(**{hooks.ACTIVE: True}, save=str(tmp_path), async_save=True,
+                              dist_ckpt_optim_fully_reshardable=False)
+    global_vars.set_args(args)
+    try:
+        save(3, None, None, None)
+    finally:
+        global_vars.unset_global_variables()
+    assert calls == [3] and not list(tmp_path.rglob(CHECKSUMS))
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [f"megatron-muon: checksums not written for {tmp_path}/iter_0000003: --async-save writes it in "
+                     "megatron-core's persistent checkpoint worker, where items are not hashed; it loads unverified "
+                     "(drop --async-save for checksummed saves)"], lines
+
+
+def test_the_checksum_file_size_at_405b_is_the_documented_one():
+    """``docs/checkpoints.md``'s figures at Llama-3 405B TP8 x PP16 x DP64: items and bytes per entry."""
+    from megatron_muon.core.models import LLAMA3
+    from scripts.bench.checksum_file_size import (
+        entry_bytes,
+        items_dp_reshardable,
+        items_fully_reshardable,
+        items_model,
+    )
+
+    shape = LLAMA3["405B"]
+    assert (items_model(shape, 8, 16), items_fully_reshardable(shape, 8, 16),
+            items_dp_reshardable(shape, 8, 16, 64)) == (4301, 8871, 420912)
+    assert round(entry_bytes()) == 120  # 64 hex digits, two 12-digit numbers, JSON's indent and commas

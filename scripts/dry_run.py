@@ -617,7 +617,7 @@ def layout_price(shape: ModelShape, tp: int, dp: int, tp_mode: str, whole_rows: 
 
 def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str,
                    dp_layout: str = DEFAULT_DP_LAYOUT, whole_rows: bool = False, ep: int = 1,
-                   etp: int | None = None) -> dict:
+                   etp: int | None = None, per_head: bool = False) -> dict:
     """The cost model on the same layout, every pipeline stage priced (``step_cost.optimizer_step_cost``:
     the plan of the stage's real layouts, the road ``plan.stage_layouts`` shares with this run, with
     DDP's default bucket on the first stage), h100-sxm constants: the busiest stage's NS FLOPs and
@@ -625,15 +625,18 @@ def cost_model_row(shape: ModelShape, tp: int, pp: int, dp: int, tp_mode: str,
     all-gather apart, and the predicted step of the slowest stage for ours and for Adam's
     distributed optimizer."""
     from megatron_muon.plan.hardware import GPU_PROFILES
+    from megatron_muon.plan.param_marks import RowSplits
     from megatron_muon.plan.step_cost import optimizer_step_cost
 
     hw = GPU_PROFILES["h100-sxm"]
     grid = dict(tp=tp, dp=dp, pp=pp, hw=hw, ep=ep, etp=etp)
+    splits = RowSplits(qkv_per_head=per_head)  # the optimizer's defaults, QKV per head where asked
     ours, adam = [], []
     for stage in range(pp):
         ours.append(optimizer_step_cost(shape, optimizer="ours", tp_mode=tp_mode, dp_layout=dp_layout,
                                         bucket_numel=max(40_000_000, 1_000_000 * dp), stage=stage,
-                                        layout_price=layout_price(shape, tp, dp, tp_mode, whole_rows), **grid))
+                                        layout_price=layout_price(shape, tp, dp, tp_mode, whole_rows), splits=splits,
+                                        **grid))
         adam.append(optimizer_step_cost(shape, optimizer="adam", stage=stage, **grid))
     row = dict(ns_flops_max=max(c.ns_flops_max for c in ours), bytes_sent_max=max(c.bytes_sent_max for c in ours),
                param_gather_bytes=max(c.param_gather_bytes for c in ours),
@@ -734,7 +737,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="with --muonbp-period: what the block step orthogonalizes (--muonbp-block)")
     parser.add_argument("--split-qkv-per-head", action="store_true",
                         help="--muon-split-qkv-per-head: Q, K and V orthogonalized per head (docs/per_head.md); "
-                             "the cost model and the planner table are not printed (they split per query group)")
+                             "the cost model prices the per-head plan, the planner table is not printed (it splits "
+                             "per query group)")
     parser.add_argument("--ranks-per-node", type=int, default=8,
                         help="ranks per node, as the launcher's LOCAL_WORLD_SIZE gives it (node = global rank // "
                              "this): the plans' rank map, which decides auto's DP teams (default 8)")
@@ -803,11 +807,11 @@ def main(argv: list[str] | None = None) -> int:
     # pipeline it prices the stage's layers as one chunk (the same matrices, one buffer instead of
     # one per chunk). The planner table: dense GQA GPTs.
     moe = bool(shape.num_experts) or shape.mla is not None or shape.hybrid_pattern is not None
-    # (the cost model's and the planner's stage replay split QKV per query group, not per head)
-    modeled = not (args.fsdp or args.split_qkv_per_head or (
-        shape.hybrid_pattern is not None and "E" in shape.hybrid_pattern))
+    # (the planner's stage replay splits QKV per query group, not per head)
+    modeled = not (args.fsdp or (shape.hybrid_pattern is not None and "E" in shape.hybrid_pattern))
     predicted = (cost_model_row(shape, args.tp, args.pp, args.dp, args.tp_mode, args.dp_layout,
-                                muonbp is not None and muonbp[1] == "local", args.ep, etp) if modeled else None)
+                                muonbp is not None and muonbp[1] == "local", args.ep, etp,
+                                args.split_qkv_per_head) if modeled else None)
     planned = (planner_rows(args.model, args.tp, args.pp, args.dp, args.dp_layout, args.fsdp, args.tp_mode)
                if args.tp_mode == "owner" and not moe and not args.split_qkv_per_head else None)
     for rank, res in results.items():

@@ -118,6 +118,7 @@ def optimizer_step_cost(
     layout_price: LayoutPrice | None = None,
     ep: int = 1,
     etp: int | None = None,
+    splits: RowSplits = DEFAULT_SPLITS,
 ) -> StepCost:
     """Predicted ``optimizer.step()`` time on the busiest rank of pipeline stage ``stage`` of a
     TP × DP × PP layout of ``model`` (with experts: EP × expert TP ``etp``, default ``tp``).
@@ -130,7 +131,8 @@ def optimizer_step_cost(
     megatron-core's Muon runs the standard iteration and splits QKV only, ``MEGATRON_SPLITS``).
     ``layout_price``: the job's price inputs, with which ``dp_layout`` ``priced`` is the layout
     ``layout_choice.choose_layout`` chooses, as the Megatron adapter lays it out under Megatron's
-    args (``layout_choice.job_price``); None: whole matrices.
+    args (``layout_choice.job_price``); None: whole matrices. ``splits``: the fused weights ours
+    splits (``--muon-split-qkv`` and its siblings, ``--muon-split-qkv-per-head``).
 
     A stage with an expert-parallel buffer steps two optimizers, one after the other (Megatron's
     ``ChainedOptimizer``): the dense one over TP × DP, the experts' over expert TP × expert DP.
@@ -146,7 +148,7 @@ def optimizer_step_cost(
     ours = optimizer == "ours"
     ns = ns if ours else dataclasses.replace(ns, method="standard", gram_dtype=None)
     settings = BufferSettings(dp_layout if ours else "megatron", bucket_numel,
-                              DEFAULT_SPLITS if ours else MEGATRON_SPLITS, ns, price=layout_price if ours else None)
+                              splits if ours else MEGATRON_SPLITS, ns, price=layout_price if ours else None)
     # ours: the stage as the optimizer finds it; the others: its params (Adam's buffer: megatron-core's)
     if ours:
         laid = stage_layouts(model, grid, settings)

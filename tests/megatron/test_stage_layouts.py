@@ -20,7 +20,8 @@ where the stage holds more than DDP's default bucket (40M elements). Mixture-of-
 multi-latent attention and a shared expert after a dense first layer, or with grouped-query
 attention: EP 2 and 4 with expert TP 1 and 2 (the experts' own DDP buffer over expert DP, compared
 like the dense one, and the expert optimizer's catalogue and plan), and EP 1 with expert TP = TP
-(megatron-core keeps the experts in the dense buffer).
+(megatron-core keeps the experts in the dense buffer). ``--muon-split-qkv-per-head`` on a dense and
+an MoE GPT (every head its own matrix, whole on its TP rank).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from megatron_muon.core.matrix_layout import MatrixLayout
 from megatron_muon.core.models import MambaShape, MLAShape, ModelShape
 from megatron_muon.plan.hardware import GPU_PROFILES
 from megatron_muon.plan.layout_choice import job_price
+from megatron_muon.plan.param_marks import RowSplits
 from megatron_muon.plan.stage_layouts import BufferSettings, stage_layouts
 from megatron_muon.plan.stage_params import StageGrid
 from megatron_muon.plan.step_cost import optimizer_step_cost
@@ -66,20 +68,24 @@ CASES = [  # (model, tp, pp, dp, stage, dp_layout, tp_mode[, ep, etp])
     (MOE_MLA, 2, 2, 2, 1, "megatron", "owner", 4, 1),
     (MOE_GQA, 2, 1, 4, 0, "priced", "auto", 2, 2),
     (MOE_GQA, 1, 1, 4, 0, "megatron", "owner", 1, None),
+    # --muon-split-qkv-per-head: every head its own matrix, whole on its TP rank (per_rank)
+    (GPT, 2, 1, 2, 0, "balanced", "owner", 1, None, True),
+    (MOE_GQA, 2, 1, 2, 0, "priced", "auto", 2, 1, True),
 ]
 PREFIX = "chunk0.module.module."  # the catalogue's names: chunk, DDP, Float16Module
 BUCKET = 40_000_000  # the dry run's DDP bucket at DP <= 40: max(40M, 1M x DP)
 
 
 def _unpack(case) -> tuple:
-    """(model, tp, pp, dp, stage, dp_layout, tp_mode, ep, etp), EP 1 and expert TP = TP by default."""
-    return (*case, 1, None) if len(case) == 7 else case
+    """(model, tp, pp, dp, stage, dp_layout, tp_mode, ep, etp, per_head): EP 1, expert TP = TP and
+    QKV per query group by default."""
+    return (*case, 1, None, False)[:10] if len(case) == 7 else (*case, False)[:10]
 
 
 def _ids(case) -> str:
-    model, tp, pp, dp, stage, layout, mode, ep, etp = _unpack(case)
+    model, tp, pp, dp, stage, layout, mode, ep, etp, per_head = _unpack(case)
     experts = f"ep{ep}etp{etp or tp}" if model.num_experts else ""
-    return f"{model.name}-tp{tp}pp{pp}dp{dp}{experts}s{stage}-{layout}-{mode}"
+    return f"{model.name}-tp{tp}pp{pp}dp{dp}{experts}s{stage}-{layout}-{mode}{'-per-head' if per_head else ''}"
 
 
 def _read(buffer, names) -> dict:
@@ -113,10 +119,11 @@ def built(cases) -> list[dict]:
     ddp_module.DistributedDataParallel = Recorded
     out = []
     for case in cases:
-        model, tp, pp, dp, stage, layout, mode, ep, etp = _unpack(case)
+        model, tp, pp, dp, stage, layout, mode, ep, etp, per_head = _unpack(case)
         wrapped.clear()
         with view_device(torch.device("meta")), contextlib.redirect_stdout(io.StringIO()):
-            parts, slot = dry_run.build_rank(model, tp, pp, dp, stage * tp * dp, mode, layout, ep=ep, etp=etp)
+            parts, slot = dry_run.build_rank(model, tp, pp, dp, stage * tp * dp, mode, layout, ep=ep, etp=etp,
+                                             per_head=per_head)
             (chunk,) = wrapped
             (buffer,) = chunk.buffers
             names = {id(p): n.removeprefix("module.") for n, p in chunk.module.named_parameters()}
@@ -144,13 +151,17 @@ def _price(model, tp, dp):
 
 
 def _grid(case) -> StageGrid:
-    model, tp, pp, dp, stage, _, _, ep, etp = _unpack(case)
+    model, tp, pp, dp, stage, _, _, ep, etp, _ = _unpack(case)
     return StageGrid(tp, dp, pp, stage, ep, etp)
 
 
+def _splits(case) -> RowSplits:
+    return RowSplits(qkv_per_head=_unpack(case)[9])
+
+
 def _road(case):
-    model, tp, pp, dp, stage, layout, _, ep, etp = _unpack(case)
-    settings = BufferSettings(layout, BUCKET, price=_price(model, tp, dp))
+    model, tp, pp, dp, stage, layout, *_ = _unpack(case)
+    settings = BufferSettings(layout, BUCKET, splits=_splits(case), price=_price(model, tp, dp))
     return stage_layouts(model, _grid(case), settings)
 
 
@@ -176,7 +187,7 @@ def test_buffer_is_ddps(real, case):
 def test_experts_have_their_own_buffer_where_megatron_gives_them_one(real):
     """EP > 1 or expert TP != TP: a second buffer over expert DP; EP 1 at expert TP = TP: none."""
     own = {_ids(case): real[_ids(case)]["experts"] is not None for case in CASES if case[0].num_experts}
-    assert sorted(own.values()) == [False, True, True, True], own
+    assert sorted(own.values()) == [False, True, True, True, True], own
 
 
 def test_some_stages_hold_several_buckets(real):
@@ -188,7 +199,7 @@ def test_some_stages_hold_several_buckets(real):
 def test_matrices_are_the_catalogues(real, case):
     for got, road, _ in _pairs(real, case):
         theirs = tuple(MatrixLayout(m.name.removeprefix(PREFIX), m.local_shape, m.partition_dim, m.tp_size, m.split,
-                                    m.dp_ranges) for m in got["matrices"])
+                                    m.dp_ranges, m.per_rank) for m in got["matrices"])
         assert road.matrices == theirs
 
 
@@ -197,14 +208,14 @@ def test_plan_and_cost_are_the_optimizers(real, case):
     """The plan of the road's layouts, with the optimizer's settings, is the optimizer's: the same
     owners and per-rank figures; the cost model (its own settings: h100-sxm, bf16 NS) prices that
     plan, so its NS max and Muon bytes are the optimizer's plan's."""
-    model, tp, pp, dp, stage, layout, mode, ep, etp = _unpack(case)
+    model, tp, pp, dp, stage, layout, mode, ep, etp, _ = _unpack(case)
     for got, road, grid in _pairs(real, case):
         plan = build_step_plan(road.matrices, dp_size=grid.dp, tp_size=grid.tp, settings=got["settings"])
         assert (plan.dp_owners, plan.ns_flops, plan.dp_bytes, plan.tp_bytes) == (
             got["dp_owners"], got["ns_flops"], got["dp_bytes"], got["tp_bytes"])
     cost = optimizer_step_cost(model, optimizer="ours", tp=tp, dp=dp, pp=pp, hw=GPU_PROFILES["h100-sxm"], tp_mode=mode,
                                dp_layout=layout, bucket_numel=BUCKET, stage=stage,
-                               layout_price=_price(model, tp, dp), ep=ep, etp=etp)
+                               layout_price=_price(model, tp, dp), ep=ep, etp=etp, splits=_splits(case))
     figures = [(max(got["ns_flops"]), max(d + t for d, t in zip(got["dp_bytes"], got["tp_bytes"])))
                for got, _, _ in _pairs(real, case)]
     assert (cost.ns_flops_max, cost.bytes_sent_max) == figures[0]

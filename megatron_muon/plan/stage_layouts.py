@@ -19,8 +19,9 @@ The bucket size follows DDP's own rule: the given size on the first pipeline sta
 the others. A stage's dense params share one buffer (one dtype); its experts' weights, where
 megatron-core gives them their own (``StageParam.expert_parallel``), share a second, laid out the
 same way over the expert-DP group with the expert TP size (``StageLayouts.experts``). As the
-Megatron adapter, ``priced`` prices the dense buffer only and keeps the experts' whole. ``tests/megatron/test_stage_layouts.py`` compares every step with the real DDP's and
-the real catalogue's on models megatron-core builds. Pure: no torch, no Megatron.
+Megatron adapter, ``priced`` prices the dense buffer only and keeps the experts' whole.
+``tests/megatron/test_stage_layouts.py`` compares every step with the real DDP's and the real
+catalogue's on models megatron-core builds. Pure: no torch, no Megatron.
 """
 
 from __future__ import annotations

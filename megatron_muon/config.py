@@ -70,7 +70,8 @@ class MuonConfig:
     """orthogonalize a split QKV per head (--muon-split-qkv-per-head, upstream PR #6326's flag):
     each query head and each query group's k and v head its own head_dim x hidden matrix, scaled by
     that shape; a column-parallel QKV gives every TP rank whole heads, so they run on their TP rank
-    with no TP traffic in any mode (docs/per_head.md). Needs split_qkv; MLA is not split per head."""
+    with no TP traffic in any mode (docs/per_head.md). MLA's q and kv up-projections alike: each head's
+    q rows (nope and rope together) one matrix, its k-nope rows one and its v rows one. Needs split_qkv."""
     split_fc1: bool = True
     """orthogonalize the gate and up halves of a fused SwiGLU fc1 separately (upstream #6688)."""
     mamba_in_proj: str = "split"

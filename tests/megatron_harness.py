@@ -503,7 +503,8 @@ def reference_param_groups(chunk, per_head: bool = False) -> tuple[list[dict], l
     """How the one-process references (TP1) split a tiny GPT's params, as megatron-muon routes them:
     Muon groups (a fused QKV split per query group into q, k and v, or with ``per_head`` into its
     heads, each query head and each group's k and v head of head_dim rows, contiguous in
-    megatron-core's layout; a gated fc1 into [gate; up]),
+    megatron-core's layout, and MLA's q projection per head, its kv up-projection per head into k
+    nope and v; a gated fc1 into [gate; up]),
     AdamW params with weight decay, and AdamW params without (biases and 1-D params: Megatron's
     standard override, wd_mult 0). Reads ``HEADS`` / ``GROUPS`` when called (a test may change them)."""
     from megatron_muon.core.matrix_layout import RowSplit
@@ -517,6 +518,12 @@ def reference_param_groups(chunk, per_head: bool = False) -> tuple[list[dict], l
                 RowSplit(1, (p.shape[0] // 2,) * 2) if "linear_fc1" in name else None)
             if per_head and "linear_qkv" in name:
                 split = RowSplit(1, (kv,) * (p.shape[0] // kv))
+            if per_head and name.endswith(("linear_q_proj.weight", "linear_q_up_proj.weight")):
+                cfg = chunk.config  # MLA: per head its [nope; rope] query rows, one matrix
+                split = RowSplit(1, (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim,) * HEADS)
+            if per_head and name.endswith("linear_kv_up_proj.weight"):
+                cfg = chunk.config  # MLA: per head its k-nope rows, then its v rows, one matrix each
+                split = RowSplit(1, (cfg.qk_head_dim, cfg.v_head_dim) * HEADS)
             muon_groups.append(dict(params=[p], row_split=split))
         elif name.endswith(".bias") or p.dim() == 1:
             no_decay.append(p)

@@ -11,10 +11,10 @@ QKV per query group ``[q; k; v] × groups`` and SwiGLU fc1 ``[gate; up]``. Each 
 itself TP-sharded along the same ``partition_dim``, because TP gives every rank whole query
 groups and matching halves of gate and up.
 
-Per-head QKV (``--muon-split-qkv-per-head``) is the exception: its sub-matrices are the heads,
-and a column-parallel QKV gives every TP rank whole heads of its own, so each TP rank's block is
-a whole matrix, not a shard of one (``per_rank``). Newton–Schulz then runs on every TP rank on
-its own heads: per-head Muon exactly, with nothing crossing TP.
+Per-head QKV (``--muon-split-qkv-per-head``; MLA's up-projections alike) is the exception: its
+sub-matrices are the heads, and a column-parallel weight gives every TP rank whole heads of its
+own, so each TP rank's block is a whole matrix, not a shard of one (``per_rank``). Newton–Schulz
+then runs on every TP rank on its own heads: per-head Muon exactly, with nothing crossing TP.
 """
 
 from __future__ import annotations
@@ -60,6 +60,10 @@ class MatrixLayout:
     whole heads), not shards of the TP group's; its sub-matrices are then unsharded
     (``partition_dim`` None) and ``per_rank``: NS runs on every TP rank on its own, TP sends
     nothing, and ``full_shape`` of one is its local shape."""
+    per_head: bool = False
+    """its sub-matrices are attention heads (``--muon-split-qkv-per-head``: a fused QKV's heads or an
+    MLA up-projection's head blocks), whether or not TP cut the weight (``per_rank`` says that); the
+    ``--muon-log-stats`` class ``attention_head`` reads it."""
 
     @classmethod
     def from_full_shape(cls, name: str, full: tuple[int, int], partition_dim: int | None,

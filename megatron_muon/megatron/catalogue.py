@@ -8,7 +8,8 @@ One module for every question about a model's matrices:
   ``tag_routing`` sets from the config: a Mamba ``in_proj`` with ``--muon-mamba-in-proj adamw``,
   a router with ``--moe-router-skip-muon``;
 * **tags**: fused QKV weights (``is_qkv``, ``qkv_split_shapes``, set here by module as upstream's
-  emerging-optimizer path does) split per query group; a gated fc1 (``partition_stride == 2``,
+  emerging-optimizer path does) split per query group, or per head (``qkv_heads``; MLA's
+  up-projections ``mla_heads``) with ``--muon-split-qkv-per-head``; a gated fc1 (``partition_stride == 2``,
   or ``gated_fc1`` on Transformer Engine's grouped experts) splits into gate and up; a Mamba
   ``in_proj`` (megatron-core's ``partition_sizes``) into z, x, B, C and dt;
 * **the layout** of each matrix (``layout_of``: TP shard, split dim, fused rows, DP ranges);
@@ -39,7 +40,7 @@ from .megatron_fsdp import check_own_range, fsdp_item_ranges, optimizer_buffer
 from .torch_fsdp2 import torch_fsdp2_ranges
 
 __all__ = ["MatrixOf", "describe_megatron_fsdp", "describe_whole", "describe_zero1", "is_expert_parallel",
-           "is_muon_matrix", "layout_of", "marks_of", "packed_in_backprop_order", "param_names",
+           "is_muon_matrix", "layout_of", "marks_of", "mla_heads_of", "packed_in_backprop_order", "param_names",
            "ranges_on_every_rank", "qkv_heads_of", "row_splits", "tag_grouped_experts", "tag_qkv", "tag_routing"]
 
 MatrixOf = dict[int, tuple[MatrixLayout, torch.Tensor | None]]
@@ -87,7 +88,8 @@ def tag_qkv(model_chunks) -> None:
     """Mark fused QKV weights the way upstream's emerging-optimizer path does (by module, since
     Megatron's layers set no QKV attribute themselves), and with ``qkv_heads`` (query groups on
     this TP rank, query heads per group, head dim) from the attention module's own per-partition
-    counts, i.e. after TP sharding, for ``--muon-split-qkv-per-head`` (``param_marks.per_head_split``
+    counts, i.e. after TP sharding; and an MLA attention's up-projections with ``mla_heads``
+    (``mla_heads_of``): both for ``--muon-split-qkv-per-head`` (``param_marks.per_head_split``
     checks them against the local shard)."""
     for chunk in model_chunks:
         cfg = chunk.config
@@ -101,6 +103,10 @@ def tag_qkv(model_chunks) -> None:
                 heads = qkv_heads_of(module)
                 if heads is not None:
                     weight.qkv_heads = heads
+            for projection, heads in mla_heads_of(module).items():
+                weight = getattr(getattr(module, projection, None), "weight", None)
+                if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2:
+                    weight.mla_heads = heads
 
 
 def qkv_heads_of(attention) -> tuple[int, int, int] | None:
@@ -113,6 +119,23 @@ def qkv_heads_of(attention) -> tuple[int, int, int] | None:
     if groups is None or heads is None or head_dim is None or not groups or heads % groups:
         return None
     return int(groups), int(heads) // int(groups), int(head_dim)
+
+
+def mla_heads_of(attention) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Per up-projection of a megatron-core MLA attention module (one with a
+    ``linear_kv_up_proj``), (heads on this TP rank, one head's row blocks): the head count is the
+    module's ``num_attention_heads_per_partition`` (counted after TP sharding), the widths its
+    config's ``qk_head_dim``, ``qk_pos_emb_head_dim`` and ``v_head_dim`` (which TP does not cut).
+    The q projection (``linear_q_proj``, or ``linear_q_up_proj`` with a q LoRA rank) holds per head
+    ``[nope; rope]`` query rows, one block; ``linear_kv_up_proj`` per head ``[k nope; v]``, two
+    blocks (docs/per_head.md). {} for any other module."""
+    heads = getattr(attention, "num_attention_heads_per_partition", None)
+    if not isinstance(attention, torch.nn.Module) or not hasattr(attention, "linear_kv_up_proj") or not heads:
+        return {}
+    cfg = attention.config
+    nope, rope, v = int(cfg.qk_head_dim), int(cfg.qk_pos_emb_head_dim), int(cfg.v_head_dim)
+    q_proj = "linear_q_proj" if cfg.q_lora_rank is None else "linear_q_up_proj"
+    return {q_proj: (int(heads), (nope + rope,)), "linear_kv_up_proj": (int(heads), (nope, v))}
 
 
 def tag_grouped_experts(model_chunks) -> None:
@@ -152,10 +175,15 @@ def marks_of(param: torch.nn.Parameter) -> ParamMarks:
         partition_dim=getattr(param, "partition_dim", -1),
         qkv_split=tuple(param.qkv_split_shapes) if getattr(param, "is_qkv", False) else None,
         qkv_heads=tuple(param.qkv_heads) if getattr(param, "qkv_heads", None) is not None else None,
+        mla_heads=_mla_heads(getattr(param, "mla_heads", None)),
         gated=getattr(param, "partition_stride", 1) == 2 or getattr(param, "gated_fc1", False),
         partition_sizes=tuple(int(n) for n in sizes) if sizes is not None else None,
         embedding_or_output=getattr(param, "is_embedding_or_output_parameter", False),
     )
+
+
+def _mla_heads(mark) -> tuple[int, tuple[int, ...]] | None:
+    return None if mark is None else (int(mark[0]), tuple(int(b) for b in mark[1]))
 
 
 def row_splits(muon_config: MuonConfig) -> RowSplits:

@@ -169,11 +169,9 @@ def _ignored_setting_rejections(args) -> list[tuple[bool, str]]:
          "--muon-no-split-qkv: only an attention layer's fused linear_qkv has q, k and v to split, and this model "
          f"has none ({'multi-latent attention' if pattern is None else 'no * in --hybrid-layer-pattern'}); drop "
          "the flag"),
-        (getattr(args, "muon_split_qkv_per_head", False) and (getattr(args, "multi_latent_attention", False) or (
-            pattern is not None and "*" not in pattern)),
-         "--muon-split-qkv-per-head: only an attention layer's fused linear_qkv is split per head, and this model "
-         "has none (" + ("multi-latent attention: its up-projections are not split per head yet, docs/per_head.md"
-                         if pattern is None else "no * in --hybrid-layer-pattern") + "); drop the flag"),
+        (getattr(args, "muon_split_qkv_per_head", False) and pattern is not None and "*" not in pattern,
+         "--muon-split-qkv-per-head: only an attention layer's linear_qkv (or MLA's up-projections) is split per "
+         "head, and this model has none (no * in --hybrid-layer-pattern); drop the flag"),
         *[(not getattr(args, "qk_clip", False) and getattr(args, dest, None) != megatron_default(dest),
            f"--{dest.replace('_', '-')} {getattr(args, dest, None)}: only --qk-clip uses it ({what}), and this run "
            "does not clip; add --qk-clip or drop the flag")

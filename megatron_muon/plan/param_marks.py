@@ -33,6 +33,13 @@ class ParamMarks:
     """``qkv_heads`` of a fused QKV (the catalogue's ``tag_qkv``, from the attention module's
     per-partition counts, i.e. after TP sharding): (query groups on this TP rank, query heads per
     group, head dim), what ``--muon-split-qkv-per-head`` splits the local rows by."""
+    mla_heads: tuple[int, tuple[int, ...]] | None = None
+    """``mla_heads`` of an MLA up-projection (the catalogue's ``tag_qkv``: the head count from the
+    attention module's per-partition count, i.e. after TP sharding, the widths from the model
+    config): (heads on this TP rank, the row blocks of one head), each block its own matrix under
+    ``--muon-split-qkv-per-head``: ``(qk_head_dim + qk_pos_emb_head_dim,)`` for the q projection
+    (``linear_q_proj`` / ``linear_q_up_proj``), ``(qk_head_dim, v_head_dim)`` for
+    ``linear_kv_up_proj`` (docs/per_head.md says why)."""
     gated: bool = False
     """a gated fc1 holding ``[gate; up]`` on every TP rank (``partition_stride`` 2, or the
     catalogue's ``gated_fc1`` on Transformer Engine's grouped experts)."""
@@ -52,7 +59,8 @@ class RowSplits:
     in_proj: bool = True
     qkv_per_head: bool = False
     """``--muon-split-qkv-per-head``: a split QKV further into its heads (each query head, and each
-    query group's k and v head), every one its own matrix."""
+    query group's k and v head), and an MLA up-projection into its heads' blocks, every one its
+    own matrix."""
 
 
 DEFAULT_SPLITS = RowSplits()
@@ -69,10 +77,11 @@ def matrix_layout(name: str, local_shape: tuple[int, int], marks: ParamMarks, tp
     tensor_parallel = marks.tensor_parallel and tp_size > 1
     partition_dim = marks.partition_dim if tensor_parallel else None
     split = None
-    per_rank = False
-    if splits.qkv and marks.qkv_split is not None and splits.qkv_per_head:
-        split = per_head_split(name, rows, marks.qkv_split, marks.qkv_heads)
-        per_rank = partition_dim == 0  # a column-parallel QKV gives every TP rank whole heads of its own
+    per_rank = per_head = False
+    if splits.qkv and splits.qkv_per_head and (marks.qkv_split is not None or marks.mla_heads is not None):
+        split = per_head_split(name, rows, marks)
+        # a column-parallel QKV or MLA up-projection gives every TP rank whole heads of its own
+        per_rank, per_head = partition_dim == 0, True
     elif splits.qkv and marks.qkv_split is not None:
         sizes = tuple(marks.qkv_split)
         if rows % sum(sizes):
@@ -89,23 +98,36 @@ def matrix_layout(name: str, local_shape: tuple[int, int], marks: ParamMarks, tp
             raise ValueError(f"{name}: partition_sizes {list(sizes)} do not describe its {rows} local rows")
         split = RowSplit(1, sizes)
     return MatrixLayout(name, (rows, cols), partition_dim if partition_dim in (0, 1) else None, tp_size, split,
-                        dp_ranges, per_rank=per_rank)
+                        dp_ranges, per_rank=per_rank, per_head=per_head)
 
 
-def per_head_split(name: str, rows: int, qkv_split: tuple[int, ...], heads: tuple[int, int, int] | None) -> RowSplit:
-    """The ``RowSplit`` of a fused QKV's TP-local ``rows`` into its heads
-    (``--muon-split-qkv-per-head``): per query group on this TP rank, each of its query heads, then
-    its k head and its v head, ``head_dim`` rows each, one contiguous block per head (so each is
-    its own unit, placed and batched apart). ``heads``: (query groups on this TP rank, query heads
-    per group, head dim), counted after TP sharding (``ParamMarks.qkv_heads``); they must describe
-    the local shard and agree with the per-group split, else ``ValueError`` (widths taken before
-    TP sharding would cut heads in halves: DeepSpeed #8384)."""
+def per_head_split(name: str, rows: int, marks: ParamMarks) -> RowSplit:
+    """The ``RowSplit`` of a TP-local weight's ``rows`` into its heads (``--muon-split-qkv-per-head``),
+    one contiguous block per matrix, so each is its own unit, placed and batched apart:
+
+    * a fused QKV (``marks.qkv_heads``: query groups on this TP rank, query heads per group, head
+      dim): per query group each of its query heads, then its k head and its v head, ``head_dim``
+      rows each; the counts must also agree with the per-group split (``marks.qkv_split``);
+    * an MLA up-projection (``marks.mla_heads``: heads on this TP rank, one head's row blocks):
+      per head its blocks, in megatron-core's order.
+
+    The counts are taken after TP sharding and must describe the local shard, else ``ValueError``
+    naming the weight and the flag (counts taken before TP sharding would cut heads in halves or
+    read past the shard: DeepSpeed #8384)."""
     flag = "--muon-split-qkv-per-head"
-    if heads is None:
+    if marks.mla_heads is not None:
+        heads, blocks = marks.mla_heads
+        if heads < 1 or not blocks or min(blocks) < 1 or heads * sum(blocks) != rows:
+            raise ValueError(f"{name}: {flag}: {heads} heads x {sum(blocks)} rows (blocks {list(blocks)}) on this TP "
+                             f"rank do not describe its {rows} local rows (head counts must be taken after TP "
+                             "sharding)")
+        return RowSplit(1, tuple(blocks) * heads)
+    if marks.qkv_heads is None:
         raise ValueError(f"{name}: {flag}: the QKV weight carries no per-rank head counts (qkv_heads)")
-    groups, per_group, head_dim = heads
-    if (per_group * head_dim, head_dim, head_dim) != tuple(qkv_split) or groups * (per_group + 2) * head_dim != rows:
+    groups, per_group, head_dim = marks.qkv_heads
+    per_group_split = (per_group * head_dim, head_dim, head_dim)
+    if per_group_split != tuple(marks.qkv_split) or groups * (per_group + 2) * head_dim != rows:
         raise ValueError(f"{name}: {flag}: {groups} query groups x ({per_group} query + k + v heads) x head dim "
-                         f"{head_dim} on this TP rank do not describe its {rows} local rows split {list(qkv_split)} "
-                         f"per query group (head counts must be taken after TP sharding)")
+                         f"{head_dim} on this TP rank do not describe its {rows} local rows split "
+                         f"{list(marks.qkv_split)} per query group (head counts must be taken after TP sharding)")
     return RowSplit(1, ((head_dim,) * per_group + (head_dim, head_dim)) * groups)

@@ -360,7 +360,8 @@ REJECTED = [
     ("--optimizer muon --muon-fp32-matmul-prec low", "--muon-fp32-matmul-prec"),
     ("--optimizer muon --muon-scalar-optimizer lion", "--muon-scalar-optimizer"),
     ("--optimizer adaptive_muon --muon-tp-mode owner", "--muon-tp-mode"),
-    ("--optimizer muon --muon-split-qkv-per-head --multi-latent-attention", "--muon-split-qkv-per-head: only"),
+    ("--optimizer muon --muon-split-qkv-per-head --num-layers 1 --hybrid-layer-pattern -",
+     "--muon-split-qkv-per-head: only"),
     ("--optimizer muon --muon-split-qkv-per-head --muon-no-split-qkv", "--muon-split-qkv-per-head: expected"),
 ]
 
@@ -371,6 +372,14 @@ def test_unsupported_combination_rejected_naming_the_flag(installed, monkeypatch
     with pytest.raises(ValueError, match=f"^{flag}") as info:
         _parse_and_validate(arguments, monkeypatch, flags)
     assert "\n" not in str(info.value)
+
+
+def test_per_head_is_accepted_with_multi_latent_attention(installed, monkeypatch):
+    """MLA's up-projections are split per head (docs/per_head.md): the flag stands with MLA."""
+    arguments, _ = installed
+    args = _parse_and_validate(arguments, monkeypatch,
+                               "--optimizer muon --muon-split-qkv-per-head --multi-latent-attention")
+    assert muon_config_from_args(args).split_qkv_per_head
 
 
 def test_dispatcher(megatron, monkeypatch):

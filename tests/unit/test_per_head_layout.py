@@ -109,3 +109,60 @@ def test_the_startup_report_says_heads_per_tp_rank():
     (line,) = [ln for ln in report.splitlines() if "linear_qkv" in ln]
     assert f"NS on 8 heads of {HEAD_DIM}x{HIDDEN} per TP rank" in line
     assert "tp mode on its TP rank (per head, no TP traffic)" in line
+
+
+# ---- MLA: the q and kv up-projections' heads -------------------------------------------------
+
+MLA_HEADS, NOPE, ROPE, V, Q_LORA, KV_LORA = 4, 16, 8, 12, 24, 32
+
+
+def _mla(tp: int, heads: int | None = None, splits: RowSplits = PER_HEAD):
+    """A q up-projection and a kv up-projection of ``MLA_HEADS`` heads, TP-local (ColumnParallel),
+    marked as ``catalogue.tag_qkv`` marks them: ``heads`` per TP rank (default: after sharding)."""
+    heads = MLA_HEADS // tp if heads is None else heads
+    q = matrix_layout("layers.0.self_attention.linear_q_up_proj.weight", (MLA_HEADS * (NOPE + ROPE) // tp, Q_LORA),
+                      ParamMarks(tensor_parallel=True, partition_dim=0, mla_heads=(heads, (NOPE + ROPE,))), tp, splits)
+    kv = matrix_layout("layers.0.self_attention.linear_kv_up_proj.weight", (MLA_HEADS * (NOPE + V) // tp, KV_LORA),
+                       ParamMarks(tensor_parallel=True, partition_dim=0, mla_heads=(heads, (NOPE, V))), tp, splits)
+    return q, kv
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_mla_heads_are_q_rows_and_k_nope_and_v_apart(tp):
+    """Per head of this TP rank: its q rows (nope and rope together) one matrix, its k-nope rows one
+    and its v rows one, in megatron-core's row order; whole on their TP rank."""
+    q, kv = _mla(tp)
+    local = MLA_HEADS // tp
+    assert q.sub_global_shapes() == [(NOPE + ROPE, Q_LORA)] * local
+    assert kv.sub_global_shapes() == [(NOPE, KV_LORA), (V, KV_LORA)] * local
+    assert kv.split.sizes == (NOPE, V) * local and kv.split.groups == 1  # head h: rows h(NOPE+V) .. (h+1)(NOPE+V)
+    for lay in (q, kv):
+        assert lay.per_head and lay.per_rank == (tp > 1)
+        assert all((s.partition_dim, s.per_rank) == (None, tp > 1) for s in lay.sub_matrices())
+        assert len(split_units([lay])) == len(lay.sub_global_shapes())  # every head block its own unit
+
+
+def test_mla_is_whole_without_the_flag():
+    q, kv = _mla(2, splits=RowSplits())
+    assert q.split is None and kv.split is None and not (q.per_head or kv.per_head or q.per_rank)
+
+
+@pytest.mark.parametrize("heads", [MLA_HEADS, MLA_HEADS // 4, 0])
+def test_mla_head_counts_that_do_not_describe_the_shard_are_refused(heads):
+    """The planted bug: the whole model's head count on a TP2 shard (and a count too small, and none)."""
+    with pytest.raises(ValueError) as err:
+        _mla(2, heads=heads)
+    message = str(err.value)
+    assert message.startswith("layers.0.self_attention.linear_q_up_proj.weight: --muon-split-qkv-per-head:")
+    assert "after TP sharding" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("mode", ["owner", "duplicated", "distributed", "auto"])
+def test_mla_heads_send_no_tp_byte(mode):
+    """At TP2 x DP2 every up-projection's head block runs on its TP rank, priced at no TP byte."""
+    laid = [dataclasses.replace(lay, dp_ranges=((0, lay.numel // 2 + 5), (lay.numel // 2 + 5, lay.numel)))
+            for lay in _mla(2)]
+    plan = build_step_plan(laid, dp_size=2, tp_size=2,
+                           settings=PlanSettings(mode, NSOptions(), hardware=GPU_PROFILES["h100-sxm"]))
+    assert set(plan.tp_bytes) == {0} and sum(plan.ns_flops) > 0
+    assert {m for w in plan.work for m in w.modes} == {"blockwise"}

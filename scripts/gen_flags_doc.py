@@ -149,12 +149,15 @@ With `--muon-log-stats` each logged iteration's line ends, per matrix class, wit
 * **residual**: ‖XᵀX − I‖_F / √k of the NS output X, the Gram over its short side k = min(m, n),
   i.e. the RMS of σ² − 1 over its singular values (0 for an orthogonal X), averaged over a fixed
   sample: the first and the last matrix of each class in the stage, each of its sub-matrices (QKV's
-  q, k, v; fc1's gate and up). It is measured where the whole NS output is (the TP owner in owner
-  mode; TP-summed Grams or gathered shards in duplicated and distributed), on logged steps only;
-  `-` where none was measured (MuonBP block steps and DP teams never hold a whole matrix's NS).
-* The classes: `attention` (QKV, output projection; `attention_head` is kept for a per-head split),
-  `mlp` (dense MLPs and shared experts), `expert` (routed experts), `mamba`, `other`. TensorBoard and
-  W&B get `muon/<class>/update_rms`, `muon/<class>/matched_rms` and `muon/<class>/residual`.
+  q, k, v; fc1's gate and up; a per-head weight's heads). It is measured where the whole NS output
+  is (the TP owner in owner mode; TP-summed Grams or gathered shards in duplicated and distributed;
+  every TP rank for its own heads under `--muon-split-qkv-per-head`), on logged steps only; `-`
+  where none was measured (MuonBP block steps and DP teams never hold a whole matrix's NS).
+* The classes: `attention` (QKV, output projection, MLA's projections), `attention_head` (with
+  `--muon-split-qkv-per-head`, the weights orthogonalized head by head: QKV, MLA's q and kv
+  up-projections; the output projection stays `attention`), `mlp` (dense MLPs and shared experts),
+  `expert` (routed experts), `mamba`, `other`. TensorBoard and W&B get `muon/<class>/update_rms`,
+  `muon/<class>/matched_rms` and `muon/<class>/residual`.
 
 The figures cost nothing on iterations that do not log: the steps before a log record them (one
 norm per matrix, the sampled matrices' Grams: 2k²·max(m, n) FLOPs each), the log reduces them in

@@ -34,9 +34,10 @@ __all__ = ["CLASSES", "FIELDS", "class_figures", "matched_mean_square", "matrix_
 
 CLASSES = ("attention", "attention_head", "mlp", "expert", "mamba", "other")
 """The matrix classes, in the order of the stats table's rows (the same on every rank: the table
-is all-reduced as one tensor). ``attention_head`` is the class of per-head attention matrices,
-kept for a per-head split of QKV (``matrix_class(..., per_head=True)``); a new class is appended
-here and returned by ``matrix_class``, nothing else changes."""
+is all-reduced as one tensor). ``attention_head`` is the class of the attention weights
+orthogonalized head by head (``--muon-split-qkv-per-head``: ``MatrixLayout.per_head``, passed as
+``matrix_class(..., per_head=True)``); a new class is appended here and returned by
+``matrix_class``, nothing else changes."""
 
 FIELDS = ("update_sq", "matched_sq", "elements", "residual_sum", "residual_count")
 """The stats table's columns, per class: Σ(scale·O)², Σ of the matched mean square over the same
@@ -48,7 +49,7 @@ def matrix_class(name: str, *, per_head: bool = False) -> str:
 
     ``experts`` (a routed expert, not ``shared_experts``) → expert; an attention module
     (``self_attention``, ``cross_attention``, ``attention``) → attention, or ``attention_head``
-    with ``per_head`` (its sub-matrices orthogonalized head by head); a Mamba ``mixer`` →
+    with ``per_head`` (the weight's sub-matrices are its heads: ``MatrixLayout.per_head``); a Mamba ``mixer`` →
     mamba; ``mlp`` or ``shared_experts`` → mlp; anything else → other.
     """
     parts = name.split(".")

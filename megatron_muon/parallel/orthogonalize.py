@@ -495,7 +495,7 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver, residuals: ResidualP
         del subs
         if residuals is not None:
             measure_residuals(residuals, work, g.owned, run.unit_weight, run.teams, done, g.owner_positions, results,
-                              run.tp_group, run.tp_rank)
+                              run.tp_group, run.tp_rank, run.block_grid)
         yield
         done.update(zip(g.owner_positions, g.owner_micro_group.finish(back.wait(), results)))
         del back, results
@@ -504,7 +504,7 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver, residuals: ResidualP
         del subs
         if residuals is not None:
             measure_residuals(residuals, work, g.owned, run.unit_weight, run.teams, done, (), {}, run.tp_group,
-                              run.tp_rank)
+                              run.tp_rank, run.block_grid)
     joined = {}
     for i in g.owned:
         parts = [done.pop(p) for p in work.sub_positions[i]]

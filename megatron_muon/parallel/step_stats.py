@@ -58,10 +58,10 @@ class ClassStats:
     class, the sampled weights, and the counted pieces' matched mean square and element count."""
 
     def __init__(self, layouts: Sequence[MatrixLayout], counted: Sequence[bool], dp_rank: int, scale_mode: str,
-                 extra_scale_factor: float, device: torch.device, per_head: bool = False) -> None:
+                 extra_scale_factor: float, device: torch.device) -> None:
         self.counted = counted
         """the ``counted`` list it was built for (the optimizer rebuilds when its norm groups change)."""
-        self.class_of = [CLASSES.index(matrix_class(lay.name, per_head=per_head)) for lay in layouts]
+        self.class_of = [CLASSES.index(matrix_class(lay.name, per_head=lay.per_head)) for lay in layouts]
         self.sample = frozenset(sample_weights([CLASSES[c] for c in self.class_of], SAMPLES_PER_CLASS))
         fixed = [[0.0] * len(FIELDS) for _ in CLASSES]
         for i, (lay, mine) in enumerate(zip(layouts, counted)):
@@ -122,13 +122,17 @@ def _range_sum(layout: MatrixLayout, per_sub: list[float], start: int, end: int)
 
 def measure_residuals(probe: ResidualProbe, work, owned: Sequence[int], unit_weight: Sequence[int], teams,
                       done: dict[int, torch.Tensor], owner_positions: Sequence[int],
-                      owner_results: dict[int, torch.Tensor], tp_group, tp_rank: int) -> None:
+                      owner_results: dict[int, torch.Tensor], tp_group, tp_rank: int,
+                      block_grid: tuple[int, int] = (1, 1)) -> None:
     """The residual of every sub-matrix of the sampled weights among ``owned`` (the units whose
     NS this rank's TP group has just run: ``done``, position → this TP rank's result), each
     measured once per TP group:
 
     * in the pipelined owner exchange, on the TP owner, from its whole result (``owner_results``,
       keyed by index in ``owner_positions``): no collective;
+    * a ``per_rank`` sub-matrix (a head whole on its TP rank, each rank's its own matrix): on
+      every TP rank, from its own result, unless the blockwise kernel cuts it into a
+      ``block_grid`` of blocks (MuonBP's block steps): no collective;
     * whole on every TP rank (TP 1, or not TP-split): on the plan's TP owner (rank 0 when none);
     * TP-split in duplicated or distributed mode, when TP splits the long side: each rank's Gram
       over the unsplit short side, k × k, summed by one all-reduce over the TP group for the whole
@@ -137,8 +141,8 @@ def measure_residuals(probe: ResidualProbe, work, owned: Sequence[int], unit_wei
       side's L² Gram) and the residual computed on TP rank 0.
 
     Every TP peer owns the same units and reads the same plan, so each issues the same
-    collectives in the same order, sizes from the plan. Skipped: blockwise sub-matrices and a DP
-    team's blocks (no rank runs NS of the whole matrix). The collectives are uncounted
+    collectives in the same order, sizes from the plan. Skipped: the blockwise mode's TP shards
+    and a DP team's blocks (no rank runs NS of the whole matrix). The collectives are uncounted
     (``comm.uncounted``): they are the log's traffic, not the plan's."""
     at = {p: j for j, p in enumerate(owner_positions)}
     grams: list[tuple[int, torch.Tensor]] = []
@@ -148,6 +152,9 @@ def measure_residuals(probe: ResidualProbe, work, owned: Sequence[int], unit_wei
             continue
         for p in work.sub_positions[u]:
             sub, mode = work.subs[p], work.modes[p]
+            if sub.per_rank and block_grid == (1, 1):  # blockwise's kernel on this TP rank's whole matrix
+                probe.record(w, orthogonality_residual(done[p].reshape(sub.local_shape)))
+                continue
             if mode in ("blockwise", "team"):
                 continue
             if p in at:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import grid_groups, run_world
-from rounding_bounds import ns_bound
+from rounding_bounds import ns_bound, sum_bound, unit_roundoff
 
 from megatron_muon import comm_stats, newton_schulz
 from megatron_muon.core.matrix_layout import MatrixLayout
@@ -24,6 +24,7 @@ from megatron_muon.core.newton_schulz import NSOptions
 from megatron_muon.core.scaling import muon_scale
 from megatron_muon.parallel import comm
 from megatron_muon.parallel.orthogonalize import StepGroups, orthogonalize_updates
+from megatron_muon.parallel.step_stats import ResidualProbe
 from megatron_muon.plan.hardware import hardware_profile
 from megatron_muon.plan.param_marks import ParamMarks, RowSplits, matrix_layout
 from megatron_muon.plan.step_plan import PlanSettings, build_step_plan
@@ -127,7 +128,9 @@ def _worker(rank: int, world: int, tp: int) -> dict:
         for mode in MODES:
             plan = build_step_plan(lays, dp_size=dp, tp_size=tp, settings=_settings(mode))
             qkv_only = build_step_plan(lays[: len(ATTENTIONS)], dp_size=dp, tp_size=tp, settings=_settings(mode))
-            got = orthogonalize_updates(pieces, plan, groups)
+            records = []
+            probe = ResidualProbe(frozenset(range(len(lays))), lambda w, x: records.append((w, float(x))))
+            got = orthogonalize_updates(pieces, plan, groups, residuals=probe)
             orthogonalize_updates(pieces[: len(ATTENTIONS)], qkv_only, groups)  # binds and checks: not counted
             tp_payload = []
 
@@ -140,7 +143,8 @@ def _worker(rank: int, world: int, tp: int) -> dict:
             out[(cut, mode)] = dict(out=got, tp_elements=sum(tp_payload), bytes=stats.bytes_sent,
                                     flops=stats.ns_flops, plan_tp_bytes=qkv_only.tp_bytes[rank],
                                     plan_flops=qkv_only.ns_flops[rank],
-                                    modes={m for w in qkv_only.work for m in w.modes})
+                                    modes={m for w in qkv_only.work for m in w.modes},
+                                    residuals=[x for w, x in records if w < len(ATTENTIONS)])
     return {"tp_rank": tp_rank, "dp_rank": dp_rank, "results": out}
 
 
@@ -191,3 +195,34 @@ def test_per_head_sends_nothing_over_tp_in_every_mode(world, mode):
             assert res["flops"] == res["plan_flops"]
     assert all(sum(r["results"][(cut, mode)]["flops"] for r in ranks if r["dp_rank"] == d) > 0
                for cut in (True, False) for d in range(n // tp) if n == tp)
+
+
+def _residual64(x: torch.Tensor) -> float:
+    """float64 ‖XᵀX − I‖_F / √k: the RMS of σ² − 1 over X's singular values."""
+    s = torch.linalg.svdvals(x.double())
+    return float((s.square() - 1).square().mean().sqrt())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_per_head_residuals_are_each_heads_own(world, mode):
+    """``--muon-log-stats``' orthogonality residual of the QKV heads (every weight sampled): each
+    head measured once per DP group, on its TP rank, from its own NS output. Over a TP rank's DP
+    owners the residuals are its heads' (sorted: the order is the plan's), against float64 on the
+    step's own output of each head (unscaled)."""
+    n, tp, ranks = world
+    lays = model_layouts(tp, n // tp, cut=False)
+    for tp_rank in range(tp):
+        recorded = sorted(x for r in ranks if r["tp_rank"] == tp_rank for x in r["results"][(False, mode)]["residuals"])
+        got = next(r["results"][(False, mode)]["out"] for r in ranks if r["tp_rank"] == tp_rank)
+        heads = [(got[k].view(lays[k].local_shape)[rows] / muon_scale(HEAD_DIM, HIDDEN))
+                 for k in range(len(ATTENTIONS)) for rows in heads_of(k)[: len(heads_of(k)) // tp]]
+        want = sorted(_residual64(h) for h in heads)
+        if tp == 1 and mode == "blockwise":  # blockwise at TP 1: heads are no per-rank matrices, MuonBP's block
+            assert not recorded  # steps run there and hold no whole NS: never measured
+            continue
+        assert len(recorded) == len(want), (mode, tp_rank)
+        # the fp32 Gram over HIDDEN products of entries below 1.2 in magnitude, against float64's:
+        # one rounding path per entry plus the division by the scale (2u per product), k = HEAD_DIM
+        # entries' worth in the norm over √k (tests/unit/test_update_stats.py's bound)
+        entry = sum_bound(torch.float32, HIDDEN, 1.44, roundings=1) + 2 * unit_roundoff(torch.float32) * 1.44
+        assert all(abs(a - b) <= HEAD_DIM ** 0.5 * entry for a, b in zip(recorded, want)), (mode, tp_rank)

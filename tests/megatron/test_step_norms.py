@@ -39,17 +39,26 @@ def _norms(model, optimizer) -> dict:
 
     inners = [o.optimizer for o in optimizer.chained_optimizers]
     groups = [dist.get_process_group_ranks(g or dist.group.WORLD) for g in inners[0].norm_groups]
-    names = [lay.name for lay in inners[0].catalogue.layouts]
-    sampled = [names[i] for i in sample_weights([matrix_class(n) for n in names])]
+    layouts = inners[0].catalogue.layouts
+    names = [lay.name for lay in layouts]
+    sampled = [names[i] for i in sample_weights([matrix_class(lay.name, per_head=lay.per_head) for lay in layouts])]
     return dict(local={k: v.tolist() for k, v in inners[0].step_norms.items()}, groups=groups,
                 rank=dist.get_rank(), scalars=norm_scalars(inners), sampled=sampled)
 
 
-def _sub_matrices(name: str, weight: torch.Tensor) -> list[torch.Tensor]:
+def _class(name: str, per_head: bool) -> str:
+    """A weight's class: a QKV split per head is ``attention_head``."""
+    return matrix_class(name, per_head=per_head and name.endswith("linear_qkv.weight"))
+
+
+def _sub_matrices(name: str, weight: torch.Tensor, per_head: bool) -> list[torch.Tensor]:
     """The reference's whole (TP1) weight cut into the matrices NS runs on: QKV's q, k, v rows of
-    every query group stacked per role, fc1's gate and up, the others whole."""
+    every query group stacked per role (``per_head``: every head's rows), fc1's gate and up, the
+    others whole."""
     d = HIDDEN // HEADS
-    if name.endswith("linear_qkv.weight"):
+    if name.endswith("linear_qkv.weight") and per_head:
+        split = RowSplit(1, (d,) * (weight.shape[0] // d))
+    elif name.endswith("linear_qkv.weight"):
         split = RowSplit(GROUPS, (HEADS // GROUPS * d, d, d))
     elif name.endswith("linear_fc1.weight"):
         split = RowSplit(1, (FFN, FFN))
@@ -64,13 +73,13 @@ def _residual(x: torch.Tensor) -> float:
     return float((s.square() - 1).square().mean().sqrt())
 
 
-def _class_references(ref, names: list[str], sampled: list[str]) -> dict[str, dict[str, float]]:
+def _class_references(ref, names: list[str], sampled: list[str], per_head: bool) -> dict[str, dict[str, float]]:
     """Per class, from the one-process reference's first step: the RMS of scale·O (its applied
     update over lr), and the mean residual of O = update / (lr·scale) over the sampled weights'
     sub-matrices (the same weights, named by the run's catalogue)."""
     out = {}
-    for cls in ("attention", "mlp"):
-        members = [n for n in names if matrix_class(n) == cls]
+    for cls in dict.fromkeys(_class(n, per_head) for n in names):
+        members = [n for n in names if _class(n, per_head) == cls]
         update_sq = n_elements = 0.0
         residuals = []
         for n in members:
@@ -78,7 +87,7 @@ def _class_references(ref, names: list[str], sampled: list[str]) -> dict[str, di
             update_sq += float(delta.square().sum())
             n_elements += delta.numel()
             if any(s.endswith(n) for s in sampled):
-                for sub in _sub_matrices(n, delta):
+                for sub in _sub_matrices(n, delta, per_head):
                     scale = muon_scale(*sub.shape, MUON["scale_mode"], MUON["extra_scale_factor"])
                     residuals.append((_residual(sub / scale), sub.shape))
         out[cls] = dict(update_rms=math.sqrt(update_sq / n_elements), matched_rms=MUON["extra_scale_factor"],
@@ -92,7 +101,9 @@ FSDP2 = dict(wrap="fsdp2", batch=GLOBAL_BATCH, split_batch=True, schedule=True)
 RUNS = [Run(tp=2, dist_opt=True, steps=1, probe=_norms), Run(tp=2, dist_opt=False, steps=1, probe=_norms),
         Run(tp=1, dist_opt=True, steps=1, probe=_norms), Run(tp=2, steps=1, probe=_norms, **FSDP2),
         Run(tp=2, dist_opt=True, steps=1, tp_mode="distributed", probe=_norms),
-        Run(tp=2, dist_opt=True, steps=1, tp_mode="duplicated", probe=_norms)]
+        Run(tp=2, dist_opt=True, steps=1, tp_mode="duplicated", probe=_norms),
+        # --muon-split-qkv-per-head: QKV its own class, its heads' residuals measured on their TP rank
+        Run(tp=2, dist_opt=True, steps=1, per_head=True, probe=_norms)]
 
 
 def _reached(traces, rank: int = 0) -> set[int]:
@@ -104,7 +115,7 @@ def _reached(traces, rank: int = 0) -> set[int]:
 
 
 @pytest.mark.parametrize("run", RUNS, ids=["tp2-dp2-distopt", "tp2-dp2-ddp", "tp1-dp4-distopt", "tp2-dp2-fsdp2",
-                                         "tp2-dp2-distributed", "tp2-dp2-duplicated"])
+                                         "tp2-dp2-distributed", "tp2-dp2-duplicated", "tp2-dp2-per-head"])
 def test_norms_equal_the_reference_matrices(run):
     traces = [t for (t,) in run_world(4, train_all, [run])]
     ref = references([run])[run]
@@ -125,7 +136,7 @@ def test_norms_equal_the_reference_matrices(run):
     # (which match this run's to ~1e-6, tests/megatron/test_megatron_optimizer.py): 1e-5 relative
     assert summed[0] == pytest.approx(param_sq, rel=1e-5)
     assert summed[1] == pytest.approx(update_sq, rel=1e-4)  # the update itself differs by ~1e-6 absolute
-    expected = _class_references(ref, names, traces[0].probes[0]["sampled"])
+    expected = _class_references(ref, names, traces[0].probes[0]["sampled"], run.per_head)
     # The residual against the reference's: |res(X) − res(Y)| ≤ ‖XᵀX − YᵀY‖_F/√k ≤ (‖X‖₂ + ‖Y‖₂)·‖X − Y‖_F/√k,
     # with ‖X‖₂ < 1.2 after NS and ‖X − Y‖_F ≤ √(mn)·ATOL/(lr·scale) (the harness's bound on a
     # param's difference after one step, carried back through θ1 = θ0(1 − lr·wd) − lr·scale·O);
@@ -141,7 +152,7 @@ def test_norms_equal_the_reference_matrices(run):
         assert scalars["muon/param_norm"] == pytest.approx(param_sq ** 0.5, rel=1e-5)
         assert scalars["muon/update_rms_muon"] == pytest.approx((update_sq / numel) ** 0.5, rel=1e-4)
         assert set(scalars) == {"muon/param_norm", "muon/update_rms_muon"} | {
-            f"muon/{c}/{f}" for c in ("attention", "mlp") for f in ("update_rms", "matched_rms", "residual")}
+            f"muon/{c}/{f}" for c in expected for f in ("update_rms", "matched_rms", "residual")}
         for cls, ref_cls in expected.items():
             # the applied update over lr: the same sums as update_rms_muon's, 1e-4 relative
             assert scalars[f"muon/{cls}/update_rms"] == pytest.approx(ref_cls["update_rms"], rel=1e-4)

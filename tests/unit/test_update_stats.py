@@ -156,3 +156,41 @@ def test_fixed_part_counts_each_rows_sub_matrix():
     # a piece this rank does not count adds nothing
     assert float(ClassStats([layout], [False], 0, "spectral", 1.0, torch.get_default_device()).start().table.abs()
                  .sum()) == 0.0
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_per_head_weights_are_their_own_class(tp):
+    """``--muon-split-qkv-per-head``: a QKV split into its heads (MHA, 4 heads of 8 rows) and an MLA
+    kv up-projection into each head's k nope (8 rows) and v (4 rows) are ``attention_head``, the
+    output projection stays ``attention``; the per-head class's matched sum is the heads' own
+    (unit_rms_norm: it differs between a k-nope and a v block), element by element in float64,
+    over DP ranges that cut heads."""
+    from megatron_muon.plan.param_marks import ParamMarks, RowSplits, matrix_layout
+
+    splits = RowSplits(qkv_per_head=True)
+    qkv = matrix_layout("decoder.layers.0.self_attention.linear_qkv.weight", (96 // tp, 8),
+                        ParamMarks(True, 0, qkv_split=(8, 8, 8), qkv_heads=(4 // tp, 1, 8)), tp, splits,
+                        ((0, 77 // tp), (77 // tp, 768 // tp)))
+    kv = matrix_layout("decoder.layers.0.self_attention.linear_kv_up_proj.weight", (48 // tp, 16),
+                       ParamMarks(True, 0, mla_heads=(4 // tp, (8, 4))), tp, splits,
+                       ((0, 300 // tp), (300 // tp, 768 // tp)))
+    proj = matrix_layout("decoder.layers.0.self_attention.linear_proj.weight", (8, 32 // tp),
+                         ParamMarks(True, 1), tp, splits, ((0, 256 // tp), (256 // tp, 256 // tp)))
+    assert qkv.per_head and kv.per_head and not proj.per_head
+    head, row = CLASSES.index("attention_head"), CLASSES.index("attention")
+    for dp_rank in (0, 1):
+        stats = ClassStats([qkv, kv, proj], [True] * 3, dp_rank, "unit_rms_norm", 0.5, torch.get_default_device())
+        assert [CLASSES[c] for c in stats.class_of] == ["attention_head", "attention_head", "attention"]
+        direct = elements = 0.0
+        for lay in (qkv, kv):
+            per_sub = [matched_mean_square(r, c, "unit_rms_norm", 0.5) for r, c in lay.sub_global_shapes()]
+            row_value = lay.row_values(per_sub, torch.get_default_device()).double()
+            start, end = lay.local_range(dp_rank)
+            direct += sum(float(row_value[idx // lay.local_shape[1]]) for idx in range(start, end))
+            elements += end - start
+        table = stats.start().table
+        # fp32 table: one rounding of the float64 sum
+        assert float(table[head, 1]) == pytest.approx(direct, rel=unit_roundoff(torch.float32))
+        assert float(table[head, 2]) == elements
+        start, end = proj.local_range(dp_rank)
+        assert float(table[row, 2]) == end - start

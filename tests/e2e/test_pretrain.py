@@ -167,11 +167,15 @@ def test_per_head_demo_config_trains_and_resumes(tmp_path, demo_data):
     """configs/tiny-cpu-per-head.yaml as a user runs it: TP2, GQA (one query group of 2 heads per TP
     rank), --muon-split-qkv-per-head under the distributed optimizer. 30 iterations with a save, the
     loss falling, each layer's QKV as 4 heads of 16 x 64 on every TP rank with no TP traffic (the
-    startup report), then a resume for 3 more through Megatron's loop."""
+    startup report) and logged as the attention_head class, then a resume for 3 more through
+    Megatron's loop."""
     run = _config_job("tiny-cpu-per-head.yaml", tmp_path, demo_data)
 
     out = run("--train-iters", "30", "--log-interval", "3", "--save-interval", "30", "--eval-iters", "0")
     assert "4 heads of 16x64 per TP rank" in out and "(per head, no TP traffic)" in out, out[-6000:]
+    # --muon-log-stats: QKV is the per-head class, its heads' residuals measured on their TP ranks
+    assert re.search(r"attention [0-9.]+ / [0-9.]+ / [0-9.]+, attention_head [0-9.]+ / [0-9.]+ / [0-9.]+,", out), \
+        out[-3000:]
     losses = [float(m) for m in re.findall(r"lm loss: ([0-9.E+-]+)", out)]
     assert len(losses) == 11 and losses[-1] < losses[0] - 1.0, losses
     out = run("--train-iters", "33", "--log-interval", "1", "--eval-iters", "0", "--save-interval", "1000",

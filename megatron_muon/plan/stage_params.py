@@ -19,7 +19,8 @@ Which model, which modules (what the dry run builds):
   local spec): ``linear_proj`` (RowParallel), then ``linear_q_down_proj``, ``linear_q_up_proj``,
   ``linear_kv_down_proj``, ``linear_kv_up_proj``, every one ColumnParallel (megatron-core 0.19.2
   marks the down-projections ``partition_dim`` 0 too, their TP-local rows ``lora / TP``; the
-  up-projections take the whole lora rank);
+  up-projections take the whole lora rank, and carry the catalogue's ``mla_heads``: this TP
+  rank's heads and one head's row blocks, what ``--muon-split-qkv-per-head`` splits them by);
 * a GPT with a mixture of experts (``MoELayer`` with the local spec's ``SequentialMLP``, from
   layer ``first_dense_layers`` on): ``mlp.router`` (experts × hidden, every TP rank whole), per
   local expert ``mlp.experts.local_experts.{j}.linear_fc1`` (gate and up) and ``linear_fc2``,
@@ -210,12 +211,12 @@ def _attention(model: ModelShape, tp: int) -> list[tuple[str, tuple[int, ...], P
                  _column()),
                 ("self_attention.linear_q_up_proj.weight",
                  (_split(heads * (m.qk_head_dim + m.qk_pos_emb_head_dim), tp, "MLA query rows"), m.q_lora_rank),
-                 _column()),
+                 _column(mla_heads=(heads // tp, (m.qk_head_dim + m.qk_pos_emb_head_dim,)))),
                 ("self_attention.linear_kv_down_proj.weight",
                  (_split(m.kv_lora_rank + m.qk_pos_emb_head_dim, tp, "kv lora rank + RoPE"), model.hidden), _column()),
                 ("self_attention.linear_kv_up_proj.weight",
                  (_split(heads * (m.qk_head_dim + m.v_head_dim), tp, "MLA key/value rows"), m.kv_lora_rank),
-                 _column())]
+                 _column(mla_heads=(heads // tp, (m.qk_head_dim, m.v_head_dim))))]
     q, k, v = model.qkv_sub_rows
     per_group = (model.num_heads // model.num_query_groups * model.head_dim, model.head_dim, model.head_dim)
     return [("input_layernorm.weight", (model.hidden,), ParamMarks()),

@@ -21,7 +21,7 @@ multi-latent attention and a shared expert after a dense first layer, or with gr
 attention: EP 2 and 4 with expert TP 1 and 2 (the experts' own DDP buffer over expert DP, compared
 like the dense one, and the expert optimizer's catalogue and plan), and EP 1 with expert TP = TP
 (megatron-core keeps the experts in the dense buffer). ``--muon-split-qkv-per-head`` on a dense and
-an MoE GPT (every head its own matrix, whole on its TP rank).
+an MoE GPT and on MLA's up-projections (every head its own matrix, whole on its TP rank).
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ CASES = [  # (model, tp, pp, dp, stage, dp_layout, tp_mode[, ep, etp])
     # --muon-split-qkv-per-head: every head its own matrix, whole on its TP rank (per_rank)
     (GPT, 2, 1, 2, 0, "balanced", "owner", 1, None, True),
     (MOE_GQA, 2, 1, 2, 0, "priced", "auto", 2, 1, True),
+    (MOE_MLA, 2, 1, 2, 0, "balanced", "owner", 2, 1, True),  # MLA's up-projections per head
 ]
 PREFIX = "chunk0.module.module."  # the catalogue's names: chunk, DDP, Float16Module
 BUCKET = 40_000_000  # the dry run's DDP bucket at DP <= 40: max(40M, 1M x DP)
@@ -187,7 +188,7 @@ def test_buffer_is_ddps(real, case):
 def test_experts_have_their_own_buffer_where_megatron_gives_them_one(real):
     """EP > 1 or expert TP != TP: a second buffer over expert DP; EP 1 at expert TP = TP: none."""
     own = {_ids(case): real[_ids(case)]["experts"] is not None for case in CASES if case[0].num_experts}
-    assert sorted(own.values()) == [False, True, True, True, True], own
+    assert sorted(own.values()) == [False, True, True, True, True, True], own
 
 
 def test_some_stages_hold_several_buckets(real):
@@ -199,7 +200,7 @@ def test_some_stages_hold_several_buckets(real):
 def test_matrices_are_the_catalogues(real, case):
     for got, road, _ in _pairs(real, case):
         theirs = tuple(MatrixLayout(m.name.removeprefix(PREFIX), m.local_shape, m.partition_dim, m.tp_size, m.split,
-                                    m.dp_ranges, m.per_rank) for m in got["matrices"])
+                                    m.dp_ranges, m.per_rank, m.per_head) for m in got["matrices"])
         assert road.matrices == theirs
 
 

@@ -31,7 +31,8 @@ the distributed optimizer's flat fp32 shards are not. Here, with the same flags 
   ``linear_qkv.weight`` (η per query group), or for MLA (``MLASelfAttention``, η per head) the
   q projection (``linear_q_proj``, or ``linear_q_up_proj`` with a q LoRA rank) and
   ``linear_kv_up_proj.weight``: the whole TP-local matrix (no distributed optimizer) or this DP
-  rank's flat range of it (the ZeRO-1 shard, possibly cut mid-row). Both MLA weights are
+  rank's flat range of it (the ZeRO-1 shard, possibly cut mid-row; under Megatron-FSDP and torch
+  FSDP2 the rows of its DTensor, FSDP2's first row read from the DTensor's global offset). Both MLA weights are
   column-parallel and split by heads, so a TP rank's rows are its heads'. The multiply runs
   every step (× 1.0 for groups under τ): no host sync decides whether to clip.
 * **Upstream's call.** ``training.py``'s ``clip_qk`` is replaced by ``hooks.py`` for the plugin:
@@ -62,6 +63,7 @@ from ..core.qk_clip import (
 )
 from ..optimizer import to_local
 from ..parallel.devices import resolve_device
+from .torch_fsdp2 import fsdp2_flat_start
 
 __all__ = ["ClippedAttention", "ClippedWeight", "QKClip", "build_qk_clip", "track_max_logits"]
 
@@ -328,7 +330,8 @@ def _tp_local_shape(weight: torch.Tensor, matrix_of: dict) -> tuple[int, ...]:
 
 def _clipped(name: str, weight: torch.Tensor, matrix_of: dict, dp_rank: int, row_scale) -> ClippedWeight:
     """``weight`` as this rank's clipper holds it: its main param (whole, or this DP rank's flat
-    range: a ZeRO-1 shard, or under Megatron-FSDP the local rows of the DTensor, flattened)."""
+    range: a ZeRO-1 shard, or the local rows of a DTensor, flattened: under Megatron-FSDP and
+    torch FSDP2)."""
     matrix = matrix_of.get(id(weight))
     if matrix is None:  # every Muon matrix has a layout on every rank, held there or not
         raise RuntimeError(f"qk-clip: {name} is not among the optimizer's Muon matrices (a wrapper replaced "
@@ -336,7 +339,13 @@ def _clipped(name: str, weight: torch.Tensor, matrix_of: dict, dp_rank: int, row
     layout, param = matrix
     main, start = (to_local(param) if param is not None else None), None
     if layout.dp_ranges is not None:
-        start = layout.local_range(dp_rank)[0]
-        if main is not None and main.dim() != 1:  # Megatron-FSDP: rows [r0, r1) of the matrix, a contiguous view
+        if getattr(weight, "is_torch_fsdp2_param", False):
+            # FSDP2: the main param is a Shard(0) DTensor of the TP-local matrix (FP32Optimizer's
+            # param itself, or Float16OptimizerWithFloat16Params' fp32 clone with its placement);
+            # its global offset says which rows the local ones are
+            start = fsdp2_flat_start(name, param)
+        else:
+            start = layout.local_range(dp_rank)[0]
+        if main is not None and main.dim() != 1:  # a DTensor's rows [r0, r1) of the matrix, a contiguous view
             main = main.view(-1)
     return ClippedWeight(name, _tp_local_shape(weight, matrix_of)[1], main, start, row_scale)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fsdp2_row_ranges", "torch_fsdp2_ranges"]
+__all__ = ["fsdp2_flat_start", "fsdp2_row_ranges", "fsdp2_shard_rows", "torch_fsdp2_ranges"]
 
 
 def fsdp2_row_ranges(rows: int, cols: int, dp_size: int) -> tuple[tuple[int, int], ...]:
@@ -37,10 +37,10 @@ def fsdp2_row_ranges(rows: int, cols: int, dp_size: int) -> tuple[tuple[int, int
     return tuple(out)
 
 
-def torch_fsdp2_ranges(name: str, param: torch.Tensor):
-    """``(dp_ranges, dp_group)`` of an FSDP2 DTensor param: every DP rank's range, and the mesh's
-    group. This rank's range is checked against the DTensor's own local shape and offset, so a
-    change in FSDP2's sharding stops here instead of mixing up rows."""
+def fsdp2_shard_rows(name: str, param: torch.Tensor) -> tuple[int, int]:
+    """``[r0, r1)``: the rows of ``param``'s (TP-local) matrix that this DP rank's shard holds, read
+    from the DTensor's own placement and global offset (``r0 == r1`` when it holds none). Refuses
+    a param that is not FSDP2's ``Shard(0)`` over one mesh dimension."""
     from torch.distributed.tensor import DTensor, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -51,15 +51,30 @@ def torch_fsdp2_ranges(name: str, param: torch.Tensor):
     if mesh.ndim != 1 or len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
         raise ValueError(f"--use-torch-fsdp2: {name} has placements {placements} on a {mesh.ndim}-D mesh; "
                          "Muon expects FSDP2's Shard(0) over one DP mesh dimension (HSDP is not supported)")
+    shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
+    return (offset[0], offset[0] + shape[0]) if shape[0] else (0, 0)
+
+
+def fsdp2_flat_start(name: str, param: torch.Tensor) -> int:
+    """Where this DP rank's shard of the FSDP2 matrix ``param`` starts in the row-major flattened
+    (TP-local) matrix: its first global row × columns, from the DTensor (``fsdp2_shard_rows``).
+    What QK-clip needs to give each local row its global row's factor."""
+    return fsdp2_shard_rows(name, param)[0] * param.shape[1]
+
+
+def torch_fsdp2_ranges(name: str, param: torch.Tensor):
+    """``(dp_ranges, dp_group)`` of an FSDP2 DTensor param: every DP rank's range, and the mesh's
+    group. This rank's range is checked against the DTensor's own local shape and offset, so a
+    change in FSDP2's sharding stops here instead of mixing up rows."""
+    r0, r1 = fsdp2_shard_rows(name, param)
+    mesh = param.device_mesh
     rows, cols = param.shape
     dp_size, dp_rank = mesh.size(), mesh.get_local_rank()
     ranges = fsdp2_row_ranges(rows, cols, dp_size)
-    shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, placements)
     local_rows = param._local_tensor.shape[0] if param._local_tensor.dim() == 2 else 0
     start, end = ranges[dp_rank]
-    held = (offset[0] * cols, (offset[0] + shape[0]) * cols) if shape[0] else (0, 0)
-    if held != (start, end) or local_rows != shape[0]:
-        raise RuntimeError(f"--use-torch-fsdp2: DP rank {dp_rank} holds rows [{offset[0]}, {offset[0] + shape[0]}) "
+    if (r0 * cols, r1 * cols) != (start, end) or local_rows != r1 - r0:
+        raise RuntimeError(f"--use-torch-fsdp2: DP rank {dp_rank} holds rows [{r0}, {r1}) "
                            f"({local_rows} local) of {name} {tuple(param.shape)}, computed flat range "
                            f"[{start}, {end}); FSDP2 changed?")
     return ranges, mesh.get_group()

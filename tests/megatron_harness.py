@@ -244,6 +244,7 @@ def build_tiny_gpt(
     mla: dict | None = None,
     fsdp2: bool = False,
     hybrid: str | None = None,
+    attention: dict | None = None,
 ) -> list:
     """The tiny GPT on this rank's TP x PP slot, wrapped like ``megatron.training.get_model``.
 
@@ -289,6 +290,9 @@ def build_tiny_gpt(
     ``hybrid``: a ``HybridModel`` of this layer pattern (``*`` attention, ``-`` MLP, ``E`` MoE with
     ``moe``'s experts; ``num_layers`` must be its length) built with megatron-muon's local hybrid
     stack spec (``megatron_muon.megatron.hybrid``), instead of the ``GPTModel``; PP1, no VPP.
+    ``attention``: another self-attention shape than ``HEADS`` heads in ``GROUPS`` query groups of
+    ``HIDDEN // HEADS``: ``heads``, ``groups``, ``head_dim`` (``kv_channels``; the attention's
+    output projection takes ``heads x head_dim`` back to ``HIDDEN``).
     """
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -297,7 +301,8 @@ def build_tiny_gpt(
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
-    assert VOCAB % tp == 0 and FFN % tp == 0 and GROUPS % tp == 0, "tiny GPT supports tp in 1, 2"
+    shape = {"heads": HEADS, "groups": GROUPS, "head_dim": HIDDEN // HEADS, **(attention or {})}
+    assert VOCAB % tp == 0 and FFN % tp == 0 and shape["groups"] % tp == 0, "tiny GPT supports tp in 1, 2"
     assert num_layers % (pp * (vpp or 1)) == 0
     assert init in ("by_name", "megatron")
     assert hybrid is None or (len(hybrid) == num_layers and mla is None), hybrid
@@ -306,8 +311,9 @@ def build_tiny_gpt(
         num_layers=num_layers,
         hidden_size=HIDDEN,
         ffn_hidden_size=FFN,
-        num_attention_heads=HEADS,
-        num_query_groups=GROUPS if mla is None else HEADS,
+        num_attention_heads=shape["heads"],
+        num_query_groups=shape["groups"] if mla is None else shape["heads"],
+        **(dict(kv_channels=shape["head_dim"]) if mla is None else {}),
         gated_linear_unit=True,
         activation_func=F.silu,  # with gated_linear_unit: SwiGLU
         normalization="RMSNorm",
@@ -363,6 +369,8 @@ def build_tiny_gpt(
         if fsdp2:
             from megatron.core.distributed import TorchFullyShardedDataParallel, TorchFullyShardedDataParallelConfig
 
+            _forget_dtensor_specs()
+
             return TorchFullyShardedDataParallel(config=config, ddp_config=TorchFullyShardedDataParallelConfig(),
                                                  module=model)
         if fsdp is not None:
@@ -404,6 +412,17 @@ def build_tiny_gpt(
         return DistributedDataParallel(config=config, ddp_config=ddp_config, module=model, full_param_layout=layout)
 
     return [build_chunk(i) for i in range(vpp)] if vpp else [build_chunk(None)]
+
+
+def _forget_dtensor_specs() -> None:
+    """Empty DTensor's sharding-propagation cache before an FSDP2 model is built in a process that
+    built one before. ``DeviceMesh`` equality ignores the process group (ranks, layout, device and
+    names only), so a cached output spec of an earlier run carries that run's mesh: the params of
+    a new model whose shapes an earlier model had would come out of ``fully_shard`` on the earlier
+    run's DP group, the others on this run's (torch 2.11; one model per process never sees it)."""
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # the Python cache and the C++ fast path's
 
 
 MAMBA = dict(mamba_head_dim=16, mamba_num_groups=2, mamba_state_dim=16)
@@ -506,16 +525,18 @@ def reference_param_groups(chunk, per_head: bool = False) -> tuple[list[dict], l
     megatron-core's layout, and MLA's q projection per head, its kv up-projection per head into k
     nope and v; a gated fc1 into [gate; up]),
     AdamW params with weight decay, and AdamW params without (biases and 1-D params: Megatron's
-    standard override, wd_mult 0). Reads ``HEADS`` / ``GROUPS`` when called (a test may change them)."""
+    standard override, wd_mult 0). The attention's shape comes from the model's config (heads, query
+    groups, ``kv_channels``)."""
     from megatron_muon.core.matrix_layout import RowSplit
     from megatron_muon.megatron.catalogue import is_muon_matrix
 
-    q, kv = HEADS // GROUPS * (HIDDEN // HEADS), HIDDEN // HEADS
+    config = _unwrap(chunk).config
+    groups, kv = config.num_query_groups, config.kv_channels  # MLA: no fused QKV, kv_channels unused
     muon_groups, decay, no_decay = [], [], []
     for name, p in chunk.named_parameters():
         if is_muon_matrix(p):
-            split = RowSplit(GROUPS, (q, kv, kv)) if "linear_qkv" in name else (
-                RowSplit(1, (p.shape[0] // 2,) * 2) if "linear_fc1" in name else None)
+            split = (RowSplit(groups, (config.num_attention_heads // groups * kv, kv, kv)) if "linear_qkv" in name
+                     else RowSplit(1, (p.shape[0] // 2,) * 2) if "linear_fc1" in name else None)
             if per_head and "linear_qkv" in name:
                 split = RowSplit(1, (kv,) * (p.shape[0] // kv))
             if per_head and name.endswith(("linear_q_proj.weight", "linear_q_up_proj.weight")):

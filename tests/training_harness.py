@@ -32,8 +32,6 @@ import torch
 from megatron_harness import (
     FFN,
     GLOBAL_BATCH,
-    GROUPS,
-    HEADS,
     HIDDEN,
     LAYERS,
     MLA,
@@ -151,6 +149,7 @@ WRAPS = ("ddp", "megatron_fsdp", "fsdp2")
 SHARDINGS = ("optim_grads_params", "optim_grads", "optim", "no_shard")
 LAYOUTS = ("megatron", "balanced")
 MOE_KEYS = ("experts", "topk", "ffn", "shared", "dispatcher")  # build_tiny_gpt's moe
+ATTENTION_KEYS = ("heads", "groups", "head_dim")  # build_tiny_gpt's attention
 MUON_KEYS = tuple(f.name for f in dataclasses.fields(MuonConfig) if f.name != "tp_mode")
 
 Settings = tuple[tuple[str, object], ...]
@@ -229,8 +228,13 @@ class Run:
     """a mixture of experts in every layer (``build_tiny_gpt``'s ``moe``)."""
     mla: Settings | None = None
     """multi-latent attention in every layer (``build_tiny_gpt``'s ``mla``)."""
+    attention: Settings | None = None
+    """another self-attention shape (``build_tiny_gpt``'s ``attention``: heads, groups, head_dim)."""
     qk_clip: tuple[float, float] | None = None
     """(τ, α): ``--qk-clip`` with ``--qk-clip-threshold`` τ and ``--qk-clip-alpha`` α."""
+    qk_log_only: bool = False
+    """with ``qk_clip``: ``--log-max-attention-logit`` instead of ``--qk-clip``: the max logits are
+    tracked and reduced (τ only counts the heads over it), nothing is clipped."""
     nan_step: int | None = None
     """at this step rank 1 sets one entry of its first param's local gradient to NaN before DDP's
     reduction (``plant_nan``); the loop then asserts no step's success (the test does)."""
@@ -252,6 +256,7 @@ class Run:
         object.__setattr__(self, "muon", _settings(self.muon, MUON_KEYS, "muon"))
         object.__setattr__(self, "moe", _settings(self.moe, MOE_KEYS, "moe"))
         object.__setattr__(self, "mla", _settings(self.mla, tuple(MLA), "mla"))
+        object.__setattr__(self, "attention", _settings(self.attention, ATTENTION_KEYS, "attention"))
         if self.wrap not in WRAPS:
             raise TypeError(f"Run.wrap: expected one of {WRAPS}, got {self.wrap!r}")
         if (self.wrap == "megatron_fsdp") != (self.sharding is not None) or self.sharding not in (None, *SHARDINGS):
@@ -262,6 +267,8 @@ class Run:
             raise TypeError(f"Run.layout: expected one of {LAYOUTS}, got {self.layout!r}")
         if self.nan_step is not None and self.overlap:
             raise TypeError("Run: nan_step plants a NaN before DDP's reduction, which overlap starts in the backward")
+        if self.qk_log_only and self.qk_clip is None:
+            raise TypeError("Run.qk_log_only: needs qk_clip (its τ counts the heads over it)")
         if self.hybrid is not None and len(self.hybrid) != self.layers:
             raise TypeError(f"Run.hybrid {self.hybrid!r}: expected layers={len(self.hybrid)}, got {self.layers}")
 
@@ -277,7 +284,7 @@ class Run:
 
 
 REFERENCE_FIELDS = ("layers", "seed", "steps", "batch", "data_seed", "fresh_batches", "microbatches", "clip", "moe",
-                    "mla", "qk_clip", "hybrid", "per_head")
+                    "mla", "attention", "qk_clip", "qk_log_only", "hybrid", "per_head")
 """The fields ``reference`` reads; the others describe how a distributed run gets there."""
 
 
@@ -394,13 +401,15 @@ def build(run: Run):
                            bucket_size=run.bucket_size, seed=run.seed, num_layers=run.layers, dp_layout=run.layout,
                            muon_config=muon_config, vpp=run.vpp, overlap=run.overlap,
                            layout_bucket_size=run.layout_bucket_size, moe=_dict(run.moe), fsdp=run.sharding,
-                           mla=_dict(run.mla), fsdp2=run.wrap == "fsdp2", hybrid=run.hybrid)
+                           mla=_dict(run.mla), fsdp2=run.wrap == "fsdp2", hybrid=run.hybrid,
+                           attention=_dict(run.attention))
     if run.overlap:  # megatron.training hands the schedule no_sync only with --overlap-grad-reduce
         no_sync = [chunk.no_sync for chunk in model]
         get_model_config(model[0]).no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
     if run.qk_clip is not None:
         config = model[0].config
-        config.qk_clip, (config.qk_clip_threshold, config.qk_clip_alpha) = True, run.qk_clip
+        config.qk_clip, (config.qk_clip_threshold, config.qk_clip_alpha) = not run.qk_log_only, run.qk_clip
+        config.log_max_attention_logit = run.qk_log_only
     optimizer = get_megatron_muon_optimizer(
         _optimizer_config(run.dist_opt, bf16=run.bf16, clip_grad=run.clip, loss_scale=run.loss_scale),
         model, muon_config)
@@ -563,8 +572,9 @@ def clip_like_megatron(params, clip_grad: float) -> float:
 
 def upstream_qkv_clip(weight: torch.Tensor, head_max: torch.Tensor, groups: int, tau: float, alpha: float):
     """megatron-core 0.19.2's ``SelfAttention._clip_linear_qkv`` rule, written out on a copy:
-    η per group from the group's largest head, q rows × η^α, k rows × η^(1−α)."""
-    head_dim = HIDDEN // HEADS
+    η per group from the group's largest head, q rows × η^α, k rows × η^(1−α). ``weight``: the
+    whole fused QKV, ``head_max`` ``[heads]``: ``rows = (heads + 2·groups) · head_dim``."""
+    head_dim = weight.shape[0] // (head_max.numel() + 2 * groups)
     out = weight.clone()
     per_group = out.view(groups, -1, out.shape[1])
     q_rows = per_group.shape[1] - 2 * head_dim
@@ -602,6 +612,8 @@ class _ReferenceClip:
     def __init__(self, chunk, run: Run):
         self.tau, self.alpha = run.qk_clip
         self.mla = run.mla is not None
+        self.clip = not run.qk_log_only
+        assert self.clip or not self.mla, "the MLA reference clips with upstream's clip_qk"
         if self.mla:
             config = chunk.config
             config.qk_clip, config.qk_clip_threshold, config.qk_clip_alpha = True, self.tau, self.alpha
@@ -613,7 +625,8 @@ class _ReferenceClip:
 
     @torch.no_grad()
     def after_step(self) -> torch.Tensor:
-        """Clip every layer by the max logits of the step's forwards and reset them: ``[layers, heads]``."""
+        """Clip every layer by the max logits of the step's forwards (``qk_log_only``: only read them)
+        and reset them: ``[layers, heads]``."""
         step_logits = []
         for layer in self.layers:
             if self.mla:
@@ -624,7 +637,9 @@ class _ReferenceClip:
                 head_max, layer.core_attention.reference_max = layer.core_attention.reference_max, None
                 step_logits.append(head_max)
                 weight = layer.linear_qkv.weight
-                weight.copy_(upstream_qkv_clip(weight, head_max, GROUPS, self.tau, self.alpha))
+                if self.clip:
+                    weight.copy_(upstream_qkv_clip(weight, head_max, layer.num_query_groups_per_partition,
+                                                   self.tau, self.alpha))
         return torch.stack(step_logits)
 
 
@@ -634,7 +649,7 @@ def _reference(run: Run) -> Trace:
     from megatron_muon import Muon
 
     model = build_tiny_gpt(1, 1, seed=run.seed, num_layers=run.layers, moe=_dict(run.moe), mla=_dict(run.mla),
-                           hybrid=run.hybrid)
+                           hybrid=run.hybrid, attention=_dict(run.attention))
     assert not any(is_expert(p) for p in model[0].parameters())  # one process: every expert is local
     initial = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
     qk_clip = _ReferenceClip(model[0], run) if run.qk_clip is not None else None

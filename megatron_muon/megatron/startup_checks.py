@@ -381,9 +381,6 @@ def _torch_fsdp2_rejections(args) -> list[tuple[bool, str]]:
         (getattr(args, "num_experts", None) is not None,
          "--use-torch-fsdp2 with --num-experts: experts under Muon need --use-distributed-optimizer (the "
          "expert-DP owner exchange); FSDP2 with Muon is dense-only for now"),
-        (getattr(args, "qk_clip", False) or getattr(args, "log_max_attention_logit", False),
-         "--qk-clip / --log-max-attention-logit with --use-torch-fsdp2: not supported with --optimizer muon yet; "
-         "use --use-distributed-optimizer"),
         (getattr(args, "muon_dp_mode", flag_default("muon_dp_mode")) == "redundant",
          "--muon-dp-mode redundant with --use-torch-fsdp2: FSDP2 cuts every matrix by rows over DP, so no rank "
          "holds whole matrices; use owner"),

@@ -386,6 +386,28 @@ def start(run: Run):
     return init_megatron(run.tp, run.pp, seed=run.seed, vpp=run.vpp, ep=run.ep, etp=run.etp)
 
 
+def worst_param(result, reference) -> tuple[float, str]:
+    """The largest absolute difference between a run's full params and the reference's, and the
+    param's name."""
+    return max(((result.full[n] - reference.full[n]).abs().max().item(), n) for n in reference.full)
+
+
+def refusal_of(run: Run, module, name: str, planted: Callable) -> str:
+    """Builds ``run`` with ``module.name`` replaced by ``planted`` (a planted bug) and puts it back:
+    the one-line ``ValueError`` the build raised, or ``"built"`` when nothing refused it."""
+    honest = getattr(module, name)
+    start(run)
+    setattr(module, name, planted)
+    try:
+        build(run)
+    except ValueError as err:
+        return str(err)
+    finally:
+        setattr(module, name, honest)
+        destroy_megatron()
+    return "built"
+
+
 def _dict(settings: Settings | None) -> dict | None:
     return None if settings is None else dict(settings)
 

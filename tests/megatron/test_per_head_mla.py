@@ -23,7 +23,7 @@ import pytest
 import torch
 from dist_harness import run_world
 from megatron_harness import HEADS, MLA
-from training_harness import ATOL, Run, references, train_all
+from training_harness import ATOL, Run, references, train_all, worst_param
 
 TIMEOUT = 900
 UP_PROJ = ("linear_q_proj.weight", "linear_q_up_proj.weight", "linear_kv_up_proj.weight")
@@ -97,10 +97,6 @@ def trained_tp1():
     return run_world(2, train_all, RUNS_TP1, timeout=TIMEOUT)
 
 
-def _worst(result, reference) -> tuple[float, str]:
-    return max(((result.full[n] - reference.full[n]).abs().max().item(), n) for n in reference.full)
-
-
 def _cut(traces, index: int) -> int:
     """Up-projections whose DP ranges end inside one of their heads' matrices on some rank."""
     cut = 0
@@ -138,7 +134,7 @@ def test_tp2_matches_per_head_reference(trained, index):
     # batched): training_harness.ATOL, derived there (test_qk_clip_mla measures 2.3e-7 on the
     # up-projections and 1.8e-6 over all params against it for the same models per query group)
     reference = references([RUNS[index]], timeout=TIMEOUT)[RUNS[index]]
-    worst = _worst(trained[0][index], reference)
+    worst = worst_param(trained[0][index], reference)
     assert worst[0] <= ATOL, f"{RUNS[index]}: {worst[1]} off by {worst[0]:.2e}"
     if RUNS[index].dist_opt:
         assert _cut(trained, index), "no up-projection is cut inside a head across DP"
@@ -146,7 +142,7 @@ def test_tp2_matches_per_head_reference(trained, index):
 
 def test_tp1_dp2_matches_per_head_reference(trained_tp1):
     reference = references(RUNS_TP1, timeout=TIMEOUT)[RUNS_TP1[0]]
-    worst = _worst(trained_tp1[0][0], reference)
+    worst = worst_param(trained_tp1[0][0], reference)
     assert worst[0] <= ATOL, f"{RUNS_TP1[0]}: {worst[1]} off by {worst[0]:.2e}"
     assert _cut(trained_tp1, 0), "no up-projection is cut inside a head across DP"
 
@@ -182,26 +178,16 @@ def test_up_projection_heads_send_no_tp_byte(trained, mode):
 def _planted_worker(rank: int, world: int) -> str:
     """Build the TP2 MLA optimizer with the up-projections' head count taken before TP sharding (the
     whole model's heads on each rank, DeepSpeed #8384's bug): the error it raises."""
-    from training_harness import build, destroy_megatron, start
+    from training_harness import refusal_of
 
     from megatron_muon.megatron import catalogue
 
-    run = Run(tp=2, mla=Q_PROJ, per_head=True)
     honest = catalogue.mla_heads_of
 
     def before_sharding(attention):
         return {name: (heads * 2, blocks) for name, (heads, blocks) in honest(attention).items()}
 
-    start(run)
-    catalogue.mla_heads_of = before_sharding
-    try:
-        build(run)
-    except ValueError as err:
-        return str(err)
-    finally:
-        catalogue.mla_heads_of = honest
-        destroy_megatron()
-    return "built"
+    return refusal_of(Run(tp=2, mla=Q_PROJ, per_head=True), catalogue, "mla_heads_of", before_sharding)
 
 
 def test_head_counts_taken_before_tp_sharding_are_refused():

@@ -18,7 +18,7 @@ import dataclasses
 import pytest
 from dist_harness import run_world
 from megatron_harness import GROUPS, HEADS, HIDDEN
-from training_harness import ATOL, Run, references, train_all
+from training_harness import ATOL, Run, references, train_all, worst_param
 
 TIMEOUT = 900
 # Megatron's layout of the TP2 shard in buckets of >= 5000 elements, each split over DP2, cuts a QKV
@@ -47,10 +47,6 @@ def trained_tp1():
     return run_world(2, train_all, RUNS_TP1, timeout=TIMEOUT)
 
 
-def _worst(result, reference) -> tuple[float, str]:
-    return max(((result.full[n] - reference.full[n]).abs().max().item(), n) for n in reference.full)
-
-
 def test_per_head_reference_is_not_the_per_group_one():
     """The test could fail: per head and per query group differ by far more than ATOL."""
     per_head = RUNS[0].reference_run
@@ -67,7 +63,7 @@ def test_tp2_matches_per_head_reference(trained, index):
     # batched): training_harness.ATOL, derived there
     reference = references([RUNS[index]], timeout=TIMEOUT)[RUNS[index]]
     result = trained[0][index]
-    worst = _worst(result, reference)
+    worst = worst_param(result, reference)
     assert worst[0] <= ATOL, f"{RUNS[index]}: {worst[1]} off by {worst[0]:.2e}"
     if RUNS[index].dist_opt and RUNS[index].layout != "balanced":
         cut = [len(lay.holders(r[index].dp_size)) for r in trained for lay in r[index].layouts
@@ -90,27 +86,17 @@ def test_tp2_heads_are_each_tp_ranks_own_matrices(trained):
 def _planted_worker(rank: int, world: int) -> str:
     """Build the TP2 optimizer with the QKV's head counts taken before TP sharding (the whole
     model's query groups on each rank, DeepSpeed #8384's bug): the error it raises."""
-    from training_harness import build, destroy_megatron, start
+    from training_harness import refusal_of
 
     from megatron_muon.megatron import catalogue
 
-    run = Run(tp=2, per_head=True)
     honest = catalogue.qkv_heads_of
 
     def before_sharding(attention):
         groups, per_group, head_dim = honest(attention)
         return groups * 2, per_group, head_dim
 
-    start(run)
-    catalogue.qkv_heads_of = before_sharding
-    try:
-        build(run)
-    except ValueError as err:
-        return str(err)
-    finally:
-        catalogue.qkv_heads_of = honest
-        destroy_megatron()
-    return "built"
+    return refusal_of(Run(tp=2, per_head=True), catalogue, "qkv_heads_of", before_sharding)
 
 
 def test_head_counts_taken_before_tp_sharding_are_refused():
@@ -121,5 +107,5 @@ def test_head_counts_taken_before_tp_sharding_are_refused():
 
 def test_tp1_dp2_matches_per_head_reference(trained_tp1):
     reference = references(RUNS_TP1, timeout=TIMEOUT)[RUNS_TP1[0]]
-    worst = _worst(trained_tp1[0][0], reference)
+    worst = worst_param(trained_tp1[0][0], reference)
     assert worst[0] <= ATOL, f"{RUNS_TP1[0]}: {worst[1]} off by {worst[0]:.2e}"

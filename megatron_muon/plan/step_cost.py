@@ -86,6 +86,9 @@ def stage_plan(model: ModelShape, grid: StageGrid, settings: PlanSettings,
     if experts:
         if laid.experts is None:
             return None
+        if settings.topology is None and settings.hardware is not None:  # the expert grid's rank map, as priced
+            topology = group_topology(grid, experts=True, ranks_per_node=settings.hardware.ranks_per_node)
+            settings = dataclasses.replace(settings, topology=topology)
         grid, laid = grid.expert_grid, laid.experts
     return build_step_plan(laid.matrices, dp_size=grid.dp, tp_size=grid.tp, settings=settings)
 
@@ -97,8 +100,11 @@ class _Group:
 
     params: tuple[StageParam, ...]
     grid: StageGrid
+    """its own grid: the stage's, or the stage's ``expert_grid``."""
     laid: StageLayouts | None
     """ours: the group as the optimizer finds it; None for the other optimizers."""
+    experts: bool = False
+    """the expert-parallel params (their ranks stand where ``group_topology(experts=True)`` says)."""
 
 
 def optimizer_step_cost(
@@ -154,7 +160,7 @@ def optimizer_step_cost(
         laid = stage_layouts(model, grid, settings)
         groups = [_Group(laid.params, grid, laid)]
         if laid.experts is not None:
-            groups.append(_Group(laid.experts.params, grid.expert_grid, laid.experts))
+            groups.append(_Group(laid.experts.params, grid.expert_grid, laid.experts, experts=True))
     else:
         every = stage_params(model, grid)
         groups = [_Group(tuple(p for p in every if not p.expert_parallel), grid, None)]
@@ -162,7 +168,7 @@ def optimizer_step_cost(
             if optimizer == "megatron-layerwise":
                 raise NotImplementedError("optimizer_step_cost: megatron-layerwise with an expert-parallel buffer "
                                           "is not modelled")
-            groups.append(_Group(tuple(p for p in every if p.expert_parallel), grid.expert_grid, None))
+            groups.append(_Group(tuple(p for p in every if p.expert_parallel), grid.expert_grid, None, experts=True))
     cost = Cost()
 
     def elementwise(label: str, nbytes: float, kernels: int) -> None:
@@ -189,7 +195,7 @@ def optimizer_step_cost(
             matrices = group.laid.matrices if ours else whole_layouts(params, g.tp, settings.splits)
             plan_dp = 1 if optimizer == "megatron-muon" else g.dp
             # the profile's ranks per node in every mode
-            topology = group_topology(grid, experts=g is not grid, ranks_per_node=hw.ranks_per_node)
+            topology = group_topology(grid, experts=group.experts, ranks_per_node=hw.ranks_per_node)
             plan = build_step_plan(matrices, dp_size=plan_dp, tp_size=g.tp,
                                    settings=PlanSettings(tp_mode, ns, hardware=hw,
                                                          topology=topology if plan_dp == g.dp else None))
@@ -211,7 +217,7 @@ def optimizer_step_cost(
             largest = max(sum(muon[i].numel for i in home) for home in homes)
             group_gather = (adam_local / g.dp + largest) * _GATHER_BYTES * (g.dp - 1)
         if group_gather:  # over the group's DP ranks, where Megatron's grid puts them
-            spans = group_topology(grid, experts=g is not grid, ranks_per_node=hw.ranks_per_node).dp_spans_nodes
+            spans = group_topology(grid, experts=group.experts, ranks_per_node=hw.ranks_per_node).dp_spans_nodes
             cost += collective_cost("all_gather", group_gather, 1, g.dp, hw, spans)
             gather += group_gather
     if clip_grad:  # one scalar all-reduce for the grad norm, whatever the groups

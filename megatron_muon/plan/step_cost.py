@@ -55,7 +55,6 @@ _MUON_KERNELS = 8
 _ADAM_BYTES = 10 * 4
 _ADAM_KERNELS = 12
 _NORM_BYTES, _NORM_KERNELS = 4 + 8, 4
-_GATHER_BYTES = 4  # per element of Megatron's ZeRO-1 param all-gather, as this model has always counted it
 _DEFAULT_NS = NSOptions()
 
 
@@ -125,6 +124,7 @@ def optimizer_step_cost(
     ep: int = 1,
     etp: int | None = None,
     splits: RowSplits = DEFAULT_SPLITS,
+    param_bytes: int = 2,
 ) -> StepCost:
     """Predicted ``optimizer.step()`` time on the busiest rank of pipeline stage ``stage`` of a
     TP × DP × PP layout of ``model`` (with experts: EP × expert TP ``etp``, default ``tp``).
@@ -138,7 +138,9 @@ def optimizer_step_cost(
     ``layout_price``: the job's price inputs, with which ``dp_layout`` ``priced`` is the layout
     ``layout_choice.choose_layout`` chooses, as the Megatron adapter lays it out under Megatron's
     args (``layout_choice.job_price``); None: whole matrices. ``splits``: the fused weights ours
-    splits (``--muon-split-qkv`` and its siblings, ``--muon-split-qkv-per-head``).
+    splits (``--muon-split-qkv`` and its siblings, ``--muon-split-qkv-per-head``). ``param_bytes``:
+    bytes per element of the model's params, which Megatron's param all-gather moves (2: bf16, as
+    ``plan.iteration.Stage`` prices the same all-gather; 4: fp32 params).
 
     A stage with an expert-parallel buffer steps two optimizers, one after the other (Megatron's
     ``ChainedOptimizer``): the dense one over TP × DP, the experts' over expert TP × expert DP.
@@ -148,6 +150,8 @@ def optimizer_step_cost(
     """
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer_step_cost: optimizer {optimizer!r}; expected one of {OPTIMIZERS}")
+    if param_bytes not in (1, 2, 4):
+        raise ValueError(f"optimizer_step_cost: param_bytes {param_bytes}; expected 1, 2 or 4 (fp8, bf16, fp32)")
     if optimizer != "adam" and tp_mode is None:
         raise ValueError(f"optimizer_step_cost: optimizer {optimizer!r} needs a tp_mode (--muon-tp-mode)")
     grid = StageGrid(tp, dp, pp, stage, ep, etp)
@@ -194,6 +198,8 @@ def optimizer_step_cost(
             # DP rank alike (DP 1); its layer-wise optimizer on whole matrices, each on one DP home
             matrices = group.laid.matrices if ours else whole_layouts(params, g.tp, settings.splits)
             plan_dp = 1 if optimizer == "megatron-muon" else g.dp
+            if optimizer == "megatron-layerwise":  # each matrix whole on its home: the all-gather below returns it
+                matrices = _on_homes(matrices, g.dp, ns)
             # the profile's ranks per node in every mode
             topology = group_topology(grid, experts=group.experts, ranks_per_node=hw.ranks_per_node)
             plan = build_step_plan(matrices, dp_size=plan_dp, tp_size=g.tp,
@@ -209,13 +215,13 @@ def optimizer_step_cost(
         if g.dp > 1 and optimizer in ("ours", "adam"):
             # ZeRO-1: every rank's shard of the updated params (padding included) is all-gathered
             buffer = group.laid.buffer if ours else buffer_layout(params, g, settings)
-            group_gather = buffer.numel / g.dp * _GATHER_BYTES * (g.dp - 1)
+            group_gather = buffer.numel / g.dp * param_bytes * (g.dp - 1)
         if g.dp > 1 and optimizer == "megatron-layerwise":
             # Adam params through a distributed optimizer, Muon params gathered from their DP homes
             # (padded to the largest home's size)
-            homes = _dp_homes(whole_layouts(params, g.tp, MEGATRON_SPLITS), g.dp, ns)
-            largest = max(sum(muon[i].numel for i in home) for home in homes)
-            group_gather = (adam_local / g.dp + largest) * _GATHER_BYTES * (g.dp - 1)
+            layouts = whole_layouts(params, g.tp, MEGATRON_SPLITS)
+            largest = max(sum(layouts[i].numel for i in home) for home in _dp_homes(layouts, g.dp, ns))
+            group_gather = (adam_local / g.dp + largest) * param_bytes * (g.dp - 1)
         if group_gather:  # over the group's DP ranks, where Megatron's grid puts them
             spans = group_topology(grid, experts=group.experts, ranks_per_node=hw.ranks_per_node).dp_spans_nodes
             cost += collective_cost("all_gather", group_gather, 1, g.dp, hw, spans)
@@ -241,6 +247,16 @@ def group_topology(grid: StageGrid, *, experts: bool, ranks_per_node: int) -> To
         return Topology.contiguous(grid.dp, grid.tp, ranks_per_node)
     etp, stride = grid.expert_tp, grid.ep * grid.expert_tp
     return Topology(tuple(d * stride + j for d in range(grid.expert_dp) for j in range(etp)), etp, ranks_per_node)
+
+
+def _on_homes(layouts: Sequence[MatrixLayout], dp: int, ns: NSOptions) -> tuple[MatrixLayout, ...]:
+    """The layer-wise optimizer's matrices, each whole on its ``_dp_homes`` rank (a DP range of all
+    of it there, empty elsewhere): its plan owns each on its home and sends nothing over DP, since
+    DDP's all-reduce already put the grads there and the param all-gather returns the result."""
+    home_of = {i: r for r, home in enumerate(_dp_homes(layouts, dp, ns)) for i in home}
+    return tuple(dataclasses.replace(lay, dp_ranges=tuple((0, lay.numel) if r == home_of[i] else (0, 0)
+                                                          for r in range(dp)))
+                 for i, lay in enumerate(layouts))
 
 
 def _dp_homes(layouts: Sequence[MatrixLayout], dp: int, ns: NSOptions) -> list[list[int]]:

@@ -158,7 +158,7 @@ def predicted(shape: ModelShape, buckets: list[dict], overlap: bool, args, hw: H
         forward += sum(attention_flops(SEQ, args.micro_batch, shape.num_heads, shape.head_dim, 1)
                        for name, _, _ in b["params"] if name.endswith("linear_qkv.weight"))
         stage_buckets.append(Bucket(b["numel"], forward, 2 * forward))
-    adam = optimizer_step_cost(shape, optimizer="adam", tp=1, dp=WORLD, hw=hw)
+    adam = optimizer_step_cost(shape, optimizer="adam", tp=1, dp=WORLD, hw=hw, param_bytes=buckets[0]["param_bytes"])
     # Megatron's param all-gather out of the step (plan.iteration prices it from the buckets)
     step = adam.total_s - collective_time("all_gather", adam.param_gather_bytes, 1, WORLD, hw,
                                           WORLD > hw.ranks_per_node)

@@ -51,7 +51,7 @@ def predict_row(row: dict, model: ModelShape, tp: int, dp: int, hw: Hardware, ns
         return optimizer_step_cost(model, optimizer=optimizer, tp=tp, dp=dp, hw=hw, tp_mode=mode,
                                    ns=NSOptions(dtype=NS_DTYPES[ns_bytes], method=row.get("ns_method", "standard")),
                                    clip_grad=clip_grad, dp_layout=row.get("dp_layout", "megatron"),
-                                   bucket_numel=bucket_numel).total_s
+                                   bucket_numel=bucket_numel, param_bytes=4).total_s  # the bench's fp32 params
 
     kind, mode = row["step_kind"], row["mode"]
     if row["optimizer"] == "adam-distopt":

@@ -163,3 +163,27 @@ def test_pipeline_overlap_hides_owner_all_to_alls_only():
     hidden = without.total_s - with_overlap.total_s
     assert 0 < hidden <= gpu.comm_overlap * min(without.compute_s, without.comm_s) * (1 + 1e-9)
     assert step(gpu, "duplicated").total_s == step(none, "duplicated").total_s
+
+
+def test_layer_wise_sends_its_results_once_through_the_param_all_gather():
+    """megatron-core's layer-wise optimizer: DDP's all-reduce leaves every grad on every DP rank,
+    each home orthogonalizes its whole matrices, and the param all-gather returns them. At TP 1 its
+    plan sends nothing (no DP owner exchange, no broadcast of results beside the all-gather); at
+    TP 8 only the TP mode's bytes, the same as megatron-core's Muon under plain DDP sends."""
+    model = LLAMA3["8B"]
+    lw = lambda tp: optimizer_step_cost(model, optimizer="megatron-layerwise", tp=tp, dp=8, hw=H100,  # noqa: E731
+                                        tp_mode="owner")
+    assert lw(1).bytes_sent_max == 0 and lw(1).param_gather_bytes > 0
+    ddp = optimizer_step_cost(model, optimizer="megatron-muon", tp=8, dp=8, hw=H100, tp_mode="owner")
+    # the busiest home's TP traffic is at most the whole stage's, which DDP's Muon sends on every rank
+    assert 0 < lw(8).bytes_sent_max <= ddp.bytes_sent_max
+
+
+def test_the_param_all_gather_moves_the_params_dtype():
+    """Megatron's ZeRO-1 all-gather moves the model's params: half the bytes in bf16 of fp32's."""
+    model = LLAMA3["8B"]
+    gather = lambda b: optimizer_step_cost(model, optimizer="adam", tp=8, dp=8, hw=H100,  # noqa: E731
+                                           param_bytes=b).param_gather_bytes
+    assert gather(4) == 2 * gather(2) > 0
+    with pytest.raises(ValueError, match="param_bytes 3; expected 1, 2 or 4"):
+        gather(3)

@@ -302,15 +302,17 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
         if fsdp is not None:
             model = _megatron_fsdp(config, module, fsdp)
         elif dp_layout in ("balanced", "priced"):  # the hook's DDP factory's layout (megatron/layout.py), same buckets
-            from megatron_muon.megatron.layout import balanced_full_param_layout
+            from megatron_muon.megatron.layout import balanced_full_param_layout, megatron_expert_price
 
             # get_model: buckets for the first chunk of the first stage only
             first = ps.get_pipeline_model_parallel_rank() == 0 and not vp_stage
             bucket = max(40_000_000, 1_000_000 * dp) if first else None
             local = muonbp is not None and muonbp[1] == "local"
             price = layout_price(shape, tp, dp, tp_mode, local) if dp_layout == "priced" else None
+            expert_price = megatron_expert_price(price, config, ps.get_expert_data_parallel_group())
             layout = balanced_full_param_layout(module, bucket, dp, ddp_config, muon_config=muon_config, tp_size=tp,
-                                                expert_dp_size=ps.get_expert_data_parallel_world_size(), price=price)
+                                                expert_dp_size=ps.get_expert_data_parallel_world_size(), price=price,
+                                                expert_price=expert_price)
         if fsdp is None:
             model = DistributedDataParallel(config, ddp_config, module, full_param_layout=layout)
         chunks.append(model)

@@ -17,10 +17,11 @@ sends nothing. Python API users wrapping DDP themselves pass
 ``full_param_layout=balanced_full_param_layout(...)``.
 
 Under ``--muon-dp-layout priced``, with Megatron's args (``get_args()``: sequence, micro-batch and
-global batch sizes) each dense buffer's layout is the one ``plan.layout_choice.choose_layout``
+global batch sizes) each buffer's layout is the one ``plan.layout_choice.choose_layout``
 prices cheaper: whole matrices, or megatron-core's buckets cut at rows where Megatron's overlap
-is worth more than the DP exchange the cuts cost (``megatron_layout_price``); without them (a
-Python API user's own DDP), whole matrices as before. Expert-parallel buffers keep whole matrices.
+is worth more than the DP exchange the cuts cost (``megatron_layout_price``; an expert-parallel
+buffer on ``megatron_expert_price``: the tokens one expert sees, over expert TP and expert DP);
+without them (a Python API user's own DDP), whole matrices as before.
 """
 
 from __future__ import annotations
@@ -36,14 +37,14 @@ from megatron.core.utils import get_pg_size
 from ..config import MuonConfig
 from ..plan.balanced_layout import MAX_PADDING, PARAM_ALIGN, balanced_layout, layout_item
 from ..plan.iteration import attention_flops
-from ..plan.layout_choice import LayoutPrice, choose_layout, forward_flops, step_seconds
+from ..plan.layout_choice import ExpertRouting, LayoutPrice, choose_layout, forward_flops, step_seconds
 from ..plan.stage_layouts import dp_ranges
 from .catalogue import is_muon_matrix, layout_of, tag_grouped_experts, tag_qkv
 from .checkpoint import BALANCED_MARK, check_saved_extents
 from .report import CHOICE_MARK
 
 __all__ = ["BALANCED_MARK", "balanced_buffer_layouts", "balanced_full_param_layout",
-           "ddp_with_balanced_layout", "megatron_layout_price"]
+           "ddp_with_balanced_layout", "megatron_expert_price", "megatron_layout_price"]
 
 
 def shard_divisor(dp_size: int, ddp_config) -> int:
@@ -63,6 +64,7 @@ def balanced_full_param_layout(
     expert_dp_size: int | None = None,
     max_padding: float = MAX_PADDING,
     price: LayoutPrice | None = None,
+    expert_price: LayoutPrice | None = None,
 ) -> FullParamLayout:
     """The balanced ``FullParamLayout`` of one (un-wrapped) model chunk.
 
@@ -84,6 +86,8 @@ def balanced_full_param_layout(
             or ``layout_choice.job_price`` for a planned job): each dense buffer laid out as
             ``choose_layout`` chooses, the choices recorded on the chunk as ``CHOICE_MARK``;
             None: whole matrices.
+        expert_price: the same for the expert-parallel buffer (``megatron_expert_price``);
+            None: whole experts.
     """
     tag_qkv([model_chunk])
     tag_grouped_experts([model_chunk])  # TE's grouped fc1 costs as its gate and up halves, as the optimizer splits it
@@ -91,7 +95,7 @@ def balanced_full_param_layout(
     choices: dict = {}
     layouts = balanced_buffer_layouts(named, bucket_size, dp_size, ddp_config, muon_config=muon_config,
                                       tp_size=tp_size, expert_dp_size=expert_dp_size, max_padding=max_padding,
-                                      price=price, choices=choices)
+                                      price=price, expert_price=expert_price, choices=choices)
     setattr(model_chunk, BALANCED_MARK, True)
     setattr(model_chunk, CHOICE_MARK, choices)
     return FullParamLayout(layouts={key: full for key, (_, full) in layouts.items()})
@@ -100,7 +104,7 @@ def balanced_full_param_layout(
 def balanced_buffer_layouts(
     named_params, bucket_size: int | None, dp_size: int, ddp_config, *, muon_config: MuonConfig, tp_size: int,
     expert_dp_size: int | None = None, max_padding: float = MAX_PADDING, price: LayoutPrice | None = None,
-    choices: dict | None = None,
+    expert_price: LayoutPrice | None = None, choices: dict | None = None,
 ) -> dict:
     """Per buffer (megatron-core's ``BufferKey``): ``(BufferLayout, PerBufferParamLayout)``.
 
@@ -119,17 +123,18 @@ def balanced_buffer_layouts(
                              ns, row=p.shape[-1], own_bucket=getattr(p, "shared_embedding", False))
                  for p in group]
         choice = None
-        if price is not None and not key.is_expert_parallel:
-            flops = [forward_flops(names[p], p.numel(), p.dim(), price) for p in group]
+        key_price = expert_price if key.is_expert_parallel else price
+        if key_price is not None:
+            flops = [forward_flops(names[p], p.numel(), p.dim(), key_price) for p in group]
 
-            def step_s(candidate, group=group, dp=dp) -> float:
+            def step_s(candidate, group=group, dp=dp, key_price=key_price) -> float:
                 # the matrices as catalogue.describe_zero1 will find them: bucket by bucket, backprop within
                 order = sorted(reversed(range(len(group))), key=lambda k: candidate.ranges[k][2])
-                matrices = [layout_of(names[group[k]], group[k], tp_size, muon_config,
+                matrices = [layout_of(names[group[k]], group[k], key_price.tp, muon_config,
                                       dp_ranges=dp_ranges(candidate, k)) for k in order if is_muon_matrix(group[k])]
-                return step_seconds(matrices, dp, price, ns)
+                return step_seconds(matrices, dp, key_price, ns)
 
-            choice = choose_layout(items, flops, dp, bucket_size, price, alpha=muon_config.layout_alpha,
+            choice = choose_layout(items, flops, dp, bucket_size, key_price, alpha=muon_config.layout_alpha,
                                    shard_divisor=shard_divisor(dp, ddp_config), max_padding=max_padding,
                                    bucket_divisor=bucket_end_divisor(dp, ddp_config.pad_buckets_for_high_nccl_busbw),
                                    step_s=step_s)
@@ -187,6 +192,7 @@ def ddp_with_balanced_layout(muon_config: MuonConfig):
             full_param_layout = balanced_full_param_layout(
                 module, bucket_size, dp_size, ddp_config, muon_config=muon_config, tp_size=tp_size,
                 expert_dp_size=get_pg_size(groups["intra_expt_dp_group"]), price=price,
+                expert_price=megatron_expert_price(price, config, groups["intra_expt_dp_group"]),
             )
         kwargs = {} if pg_collection is None else {"pg_collection": pg_collection}
         ddp = DistributedDataParallel(config=config, ddp_config=ddp_config, module=module,
@@ -237,3 +243,19 @@ def megatron_layout_price(ddp_config, config, muon_config: MuonConfig, dp_group,
         exchange_bytes=muon_config.ns_dtype.itemsize, tp=tp, tp_mode=muon_config.tp_mode,
         whole_rows=muon_config.muonbp_period is not None and muon_config.muonbp_block == "local",
         overlap_grad_reduce=ddp_config.overlap_grad_reduce, overlap_param_gather=ddp_config.overlap_param_gather)
+
+
+def megatron_expert_price(price: LayoutPrice | None, config, expert_dp_group) -> LayoutPrice | None:
+    """The ``LayoutPrice`` of the expert-parallel buffer (``LayoutPrice.for_experts``): the job's
+    ``price`` at the tokens one expert sees (``config``'s ``num_moe_experts``, ``moe_router_topk``,
+    ``expert_model_parallel_size``), over expert TP (``expert_tensor_parallel_size``), its links over
+    the expert-DP group's node span (from its global ranks, as ``megatron_layout_price`` reads the
+    DP group's). None without a price or without experts."""
+    from ..parallel.step_setup import stage_topology
+
+    if price is None or not getattr(config, "num_moe_experts", None):
+        return None
+    routing = ExpertRouting(config.num_moe_experts, config.moe_router_topk, config.expert_model_parallel_size)
+    topology = stage_topology(expert_dp_group, None, price.hardware)
+    spans = topology.dp_spans_nodes if topology is not None else price.dp_spans_nodes
+    return price.for_experts(routing, expert_tp=config.expert_tensor_parallel_size or price.tp, dp_spans_nodes=spans)

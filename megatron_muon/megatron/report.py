@@ -135,7 +135,7 @@ def layout_choice_lines(model_chunks) -> list[str]:
     for chunk in model_chunks:
         for key, c in getattr(getattr(chunk, "module", chunk), CHOICE_MARK, {}).items():
             param, grad = (str(d).removeprefix("torch.") for d in (key.param_dtype, key.grad_dtype))
-            dtypes = f"{param} params, {grad} grads"
+            dtypes = f"{param} params, {grad} grads{', experts' if key.is_expert_parallel else ''}"
             chosen, whole, packed = c.priced, c.whole, c.megatron
             step = "Muon step" if chosen.step_s is not None else "DP exchange + NS"
             lines.append(f"  DDP buckets ({dtypes}): {c.chosen}, {_buckets(chosen.buckets)}: exposed DDP "

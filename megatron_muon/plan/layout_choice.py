@@ -53,7 +53,7 @@ sequence unknown) the caller keeps the balanced layout as before (``megatron.lay
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ..core.matrix_layout import MatrixLayout
 from ..core.models import ModelShape
@@ -68,8 +68,8 @@ from .pricing import plan_cost
 from .step_plan import PlanSettings, build_step_plan
 from .topology import Topology
 
-__all__ = ["CHOICES", "LayoutChoice", "LayoutPrice", "Priced", "choose_layout", "forward_flops", "job_price",
-           "step_seconds"]
+__all__ = ["CHOICES", "ExpertRouting", "LayoutChoice", "LayoutPrice", "Priced", "choose_layout", "forward_flops",
+           "job_price", "step_seconds"]
 
 GLOBAL_BATCH_TOKENS = 4 * 2**20
 """``job_price``'s default global batch: 4M tokens (the iteration tables', docs/performance.md §12)."""
@@ -118,6 +118,41 @@ class LayoutPrice:
         if self.micro_batches < 1 or self.tokens < 1 or self.tp < 1:
             raise ValueError(f"LayoutPrice: micro_batches {self.micro_batches}, tokens {self.tokens}, tp {self.tp}; "
                              "expected >= 1")
+
+    def for_experts(self, routing: ExpertRouting, *, expert_tp: int, dp_spans_nodes: bool) -> LayoutPrice:
+        """The price of the stage's expert-parallel buffer, from the job's: an expert weight's FLOPs
+        at the tokens one expert sees per micro-batch on average (``routing.tokens_per_expert``), no
+        attention core, its Newton–Schulz over expert TP, its links over the expert-DP group
+        (``dp_spans_nodes``: that group's node span, which strides by EP × expert TP).
+
+        The buffer is priced alone, as a one-stage pipeline of its own buckets: the dense layers'
+        backward, which runs between two experts' buckets too and can hide their reduce-scatter,
+        is left out, as is the dense buckets' traffic on the same links. Both act on every
+        candidate; the first makes a many-bucket candidate look less overlapped than it is."""
+        return replace(self, tokens=routing.tokens_per_expert(self.tokens), attention_flops=0.0, tp=expert_tp,
+                       dp_spans_nodes=dp_spans_nodes)
+
+
+@dataclass(frozen=True)
+class ExpertRouting:
+    """How a job routes its tokens to experts (what an expert weight's FLOPs depend on)."""
+
+    num_experts: int
+    """``--num-experts``, over the whole EP group."""
+    topk: int
+    """``--moe-router-topk``: experts each token goes to."""
+    ep: int
+    """``--expert-model-parallel-size``: EP ranks whose tokens one expert receives."""
+
+    def __post_init__(self) -> None:
+        if min(self.num_experts, self.topk, self.ep) < 1 or self.topk > self.num_experts:
+            raise ValueError(f"ExpertRouting: num_experts {self.num_experts}, topk {self.topk}, ep {self.ep}; "
+                             "expected >= 1 and topk <= num_experts")
+
+    def tokens_per_expert(self, tokens: int) -> int:
+        """Tokens one expert sees per micro-batch on average, ``tokens`` per EP rank: EP × tokens × topk
+        routed assignments over ``num_experts`` experts (a balanced router's mean; at least 1)."""
+        return max(1, round(self.ep * tokens * self.topk / self.num_experts))
 
 
 @dataclass(frozen=True)

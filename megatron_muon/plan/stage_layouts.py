@@ -19,7 +19,8 @@ The bucket size follows DDP's own rule: the given size on the first pipeline sta
 the others. A stage's dense params share one buffer (one dtype); its experts' weights, where
 megatron-core gives them their own (``StageParam.expert_parallel``), share a second, laid out the
 same way over the expert-DP group with the expert TP size (``StageLayouts.experts``). As the
-Megatron adapter, ``priced`` prices the dense buffer only and keeps the experts' whole.
+Megatron adapter, ``priced`` prices each buffer on its own: the experts' on
+``LayoutPrice.for_experts`` (the tokens one expert sees, the expert grid's links).
 ``tests/megatron/test_stage_layouts.py`` compares every step with the real DDP's and the real
 catalogue's on models megatron-core builds. Pure: no torch, no Megatron.
 """
@@ -42,10 +43,10 @@ from .balanced_layout import (
     balanced_layout,
     layout_item,
 )
-from .layout_choice import LayoutPrice, choose_layout, forward_flops, step_seconds
+from .layout_choice import ExpertRouting, LayoutPrice, choose_layout, forward_flops, step_seconds
 from .megatron_packing import megatron_packing
 from .param_marks import DEFAULT_SPLITS, RowSplits, matrix_layout
-from .stage_params import StageGrid, StageParam, stage_params
+from .stage_params import StageGrid, StageParam, group_topology, stage_params
 
 __all__ = ["DEFAULT_DP_LAYOUT", "DP_LAYOUTS", "BufferSettings", "StageLayouts", "buffer_items", "buffer_layout",
            "dp_ranges", "megatron_packing", "shard_divisor", "stage_layouts", "whole_layouts", "zero1_layouts"]
@@ -180,8 +181,12 @@ def stage_layouts(model: ModelShape, grid: StageGrid, settings: BufferSettings =
     if len(params) < len(every):
         expert_params = tuple(p for p in every if p.expert_parallel)
         expert_grid = grid.expert_grid
-        # the adapter prices dense buffers only (megatron.layout.balanced_buffer_layouts): whole experts
-        expert_buffer = buffer_layout(expert_params, expert_grid, replace(settings, price=None))
+        price = settings.price
+        if price is not None:  # as the adapter prices the experts' buffer (megatron.layout.balanced_buffer_layouts)
+            spans = group_topology(grid, experts=True, ranks_per_node=price.hardware.ranks_per_node).dp_spans_nodes
+            routing = ExpertRouting(model.num_experts, model.moe_topk, grid.ep)
+            price = price.for_experts(routing, expert_tp=expert_grid.tp, dp_spans_nodes=spans)
+        expert_buffer = buffer_layout(expert_params, expert_grid, replace(settings, price=price))
         experts = StageLayouts(expert_params, expert_buffer,
                                zero1_layouts(expert_params, expert_buffer, expert_grid.tp, settings.splits))
     return StageLayouts(params, buffer, zero1_layouts(params, buffer, grid.tp, settings.splits), experts)

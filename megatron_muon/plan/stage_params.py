@@ -51,8 +51,10 @@ from dataclasses import dataclass
 
 from ..core.models import ModelShape, staged_pattern
 from .param_marks import ParamMarks
+from .topology import Topology
 
-__all__ = ["VOCAB_DIVISOR", "StageGrid", "StageParam", "model_numel", "stage_layer_counts", "stage_params"]
+__all__ = ["VOCAB_DIVISOR", "StageGrid", "StageParam", "group_topology", "model_numel", "stage_layer_counts",
+           "stage_params"]
 
 VOCAB_DIVISOR = 128
 """Megatron's default ``--make-vocab-size-divisible-by``: the vocabulary is padded to this × TP."""
@@ -275,3 +277,14 @@ def _mamba(model: ModelShape, tp: int) -> list[tuple[str, tuple[int, ...], Param
             ("mixer.norm.weight", (z,), _column()),
             ("mixer.out_proj.weight", (model.hidden, z), ParamMarks(tensor_parallel=True, partition_dim=1)),
             ("norm.weight", (model.hidden,), ParamMarks())]
+
+
+def group_topology(grid: StageGrid, *, experts: bool, ranks_per_node: int) -> Topology:
+    """Where a stage's DP × TP positions of one optimizer live on Megatron's default rank order,
+    the stage's first rank at 0: the dense optimizer's TP fastest, then DP
+    (``Topology.contiguous``); the expert optimizer's (EP rank 0's) expert TP fastest, then EP,
+    then expert DP (megatron-core's expert grid), so expert-DP peers stand EP × expert TP apart."""
+    if not experts:
+        return Topology.contiguous(grid.dp, grid.tp, ranks_per_node)
+    etp, stride = grid.expert_tp, grid.ep * grid.expert_tp
+    return Topology(tuple(d * stride + j for d in range(grid.expert_dp) for j in range(etp)), etp, ranks_per_node)

@@ -29,11 +29,10 @@ from .owners import plan_owners
 from .param_marks import DEFAULT_SPLITS, RowSplits
 from .pricing import plan_cost
 from .stage_layouts import DEFAULT_DP_LAYOUT, BufferSettings, StageLayouts, buffer_layout, stage_layouts, whole_layouts
-from .stage_params import StageGrid, StageParam, stage_params
+from .stage_params import StageGrid, StageParam, group_topology, stage_params
 from .step_plan import PlanSettings, StepPlan, build_step_plan
-from .topology import Topology
 
-__all__ = ["MEGATRON_SPLITS", "OPTIMIZERS", "StepCost", "group_topology", "optimizer_step_cost", "stage_plan"]
+__all__ = ["MEGATRON_SPLITS", "OPTIMIZERS", "StepCost", "optimizer_step_cost", "stage_plan"]
 
 
 OPTIMIZERS = ("ours", "megatron-muon", "megatron-layerwise", "adam")
@@ -236,17 +235,6 @@ def optimizer_step_cost(
                     param_gather_bytes=gather,
                     expert_ns_flops_max=max(expert.ns_flops, default=0) if expert is not None else 0.0,
                     expert_bytes_sent_max=max(expert.bytes_sent, default=0) if expert is not None else 0.0)
-
-
-def group_topology(grid: StageGrid, *, experts: bool, ranks_per_node: int) -> Topology:
-    """Where a stage's DP × TP positions of one optimizer live on Megatron's default rank order,
-    the stage's first rank at 0: the dense optimizer's TP fastest, then DP
-    (``Topology.contiguous``); the expert optimizer's (EP rank 0's) expert TP fastest, then EP,
-    then expert DP (megatron-core's expert grid), so expert-DP peers stand EP × expert TP apart."""
-    if not experts:
-        return Topology.contiguous(grid.dp, grid.tp, ranks_per_node)
-    etp, stride = grid.expert_tp, grid.ep * grid.expert_tp
-    return Topology(tuple(d * stride + j for d in range(grid.expert_dp) for j in range(etp)), etp, ranks_per_node)
 
 
 def _on_homes(layouts: Sequence[MatrixLayout], dp: int, ns: NSOptions) -> tuple[MatrixLayout, ...]:

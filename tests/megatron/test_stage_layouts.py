@@ -146,9 +146,10 @@ def real():
     return dict(zip(map(_ids, CASES), results))
 
 
-def _price(model, tp, dp):
-    """the price the dry run's DDP chooses its balanced layout on (``dry_run.layout_price``)"""
-    return job_price(model, tp, dp, GPU_PROFILES["h100-sxm"])
+def _price(model, tp, dp, mode):
+    """the price the dry run's DDP chooses its balanced layout on (``dry_run.layout_price``: each
+    candidate's step planned in the run's TP mode)"""
+    return job_price(model, tp, dp, GPU_PROFILES["h100-sxm"], tp_mode=mode)
 
 
 def _grid(case) -> StageGrid:
@@ -161,8 +162,8 @@ def _splits(case) -> RowSplits:
 
 
 def _road(case):
-    model, tp, pp, dp, stage, layout, *_ = _unpack(case)
-    settings = BufferSettings(layout, BUCKET, splits=_splits(case), price=_price(model, tp, dp))
+    model, tp, pp, dp, stage, layout, mode, *_ = _unpack(case)
+    settings = BufferSettings(layout, BUCKET, splits=_splits(case), price=_price(model, tp, dp, mode))
     return stage_layouts(model, _grid(case), settings)
 
 
@@ -216,7 +217,7 @@ def test_plan_and_cost_are_the_optimizers(real, case):
             got["dp_owners"], got["ns_flops"], got["dp_bytes"], got["tp_bytes"])
     cost = optimizer_step_cost(model, optimizer="ours", tp=tp, dp=dp, pp=pp, hw=GPU_PROFILES["h100-sxm"], tp_mode=mode,
                                dp_layout=layout, bucket_numel=BUCKET, stage=stage,
-                               layout_price=_price(model, tp, dp), ep=ep, etp=etp, splits=_splits(case))
+                               layout_price=_price(model, tp, dp, mode), ep=ep, etp=etp, splits=_splits(case))
     figures = [(max(got["ns_flops"]), max(d + t for d, t in zip(got["dp_bytes"], got["tp_bytes"])))
                for got, _, _ in _pairs(real, case)]
     assert (cost.ns_flops_max, cost.bytes_sent_max) == figures[0]

@@ -11,13 +11,13 @@ from dataclasses import replace
 
 import pytest
 
-from megatron_muon.core.models import LLAMA3
+from megatron_muon.core.models import LLAMA3, MOE_MODELS
 from megatron_muon.plan.balanced_layout import LayoutItem, row_aligned_layout
 from megatron_muon.plan.hardware import GPU_PROFILES
-from megatron_muon.plan.layout_choice import LayoutPrice, choose_layout, forward_flops, job_price
+from megatron_muon.plan.layout_choice import ExpertRouting, LayoutPrice, choose_layout, forward_flops, job_price
 from megatron_muon.plan.megatron_packing import megatron_packing
 from megatron_muon.plan.stage_layouts import BufferSettings, buffer_items, shard_divisor, stage_layouts
-from megatron_muon.plan.stage_params import StageGrid, stage_params
+from megatron_muon.plan.stage_params import StageGrid, group_topology, stage_params
 
 H100 = GPU_PROFILES["h100-sxm"]
 BUCKET = lambda dp: max(40_000_000, 1_000_000 * dp)  # noqa: E731  megatron-core's default bucket size
@@ -159,3 +159,41 @@ def test_muonbp_local_blocks_keep_every_cut_between_rows():
         shard = (hi - lo) // 64
         cuts = range(lo + ((start - lo) // shard + 1) * shard, end, shard)
         assert not it.whole or all((cut - start) % it.row == 0 for cut in cuts), i
+
+
+def test_the_experts_see_the_tokens_routed_to_them():
+    # one expert's share of EP x tokens x topk routed assignments: DeepSeek-V3 at EP8 (256 experts,
+    # top-8) sees 2048 of an 8192-token micro-batch per expert, Mixtral (8 experts, top-2) 16384
+    assert ExpertRouting(256, 8, 8).tokens_per_expert(8192) == 2048
+    assert ExpertRouting(8, 2, 8).tokens_per_expert(8192) == 16384
+    assert ExpertRouting(256, 1, 1).tokens_per_expert(1) == 1  # never below one token
+    price = job_price(LLAMA3["8B"], 2, 8, H100, tp_mode="owner")
+    experts = price.for_experts(ExpertRouting(8, 2, 8), expert_tp=1, dp_spans_nodes=True)
+    assert (experts.tokens, experts.tp, experts.dp_spans_nodes, experts.attention_flops) == (16384, 1, True, 0.0)
+    assert (experts.micro_batches, experts.hardware, experts.tp_mode) == (price.micro_batches, H100, "owner")
+    with pytest.raises(ValueError, match="ExpertRouting: num_experts 8, topk 9"):
+        ExpertRouting(8, 9, 1)
+
+
+def test_mixtral_experts_get_megatron_sized_buckets():
+    """Mixtral 8x7B TP1 x EP8 x DP64: whole experts leave two buckets on the expert-DP group (it
+    strides by EP, so it crosses nodes), whose reduce-scatter and all-gather wait for the whole
+    backward and forward; megatron-core's 32 overlap them. The price cuts the experts at
+    megatron-core's buckets: its exchange costs a fraction of the overlap it buys."""
+    shape, grid = MOE_MODELS["mixtral-8x7b"], StageGrid(1, 64, 1, 0, 8, 1)
+    price = job_price(shape, 1, 64, H100, tp_mode="owner")
+    laid = stage_layouts(shape, grid, BufferSettings("priced", BUCKET(64), price=price))
+    expert_grid = grid.expert_grid
+    experts = price.for_experts(ExpertRouting(8, 2, 8), expert_tp=1,
+                                dp_spans_nodes=group_topology(grid, experts=True, ranks_per_node=8).dp_spans_nodes)
+    assert experts.dp_spans_nodes  # expert-DP peers stand EP x expert TP = 8 ranks apart: one per node
+    params = laid.experts.params
+    c = choose_layout(buffer_items(params, 1, BufferSettings()),
+                      [forward_flops(p.name, p.numel, len(p.shape), experts) for p in params], expert_grid.dp,
+                      BUCKET(64), experts, shard_divisor=shard_divisor(expert_grid.dp))
+    assert (c.whole.buckets, c.megatron.buckets) == (2, 32)
+    assert c.whole.exposed_ddp_s > 10 * c.megatron.exposed_ddp_s
+    assert c.megatron.total_s < c.whole.total_s
+    # the road lays the experts out as priced: megatron-core's 32 buckets, every expert matrix cut
+    assert len(laid.experts.buffer.buckets) == 32
+    assert all(sum(e > s for s, e in m.dp_ranges) > 1 for m in laid.experts.matrices)

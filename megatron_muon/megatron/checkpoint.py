@@ -77,6 +77,7 @@ __all__ = [
     "CANONICAL_STATE_KEYS",
     "MuonCheckpointMixin",
     "check_saved_extents",
+    "in_place_optimizer_load",
     "laid_out_by_muon",
     "load_canonical_state",
     "prepare_for_checkpointing",
@@ -255,6 +256,16 @@ def rechain_loaded_state(state_dict, current_groups: list[list[dict]]):
 
 
 # --------------------------------------------------------------------------- a load in place (FSDP2)
+
+
+def in_place_optimizer_load(args, common) -> bool:
+    """Megatron's ``load_checkpoint`` with these ``args`` loads the optimizer's tensors of a checkpoint
+    whose common state is ``common`` in place, without its ``load_state_dict``: ``--use-torch-fsdp2``
+    with ``torch_dist`` (training.py's ``skip_load_to_model_and_opt``), the optimizer state loaded
+    (not ``--no-load-optim``, ``--finetune``, a release checkpoint or one saved without it)."""
+    return (getattr(args, "use_torch_fsdp2", False) and getattr(args, "ckpt_format", None) == "torch_dist"
+            and not getattr(args, "no_load_optim", False) and not getattr(args, "finetune", False)
+            and common is not None and isinstance(common.get("optimizer"), dict))
 
 
 def restore_in_place_load(optimizer, saved: dict) -> dict:

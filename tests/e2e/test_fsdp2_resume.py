@@ -14,9 +14,11 @@ the ``load_checkpoint`` hook restores what that method would (``checkpoint.resto
   iteration 4 grad-norm-free result: iteration 6 differs).
 * At DP1 (one process) the checkpoint of DP2 resumes: iteration 4's loss is the uninterrupted run's (the
   weights are; the loss of the whole batch in one process sums in another order).
-* The preflight's resume report and refusals (``resume_config``) for an FSDP2 checkpoint.
+* The preflight's resume report and refusals (``resume_config``) for an FSDP2 checkpoint, and a
+  checkpoint of the distributed optimizer resumed under FSDP2 and the reverse (refused in one line;
+  megatron-core 0.19.2 fails inside the load).
 
-About 90 s on 2 cores (four torchrun jobs).
+About 2.5 min on 2 cores (six torchrun jobs).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from bad_inputs_table import expected_line
 from entry_harness import REPO, launch
 
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|")
@@ -40,14 +43,25 @@ def _common(root) -> list[str]:
             "--save-interval", "100"]
 
 
-def _config() -> list[str]:
+def _config(config=CONFIG) -> list[str]:
     from megatron_muon.megatron.yaml_config import load_yaml_args
 
-    return load_yaml_args(CONFIG)
+    return load_yaml_args(config)
 
 
-def _job(root, *extra: str, nproc: int = 2) -> str:
-    job = launch([*_config(), *_common(root), *extra], root, nproc=nproc,
+def _wrapped(root, wrapper: str):
+    """The demo config with another wrapper than FSDP2 (``use_distributed_optimizer: true`` or
+    ``false``): the same model, data and schedule."""
+    path = root / f"{wrapper}.yaml"
+    text = CONFIG.read_text()
+    assert "\nuse_torch_fsdp2: true\n" in text
+    flag = "true" if wrapper == "zero1" else "false"
+    path.write_text(text.replace("\nuse_torch_fsdp2: true\n", f"\nuse_distributed_optimizer: {flag}\n"))
+    return path
+
+
+def _job(root, *extra: str, nproc: int = 2, config=CONFIG) -> str:
+    job = launch([*_config(config), *_common(root), *extra], root, nproc=nproc,
                  env=dict(CUDA_DEVICE_MAX_CONNECTIONS=None), timeout=400)  # FSDP2 refuses the variable
     assert job.returncode == 0, job.out[-6000:]
     return job.out
@@ -106,3 +120,62 @@ def test_dp_change_resumes(saved):
     assert float(rows[4][0]) == pytest.approx(float(uninterrupted[4][0]), rel=1e-5), (rows, uninterrupted)
     for it in (4, 5, 6):
         assert float(rows[it][1]) == pytest.approx(float(uninterrupted[it][1]), abs=2e-3), (rows, uninterrupted)
+
+
+# ----------------------------------------------------------------------------- the preflight
+
+
+def _preflight(root, *extra: str, nproc: int = 2, config=CONFIG, load: str = "ckpt"):
+    from megatron_muon.megatron import resume_config
+    from megatron_muon.megatron.preflight import check_command_line
+
+    check_command_line(str(config), [*_common(root), "--load", str(root / load), "--ckpt-step", "3", *extra], nproc)
+    return resume_config.report_lines()
+
+
+def _refusal(root, *extra: str, **kwargs) -> str:
+    with pytest.raises(ValueError) as info:
+        _preflight(root, *extra, **kwargs)
+    return str(info.value)
+
+
+@pytest.fixture
+def fsdp2_env(hooks_restored, monkeypatch):
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+
+
+def test_preflight_reports_and_refuses_as_for_the_other_wrappers(saved, fsdp2_env):
+    """resume_config reads an FSDP2 torch_dist checkpoint's args as any other: the same settings and a DP
+    change reported, a TP change with the padded vocabulary kept reported, model shapes, another
+    optimizer and another padded vocabulary refused; the optimizer state's form checked against the
+    run's wrapper (DDP without the distributed optimizer reads FSDP2's: measured, iteration 4 logged
+    the uninterrupted run's loss)."""
+    root, _ = saved
+    head = f"  resume from {root}/ckpt/iter_0000003"
+    assert _preflight(root) == [f"{head}: same settings as the checkpoint"]
+    assert _preflight(root, nproc=1)[1:] == ["    DP 2 -> 1: resharded exactly (only the order of sums changes)"]
+    assert _preflight(root, config=_wrapped(root, "ddp"))[1:] == [
+        "    --use-torch-fsdp2 -> DDP without --use-distributed-optimizer: read exactly (both keep the optimizer "
+        "state per param; only the order of sums changes)"]
+    assert _refusal(root, "--hidden-size", "128").startswith("--hidden-size: this command line has hidden_size = 128")
+    assert _refusal(root, "--optimizer", "adam").startswith("--optimizer adam: ")
+    assert _refusal(root, "--tensor-model-parallel-size", "2").startswith(
+        "--tensor-model-parallel-size 2 with --make-vocab-size-divisible-by 128: the padded vocabulary would be 512")
+    line = _refusal(root, config=_wrapped(root, "zero1"))
+    assert expected_line("resume-fsdp2-to-zero1", TMP=str(root)).fullmatch(line), line
+    assert _preflight(root, "--muon-reset-optimizer-state", config=_wrapped(root, "zero1"))[1:] == []
+
+
+def test_zero1_checkpoint_under_fsdp2(saved, fsdp2_env):
+    """A ZeRO-1 checkpoint of the same model resumed under FSDP2: refused in one line before the load
+    (Megatron: ``KeyError: "optimizer.state.momentum_buffer... from model not in state dict"`` on
+    every rank); with --muon-reset-optimizer-state its weights resume (iteration 4's loss is the
+    ZeRO-1 run's)."""
+    root, _ = saved
+    out = _job(root, "--save", str(root / "zero1"), "--save-interval", "3", config=_wrapped(root, "zero1"))
+    zero1 = _rows(out)
+    line = _refusal(root, load="zero1")
+    assert expected_line("resume-zero1-to-fsdp2", TMP=str(root)).fullmatch(line), line
+    out = _job(root, "--load", str(root / "zero1"), "--ckpt-step", "3", "--muon-reset-optimizer-state")
+    assert "--muon-reset-optimizer-state: weights, iteration and LR/WD schedule from" in out, out[-4000:]
+    assert _rows(out)[4][0] == zero1[4][0]

@@ -210,6 +210,16 @@ def _wrap_get_megatron_optimizer(get_megatron_optimizer):
                 )
             if active:
                 check_balanced_layout_applied(args, config, model_chunks)
+                if getattr(args, "use_torch_fsdp2", False) and (args.save is not None or args.load is not None):
+                    from megatron.core.utils import get_model_config
+
+                    from .torch_fsdp2 import fsdp2_checkpoint_refusal
+
+                    message = fsdp2_checkpoint_refusal(
+                        ((n, p) for chunk in model_chunks for n, p in chunk.named_parameters()),
+                        getattr(get_model_config(model_chunks[0]), "gated_linear_unit", False))
+                    if message:  # at startup: the save would fail only after training up to it
+                        raise UserInputError(message)
                 optimizer = get_megatron_muon_optimizer(
                     config, model_chunks, muon_config_from_args(args),
                     config_overrides=config_overrides, pg_collection=pg_collection,

@@ -179,3 +179,17 @@ def test_zero1_checkpoint_under_fsdp2(saved, fsdp2_env):
     out = _job(root, "--load", str(root / "zero1"), "--ckpt-step", "3", "--muon-reset-optimizer-state")
     assert "--muon-reset-optimizer-state: weights, iteration and LR/WD schedule from" in out, out[-4000:]
     assert _rows(out)[4][0] == zero1[4][0]
+
+
+def test_uneven_dp_is_refused_at_startup(tmp_path, demo_data):
+    """DP3: the demo's 64-element norms (and 64-row matrices) cut unevenly; refused at the optimizer's
+    build, before the first iteration (megatron-core 0.19.2's save would fail at the first save,
+    after training up to it)."""
+    (tmp_path / "data").symlink_to(demo_data)
+    job = launch([*_config(), *_common(tmp_path), "--global-batch-size", "6"], tmp_path, nproc=3,
+                 env=dict(CUDA_DEVICE_MAX_CONNECTIONS=None), timeout=400)
+    assert job.returncode == 2, job.out[-4000:]
+    line = ("megatron-muon: error: --use-torch-fsdp2 with --save / --load at DP 3: "
+            "module.module.decoder.layers.0.input_layernorm.weight has 64 rows (shape (64,))")
+    assert line in job.out, job.out[-4000:]
+    assert "iteration        1/" not in job.out

@@ -19,6 +19,7 @@ equals the saved live state. A load at another DP size (DP2 -> DP1, DP4) restore
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 
 import pytest
@@ -241,3 +242,57 @@ def test_dp_change_restores_the_saved_state(saved, uninterrupted, world):
             torch.testing.assert_close(final[key], value, rtol=0, atol=ATOL, msg=key)
     assert final["muon_steps"] == reference["muon_steps"] == STEPS
 
+
+
+# ----------------------------------------------------------------------------- what cannot be saved
+
+
+def _dp3(rank: int, world: int, path: str) -> dict:
+    """The tiny GPT under FSDP2 at DP3 (its 64- and 128-row params cut unevenly): the refusal, and
+    what megatron-core's save does without it."""
+    from megatron_muon.megatron.torch_fsdp2 import fsdp2_checkpoint_refusal
+
+    run = RUNS["fp32"]
+    start(run)
+    model, optimizer, scheduler = build(run)
+    refusal = fsdp2_checkpoint_refusal(model[0].named_parameters(), model[0].config.gated_linear_unit)
+    try:
+        os.makedirs(path, exist_ok=True)
+        save_torch_dist(path, model, optimizer, scheduler, None)
+        saved = "saved"
+    except AssertionError as err:
+        saved = str(err)
+    return dict(refusal=refusal, saved=saved)
+
+
+def test_uneven_rows_are_refused_before_training(tmp_path):
+    """At DP3 megatron-core 0.19.2's save fails (the SwiGLU fc1 split asserts; every param's rows are
+    written as equal thirds, which torch.chunk's are not); the training hook refuses it at the
+    optimizer's build instead, naming the first param DP does not divide."""
+    for result in run_world(3, _dp3, str(tmp_path / "ckpt"), fresh=True):
+        assert result["saved"].startswith("SwiGLU FC1 FSDP ShardedTensor requires each DP shard of linear_fc1 to be "
+                                          "completely inside either the W or V half"), result["saved"]
+        assert result["refusal"] == (
+            "--use-torch-fsdp2 with --save / --load at DP 3: module.embedding.word_embeddings.weight has 128 rows "
+            "(shape (128, 64)), which FSDP2 cuts unevenly (torch.chunk), and megatron-core 0.19.2's torch_dist save "
+            "writes each DP rank's rows as an equal 1/3 of them; use a DP size that divides every param's rows, or "
+            "drop --save and --load"), result["refusal"]
+
+
+def test_a_gated_fc1_needs_an_even_dp_size():
+    """DP3 with rows DP divides: the gate/up split per DP shard still needs an even DP size."""
+    from types import SimpleNamespace
+
+    from megatron_muon.megatron.torch_fsdp2 import fsdp2_checkpoint_refusal
+
+    def param(rows):
+        mesh = SimpleNamespace(size=lambda: 3)
+        return SimpleNamespace(is_torch_fsdp2_param=True, shape=(rows, 4), device_mesh=mesh, dim=lambda: 2)
+
+    named = [("decoder.layers.0.self_attention.linear_qkv.weight", param(96)),
+             ("decoder.layers.0.mlp.linear_fc1.weight", param(192))]
+    assert fsdp2_checkpoint_refusal(named, gated=False) is None
+    assert fsdp2_checkpoint_refusal(named, gated=True) == (
+        "--use-torch-fsdp2 with --save / --load and --swiglu at DP 3: megatron-core 0.19.2's torch_dist save splits "
+        "decoder.layers.0.mlp.linear_fc1.weight into gate and up per DP shard and asserts that each shard lies inside "
+        "one half (an AssertionError at the first save); use an even DP size")

@@ -278,8 +278,9 @@ def restore_in_place_load(optimizer, saved: dict) -> dict:
     called. What that method restores from the common state is then lost: the per-param ``step``
     (Megatron saves one, ``common_step``; AdamW's bias correction reads it), ``muon_steps``
     (MuonBP's phase) and the param groups' settings. This restores them, as the wrappers'
-    ``load_state_dict`` does: each current group takes the saved group with its identifier keys
-    (``_identifier``, as ``_filter_and_reorder_param_groups`` pairs them), each param its own step tensor.
+    ``load_state_dict`` does: each current group takes the settings of the saved group with its
+    identifier keys (``_identifier``, as ``_filter_and_reorder_param_groups`` pairs them) but the
+    scheduler's lr and weight decay, each param its own step tensor.
 
     ``optimizer``: Megatron's ``FP32Optimizer`` or ``Float16OptimizerWithFloat16Params`` around a
     ``MuonWithAdamW``, or a chain of them; ``saved``: the checkpoint's common state of it
@@ -300,7 +301,9 @@ def restore_in_place_load(optimizer, saved: dict) -> dict:
         if group is None:
             raise RuntimeError(f"the checkpoint has no param group matching the current one {_identifier(current)} "
                                f"(saved: {sorted(map(str, saved_groups))})")
-        current.update({k: v for k, v in group.items() if k != "params"})
+        # lr and weight_decay are the scheduler's: Megatron's load sets them after the optimizer's
+        # (its scheduler's load_state_dict), so they stay as that load left them
+        current.update({k: v for k, v in group.items() if k not in ("params", "lr", "weight_decay")})
     inner.init_state()
     if step is not None:
         for state in inner.state.values():  # one tensor per param, not one shared by all

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from megatron_harness import gather_fsdp_rows, global_name, unshard
 
 __all__ = ["LR", "MUON", "SMALL_BUCKET", "WD", "adam_config", "fsdp_optimizer_state", "load_fsdp_dtensor",
-           "load_torch_dist", "read_offline", "save_fsdp_dtensor", "save_torch_dist", "torch_dist_keys", "unwrap",
-           "zero1_full_state"]
+           "load_torch_dist", "load_torch_dist_in_place", "read_offline", "save_fsdp_dtensor", "save_torch_dist",
+           "torch_dist_keys", "unwrap", "zero1_full_state"]
 
 
 LR, WD, BETAS, EPS = 0.02, 0.1, (0.9, 0.95), 1e-8
@@ -91,6 +91,29 @@ def load_torch_dist(ckpt_dir: str, model, optimizer, scheduler, *, load_model: b
         model[0].load_state_dict(loaded["model"])
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
+
+
+def load_torch_dist_in_place(ckpt_dir: str, model, optimizer, scheduler, *, restore: bool = True) -> dict | None:
+    """As ``load_checkpoint`` loads a torch_dist checkpoint under ``--use-torch-fsdp2``
+    (``skip_load_to_model_and_opt``): dist_checkpointing fills the model's and the optimizer's
+    tensors in place, the scheduler is loaded, and neither ``load_state_dict`` of the model nor of
+    the optimizer is called. ``restore``: then what the ``load_checkpoint`` hook adds,
+    ``checkpoint.restore_in_place_load`` from the checkpoint's common state (its return value)."""
+    from megatron.core import dist_checkpointing
+    from megatron.core import parallel_state as ps
+
+    from megatron_muon.megatron.checkpoint import restore_in_place_load
+
+    metadata = dist_checkpointing.load_content_metadata(ckpt_dir) or {}
+    metadata["dp_cp_group"] = ps.get_data_parallel_group(with_context_parallel=True)
+    state = {"model": unwrap(model[0]).sharded_state_dict(metadata=metadata)}
+    state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=metadata)
+    state["opt_param_scheduler"] = scheduler.state_dict()
+    loaded = dist_checkpointing.load(state, ckpt_dir)
+    scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    if not restore:
+        return None
+    return restore_in_place_load(optimizer, dist_checkpointing.load_common_state_dict(ckpt_dir)["optimizer"])
 
 
 def _fsdp_state(model, optimizer, *, loading: bool):

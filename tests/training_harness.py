@@ -296,6 +296,8 @@ class Step:
     """the step was taken (Megatron's found-inf check)."""
     grad_norm: float | None = None
     """the grad norm ``step`` returned (the reference: before clipping, as ``clip_like_megatron``)."""
+    loss: float | None = None
+    """the global batch's mean loss of the step's forward (``forward_backward``: what Megatron logs)."""
     sent: int = 0
     """bytes this rank's Muon step sent."""
     by_primitive: dict = field(default_factory=dict)
@@ -468,15 +470,16 @@ def steps(run: Run, model, optimizer, scheduler, first: int = 0, count: int | No
         batch = _batch(run, step)
         if run.split_batch:
             batch = dp_slice(batch, dp_rank, dp)
-        forward_backward(model, batch, pp=run.pp, num_microbatches=run.microbatches, optimizer=optimizer,
-                         use_schedule=schedule, before_reduce=plant_nan if step == run.nan_step else None)
+        loss = forward_backward(model, batch, pp=run.pp, num_microbatches=run.microbatches, optimizer=optimizer,
+                                use_schedule=schedule, before_reduce=plant_nan if step == run.nan_step else None)
         with comm_stats() as stats:
             ok, grad_norm, _ = optimizer.step()
         assert ok or run.nan_step is not None, f"{run}: step {step} was skipped"
         if ok:
             scheduler.step(1)
         tracked = clip is not None and clip.last_logits is not None
-        out.append(Step(ok=ok, grad_norm=None if grad_norm is None else float(grad_norm), sent=stats.bytes_sent,
+        out.append(Step(ok=ok, grad_norm=None if grad_norm is None else float(grad_norm), loss=float(loss),
+                        sent=stats.bytes_sent,
                         by_primitive=dict(stats.bytes_by_primitive),
                         logits=clip.last_logits.clone() if tracked else None,
                         heads_over=int(clip.last_heads_over) if tracked else None,

@@ -77,10 +77,12 @@ __all__ = [
     "CANONICAL_STATE_KEYS",
     "MuonCheckpointMixin",
     "check_saved_extents",
+    "in_place_optimizer_load",
     "laid_out_by_muon",
     "load_canonical_state",
     "prepare_for_checkpointing",
     "rechain_loaded_state",
+    "restore_in_place_load",
     "tag_param_groups",
     "to_canonical_state",
 ]
@@ -251,6 +253,64 @@ def rechain_loaded_state(state_dict, current_groups: list[list[dict]]):
         inner = {**_inner(state), "param_groups": matched, **({"muon_steps": min(steps)} if steps else {})}
         out.append({**state, "optimizer": inner} if isinstance(state.get("optimizer"), dict) else inner)
     return out[0] if count == 1 else out
+
+
+# --------------------------------------------------------------------------- a load in place (FSDP2)
+
+
+def in_place_optimizer_load(args, common) -> bool:
+    """Megatron's ``load_checkpoint`` with these ``args`` loads the optimizer's tensors of a checkpoint
+    whose common state is ``common`` in place, without its ``load_state_dict``: ``--use-torch-fsdp2``
+    with ``torch_dist`` (training.py's ``skip_load_to_model_and_opt``), the optimizer state loaded
+    (not ``--no-load-optim``, ``--finetune``, a release checkpoint or one saved without it)."""
+    return (getattr(args, "use_torch_fsdp2", False) and getattr(args, "ckpt_format", None) == "torch_dist"
+            and not getattr(args, "no_load_optim", False) and not getattr(args, "finetune", False)
+            and common is not None and isinstance(common.get("optimizer"), dict))
+
+
+def restore_in_place_load(optimizer, saved: dict) -> dict:
+    """What ``load_state_dict`` would restore, after a load that filled the state tensors in place.
+
+    With ``--use-torch-fsdp2`` and ``torch_dist`` Megatron's ``load_checkpoint`` is called with
+    ``skip_load_to_model_and_opt``: dist_checkpointing writes every tensor of the optimizer's
+    sharded state dict into the tensor it was built from (the momentum, Adam's moments, the fp32
+    main params: the DTensors' local rows), and the optimizer's ``load_state_dict`` is never
+    called. What that method restores from the common state is then lost: the per-param ``step``
+    (Megatron saves one, ``common_step``; AdamW's bias correction reads it), ``muon_steps``
+    (MuonBP's phase) and the param groups' settings. This restores them, as the wrappers'
+    ``load_state_dict`` does: each current group takes the settings of the saved group with its
+    identifier keys (``_identifier``, as ``_filter_and_reorder_param_groups`` pairs them) but the
+    scheduler's lr and weight decay, each param its own step tensor.
+
+    ``optimizer``: Megatron's ``FP32Optimizer`` or ``Float16OptimizerWithFloat16Params`` around a
+    ``MuonWithAdamW``, or a chain of them; ``saved``: the checkpoint's common state of it
+    (``common["optimizer"]``; a chain of several: one entry per optimizer, by index). Returns
+    ``{"step", "muon_steps"}`` as restored (of the first optimizer of a chain; the step None when
+    the checkpoint has none: Megatron writes ``common_step`` only once it is non-zero).
+    """
+    chain = getattr(optimizer, "chained_optimizers", None)
+    if chain is not None:
+        parts = [saved] if len(chain) == 1 else [saved[i] for i in range(len(chain))]
+        return [restore_in_place_load(o, part) for o, part in zip(chain, parts)][0]
+    inner = optimizer.optimizer
+    saved_inner = saved["optimizer"] if isinstance(saved.get("optimizer"), dict) else saved  # Float16's nesting
+    step = saved_inner.get("state", {}).get("common_step")
+    saved_groups = {_identifier(g): g for g in saved_inner["param_groups"]}  # their params are not saved
+    for current in inner.param_groups:
+        group = saved_groups.get(_identifier(current))
+        if group is None:
+            raise RuntimeError(f"the checkpoint has no param group matching the current one {_identifier(current)} "
+                               f"(saved: {sorted(map(str, saved_groups))})")
+        # lr and weight_decay are the scheduler's: Megatron's load sets them after the optimizer's
+        # (its scheduler's load_state_dict), so they stay as that load left them
+        current.update({k: v for k, v in group.items() if k not in ("params", "lr", "weight_decay")})
+    inner.init_state()
+    if step is not None:
+        for state in inner.state.values():  # one tensor per param, not one shared by all
+            state["step"] = torch.tensor(float(step))  # device-rule: host scalar, as torch's AdamW keeps it
+    muon_steps = saved_inner.get("muon_steps")
+    inner.muon_steps = int(muon_steps) if muon_steps is not None else int(step or 0)
+    return {"step": None if step is None else float(step), "muon_steps": inner.muon_steps}
 
 
 # --------------------------------------------------------------------------- distributed optimizer

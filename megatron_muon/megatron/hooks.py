@@ -61,6 +61,9 @@ exit code 2); each exists because Megatron itself would do something else:
    rank's reads as it reads them), a TP/PP change Megatron refuses explained in one line, and
    after it the loaded main params and optimizer state are checked finite and the main params
    against the same checkpoint's model weights (``integrity.check_main_params_match_weights``).
+   Under ``--use-torch-fsdp2`` Megatron loads a torch_dist checkpoint in place and skips the
+   optimizer's ``load_state_dict``; the counters and param-group settings it would restore are
+   restored here from the common state (``checkpoint.restore_in_place_load``).
    ``--muon-reset-optimizer-state`` (fresh optimizer state, the LR schedule kept) and
    ``--muon-load-upstream-optimizer`` (megatron-core Muon's state carried over) replace the
    optimizer part of the load (``reset_state.py``); a checkpoint of the other implementation
@@ -207,6 +210,16 @@ def _wrap_get_megatron_optimizer(get_megatron_optimizer):
                 )
             if active:
                 check_balanced_layout_applied(args, config, model_chunks)
+                if getattr(args, "use_torch_fsdp2", False) and (args.save is not None or args.load is not None):
+                    from megatron.core.utils import get_model_config
+
+                    from .torch_fsdp2 import fsdp2_checkpoint_refusal
+
+                    message = fsdp2_checkpoint_refusal(
+                        ((n, p) for chunk in model_chunks for n, p in chunk.named_parameters()),
+                        getattr(get_model_config(model_chunks[0]), "gated_linear_unit", False))
+                    if message:  # at startup: the save would fail only after training up to it
+                        raise UserInputError(message)
                 optimizer = get_megatron_muon_optimizer(
                     config, model_chunks, muon_config_from_args(args),
                     config_overrides=config_overrides, pg_collection=pg_collection,
@@ -404,6 +417,7 @@ def _wrap_load_checkpoint(load_checkpoint):
         from megatron.training.checkpointing import get_load_checkpoint_path_by_args, print_rank_0
 
         from . import reset_state
+        from .checkpoint import in_place_optimizer_load, restore_in_place_load
         from .integrity import check_finite_state, check_main_params_match_weights, verify_checksums
         from .resharding import explain_load_error
 
@@ -453,6 +467,11 @@ def _wrap_load_checkpoint(load_checkpoint):
         elif reset and directory is not None:
             print_rank_0(f"megatron-muon: --muon-reset-optimizer-state: weights, iteration and LR/WD schedule from "
                          f"{directory}; optimizer state fresh (momentum and Adam moments zero, step 0)")
+        if (active and directory is not None and optimizer is not None and not reset and not upstream
+                and in_place_optimizer_load(margs, common)):
+            restored = restore_in_place_load(optimizer, common["optimizer"])
+            print_rank_0(f"megatron-muon: --use-torch-fsdp2: Megatron loaded the optimizer's tensors in place; its "
+                         f"step {restored['step']} and muon_steps {restored['muon_steps']} restored from {directory}")
         if active and directory is not None and optimizer is not None and not margs.no_load_optim and not reset:
             check_finite_state(optimizer, ddp_model, directory)
             check_main_params_match_weights(optimizer, directory)

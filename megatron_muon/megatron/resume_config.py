@@ -520,6 +520,47 @@ def _layout_refusal(saved: Saved, args) -> str | None:
     return None
 
 
+def _wrapper(run) -> str:
+    """How a run's optimizer state is laid out in its torch_dist checkpoints, by its flags (a run's or
+    a checkpoint's args): ``"megatron_fsdp"`` or ``"distributed"`` (the distributed optimizer's
+    formats: Megatron-FSDP's, ZeRO-1's), ``"fsdp2"`` or ``"ddp"`` (both per model param,
+    ``optim_state_to_sharding_state``: the same keys and shapes)."""
+    if getattr(run, "use_megatron_fsdp", False):
+        return "megatron_fsdp"
+    if getattr(run, "use_distributed_optimizer", False):
+        return "distributed"
+    return "fsdp2" if getattr(run, "use_torch_fsdp2", False) else "ddp"
+
+
+_WRAPPER_FLAGS = {"megatron_fsdp": "--use-megatron-fsdp", "distributed": "--use-distributed-optimizer",
+                  "fsdp2": "--use-torch-fsdp2", "ddp": "DDP without --use-distributed-optimizer"}
+_PER_PARAM = ("fsdp2", "ddp")
+
+
+def _wrapper_refusal(saved: Saved, args) -> str | None:
+    """The optimizer state of a checkpoint loaded by a run whose wrapper keeps it in the other form,
+    which megatron-core 0.19.2 does not compare: a per-param state (``--use-torch-fsdp2``, or DDP without
+    the distributed optimizer) read by the distributed optimizer, which takes a checkpoint without a
+    sharding type for its ``fully_sharded_model_space`` format (``CheckpointingException:
+    ShardedTensor.flattened_range is not supported`` on every rank, measured from an FSDP2 checkpoint);
+    a distributed-optimizer state read per param (``KeyError: "optimizer.state.momentum_buffer...
+    from model not in state dict"`` on every rank, measured under FSDP2 from a ZeRO-1 checkpoint).
+    FSDP2 and DDP without the distributed optimizer read each other's (measured both ways)."""
+    old, new = _wrapper(saved.args), _wrapper(args)
+    if (_is_fsdp_dtensor(saved) or (old in _PER_PARAM) == (new in _PER_PARAM) or new == "megatron_fsdp"
+            or not _loads_optimizer(args, saved)):
+        return None  # a Megatron-FSDP run (it reads with --ckpt-format fsdp_dtensor) is not compared here
+    how = ("reads it as its fully_sharded_model_space format and fails (CheckpointingException: "
+           "ShardedTensor.flattened_range is not supported)" if new not in _PER_PARAM else
+           "looks its optimizer state up per param and fails (KeyError: optimizer.state.momentum_buffer... not in "
+           "state dict)")
+    back = _WRAPPER_FLAGS[old]
+    return (f"{_WRAPPER_FLAGS[new]}: {saved.directory} was saved with {back}, whose optimizer state is laid out "
+            f"{'per param' if old in _PER_PARAM else 'by the distributed optimizer'}; megatron-core 0.19.2 {how} "
+            f"on every rank. Resume with {back}, or add --muon-reset-optimizer-state (weights, iteration and LR "
+            "schedule; fresh optimizer state)")
+
+
 def _changes(saved: Saved, args, padded: int | None) -> list[str]:
     """One line per setting that differs from the checkpoint's and is honoured (the report's)."""
     lines = []
@@ -534,6 +575,10 @@ def _changes(saved: Saved, args, padded: int | None) -> list[str]:
     size("pipeline_model_parallel_size", "PP", "resharded exactly")
     size("data_parallel_size", "DP", "resharded exactly (only the order of sums changes)")
     lines += layout_lines(saved.args, args)  # virtual stages, EP, expert-TP, expert-DP (resume_layout.py)
+    old_wrapper, new_wrapper = _wrapper(saved.args), _wrapper(args)
+    if old_wrapper != new_wrapper and old_wrapper in _PER_PARAM and new_wrapper in _PER_PARAM:
+        lines.append(f"{_WRAPPER_FLAGS[old_wrapper]} -> {_WRAPPER_FLAGS[new_wrapper]}: read exactly (both keep the "
+                     "optimizer state per param; only the order of sums changes)")
     if _is_fsdp_dtensor(saved) and getattr(args, "use_megatron_fsdp", False):
         old_s = saved.get("data_parallel_sharding_strategy")
         new_s = getattr(args, "data_parallel_sharding_strategy", None)
@@ -602,8 +647,8 @@ def check_resume_config(args, directory: str | Path | None) -> None:
         if not _PREFLIGHT:
             return  # Megatron's load refuses it; the load hook turns that into this line
         raise UserInputError(message)
-    message = _layout_refusal(saved, args)  # megatron-core checks none of these: refused in the job too
-    if message:
+    message = _layout_refusal(saved, args) or _wrapper_refusal(saved, args)  # megatron-core checks none of these
+    if message:  # refused in the job too
         raise UserInputError(message)
     message = _dp_layout_refusal(saved, args) or _schedule_refusal(saved, args) or _routing_refusal(saved, args)
     if message:

@@ -365,18 +365,18 @@ def _megatron_fsdp_rejections(args) -> list[tuple[bool, str]]:
 def _torch_fsdp2_rejections(args) -> list[tuple[bool, str]]:
     """``--use-torch-fsdp2`` under ``--optimizer muon`` (``torch_fsdp2.py``): training is exact (every
     matrix cut by rows over DP, through the owner exchange; ``tests/megatron/test_torch_fsdp2.py``); what is
-    not supported yet is refused here.
+    not supported is refused here.
 
-    Checkpoints: a torch_dist save under FSDP2 is written, and a resume restores the weights (the
-    tiny FSDP2 demo, 3 + 3 iterations: iteration 4's loss equals the uninterrupted run's), but the
-    next update differs (iteration 5: 5.443 vs 5.284). With FSDP2 and torch_dist, Megatron's
-    ``load_checkpoint`` is called with ``skip_load_to_model_and_opt`` (training.py) and never calls
-    the optimizer's ``load_state_dict``: it relies on dist_checkpointing filling the state tensors
-    in place, so what ``checkpoint.py`` restores in ``load_state_dict`` (the step counters,
-    ``muon_steps``, the param groups) is not restored. Until that is handled and a bitwise resume
-    tested, a run that would save or load is refused rather than trusted."""
+    Checkpoints: ``torch_dist`` saves and resumes bitwise (``tests/megatron/test_fsdp2_checkpoint.py``;
+    Megatron loads it in place, the ``load_checkpoint`` hook restores the optimizer's counters,
+    ``checkpoint.restore_in_place_load``). The legacy ``torch`` format cannot resume FSDP2 weights in
+    megatron-core 0.19.2: its load hands them to ``TorchFullyShardedDataParallel.load_state_dict``, a
+    no-op that expects torch_dist's in-place load (``torch_dcp`` is refused for every run,
+    ``check_supported_args``). ``--muon-load-upstream-optimizer`` finds upstream's state by the model
+    params' sharded tensors, which under FSDP2 hold the DTensors' local rows, not the params."""
     if not getattr(args, "use_torch_fsdp2", False):
         return []
+    checkpoints = getattr(args, "save", None) is not None or getattr(args, "load", None) is not None
     return [
         (getattr(args, "num_experts", None) is not None,
          "--use-torch-fsdp2 with --num-experts: experts under Muon need --use-distributed-optimizer (the "
@@ -384,10 +384,13 @@ def _torch_fsdp2_rejections(args) -> list[tuple[bool, str]]:
         (getattr(args, "muon_dp_mode", flag_default("muon_dp_mode")) == "redundant",
          "--muon-dp-mode redundant with --use-torch-fsdp2: FSDP2 cuts every matrix by rows over DP, so no rank "
          "holds whole matrices; use owner"),
-        (getattr(args, "save", None) is not None or getattr(args, "load", None) is not None,
-         "--use-torch-fsdp2 with --save / --load: a resume does not restore Muon's optimizer state yet (Megatron "
-         "loads FSDP2 torch_dist checkpoints in place, without the optimizer's load_state_dict); drop --save and "
-         "--load, or use --use-megatron-fsdp (--ckpt-format fsdp_dtensor)"),
+        (checkpoints and args.ckpt_format == "torch",
+         "--use-torch-fsdp2 with --ckpt-format torch and --save / --load: megatron-core 0.19.2 restores FSDP2 "
+         "weights only through torch_dist's in-place load (TorchFullyShardedDataParallel.load_state_dict is a "
+         "no-op), so a resume would keep the new run's initial weights; use --ckpt-format torch_dist"),
+        (getattr(args, "muon_load_upstream_optimizer", False),
+         "--muon-load-upstream-optimizer with --use-torch-fsdp2: not supported (megatron-core's Muon does not run "
+         "under FSDP2, and its state is not carried into FSDP2's row shards); use --muon-reset-optimizer-state"),
     ]
 
 

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["fsdp2_flat_start", "fsdp2_row_ranges", "fsdp2_shard_rows", "torch_fsdp2_ranges"]
+__all__ = ["fsdp2_checkpoint_refusal", "fsdp2_flat_start", "fsdp2_row_ranges", "fsdp2_shard_rows",
+           "torch_fsdp2_ranges"]
 
 
 def fsdp2_row_ranges(rows: int, cols: int, dp_size: int) -> tuple[tuple[int, int], ...]:
@@ -78,3 +79,32 @@ def torch_fsdp2_ranges(name: str, param: torch.Tensor):
                            f"({local_rows} local) of {name} {tuple(param.shape)}, computed flat range "
                            f"[{start}, {end}); FSDP2 changed?")
     return ranges, mesh.get_group()
+
+
+def fsdp2_checkpoint_refusal(named_params, gated: bool) -> str | None:
+    """The line for an FSDP2 model whose torch_dist checkpoint megatron-core 0.19.2 cannot write, or None.
+
+    Its save describes each DP rank's rows of a param as an equal fragment, ``1/DP`` of the rows at
+    offset ``dp_rank`` (``make_tp_sharded_tensor_for_checkpoint`` / ``make_sharded_tensor_for_checkpoint``),
+    which FSDP2's ``torch.chunk`` shards are only when DP divides the rows; and it splits a gated
+    (SwiGLU) fc1 into its gate and up halves per DP shard (``apply_swiglu_sharded_factory``), which
+    asserts that every shard lies inside one half: an even DP size (measured at DP3: "SwiGLU FC1 FSDP
+    ShardedTensor requires each DP shard of linear_fc1 to be completely inside either the W or V
+    half" at the first save, after training up to it). ``named_params``: ``(name, param)`` pairs;
+    ``gated``: the model's ``gated_linear_unit``."""
+    for name, param in named_params:
+        if not getattr(param, "is_torch_fsdp2_param", False) or param.dim() == 0:
+            continue
+        dp, rows = param.device_mesh.size(), param.shape[0]
+        if dp == 1:
+            return None
+        if rows % dp:
+            return (f"--use-torch-fsdp2 with --save / --load at DP {dp}: {name} has {rows} rows (shape "
+                    f"{tuple(param.shape)}), which FSDP2 cuts unevenly (torch.chunk), and megatron-core 0.19.2's "
+                    f"torch_dist save writes each DP rank's rows as an equal 1/{dp} of them; use a DP size that "
+                    "divides every param's rows, or drop --save and --load")
+        if gated and dp % 2 and name.endswith(("linear_fc1.weight", "linear_fc1.bias")):
+            return (f"--use-torch-fsdp2 with --save / --load and --swiglu at DP {dp}: megatron-core 0.19.2's "
+                    f"torch_dist save splits {name} into gate and up per DP shard and asserts that each shard lies "
+                    "inside one half (an AssertionError at the first save); use an even DP size")
+    return None

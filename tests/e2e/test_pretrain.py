@@ -208,8 +208,8 @@ def test_fsdp2_demo_config_trains(tmp_path, demo_data):
     """configs/tiny-cpu-fsdp2.yaml as a user runs it: torch FSDP2 over 2 ranks (Megatron's
     ``TorchFullyShardedDataParallel``, its non-distributed bf16 optimizer over the DTensor shards),
     30 iterations through Megatron's loop: the loss falling (6.00 -> 3.23 measured), every matrix
-    cut between the ranks (the startup report), the cut rows sent every step. No checkpoint: FSDP2
-    with --save / --load is refused at startup (docs/bad_inputs.md, fsdp2-checkpoint)."""
+    cut between the ranks (the startup report), the cut rows sent every step. Its checkpoints:
+    tests/e2e/test_fsdp2_resume.py."""
     from megatron_muon.megatron.yaml_config import load_yaml_args
 
     (tmp_path / "data").symlink_to(demo_data)

@@ -28,6 +28,7 @@ CHECKED_ELSEWHERE = {  # rows checked by another test file (a torchrun job, a Me
                                                      "resume-adam-to-muon")},
     "ckpt-upstream-muon": "e2e/test_migration.py", "ckpt-plugin-into-upstream": "e2e/test_migration.py",
     "resume-fsdp-no-optim": "e2e/test_fsdp_resume_config.py",
+    **{row: "e2e/test_fsdp2_resume.py" for row in ("resume-fsdp2-to-zero1", "resume-zero1-to-fsdp2")},
     **{row: "e2e/test_layout_change_resume.py" for row in ("resume-ep-dp-reshardable", "resume-ep-torch-format")},
     "api-block-grid-divides": "dist/test_block_grid_steps.py", "api-plan-mismatch": "dist/test_step_setup.py",
     "api-ddp-outside-hooks": "megatron/test_model_config_ddp.py",

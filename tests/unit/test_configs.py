@@ -386,7 +386,7 @@ def test_per_head_config_is_what_it_says(installed, monkeypatch):
 
 def test_fsdp2_config_is_what_it_says(installed, monkeypatch):
     """The CPU torch FSDP2 demo: TP1 (DP over both ranks), Megatron's non-distributed optimizer
-    (FSDP2 forbids the distributed one), bf16, and no checkpoints (refused with FSDP2 for now)."""
+    (FSDP2 forbids the distributed one), bf16, and no checkpoints (tests/e2e/test_fsdp2_resume.py adds them)."""
     _as_on_a_gpu_node(installed, monkeypatch)
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
     args = _parse_and_validate(installed, monkeypatch, load_yaml_args(ROOT / "configs" / "tiny-cpu-fsdp2.yaml"))

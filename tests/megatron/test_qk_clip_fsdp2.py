@@ -19,6 +19,10 @@ but not all at every step (asserted from the reference):
   clones of the bf16 FSDP2 params (``main_param``), which the clip scales before Megatron copies
   them into the model: the model's rows stay their main rows rounded.
 
+And TP2 × DP2 (world 4): the default attention, one query group per TP rank, FSDP2 halving each
+TP rank's 64 rows between its query and key heads (α = 0.3): each TP rank's logits are its own
+heads', reduced over DP.
+
 The reference: one process at TP1 on the whole batch, its max logits from q and k directly,
 upstream's rule on the whole QKV matrices (``training_harness.reference``).
 """
@@ -176,3 +180,42 @@ def test_log_values_count_the_whole_model(trained, reference):
             assert (over, heads) == (int((last > TAU).sum()), last.numel())
             assert top == pytest.approx(last.max().item(), rel=LOGIT_RTOL)
 
+
+
+# TP2 x DP2 (world 4): the default attention's 2 query groups, one per TP rank (64 rows: q 0-32,
+# k 32-48, v 48-64), FSDP2 halving each TP rank's rows at row 32, between its query and key
+# heads; alpha 0.3 gives them different factors, so each DP rank's rows need their own.
+TP2 = Run(qk_clip=(TAU, 0.3), **{**FSDP2, "tp": 2})
+
+
+@pytest.fixture(scope="module")
+def trained_tp2():
+    ranks = run_world(4, train_all, [TP2], timeout=TIMEOUT)
+    return [r[0] for r in ranks]
+
+
+@pytest.fixture(scope="module")
+def reference_tp2():
+    return references([TP2], timeout=TIMEOUT)[TP2]
+
+
+def test_tp2_dp2_matches_single_process_reference(trained_tp2, reference_tp2):
+    """QK-clip on TP- and FSDP2-cut QKV rows: the logits reduced over TP's heads and DP's batch,
+    every weight within ATOL of the one-process reference, clipping at every step."""
+    assert _qkv_cuts(trained_tp2[0]) == [32] * LAYERS  # each TP rank's 64 rows halved between q and k
+    for step, want in enumerate(reference_tp2.logits):
+        assert 0 < int((want > TAU).sum()) < want.numel(), f"step {step}: clipping must fire on some heads only"
+    result = trained_tp2[0]
+    worst = max(((result.full[n] - reference_tp2.full[n]).abs().max().item(), n) for n in reference_tp2.full)
+    print(f"\ntp2-dp2: max |run - reference| = {worst[0]:.3e} ({worst[1]})")
+    assert worst[0] <= ATOL, f"{worst[1]} off by {worst[0]:.2e}"
+    # ranks 0, 1: TP ranks 0, 1 of DP replica 0 (ranks 2, 3 of replica 1); each holds its 2 heads of
+    # each layer, reduced over DP: the reference's heads of that TP rank, and bitwise its replica's
+    for step, want in enumerate(reference_tp2.logits):
+        for tp_rank in (0, 1):
+            got = trained_tp2[tp_rank].logits[step]
+            assert torch.equal(got, trained_tp2[tp_rank + 2].logits[step])
+            heads = want.reshape(LAYERS, -1)[:, 2 * tp_rank:2 * tp_rank + 2].reshape(-1)
+            torch.testing.assert_close(got, heads, rtol=LOGIT_RTOL, atol=0)
+        assert trained_tp2[0].heads_over[step] + trained_tp2[1].heads_over[step] == int((want > TAU).sum())
+    assert len({r.loss for r in trained_tp2}) == 1

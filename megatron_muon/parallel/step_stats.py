@@ -103,6 +103,10 @@ def _range_sum(layout: MatrixLayout, per_sub: list[float], start: int, end: int)
     (``per_sub``): the rows of a fused weight repeat ``split.sizes`` rows per group, one size per
     sub-matrix (``MatrixLayout.split_rows``), so the sum is a prefix difference, in closed form."""
     cols = layout.local_shape[1]
+    # a ``tp_blocks`` layout (heads that TP's row cut may split) has no split: its heads are all
+    # head_dim x hidden (GQA), so one value holds for every row
+    if layout.tp_blocks is not None and len(set(per_sub)) > 1:
+        raise ValueError(f"{layout.name}: heads of different shapes under TP's row cut: {sorted(set(per_sub))}")
     sizes = (layout.local_shape[0],) if layout.split is None else layout.split.sizes
     period, per_period = sum(sizes), cols * sum(n * v for n, v in zip(sizes, per_sub))
 

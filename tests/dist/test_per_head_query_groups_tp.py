@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import grid_groups, run_world
-from rounding_bounds import ns_bound
+from rounding_bounds import ns_bound, sum_bound, unit_roundoff
 
 from megatron_muon import comm_stats, newton_schulz
 from megatron_muon.core.matrix_layout import MatrixLayout
@@ -28,6 +28,7 @@ from megatron_muon.core.newton_schulz import NSOptions
 from megatron_muon.core.scaling import muon_scale
 from megatron_muon.parallel import comm
 from megatron_muon.parallel.orthogonalize import StepGroups, orthogonalize_updates
+from megatron_muon.parallel.step_stats import ResidualProbe
 from megatron_muon.plan.hardware import hardware_profile
 from megatron_muon.plan.param_marks import ParamMarks, RowSplits, matrix_layout
 from megatron_muon.plan.step_plan import PlanSettings, build_step_plan
@@ -136,7 +137,9 @@ def _worker(rank: int, world: int, tp: int) -> dict:
             pieces.append(local.reshape(-1)[s:e].clone())
         for mode in MODES:
             plan = build_step_plan(lays, dp_size=dp, tp_size=tp, settings=_settings(mode))
-            got = orthogonalize_updates(pieces, plan, groups)
+            records = []
+            probe = ResidualProbe(frozenset(range(len(ATTENTIONS))), lambda w, x: records.append((w, float(x))))
+            got = orthogonalize_updates(pieces, plan, groups, residuals=probe)
             per_qkv = []
             for k in range(len(ATTENTIONS)):  # one QKV at a time: its own TP traffic
                 alone = build_step_plan(lays[k:k + 1], dp_size=dp, tp_size=tp, settings=_settings(mode))
@@ -154,7 +157,7 @@ def _worker(rank: int, world: int, tp: int) -> dict:
                                     plan_tp_bytes=alone.tp_bytes[rank], plan_flops=alone.ns_flops[rank],
                                     owns=owner_dp == dp_rank, modes=alone.tp_modes_of(0),
                                     per_rank=lays[k].per_rank, tp_blocks=lays[k].tp_blocks is not None))
-            out[(cut, mode)] = dict(out=got, per_qkv=per_qkv)
+            out[(cut, mode)] = dict(out=got, per_qkv=per_qkv, residuals=records)
     return {"tp_rank": tp_rank, "dp_rank": dp_rank, "results": out}
 
 
@@ -217,3 +220,31 @@ def test_tp_bytes_only_for_heads_cut_by_tp(world, mode):
                     assert res["per_rank"] and set(res["modes"]) == {"blockwise"} and moved_rows(k, tp, 0) == 0
     if tp == 4:  # two QKVs with heads cut by TP, one without
         assert [res["tp_blocks"] for res in ranks[0]["results"][(False, mode)]["per_qkv"]] == [True, False, True]
+
+
+def _residual64(x: torch.Tensor) -> float:
+    """float64 ‖XᵀX − I‖_F / √k: the RMS of σ² − 1 over X's singular values."""
+    s = torch.linalg.svdvals(x.double())
+    return float((s.square() - 1).square().mean().sqrt())
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_residuals_are_each_heads_own(world, mode):
+    """``--muon-log-stats``' orthogonality residual of the QKV heads: each head measured once in the
+    world (whole on every DP rank, ``cut=False``: its DP owner's TP group), a cut head on its owner
+    from the whole result; against float64 on the step's own output of each head (unscaled)."""
+    n, tp, ranks = world
+    lays = model_layouts(tp, n // tp, cut=False)
+    recorded = sorted(x for r in ranks for w, x in r["results"][(False, mode)]["residuals"])
+    whole = {r["tp_rank"]: r["results"][(False, mode)]["out"] for r in ranks if r["dp_rank"] == 0}
+    heads = []
+    for k in range(len(ATTENTIONS)):
+        full = torch.cat([whole[j][k].view(lays[k].local_shape) for j in range(tp)])
+        heads += [full[h * HEAD_DIM:(h + 1) * HEAD_DIM] / muon_scale(HEAD_DIM, HIDDEN) for h in range(heads_total(k))]
+    want = sorted(_residual64(h) for h in heads)
+    assert len(recorded) == len(want), mode
+    # the fp32 Gram over HIDDEN products of entries below 1.2 in magnitude, against float64's: one
+    # rounding path per entry plus the division by the scale (2u per product), k = HEAD_DIM entries'
+    # worth in the norm over √k (tests/unit/test_update_stats.py's bound, as test_per_head.py)
+    entry = sum_bound(torch.float32, HIDDEN, 1.44, roundings=1) + 2 * unit_roundoff(torch.float32) * 1.44
+    assert all(abs(a - b) <= HEAD_DIM ** 0.5 * entry for a, b in zip(recorded, want)), mode

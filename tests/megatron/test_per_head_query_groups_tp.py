@@ -10,11 +10,10 @@ holds whole heads when TP divides the count of query, k and v heads, and cuts he
 * 4 heads in 2 query groups (8 head blocks) at TP4: 2 whole heads a rank (q1 q2 | k1 v1 | ...).
 
 Against one process at TP1 whose ``megatron_muon.Muon`` cuts each QKV into its heads by rows
-(``reference_param_groups(per_head=True)``), at TP4 x DP1 in owner, duplicated and distributed
-mode (the cut heads run the owner exchange in each), TP2 x DP2 and TP4 x DP2 under ZeRO-1 with
-buckets that cut QKV across DP ranks. The bytes: a run whose only TP-split matrices are the
-QKVs would be ideal, but the tiny GPT's projection and MLP are TP-split too, so the step's bytes are
-compared with its plan and the QKV's share of the plan with its cut heads' rows
+(``reference_param_groups(per_head=True)``), at TP4 x DP1 in owner, duplicated, distributed and
+auto mode (the cut heads run the owner exchange in each), TP2 x DP2 and TP4 x DP2 under ZeRO-1 with
+buckets that cut QKV across DP ranks, TP4 x DP2 on the balanced layout and under Megatron-FSDP.
+The bytes: the cut and the aligned TP4 runs differ by the cut heads' rows alone
 (``tests/dist/test_per_head_query_groups_tp.py`` counts the collectives' elements on the layouts).
 """
 
@@ -36,10 +35,16 @@ SPLIT = dict(batch=4, split_batch=True, per_head=True)
 RUNS_TP4 = [Run(tp=4, attention=CUT, per_head=True),
             Run(tp=4, attention=ALIGNED, per_head=True),
             Run(tp=4, attention=CUT, tp_mode="duplicated", per_head=True),
-            Run(tp=4, attention=CUT, tp_mode="distributed", per_head=True)]
+            Run(tp=4, attention=CUT, tp_mode="distributed", per_head=True),
+            Run(tp=4, attention=CUT, tp_mode="auto", per_head=True)]
 RUNS_TP2 = [Run(tp=2, attention=CUT, dist_opt=True, layout_bucket_size=CUT_QKV_BUCKET, **SPLIT)]
 RUNS_TP4_DP2 = [Run(tp=4, attention=CUT, dist_opt=True, layout_bucket_size=CUT_QKV_BUCKET_TP4, **SPLIT),
-                Run(tp=4, attention=ALIGNED, dist_opt=True, layout_bucket_size=CUT_QKV_BUCKET_TP4, **SPLIT)]
+                Run(tp=4, attention=ALIGNED, dist_opt=True, layout_bucket_size=CUT_QKV_BUCKET_TP4, **SPLIT),
+                # every matrix whole on one DP rank (the cut heads' QKV one DP unit, pinned there)
+                Run(tp=4, attention=CUT, dist_opt=True, layout="balanced", **SPLIT),
+                # Megatron-FSDP (optim: each bucket halved over DP2; at TP4 the halves fall between
+                # QKVs, so this checks the FSDP road, not a QKV cut across DP)
+                Run(tp=4, attention=CUT, dist_opt=True, wrap="megatron_fsdp", sharding="optim", **SPLIT)]
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +69,7 @@ def test_matches_per_head_reference(trained, world, index):
     result = trained[world][0][index]
     worst = worst_param(result, reference)
     assert worst[0] <= ATOL, f"{run}: {worst[1]} off by {worst[0]:.2e}"
-    if run.dist_opt:
+    if run.dist_opt and run.layout != "balanced" and run.wrap == "ddp":
         cut = [len(lay.holders(r[index].dp_size)) for r in trained[world] for lay in r[index].layouts
                if "linear_qkv" in lay.name]
         assert max(cut) > 1, "no QKV matrix is cut across DP"

@@ -177,8 +177,8 @@ class MatrixLayout:
             return list(x.split(sizes, dim=0))
         return [s.reshape(-1, x.shape[1]) for s in x.view(groups, sum(sizes), x.shape[1]).split(sizes, dim=1)]
 
-    def join_rows(self, subs: list[torch.Tensor], tp_rank: int = 0) -> torch.Tensor:
-        """Inverse of ``split_rows``."""
+    def join_rows(self, subs: list[torch.Tensor]) -> torch.Tensor:
+        """Inverse of ``split_rows`` (``tp_blocks``: of any TP rank's, its blocks' rows in order)."""
         groups, sizes = self._sizes()
         cols = self.local_shape[1]
         if groups == 1 or self.tp_blocks is not None:

@@ -522,7 +522,7 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver, residuals: ResidualP
     joined = {}
     for i in g.owned:
         parts = [done.pop(p) for p in work.sub_positions[i]]
-        joined[i] = parts[0].reshape(-1) if len(parts) == 1 else layouts[i].join_rows(parts, run.tp_rank).reshape(-1)
+        joined[i] = parts[0].reshape(-1) if len(parts) == 1 else layouts[i].join_rows(parts).reshape(-1)
         del parts
     del done
 

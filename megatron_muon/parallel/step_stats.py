@@ -132,8 +132,9 @@ def measure_residuals(probe: ResidualProbe, work, owned: Sequence[int], unit_wei
     NS this rank's TP group has just run: ``done``, position → this TP rank's result), each
     measured once per TP group:
 
-    * in the pipelined owner exchange, on the TP owner, from its whole result (``owner_results``,
-      keyed by index in ``owner_positions``): no collective;
+    * in the owner exchange (pipelined, or blocking for the heads of TP's row cut outside owner
+      and auto mode), on the TP owner, from its whole result (``owner_results``, keyed by index
+      in ``owner_positions``): no collective;
     * a ``per_rank`` sub-matrix (a head whole on its TP rank, each rank's its own matrix): on
       every TP rank, from its own result, unless the blockwise kernel cuts it into a
       ``block_grid`` of blocks (MuonBP's block steps): no collective;

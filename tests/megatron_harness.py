@@ -302,7 +302,9 @@ def build_tiny_gpt(
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     shape = {"heads": HEADS, "groups": GROUPS, "head_dim": HIDDEN // HEADS, **(attention or {})}
-    assert VOCAB % tp == 0 and FFN % tp == 0 and shape["groups"] % tp == 0, "tiny GPT supports tp in 1, 2"
+    # fewer query groups than TP ranks: megatron-core gives each TP rank a 1/TP row slice of the QKV
+    assert VOCAB % tp == 0 and FFN % tp == 0 and (shape["groups"] % tp == 0 or tp % shape["groups"] == 0), \
+        "tiny GPT supports tp in 1, 2, and 4 below as many query groups"
     assert num_layers % (pp * (vpp or 1)) == 0
     assert init in ("by_name", "megatron")
     assert hybrid is None or (len(hybrid) == num_layers and mla is None), hybrid

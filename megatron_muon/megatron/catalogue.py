@@ -88,9 +88,10 @@ def tag_qkv(model_chunks) -> None:
     """Mark fused QKV weights the way upstream's emerging-optimizer path does (by module, since
     Megatron's layers set no QKV attribute themselves), and with ``qkv_heads`` (query groups on
     this TP rank, query heads per group, head dim) from the attention module's own per-partition
-    counts, i.e. after TP sharding; and an MLA attention's up-projections with ``mla_heads``
-    (``mla_heads_of``): both for ``--muon-split-qkv-per-head`` (``param_marks.per_head_split``
-    checks them against the local shard)."""
+    counts, i.e. after TP sharding, and ``qkv_groups`` (the model's query groups: with fewer than
+    TP ranks a rank's shard is a 1/TP row slice of the whole weight, not its reported group); and
+    an MLA attention's up-projections with ``mla_heads`` (``mla_heads_of``): both for
+    ``--muon-split-qkv-per-head`` (``param_marks.per_head_split`` checks them against the local shard)."""
     for chunk in model_chunks:
         cfg = chunk.config
         q = cfg.num_attention_heads // cfg.num_query_groups * cfg.kv_channels
@@ -100,6 +101,7 @@ def tag_qkv(model_chunks) -> None:
             if isinstance(weight, torch.nn.Parameter) and weight.dim() == 2:
                 weight.is_qkv = True
                 weight.qkv_split_shapes = [q, cfg.kv_channels, cfg.kv_channels]
+                weight.qkv_groups = int(cfg.num_query_groups)
                 heads = qkv_heads_of(module)
                 if heads is not None:
                     weight.qkv_heads = heads
@@ -175,6 +177,7 @@ def marks_of(param: torch.nn.Parameter) -> ParamMarks:
         partition_dim=getattr(param, "partition_dim", -1),
         qkv_split=tuple(param.qkv_split_shapes) if getattr(param, "is_qkv", False) else None,
         qkv_heads=tuple(param.qkv_heads) if getattr(param, "qkv_heads", None) is not None else None,
+        qkv_groups=getattr(param, "qkv_groups", None),
         mla_heads=_mla_heads(getattr(param, "mla_heads", None)),
         gated=getattr(param, "partition_stride", 1) == 2 or getattr(param, "gated_fc1", False),
         partition_sizes=tuple(int(n) for n in sizes) if sizes is not None else None,

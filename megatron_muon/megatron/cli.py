@@ -190,9 +190,10 @@ def add_muon_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="Orthogonalize each head of a fused QKV weight on its own (upstream PR #6326's flag): every "
              "query head and each query group's k and v head is a head_dim x hidden matrix, its update scaled "
              "by that shape. Under TP each rank holds whole heads, so they run on their TP rank with no TP "
-             "traffic in any mode. MLA's up-projections alike: per head its q rows (nope and rope) one "
-             "matrix, its k-nope rows and its v rows one each. Needs the per-group QKV split. Default: "
-             f"{_on_off('split_qkv_per_head')}.",
+             "traffic in any mode; with fewer query groups than TP ranks a head TP's row cut splits is gathered "
+             "on one of its holders by the owner exchange. MLA's up-projections alike: per head its q rows "
+             "(nope and rope) one matrix, its k-nope rows and its v rows one each. Needs the per-group QKV "
+             f"split. Default: {_on_off('split_qkv_per_head')}.",
     )
     group.add_argument(
         "--muon-no-split-qkv-per-head", action="store_false", dest="muon_split_qkv_per_head",

@@ -286,6 +286,11 @@ def build_qk_clip(model_chunks, matrix_of: dict, group, dp_rank: int, log_group=
                     module, name, flag, matrix_of, dp_rank)))
                 continue
             weight = module.linear_qkv.weight
+            query_groups = module.config.num_query_groups
+            if query_groups < getattr(module, "world_size", 1):
+                raise ValueError(f"{flag}: {name}.linear_qkv.weight: --num-query-groups {query_groups} below "
+                                 f"--tensor-model-parallel-size {module.world_size} is not supported (each TP rank "
+                                 "holds a 1/TP row slice of the whole QKV, not whole query groups)")
             groups = module.num_query_groups_per_partition
             head_dim = module.hidden_size_per_attention_head
             q_rows = heads // groups * head_dim

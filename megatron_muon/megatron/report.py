@@ -167,6 +167,11 @@ def _matrix_lines(plan: StepPlan, config: MuonConfig) -> list[str]:
             kinds = " / ".join(f"{r}x{c}" for r, c in sorted(set(lay.sub_global_shapes())))
             shapes = f"{len(lay.sub_global_shapes())} heads of {kinds} per TP rank"
             modes = ["on its TP rank (per head, no TP traffic)"]
+        if lay.tp_blocks is not None:  # per head at TP above the query groups: TP's row cut splits some heads
+            subs = lay.sub_matrices()
+            cut = sum(1 for sub in subs if sum(hi > lo for lo, hi in sub.tp_rows) > 1)
+            shapes = f"{len(subs)} heads of {' / '.join(f'{r}x{c}' for r, c in sorted(set(lay.sub_global_shapes())))}"
+            modes = [f"owner (per head: {len(subs) - cut} whole on their TP rank, {cut} cut by TP gathered on one)"]
         lines.append(f"  muon   {pattern:<50} x{len(members):<4} NS on {shapes} ({_ns_text(plan.settings.ns, lay)})  "
                      f"tp mode {'/'.join(modes)}{flag}")
     return lines

@@ -245,7 +245,7 @@ def _training_rejections(args) -> list[tuple[bool, str]]:
     negative lr or weight decay, the scheduler a run of no length, ``TransformerConfig`` heads
     that do not split over TP, and the per-group QKV split of the Muon step fewer query groups
     than TP ranks (megatron-core replicates each key/value head on several ranks then; with
-    ``--muon-no-split-qkv`` such a run trains)."""
+    ``--muon-no-split-qkv`` or ``--muon-split-qkv-per-head`` such a run trains)."""
     def negative(value) -> bool:
         return value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0)
 
@@ -291,13 +291,13 @@ def _training_rejections(args) -> list[tuple[bool, str]]:
          "rank holds whole heads)"),
         (groups is not None and heads is not None and (groups < 1 or heads % groups != 0),
          f"--num-query-groups {groups}: expected a divisor of --num-attention-heads {heads}"),
+        # per head (--muon-split-qkv-per-head) trains there: each head whole on its TP rank or gathered
+        # on one (param_marks.per_head_split, docs/per_head.md)
         (groups is not None and heads is not None and groups >= 1 and heads % groups == 0 and groups < tp
-         and getattr(args, "muon_split_qkv", True),
+         and getattr(args, "muon_split_qkv", True) and not getattr(args, "muon_split_qkv_per_head", False),
          f"--num-query-groups {groups} with --tensor-model-parallel-size {tp}: expected a multiple of {tp}, or "
          "--muon-no-split-qkv (with fewer query groups than TP ranks megatron-core replicates each key/value head "
-         "on several ranks, so no rank's linear_qkv shard holds whole groups for the per-group QKV split"
-         + ("; --muon-split-qkv-per-head needs them too, and per-head Muon at TP above the query groups is not "
-            "supported" if getattr(args, "muon_split_qkv_per_head", False) else "") + ")"),
+         "on several ranks, so no rank's linear_qkv shard holds whole groups for the per-group QKV split)"),
         (groups is not None and heads is not None and groups >= tp and groups % tp != 0,
          f"--num-query-groups {groups}: expected a multiple of --tensor-model-parallel-size {tp} (each TP rank "
          "holds whole query groups)"),

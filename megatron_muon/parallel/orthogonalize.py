@@ -377,8 +377,12 @@ class _Execution:
             else:
                 g.owned = list(g.members)
             positions = [p for i in g.owned for p in work.sub_positions[i]]
-            if self.tp_async:
-                g.owner_positions = [p for p in positions if work.modes[p] == "owner"]
+            owners = [p for p in positions if work.modes[p] == "owner"]
+            # Without the pipelined exchange, the heads of TP's row cut (``MatrixLayout.tp_rows``, owner
+            # mode in every mode) still run the owner exchange, blocking (``_task``): the positions
+            # come from the plan, the same on every TP peer.
+            if self.tp_async or (tp_size > 1 and owners):
+                g.owner_positions = owners
                 g.owner_micro_group = OwnerMicroGroup([work.subs[p] for p in g.owner_positions],
                                                       [work.tp_owners[p] for p in g.owner_positions], self.dtype,
                                                       tp_group, self.tp_rank, device)
@@ -386,7 +390,8 @@ class _Execution:
                 chosen = [p for p in positions if work.modes[p] == mode and p not in g.owner_positions]
                 if chosen:
                     g.blocking.append((mode, chosen))
-        self.row_scales = [_row_scales(lay, scales, device) for lay, scales in zip(self.matrices, plan.scales)]
+        self.row_scales = [_row_scales(lay, scales, device, self.tp_rank)
+                           for lay, scales in zip(self.matrices, plan.scales)]
         if validate and tp_size > 1 and settings.tp_mode != "blockwise":
             validate_across_ranks(work.subs, settings.tp_mode, settings.ns.steps, tp_size, tp_group, device,
                                   settings.hardware if settings.tp_mode == "auto" else None,
@@ -482,7 +487,7 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver, residuals: ResidualP
             p = work.sub_positions[i][0]
             subs[p] = flat.view(work.subs[p].local_shape)
             continue
-        subs.update(zip(work.sub_positions[i], layouts[i].split_rows(flat.view(layouts[i].local_shape))))
+        subs.update(zip(work.sub_positions[i], layouts[i].split_rows(flat.view(layouts[i].local_shape), run.tp_rank)))
     del owned
 
     if run.tp_async:
@@ -500,11 +505,20 @@ def _task(run: _Execution, g: _MicroGroup, pieces, deliver, residuals: ResidualP
         done.update(zip(g.owner_positions, g.owner_micro_group.finish(back.wait(), results)))
         del back, results
     else:
-        done = run.run_blocking(g, subs)
+        results = {}
+        if g.owner_micro_group is not None:  # heads of TP's row cut: the owner exchange, blocking
+            owner = g.owner_micro_group
+            results = owner.compute(owner.start([subs[p] for p in g.owner_positions]).wait(), run.ns)
+            back = owner.start_back(results)
+        done = run.run_blocking(g, subs)  # overlaps the return just issued
         del subs
+        if g.owner_micro_group is not None:
+            done.update(zip(g.owner_positions, g.owner_micro_group.finish(back.wait(), results)))
+            del back
         if residuals is not None:
-            measure_residuals(residuals, work, g.owned, run.unit_weight, run.teams, done, (), {}, run.tp_group,
-                              run.tp_rank, run.block_grid)
+            measure_residuals(residuals, work, g.owned, run.unit_weight, run.teams, done, g.owner_positions, results,
+                              run.tp_group, run.tp_rank, run.block_grid)
+        del results
     joined = {}
     for i in g.owned:
         parts = [done.pop(p) for p in work.sub_positions[i]]
@@ -556,11 +570,13 @@ def _scaled(layout: MatrixLayout, mine: torch.Tensor, scale: float | torch.Tenso
     return _scale_rows(mine, layout.local_range(dp_rank)[0], layout.local_shape[1], scale)
 
 
-def _row_scales(layout: MatrixLayout, scales: tuple[float, ...], device: torch.device) -> float | torch.Tensor:
-    """A matrix's scale: a float when its sub-matrices agree, else a per-row vector (built once)."""
+def _row_scales(layout: MatrixLayout, scales: tuple[float, ...], device: torch.device,
+                tp_rank: int) -> float | torch.Tensor:
+    """A matrix's scale: a float when its sub-matrices agree, else a per-row vector of this TP
+    rank's rows (built once)."""
     if len(set(scales)) == 1:
         return scales[0]
-    return layout.row_values(list(scales), device)
+    return layout.row_values(list(scales), device, tp_rank)
 
 
 def _scale_rows(flat: torch.Tensor, start: int, cols: int, row_scale: torch.Tensor) -> torch.Tensor:

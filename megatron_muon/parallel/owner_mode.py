@@ -17,7 +17,8 @@ The pipeline absorbs a group whose owners are unevenly loaded, since a rank wait
 gather only one round after issuing it.
 
 A replicated matrix (partition_dim None) is computed by its owner alone and its result sent to
-every other rank in the second all-to-all.
+every other rank in the second all-to-all. A head that TP's row cut splits (``MatrixLayout.tp_rows``:
+per-head QKV at TP above the query groups) travels as its holders' rows, to one of them and back.
 
 Traffic per sharded matrix of S bytes: (t−1)/t·S there and the same back, summed over ranks
 (each non-owner shard moves once each way), i.e. 2(t−1)/t²·S per rank on average: a 2/t fraction
@@ -76,7 +77,11 @@ class OwnerMicroGroup:
             full = torch.empty((len(js), *shape), dtype=self.dtype, device=self.device)
             for b, j in enumerate(js):
                 sub, pieces = self.subs[j], gathered[j]
-                if sub.is_sharded:
+                if sub.tp_rows is not None:  # a head's rows from its holders, each a flat range of it
+                    flat = full[b].view(-1)
+                    for p, piece in zip(self.routes[j].gather, pieces, strict=True):
+                        flat[p.start : p.start + p.numel].copy_(piece.reshape(-1))
+                elif sub.is_sharded:
                     blocks = full[b].chunk(sub.tp_size, dim=sub.partition_dim)
                     for block, piece in zip(blocks, pieces, strict=True):
                         block.copy_(piece.reshape(sub.local_shape))
@@ -93,7 +98,9 @@ class OwnerMicroGroup:
         parts = {}
         for j, res in results.items():
             sub = self.subs[j]
-            if sub.is_sharded:
+            if sub.tp_rows is not None:
+                parts[j] = res.reshape(-1)  # sliced by the plan: each holder's rows
+            elif sub.is_sharded:
                 parts[j] = res.chunk(sub.tp_size, dim=sub.partition_dim)
             else:
                 parts[j] = [res] * len(self.routes[j].returns)
@@ -103,7 +110,11 @@ class OwnerMicroGroup:
         """This rank's ``local_shape`` result of every matrix of the group, in group order."""
         out = []
         for j, sub in enumerate(self.subs):
-            if self.routes[j].owner == self.rank and not sub.is_sharded:
+            if sub.tp_rows is not None:  # this rank's rows of a head (none: empty)
+                lo, hi = sub.tp_rows[self.rank]
+                out.append(back[j][0].reshape(hi - lo, sub.local_shape[1]) if hi > lo
+                           else torch.empty(0, sub.local_shape[1], dtype=self.dtype, device=self.device))
+            elif self.routes[j].owner == self.rank and not sub.is_sharded:
                 out.append(results[j])  # the owner keeps its own result of a replicated matrix
             else:
                 out.append(back[j][0].reshape(sub.local_shape))

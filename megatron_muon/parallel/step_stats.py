@@ -103,6 +103,10 @@ def _range_sum(layout: MatrixLayout, per_sub: list[float], start: int, end: int)
     (``per_sub``): the rows of a fused weight repeat ``split.sizes`` rows per group, one size per
     sub-matrix (``MatrixLayout.split_rows``), so the sum is a prefix difference, in closed form."""
     cols = layout.local_shape[1]
+    # a ``tp_blocks`` layout (heads that TP's row cut may split) has no split: its heads are all
+    # head_dim x hidden (GQA), so one value holds for every row
+    if layout.tp_blocks is not None and len(set(per_sub)) > 1:
+        raise ValueError(f"{layout.name}: heads of different shapes under TP's row cut: {sorted(set(per_sub))}")
     sizes = (layout.local_shape[0],) if layout.split is None else layout.split.sizes
     period, per_period = sum(sizes), cols * sum(n * v for n, v in zip(sizes, per_sub))
 
@@ -128,8 +132,9 @@ def measure_residuals(probe: ResidualProbe, work, owned: Sequence[int], unit_wei
     NS this rank's TP group has just run: ``done``, position → this TP rank's result), each
     measured once per TP group:
 
-    * in the pipelined owner exchange, on the TP owner, from its whole result (``owner_results``,
-      keyed by index in ``owner_positions``): no collective;
+    * in the owner exchange (pipelined, or blocking for the heads of TP's row cut outside owner
+      and auto mode), on the TP owner, from its whole result (``owner_results``, keyed by index
+      in ``owner_positions``): no collective;
     * a ``per_rank`` sub-matrix (a head whole on its TP rank, each rank's its own matrix): on
       every TP rank, from its own result, unless the blockwise kernel cuts it into a
       ``block_grid`` of blocks (MuonBP's block steps): no collective;

@@ -66,7 +66,8 @@ def plan_digests(plan: StepPlan) -> tuple[int, ...]:
         (dataclasses.replace(settings, hardware=None, topology=None), plan.dp_size, plan.tp_size),
         constants,
         settings.topology,
-        tuple((lay.local_shape, lay.partition_dim, lay.tp_size, lay.split, lay.per_rank) for lay in plan.matrices),
+        tuple((lay.local_shape, lay.partition_dim, lay.tp_size, lay.split, lay.per_rank, lay.tp_blocks)
+              for lay in plan.matrices),
         tuple(lay.dp_ranges for lay in plan.matrices),
         plan.dp_owners,
         (plan.team_size, plan.teams),

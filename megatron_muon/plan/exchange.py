@@ -117,9 +117,14 @@ def dp_owned_matrix(layout: MatrixLayout, owner: int, dp_size: int) -> OwnedMatr
 def tp_owned_matrix(sub: MatrixLayout, owner: int) -> OwnedMatrix:
     """The exchange description of one TP-sharded (or replicated) sub-matrix with the given TP
     owner: row or column shard r is rank r's piece of the owner buffer (a replicated matrix:
-    the owner's own copy there, the whole result to every other rank back)."""
+    the owner's own copy there, the whole result to every other rank back; a head cut by TP's row
+    cut, ``tp_rows``: each holder's rows, a contiguous flat range of the head, there and back,
+    nothing for a head whole on its owner)."""
     rows, cols = sub.full_shape
     full = rows * cols
+    if sub.tp_rows is not None:
+        return OwnedMatrix(owner=owner, numel=full, gather=tuple(Piece(r, lo * cols, (hi - lo) * cols)
+                                                                 for r, (lo, hi) in enumerate(sub.tp_rows) if hi > lo))
     if not sub.is_sharded:
         return OwnedMatrix(
             owner=owner,

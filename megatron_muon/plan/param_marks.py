@@ -33,6 +33,11 @@ class ParamMarks:
     """``qkv_heads`` of a fused QKV (the catalogue's ``tag_qkv``, from the attention module's
     per-partition counts, i.e. after TP sharding): (query groups on this TP rank, query heads per
     group, head dim), what ``--muon-split-qkv-per-head`` splits the local rows by."""
+    qkv_groups: int | None = None
+    """``qkv_groups`` of a fused QKV (the catalogue's ``tag_qkv``): the model's query groups. With
+    fewer than TP ranks megatron-core reports one query group per TP rank (``qkv_heads``), yet
+    each rank holds a contiguous 1/TP of the whole weight's interleaved rows, which may cut a head
+    (``per_head_split``)."""
     mla_heads: tuple[int, tuple[int, ...]] | None = None
     """``mla_heads`` of an MLA up-projection (the catalogue's ``tag_qkv``: the head count from the
     attention module's per-partition count, i.e. after TP sharding, the widths from the model
@@ -76,12 +81,13 @@ def matrix_layout(name: str, local_shape: tuple[int, int], marks: ParamMarks, tp
     rows, cols = local_shape
     tensor_parallel = marks.tensor_parallel and tp_size > 1
     partition_dim = marks.partition_dim if tensor_parallel else None
-    split = None
+    split = blocks = None
     per_rank = per_head = False
     if splits.qkv and splits.qkv_per_head and (marks.qkv_split is not None or marks.mla_heads is not None):
-        split = per_head_split(name, rows, marks)
-        # a column-parallel QKV or MLA up-projection gives every TP rank whole heads of its own
-        per_rank, per_head = partition_dim == 0, True
+        split, blocks = per_head_split(name, rows, marks, tp_size if partition_dim == 0 else 1)
+        # a column-parallel QKV or MLA up-projection gives every TP rank whole heads of its own,
+        # unless TP's row cut falls inside heads (``blocks``: the whole weight's heads)
+        per_rank, per_head = partition_dim == 0 and blocks is None, True
     elif splits.qkv and marks.qkv_split is not None:
         sizes = tuple(marks.qkv_split)
         if rows % sum(sizes):
@@ -98,18 +104,26 @@ def matrix_layout(name: str, local_shape: tuple[int, int], marks: ParamMarks, tp
             raise ValueError(f"{name}: partition_sizes {list(sizes)} do not describe its {rows} local rows")
         split = RowSplit(1, sizes)
     return MatrixLayout(name, (rows, cols), partition_dim if partition_dim in (0, 1) else None, tp_size, split,
-                        dp_ranges, per_rank=per_rank, per_head=per_head)
+                        dp_ranges, per_rank=per_rank, per_head=per_head, tp_blocks=blocks)
 
 
-def per_head_split(name: str, rows: int, marks: ParamMarks) -> RowSplit:
+def per_head_split(name: str, rows: int, marks: ParamMarks, tp_size: int = 1
+                   ) -> tuple[RowSplit | None, tuple[int, ...] | None]:
     """The ``RowSplit`` of a TP-local weight's ``rows`` into its heads (``--muon-split-qkv-per-head``),
-    one contiguous block per matrix, so each is its own unit, placed and batched apart:
+    one contiguous block per matrix, so each is its own unit, placed and batched apart, and None;
+    or, where TP's row cut falls inside heads, None and the whole weight's heads (``tp_blocks``):
 
     * a fused QKV (``marks.qkv_heads``: query groups on this TP rank, query heads per group, head
       dim): per query group each of its query heads, then its k head and its v head, ``head_dim``
       rows each; the counts must also agree with the per-group split (``marks.qkv_split``);
     * an MLA up-projection (``marks.mla_heads``: heads on this TP rank, one head's row blocks):
-      per head its blocks, in megatron-core's order.
+      per head its blocks, in megatron-core's order;
+    * a fused QKV with fewer query groups (``marks.qkv_groups``) than ``tp_size`` TP ranks: the
+      attention module reports one group per rank (``qkv_heads``: 1, the group's query heads,
+      head dim), while the rank holds a contiguous 1/TP of the whole weight's ``[q heads; k; v]``
+      per group (megatron-core's ``get_query_key_value_tensors``, num_query_groups < world size).
+      Its heads are its ``rows / head_dim`` local ones when every rank's cut falls on a head
+      boundary, else the whole weight's heads, some cut between TP ranks (``tp_blocks``).
 
     The counts are taken after TP sharding and must describe the local shard, else ``ValueError``
     naming the weight and the flag (counts taken before TP sharding would cut heads in halves or
@@ -121,13 +135,23 @@ def per_head_split(name: str, rows: int, marks: ParamMarks) -> RowSplit:
             raise ValueError(f"{name}: {flag}: {heads} heads x {sum(blocks)} rows (blocks {list(blocks)}) on this TP "
                              f"rank do not describe its {rows} local rows (head counts must be taken after TP "
                              "sharding)")
-        return RowSplit(1, tuple(blocks) * heads)
+        return RowSplit(1, tuple(blocks) * heads), None
     if marks.qkv_heads is None:
         raise ValueError(f"{name}: {flag}: the QKV weight carries no per-rank head counts (qkv_heads)")
     groups, per_group, head_dim = marks.qkv_heads
     per_group_split = (per_group * head_dim, head_dim, head_dim)
+    if marks.qkv_groups is not None and marks.qkv_groups < tp_size:
+        whole = marks.qkv_groups * (per_group + 2)  # the whole weight's heads
+        if per_group_split != tuple(marks.qkv_split) or groups != 1 or whole * head_dim != rows * tp_size:
+            raise ValueError(f"{name}: {flag}: {groups} query group(s) x ({per_group} query + k + v heads) x head dim "
+                             f"{head_dim} on this TP rank, {marks.qkv_groups} query groups over {tp_size} TP ranks, "
+                             f"do not describe its {rows} local rows (1/{tp_size} of the weight's; head counts must "
+                             "be taken after TP sharding)")
+        if rows % head_dim == 0:  # every TP rank's cut on a head boundary: its own whole heads
+            return RowSplit(1, (head_dim,) * (rows // head_dim)), None
+        return None, (head_dim,) * whole
     if per_group_split != tuple(marks.qkv_split) or groups * (per_group + 2) * head_dim != rows:
         raise ValueError(f"{name}: {flag}: {groups} query groups x ({per_group} query + k + v heads) x head dim "
                          f"{head_dim} on this TP rank do not describe its {rows} local rows split "
                          f"{list(marks.qkv_split)} per query group (head counts must be taken after TP sharding)")
-    return RowSplit(1, ((head_dim,) * per_group + (head_dim, head_dim)) * groups)
+    return RowSplit(1, ((head_dim,) * per_group + (head_dim, head_dim)) * groups), None

@@ -109,6 +109,13 @@ def sub_price(sub: MatrixLayout, mode: str, ns: NSOptions, *, tp: int, rank: int
     local_n, full_n = sub.numel, full[0] * full[1]
     if mode == "team":
         return sub_price(sub, "distributed", ns, tp=sub.tp_size, rank=0)
+    if sub.tp_rows is not None and tp > 1:
+        # a head of TP's row cut (per-head QKV at TP above the query groups), in the owner exchange
+        # whatever the mode (``step_plan._held_heads``): each other holder's rows there and back
+        held = [(hi - lo) * local[1] * elem for lo, hi in sub.tp_rows]
+        moved = held[rank] if rank != owner else sum(held) - held[owner]
+        sent, link, _ = _one(_A2A, moved, moved, 0)
+        return Price(ns.flops(*full) if rank == owner else 0, sent, link, memory=2 * 2 * moved)
     if mode == "blockwise":  # NS of what the rank holds, block by block
         return Price(flops=grid[0] * grid[1] * ns.flops(*block_shape(local, grid)))
     sharded = sub.is_sharded and tp > 1
@@ -216,6 +223,13 @@ def widths(sub: MatrixLayout, hw: Hardware, ns: NSOptions, link: Link) -> Widths
 
     if tp == 1 or not sub.numel:
         return Widths(on("owner", 0, 0), 0.0, None, 0.0)
+    if sub.tp_rows is not None:
+        # A head of TP's row cut runs on the holder of most of its rows (``step_plan._held_heads``,
+        # which overrides the schedule's owner): narrow only.
+        held = [hi - lo for lo, hi in sub.tp_rows]
+        owner = held.index(max(held))
+        others = [on("owner", r, owner) for r in range(tp) if r != owner]
+        return Widths(on("owner", owner, owner), max(others, default=0.0), None, 0.0)
     if sub.per_rank:
         # Each TP rank holds its own whole matrix (a head, ``MatrixLayout.per_rank``): NS on every
         # rank at once, nothing sent; blockwise's kernel is that, exactly. Narrow only, every rank alike.

@@ -225,8 +225,10 @@ def _attention(model: ModelShape, tp: int) -> list[tuple[str, tuple[int, ...], P
             ("self_attention.linear_proj.weight", (model.hidden, _split(q, tp, "attention channels")),
              ParamMarks(tensor_parallel=True, partition_dim=1)),
             ("self_attention.linear_qkv.weight", (_split(q + k + v, tp, "QKV rows"), model.hidden),
-             _column(qkv_split=per_group, qkv_heads=(model.num_query_groups // tp,
-                                                     model.num_heads // model.num_query_groups, model.head_dim)))]
+             # megatron-core's per-partition counts: one query group per rank below TP query groups
+             _column(qkv_split=per_group, qkv_heads=(max(model.num_query_groups // tp, 1),
+                                                     model.num_heads // model.num_query_groups, model.head_dim),
+                     qkv_groups=model.num_query_groups))]
 
 
 def _mlp(model: ModelShape, tp: int) -> list[tuple[str, tuple[int, ...], ParamMarks]]:

@@ -361,6 +361,11 @@ def _check(matrices, dp_size: int, tp_size: int, settings: PlanSettings) -> None
             for k, shape in enumerate(lay.sub_local_shapes()):
                 check_grid(lay.name if len(lay.sub_local_shapes()) == 1 else f"{lay.name} (sub-matrix {k})", shape,
                            grid)
+    cut = [lay.name for lay in matrices if lay.tp_blocks is not None]
+    if settings.local_blocks and cut:
+        raise ValueError(f"--muonbp-block local: {cut[0]}: --muon-split-qkv-per-head at TP {tp_size} above the "
+                         "query groups cuts heads between TP ranks, and a local block step of a cut head is not "
+                         "supported; use --muonbp-block tp_shard")
     if settings.local_blocks and settings.tp_mode != "blockwise":
         raise ValueError(f"--muonbp-block local: block steps only (tp mode blockwise), got tp mode "
                          f"{settings.tp_mode!r}")
@@ -400,27 +405,44 @@ def _owner_work(matrices, owned: list[int], tp_size: int, settings: PlanSettings
         modes = tuple(m for i in owned for m in schedule.modes[i])
         owners = tuple(None if m == "blockwise" else r
                        for m, r in zip(modes, (r for i in owned for r in schedule.tp_owners[i])))
-        return OwnerWork(tuple(owned), tuple(subs), positions, modes, owners)
+        return OwnerWork(tuple(owned), tuple(subs), positions, *_held_heads(subs, modes, owners))
     # A per-rank sub-matrix (a head whole on each TP rank, ``MatrixLayout.per_rank``) runs in
     # blockwise's kernel in every mode: NS of what each TP rank holds, which is that whole matrix,
     # so the update is exact and TP sends nothing (``pricing.widths`` tells ``auto`` the same).
-    modes = tuple("blockwise" if sub.per_rank else settings.tp_mode for sub in subs)
+    # A head of TP's row cut (``tp_rows``) runs in the owner exchange in every mode (``_held_heads``).
+    modes = tuple("blockwise" if sub.per_rank else "owner" if sub.tp_rows is not None else settings.tp_mode
+                  for sub in subs)
     # One TP rank runs each owner-mode sub-matrix, and each replicated one in duplicated and
     # distributed mode (broadcast from there): LPT over everything this DP owner holds.
-    on_one = [p for p, m in enumerate(modes)
-              if m == "owner" or (m in ("duplicated", "distributed") and tp_size > 1 and not subs[p].is_sharded)]
+    on_one = [p for p, m in enumerate(modes) if subs[p].tp_rows is None and (
+        m == "owner" or (m in ("duplicated", "distributed") and tp_size > 1 and not subs[p].is_sharded))]
     chosen = plan_owners([settings.ns.flops(*subs[p].full_shape) for p in on_one], tp_size)
     tp_owners: list[int | None] = [None] * len(subs)
     for p, r in zip(on_one, chosen):
         tp_owners[p] = r
-    return OwnerWork(tuple(owned), tuple(subs), positions, modes, tuple(tp_owners))
+    return OwnerWork(tuple(owned), tuple(subs), positions, *_held_heads(subs, modes, tp_owners))
+
+
+def _held_heads(subs, modes, owners) -> tuple[tuple[str, ...], tuple[int | None, ...]]:
+    """``modes`` and ``owners`` with every head of TP's row cut (``MatrixLayout.tp_rows``: per-head
+    QKV at TP above the query groups) in owner mode on the TP rank holding most of its rows (the
+    lowest of a tie): a head whole on one rank runs there and moves nothing, a cut one gathers
+    only its other holders' rows. In every TP mode, ``auto``'s too: no other mode runs a matrix
+    held in uneven row pieces, and the owner exchange is exact."""
+    modes, owners = list(modes), list(owners)
+    for p, sub in enumerate(subs):
+        if sub.tp_rows is not None:
+            held = [hi - lo for lo, hi in sub.tp_rows]
+            modes[p], owners[p] = "owner", held.index(max(held))
+    return tuple(modes), tuple(owners)
 
 
 def _scales(layout: MatrixLayout, blockwise: bool, settings: PlanSettings) -> tuple[float, ...]:
     """Per sub-matrix scale: its global shape's (its local, TP shard, shape in blockwise mode, as
     Megatron scales BlockMuon); 1.0 everywhere without a scale mode."""
-    shapes = ([block_shape(s, settings.block_grid) for s in layout.sub_local_shapes()] if blockwise
-              else layout.sub_global_shapes())
+    # a head of TP's row cut (``tp_blocks``) runs whole in the owner exchange in every mode
+    shapes = ([block_shape(s, settings.block_grid) for s in layout.sub_local_shapes()]
+              if blockwise and layout.tp_blocks is None else layout.sub_global_shapes())
     if settings.scale_mode is None:
         return (1.0,) * len(shapes)
     return tuple(muon_scale(r, c, settings.scale_mode, settings.extra_scale_factor) for r, c in shapes)

@@ -118,6 +118,16 @@ def test_flag_row(row_id, world, hooks_restored, tmp_path):
     assert expected_line(row_id, TMP=str(tmp_path)).fullmatch(line), f"\n{line}\n{rows()[row_id]['line']}"
 
 
+def test_per_head_trains_below_tp_query_groups(world, hooks_restored):
+    """The ``query-groups-tp`` row's input (1 query group at TP2) with ``--muon-split-qkv-per-head``
+    passes: per head, every head is whole on its TP rank or gathered on one (docs/per_head.md;
+    tests/megatron/test_per_head_query_groups_tp.py trains it)."""
+    from megatron_muon.megatron.preflight import check_command_line
+
+    extra = shlex.split(rows()["query-groups-tp"]["input"].split("`")[1]) + ["--muon-split-qkv-per-head"]
+    assert check_command_line(str(world / "tiny.yaml"), extra, 2)[-len(extra):] == extra
+
+
 # --------------------------------------------------------------------------- yaml and data
 
 

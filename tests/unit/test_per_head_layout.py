@@ -166,3 +166,25 @@ def test_mla_heads_send_no_tp_byte(mode):
                            settings=PlanSettings(mode, NSOptions(), hardware=GPU_PROFILES["h100-sxm"]))
     assert set(plan.tp_bytes) == {0} and sum(plan.ns_flops) > 0
     assert {m for w in plan.work for m in w.modes} == {"blockwise"}
+
+
+@pytest.mark.parametrize("tp, groups, layout", [(16, 8, "per_rank"), (8, 2, "tp_blocks"), (32, 8, "tp_blocks")])
+def test_llama3_8b_below_tp_query_groups_on_the_planning_road(tp, groups, layout):
+    """Fewer query groups than TP ranks on the road from a model's shape (``stage_params`` gives
+    megatron-core's per-partition counts and the model's query groups): 48 heads of 128 rows over
+    TP16, 3 whole heads a rank (per rank, no TP byte); 36 heads over TP8 (4.5 a rank) and 48 over
+    TP32 (1.5 a rank) cut heads, whose owner exchange moves the cut heads' rows only."""
+    model = dataclasses.replace(LLAMA3["8B"], num_layers=1, num_query_groups=groups)
+    laid = stage_layouts(model, StageGrid(tp=tp, dp=2), BufferSettings(splits=PER_HEAD))
+    (qkv,) = [lay for lay in laid.matrices if "linear_qkv" in lay.name]
+    heads = (model.num_heads + 2 * groups)
+    assert qkv.per_rank == (layout == "per_rank") and (qkv.tp_blocks is not None) == (layout == "tp_blocks")
+    assert qkv.sub_global_shapes() == [(128, model.hidden)] * (heads // tp if qkv.per_rank else heads)
+    plan = build_step_plan([qkv], dp_size=2, tp_size=tp, settings=PlanSettings("owner", NSOptions()))
+    rows = qkv.local_shape[0]
+    cut = sum(1 for h in range(heads) if (h * 128) // rows != ((h + 1) * 128 - 1) // rows)
+    assert (cut > 0) == (layout == "tp_blocks")
+    # every cut head's rows other than its owner's move there and back: in all, twice the rows
+    # its other holders hold
+    moved = sum(2 * (128 - max(hi - lo for lo, hi in sub.tp_rows)) for sub in qkv.sub_matrices()) if cut else 0
+    assert sum(plan.tp_bytes) == moved * model.hidden * NSOptions().dtype_bytes

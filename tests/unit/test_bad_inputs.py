@@ -121,7 +121,7 @@ def test_flag_row(row_id, world, hooks_restored, tmp_path):
 def test_per_head_trains_below_tp_query_groups(world, hooks_restored):
     """The ``query-groups-tp`` row's input (1 query group at TP2) with ``--muon-split-qkv-per-head``
     passes: per head, every head is whole on its TP rank or gathered on one (docs/per_head.md;
-    tests/megatron/test_per_head_query_groups_tp.py trains it)."""
+    tests/megatron/test_per_head_below_query_groups.py trains it)."""
     from megatron_muon.megatron.preflight import check_command_line
 
     extra = shlex.split(rows()["query-groups-tp"]["input"].split("`")[1]) + ["--muon-split-qkv-per-head"]

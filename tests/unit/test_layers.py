@@ -177,3 +177,12 @@ def test_ruff_passes():
     proc = subprocess.run([str(BIN / "ruff"), "check", "--no-cache", "."], cwd=REPO, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+
+
+def test_every_test_module_has_its_own_name():
+    """The tiers are folders without ``__init__.py``, so pytest imports each test module by its
+    file name: two tiers' modules of one name stop the whole collection ("import file mismatch")."""
+    names: dict[str, list[str]] = {}
+    for path in (REPO / "tests").rglob("test_*.py"):
+        names.setdefault(path.name, []).append(str(path.relative_to(REPO)))
+    assert not {n: paths for n, paths in names.items() if len(paths) > 1}

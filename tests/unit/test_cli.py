@@ -351,8 +351,9 @@ REJECTED = [
      "--use-megatron-fsdp with --distributed-backend gloo: add --no-gradient-reduce-div-fusion"),
     ("--optimizer muon --use-megatron-fsdp --ckpt-format fsdp_dtensor --num-experts 4",
      "--use-megatron-fsdp with --num-experts"),
-    # torch FSDP2 trains with Muon (tests/megatron/test_torch_fsdp2.py); its checkpoints and experts are refused
-    ("--optimizer muon --use-torch-fsdp2 --save x", "--use-torch-fsdp2 with --save / --load"),
+    # torch FSDP2 trains with Muon (tests/megatron/test_torch_fsdp2.py) and resumes from torch_dist
+    # (tests/megatron/test_fsdp2_checkpoint.py); the legacy torch format and experts are refused
+    ("--optimizer muon --use-torch-fsdp2 --ckpt-format torch --save x", "--use-torch-fsdp2 with --ckpt-format torch"),
     ("--optimizer muon --use-torch-fsdp2 --num-experts 4", "--use-torch-fsdp2 with --num-experts"),
     ("--optimizer muon --ckpt-format torch_dcp", "--ckpt-format"),
     ("--optimizer muon --dump-param-to-param-group-map x.json", "--dump-param-to-param-group-map"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import grid_groups, run_world
+from per_head_harness import flat_ranges, per_head_reference, residual64, residual_tolerance, whole_reference
 from rounding_bounds import ns_bound, sum_bound, unit_roundoff
 
 from megatron_muon import comm_stats, newton_schulz
@@ -51,25 +52,14 @@ def marks(heads: int, tp: int) -> ParamMarks:
 
 
 def model_layouts(tp: int, dp: int, cut: bool) -> list[MatrixLayout]:
-    """The two QKV weights and a projection, back to back in one flat buffer; ``cut``: DP ranges 3
-    elements longer than an even share, so that the cuts fall inside heads (ZeRO-1 cutting heads
-    across DP ranks)."""
+    """The two QKV weights and a projection, back to back in one flat buffer; ``cut``: ZeRO-1
+    cutting heads across DP ranks (``per_head_harness.flat_ranges``)."""
     shapes = [(qkv_rows(h) // tp, HIDDEN) for _, h in ATTENTIONS] + [(HIDDEN, PROJ[1][1] // tp)]
-    sizes = [r * c for r, c in shapes]
-    shard = -(-sum(sizes) // dp) + 3
-    out, offset = [], 0
-    for k, (shape, n) in enumerate(zip(shapes, sizes)):
-        ranges = None
-        if cut:
-            spans = [(max(offset, d * shard), min(offset + n, (d + 1) * shard)) for d in range(dp)]
-            ranges = tuple((lo - offset, hi - offset) if hi > lo else (0, 0) for lo, hi in spans)
-        offset += n
-        if k < len(ATTENTIONS):
-            name, heads = ATTENTIONS[k]
-            out.append(matrix_layout(name, shape, marks(heads, tp), tp, PER_HEAD, ranges))
-        else:
-            out.append(matrix_layout(PROJ[0], shape, ParamMarks(tensor_parallel=True, partition_dim=1), tp, PER_HEAD,
-                                     ranges))
+    ranges = flat_ranges([r * c for r, c in shapes], dp, cut)
+    out = [matrix_layout(name, shape, marks(heads, tp), tp, PER_HEAD, rng)
+           for (name, heads), shape, rng in zip(ATTENTIONS, shapes, ranges)]
+    out.append(matrix_layout(PROJ[0], shapes[-1], ParamMarks(tensor_parallel=True, partition_dim=1), tp, PER_HEAD,
+                             ranges[-1]))
     return out
 
 
@@ -87,25 +77,13 @@ def heads_of(k: int) -> list[slice]:
 
 
 def reference(k: int, tp: int, tp_rank: int) -> tuple[torch.Tensor, float]:
-    """This TP rank's block of matrix k's update, one process, and how far the step may be from it.
-
-    A QKV: each head's NS alone, times ``muon_scale`` of the head's shape (head_dim x hidden). The
-    projection: NS of the whole matrix, times its whole shape's scale. The step runs the same fp32
-    iteration on the same matrices, batched (heads stacked, the projection's Gram summed over TP in
-    distributed mode): only the GEMMs' summation order differs, so two fp32 NS roundings of each
-    matrix (``rounding_bounds.ns_bound``) times its scale. A head's NS taken over two heads, or a
-    half head, or the TP stack of heads, or scaled by the weight's shape, is off by 1e-1 or more."""
+    """This TP rank's block of matrix k's update, one process, and how far the step may be from it:
+    a QKV per head (``per_head_harness``: each head's NS alone, times its own shape's scale), the
+    projection whole. A head's NS taken over two heads, or a half head, or the TP stack of heads,
+    or scaled by the weight's shape, is off by 1e-1 or more."""
     full = full_update(k)
-    if k >= len(ATTENTIONS):
-        out = newton_schulz(full, 5, "jordan") * muon_scale(*full.shape)
-        return out.chunk(tp, dim=1)[tp_rank], ns_bound(torch.float32, full, "jordan") * muon_scale(*full.shape)
-    out, bound = torch.empty_like(full), 0.0
-    for rows in heads_of(k):
-        head = full[rows]
-        scale = muon_scale(HEAD_DIM, HIDDEN)
-        out[rows] = newton_schulz(head, 5, "jordan") * scale
-        bound = max(bound, ns_bound(torch.float32, head, "jordan") * scale)
-    return out.chunk(tp, dim=0)[tp_rank], bound
+    return whole_reference(full, tp, tp_rank) if k >= len(ATTENTIONS) else per_head_reference(full, HEAD_DIM, tp,
+                                                                                             tp_rank)
 
 
 def _settings(mode: str) -> PlanSettings:
@@ -197,12 +175,6 @@ def test_per_head_sends_nothing_over_tp_in_every_mode(world, mode):
                for cut in (True, False) for d in range(n // tp) if n == tp)
 
 
-def _residual64(x: torch.Tensor) -> float:
-    """float64 ‖XᵀX − I‖_F / √k: the RMS of σ² − 1 over X's singular values."""
-    s = torch.linalg.svdvals(x.double())
-    return float((s.square() - 1).square().mean().sqrt())
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_per_head_residuals_are_each_heads_own(world, mode):
     """``--muon-log-stats``' orthogonality residual of the QKV heads (every weight sampled): each
@@ -216,13 +188,10 @@ def test_per_head_residuals_are_each_heads_own(world, mode):
         got = next(r["results"][(False, mode)]["out"] for r in ranks if r["tp_rank"] == tp_rank)
         heads = [(got[k].view(lays[k].local_shape)[rows] / muon_scale(HEAD_DIM, HIDDEN))
                  for k in range(len(ATTENTIONS)) for rows in heads_of(k)[: len(heads_of(k)) // tp]]
-        want = sorted(_residual64(h) for h in heads)
+        want = sorted(residual64(h) for h in heads)
         if tp == 1 and mode == "blockwise":  # blockwise at TP 1: heads are no per-rank matrices, MuonBP's block
             assert not recorded  # steps run there and hold no whole NS: never measured
             continue
         assert len(recorded) == len(want), (mode, tp_rank)
-        # the fp32 Gram over HIDDEN products of entries below 1.2 in magnitude, against float64's:
-        # one rounding path per entry plus the division by the scale (2u per product), k = HEAD_DIM
-        # entries' worth in the norm over √k (tests/unit/test_update_stats.py's bound)
-        entry = sum_bound(torch.float32, HIDDEN, 1.44, roundings=1) + 2 * unit_roundoff(torch.float32) * 1.44
-        assert all(abs(a - b) <= HEAD_DIM ** 0.5 * entry for a, b in zip(recorded, want)), (mode, tp_rank)
+        # per_head_harness.residual_tolerance: fp32's Gram against float64's, derived there
+        assert all(abs(a - b) <= residual_tolerance(HIDDEN, HEAD_DIM) for a, b in zip(recorded, want)), (mode, tp_rank)

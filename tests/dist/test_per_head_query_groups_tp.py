@@ -20,6 +20,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import grid_groups, run_world
+from per_head_harness import flat_ranges, per_head_reference, residual64, residual_tolerance, whole_reference
 from rounding_bounds import ns_bound, sum_bound, unit_roundoff
 
 from megatron_muon import comm_stats, newton_schulz
@@ -58,24 +59,15 @@ def marks(k: int, tp: int) -> ParamMarks:
 
 
 def model_layouts(tp: int, dp: int, cut: bool) -> list[MatrixLayout]:
-    """The QKV weights and a projection, back to back in one flat buffer; ``cut``: DP ranges 3
-    elements longer than an even share, so that the cuts fall inside heads."""
+    """The QKV weights and a projection, back to back in one flat buffer; ``cut``: ZeRO-1 cutting
+    heads across DP ranks (``per_head_harness.flat_ranges``)."""
     shapes = [(heads_total(k) * HEAD_DIM // tp, HIDDEN) for k in range(len(ATTENTIONS))]
     shapes.append((HIDDEN, PROJ[1][1] // tp))
-    sizes = [r * c for r, c in shapes]
-    shard = -(-sum(sizes) // dp) + 3
-    out, offset = [], 0
-    for k, (shape, n) in enumerate(zip(shapes, sizes)):
-        ranges = None
-        if cut:
-            spans = [(max(offset, d * shard), min(offset + n, (d + 1) * shard)) for d in range(dp)]
-            ranges = tuple((lo - offset, hi - offset) if hi > lo else (0, 0) for lo, hi in spans)
-        offset += n
-        if k < len(ATTENTIONS):
-            out.append(matrix_layout(ATTENTIONS[k][0], shape, marks(k, tp), tp, PER_HEAD, ranges))
-        else:
-            out.append(matrix_layout(PROJ[0], shape, ParamMarks(tensor_parallel=True, partition_dim=1), tp, PER_HEAD,
-                                     ranges))
+    ranges = flat_ranges([r * c for r, c in shapes], dp, cut)
+    out = [matrix_layout(ATTENTIONS[k][0], shapes[k], marks(k, tp), tp, PER_HEAD, ranges[k])
+           for k in range(len(ATTENTIONS))]
+    out.append(matrix_layout(PROJ[0], shapes[-1], ParamMarks(tensor_parallel=True, partition_dim=1), tp, PER_HEAD,
+                             ranges[-1]))
     return out
 
 
@@ -86,24 +78,14 @@ def full_update(k: int) -> torch.Tensor:
 
 
 def reference(k: int, tp: int, tp_rank: int) -> tuple[torch.Tensor, float]:
-    """This TP rank's rows of matrix k's update, one process, and how far the step may be from it.
-
-    A QKV: each head (head_dim consecutive rows of megatron-core's layout) NS'd alone, times
-    ``muon_scale`` of the head's shape; the projection: NS of the whole. The step runs the same
-    fp32 iteration on the same matrices, batched (heads stacked; a cut head reassembled from its
-    rows, which moves values, not roundings): only the GEMMs' summation order differs, two fp32 NS
-    roundings of each matrix (``rounding_bounds.ns_bound``) times its scale. A half head's NS, or
-    two heads' together, is off by 1e-1 or more."""
+    """This TP rank's rows of matrix k's update, one process, and how far the step may be from it:
+    a QKV per head (``per_head_harness``: each head_dim rows of megatron-core's layout NS'd alone,
+    times the head's shape's scale), the projection whole. The step runs the heads batched, a cut
+    head reassembled from its rows (which moves values, not roundings). A half head's NS, or two
+    heads' together, is off by 1e-1 or more."""
     full = full_update(k)
-    if k >= len(ATTENTIONS):
-        out = newton_schulz(full, 5, "jordan") * muon_scale(*full.shape)
-        return out.chunk(tp, dim=1)[tp_rank], ns_bound(torch.float32, full, "jordan") * muon_scale(*full.shape)
-    out, bound, scale = torch.empty_like(full), 0.0, muon_scale(HEAD_DIM, HIDDEN)
-    for h in range(heads_total(k)):
-        rows = slice(h * HEAD_DIM, (h + 1) * HEAD_DIM)
-        out[rows] = newton_schulz(full[rows], 5, "jordan") * scale
-        bound = max(bound, ns_bound(torch.float32, full[rows], "jordan") * scale)
-    return out.chunk(tp, dim=0)[tp_rank], bound
+    return whole_reference(full, tp, tp_rank) if k >= len(ATTENTIONS) else per_head_reference(full, HEAD_DIM, tp,
+                                                                                             tp_rank)
 
 
 def moved_rows(k: int, tp: int, tp_rank: int) -> int:
@@ -222,12 +204,6 @@ def test_tp_bytes_only_for_heads_cut_by_tp(world, mode):
         assert [res["tp_blocks"] for res in ranks[0]["results"][(False, mode)]["per_qkv"]] == [True, False, True]
 
 
-def _residual64(x: torch.Tensor) -> float:
-    """float64 ‖XᵀX − I‖_F / √k: the RMS of σ² − 1 over X's singular values."""
-    s = torch.linalg.svdvals(x.double())
-    return float((s.square() - 1).square().mean().sqrt())
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_residuals_are_each_heads_own(world, mode):
     """``--muon-log-stats``' orthogonality residual of the QKV heads: each head measured once in the
@@ -241,10 +217,7 @@ def test_residuals_are_each_heads_own(world, mode):
     for k in range(len(ATTENTIONS)):
         full = torch.cat([whole[j][k].view(lays[k].local_shape) for j in range(tp)])
         heads += [full[h * HEAD_DIM:(h + 1) * HEAD_DIM] / muon_scale(HEAD_DIM, HIDDEN) for h in range(heads_total(k))]
-    want = sorted(_residual64(h) for h in heads)
+    want = sorted(residual64(h) for h in heads)
     assert len(recorded) == len(want), mode
-    # the fp32 Gram over HIDDEN products of entries below 1.2 in magnitude, against float64's: one
-    # rounding path per entry plus the division by the scale (2u per product), k = HEAD_DIM entries'
-    # worth in the norm over √k (tests/unit/test_update_stats.py's bound, as test_per_head.py)
-    entry = sum_bound(torch.float32, HIDDEN, 1.44, roundings=1) + 2 * unit_roundoff(torch.float32) * 1.44
-    assert all(abs(a - b) <= HEAD_DIM ** 0.5 * entry for a, b in zip(recorded, want)), mode
+    # per_head_harness.residual_tolerance: fp32's Gram against float64's, derived there
+    assert all(abs(a - b) <= residual_tolerance(HIDDEN, HEAD_DIM) for a, b in zip(recorded, want)), mode

@@ -169,8 +169,9 @@ def global_name(model, name: str) -> str:
 
 
 def is_expert(param) -> bool:
-    """Megatron's mark of an expert-parallel parameter (reduced over the expert-DP group)."""
-    return not getattr(param, "allreduce", True)
+    """Megatron's mark of an expert-parallel parameter (reduced over the expert-DP group); a
+    Megatron-FSDP DTensor param carries it on the module param it replaced (``orig_param``)."""
+    return not getattr(getattr(param, "orig_param", param), "allreduce", True)
 
 
 def shard_of(full: torch.Tensor, param, tp_rank: int, tp: int) -> torch.Tensor:
@@ -697,7 +698,7 @@ def _named_weights(chunk, model):
 
 def gather_fsdp_rows(param) -> torch.Tensor:
     """The TP-local weight of a Megatron-FSDP (or torch FSDP2) DTensor param: every DP rank's rows (contiguous,
-    in DP rank order, some possibly empty), concatenated. Through ``all_gather_object``, as
+    in DP rank order, some possibly empty; an expert's over the expert-DP group), concatenated. Through ``all_gather_object``, as
     Megatron's ``uneven_dtensor_to_full_tensor`` all-gathers uneven pieces, which gloo refuses."""
     from megatron.core import parallel_state as ps
     from torch.distributed.tensor import Shard
@@ -708,7 +709,8 @@ def gather_fsdp_rows(param) -> torch.Tensor:
     dp_dims = [i for i, n in enumerate(names) if n.startswith("dp")] if names else [0]
     if not any(isinstance(param.placements[i], Shard) for i in dp_dims):
         return local  # no_shard: every DP rank holds all of it
-    group = ps.get_data_parallel_group(with_context_parallel=True)
+    group = (ps.get_expert_data_parallel_group() if is_expert(param)
+             else ps.get_data_parallel_group(with_context_parallel=True))
     pieces = [None] * dist.get_world_size(group)
     dist.all_gather_object(pieces, local, group=group)
     return torch.cat([p.reshape(-1, p.shape[-1]) if p.dim() > 1 else p for p in pieces])

@@ -84,6 +84,21 @@ def is_expert_parallel(param: torch.nn.Parameter) -> bool:
     return not getattr(param, "allreduce", True)
 
 
+def tag_fsdp_experts(model_chunks) -> None:
+    """Give Megatron-FSDP's DTensor params the expert mark of the params they replace.
+
+    Megatron-FSDP copies a fixed list of attributes onto each DTensor param
+    (``reset_attribute``), and ``allreduce`` (Megatron's expert-parallel mark) is not among them,
+    while its own buffers shard an expert's param over the expert-DP group. Megatron's
+    ``_get_param_groups_and_buffers`` reads the mark to split dense from expert params; without
+    it the experts would join the dense optimizer, whose DP group is not theirs."""
+    for chunk in model_chunks:
+        for p in chunk.parameters():
+            orig = getattr(p, "orig_param", None)
+            if orig is not None and is_expert_parallel(orig):
+                p.allreduce = False
+
+
 def tag_qkv(model_chunks) -> None:
     """Mark fused QKV weights the way upstream's emerging-optimizer path does (by module, since
     Megatron's layers set no QKV attribute themselves), and with ``qkv_heads`` (query groups on

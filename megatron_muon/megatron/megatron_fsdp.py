@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import torch
 from megatron.core.optimizer import DistributedOptimizer
+from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
 __all__ = ["MuonFSDPOptimizer", "check_own_range", "fsdp_item_ranges", "optimizer_buffer"]
 
@@ -65,7 +66,30 @@ class MuonFSDPOptimizer(DistributedOptimizer):
 
     Args: Megatron's (``model_chunks`` wrapped in ``FullyShardedDataParallel``). The adapter then
     builds the inner optimizer on its DTensor main weights from ``catalogue.describe_megatron_fsdp``.
+
+    With experts the adapter chains two of them, as for ZeRO-1: the dense params (DP over the
+    dense DP group) and the expert params (Megatron-FSDP shards them over the expert-DP group),
+    each with its own catalogue and plan. Megatron-FSDP installs the main weights into the model
+    and all-gathers them per model chunk, dense and expert buffers together, so only the chain's
+    last optimizer does it (``installs_model_weights``), after every inner step: an earlier
+    install would gather the experts' old weights, and the later one could not undo a bucket
+    already marked gathered.
     """
+
+    installs_model_weights: bool = True
+    """Whether this optimizer's step copies the main weights into the model and starts their
+    all-gather (Megatron's ``_copy_main_params_to_model_params`` and ``start_param_sync``, for the
+    whole model chunk); False on every optimizer of a chain but the last."""
+
+    def _copy_main_params_to_model_params(self):
+        if self.installs_model_weights:
+            super()._copy_main_params_to_model_params()
+
+    def step_with_ready_grads(self) -> bool:
+        if self.installs_model_weights:
+            return super().step_with_ready_grads()
+        # the inner step alone (its copy into the model is skipped above), no param all-gather
+        return MixedPrecisionOptimizer.step_with_ready_grads(self)
 
     # ---- checkpoints (--ckpt-format fsdp_dtensor) ---------------------------------------------
 

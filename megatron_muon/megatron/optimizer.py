@@ -42,6 +42,7 @@ from .catalogue import (
     is_muon_matrix,
     packed_in_backprop_order,
     param_names,
+    tag_fsdp_experts,
     tag_grouped_experts,
     tag_qkv,
     tag_routing,
@@ -190,12 +191,6 @@ def _check_supported(config: OptimizerConfig, model_chunks) -> None:
     if config.fp16:
         raise ValueError("--fp16: Muon does not support fp16 (loss-scaled momentum is not handled); use --bf16")
     ddp = model_chunks[0].ddp_config
-    if getattr(ddp, "use_megatron_fsdp", False):
-        for chunk in model_chunks:
-            for name, p in chunk.named_parameters():
-                if is_expert_parallel(p):
-                    raise ValueError(f"--use-megatron-fsdp: {name} is an expert weight; experts under Muon need "
-                                     "--use-distributed-optimizer (the expert-DP owner exchange)")
     if getattr(ddp, "num_distributed_optimizer_instances", 1) > 1:
         raise ValueError("--num-distributed-optimizer-instances > 1: not supported with Muon yet")
     for chunk in model_chunks:
@@ -236,8 +231,11 @@ def _build(config: OptimizerConfig, model_chunks, param_groups, buffers, muon_co
             data_parallel_group_idx=data_parallel_group_idx,
             distributed_optimizer_instance_id=0,
         )
-        # Megatron's: no_shard's grads are whole on every DP rank, so their norm is over TP x PP only
-        optimizer.grad_stats_parallel_group = groups["mp_group" if strategy == "no_shard" else "intra_dist_opt_group"]
+        # Megatron's: no_shard's grads are whole on every DP rank, so their norm is over TP x PP
+        # only; the experts' over expert-TP x EP x PP (Megatron's one optimizer would reduce them
+        # over TP x PP and miss the other EP ranks' experts)
+        no_shard = "expt_tp_pp_with_egtp_remat_group" if expert else "mp_group"
+        optimizer.grad_stats_parallel_group = groups[no_shard if strategy == "no_shard" else "intra_dist_opt_group"]
         catalogue, matrix_of = describe_megatron_fsdp(optimizer, tp_group, muon_config)
     elif config.use_distributed_optimizer:
         optimizer = MuonDistributedOptimizer(
@@ -302,6 +300,7 @@ def get_megatron_muon_optimizer(
     """
     muon_config = _muon_config(config, muon_config)
     _check_supported(config, model_chunks)
+    tag_fsdp_experts(model_chunks)
     tag_qkv(model_chunks)
     tag_grouped_experts(model_chunks)
     tag_routing(model_chunks, muon_config)
@@ -336,6 +335,9 @@ def get_megatron_muon_optimizer(
                                labels=["the dense optimizer", "the expert optimizer"][:len(optimizers)],
                                timeout=_distributed_timeout(),
                                existing_groups=_reusable_groups(groups, tp_group, expert_tp_group, pg_collection))
+    for optimizer in optimizers[:-1]:  # Megatron-FSDP: the last installs the model's weights
+        if isinstance(optimizer, MuonFSDPOptimizer):
+            optimizer.installs_model_weights = False
     for optimizer in optimizers:  # Megatron's two attributes, on every optimizer of the chain
         optimizer.tp_group = tp_group
         optimizer.expert_tp_group = expert_tp_group

@@ -113,13 +113,6 @@ def _errors_worker(rank: int, world: int) -> dict:
     ddp = model[0].ddp_config
     # The flags below are read from DDP's config; setting them on the built model's config is
     # what Megatron's own arguments do before wrapping (the check runs before any use of it).
-    # Megatron-FSDP is supported (tests/megatron/test_megatron_fsdp.py), but not yet with experts: a
-    # param Megatron marks expert-parallel (allreduce False) is refused under it.
-    ddp.use_megatron_fsdp = True
-    model[0].module.decoder.layers[0].mlp.linear_fc2.weight.allreduce = False
-    attempt("fsdp_experts", lambda: get_megatron_muon_optimizer(_config(), model))
-    model[0].module.decoder.layers[0].mlp.linear_fc2.weight.allreduce = True
-    ddp.use_megatron_fsdp = False
     ddp.num_distributed_optimizer_instances = 2
     attempt("instances", lambda: get_megatron_muon_optimizer(_config(), model))
     ddp.num_distributed_optimizer_instances = 1
@@ -134,8 +127,6 @@ def _errors_worker(rank: int, world: int) -> dict:
 EXPECTED = {
     "fp16": r"^--fp16: .*use --bf16$",
     "tp_mode": r"^--muon-tp-mode: expected one of .*'owner'.* got 'sharded'$",
-    "fsdp_experts": r"^--use-megatron-fsdp: module\.decoder\.layers\.0\.mlp\.linear_fc2\.weight is an expert weight; "
-                    r"experts under Muon need --use-distributed-optimizer",
     "instances": r"^--num-distributed-optimizer-instances > 1: not supported",
     "grouped_experts": r"^module\.decoder\.layers\.0\.mlp\.grouped has shape \(2, 3, 4\): Muon takes 2-D matrices; "
                        r"a grouped expert weight \(moe_single_grouped_weight\) is not supported",

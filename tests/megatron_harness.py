@@ -697,9 +697,10 @@ def _named_weights(chunk, model):
 
 
 def gather_fsdp_rows(param) -> torch.Tensor:
-    """The TP-local weight of a Megatron-FSDP (or torch FSDP2) DTensor param: every DP rank's rows (contiguous,
-    in DP rank order, some possibly empty; an expert's over the expert-DP group), concatenated. Through ``all_gather_object``, as
-    Megatron's ``uneven_dtensor_to_full_tensor`` all-gathers uneven pieces, which gloo refuses."""
+    """The TP-local weight of a Megatron-FSDP (or torch FSDP2) DTensor param: every DP rank's rows
+    (contiguous, in DP rank order, some possibly empty; an expert's over the expert-DP group),
+    concatenated. Through ``all_gather_object``, as Megatron's ``uneven_dtensor_to_full_tensor``
+    all-gathers uneven pieces, which gloo refuses."""
     from megatron.core import parallel_state as ps
     from torch.distributed.tensor import Shard
 

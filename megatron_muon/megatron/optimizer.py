@@ -38,7 +38,6 @@ from .catalogue import (
     describe_megatron_fsdp,
     describe_whole,
     describe_zero1,
-    is_expert_parallel,
     is_muon_matrix,
     packed_in_backprop_order,
     param_names,

@@ -126,10 +126,12 @@ def _fsdp_state(model, optimizer, *, loading: bool):
     return state
 
 
-def _fsdp_args():
+def _fsdp_args(model):
+    """What ``preprocess_fsdp_dtensor_state_dict`` reads of the arguments (the expert count renumbers
+    the experts' model keys globally)."""
     from argparse import Namespace
 
-    return Namespace(swiglu=True, num_experts=None)  # what preprocess_fsdp_dtensor_state_dict reads
+    return Namespace(swiglu=True, num_experts=unwrap(model[0]).config.num_moe_experts)
 
 
 def _fsdp_unwrapped(model):
@@ -144,7 +146,7 @@ def save_fsdp_dtensor(path: str, model, optimizer) -> None:
     import torch.distributed.checkpoint as dcp
     from megatron.training.checkpointing import preprocess_fsdp_dtensor_state_dict
 
-    state = preprocess_fsdp_dtensor_state_dict(_fsdp_args(), _fsdp_state(model, optimizer, loading=False),
+    state = preprocess_fsdp_dtensor_state_dict(_fsdp_args(model), _fsdp_state(model, optimizer, loading=False),
                                                _fsdp_unwrapped(model))
     dcp.save(state, checkpoint_id=path)
 
@@ -158,7 +160,7 @@ def load_fsdp_dtensor(path: str, model, optimizer) -> None:
 
     state = _fsdp_state(model, optimizer, loading=True)
     raw_model, raw_optimizer = state["model"].copy(), state["optimizer"].copy()
-    state = preprocess_fsdp_dtensor_state_dict(_fsdp_args(), state, _fsdp_unwrapped(model))
+    state = preprocess_fsdp_dtensor_state_dict(_fsdp_args(model), state, _fsdp_unwrapped(model))
     dcp.load_state_dict(state_dict=state, storage_reader=dcp.FileSystemReader(path),
                         planner=default_planner.DefaultLoadPlanner(allow_partial_load=False))
     model[0].load_state_dict(raw_model, strict=False)  # Megatron's strict=False with SwiGLU (the _w/_v keys)
@@ -251,18 +253,19 @@ def fsdp_optimizer_state(optimizer) -> dict:
     concatenated), plus the step counters: the optimizer's, and each param's where this rank
     holds a piece of it (a rank never steps a param whose shard is empty there: no grad; a load
     sets its counter to the optimizer's, ``fsdp._canonical``)."""
-    inner = optimizer.chained_optimizers[0]
-    out = {"muon_steps": inner.optimizer.muon_steps}
-    for group in inner.optimizer.param_groups:
-        for param in group["params"]:
-            name = inner._param_name(param)
-            for key, value in sorted(inner.optimizer.state[param].items()):
-                if key == "step" and param._local_tensor.numel() == 0:
-                    continue
-                if hasattr(value, "_local_tensor"):
-                    out[f"{name}.{key}"] = gather_fsdp_rows(value)
-                else:
-                    out[f"{name}.{key}"] = value.detach().clone()
+    out = {}
+    for i, inner in enumerate(optimizer.chained_optimizers):  # dense, then experts (MoE)
+        out[f"muon_steps.{i}"] = inner.optimizer.muon_steps
+        for group in inner.optimizer.param_groups:
+            for param in group["params"]:
+                name = inner._param_name(param)
+                for key, value in sorted(inner.optimizer.state[param].items()):
+                    if key == "step" and param._local_tensor.numel() == 0:
+                        continue
+                    if hasattr(value, "_local_tensor"):
+                        out[f"{name}.{key}"] = gather_fsdp_rows(value, expert=".local_experts." in name)
+                    else:
+                        out[f"{name}.{key}"] = value.detach().clone()
     return out
 
 

@@ -696,11 +696,12 @@ def _named_weights(chunk, model):
         yield from model.named_parameters()
 
 
-def gather_fsdp_rows(param) -> torch.Tensor:
+def gather_fsdp_rows(param, expert: bool | None = None) -> torch.Tensor:
     """The TP-local weight of a Megatron-FSDP (or torch FSDP2) DTensor param: every DP rank's rows
     (contiguous, in DP rank order, some possibly empty; an expert's over the expert-DP group),
     concatenated. Through ``all_gather_object``, as Megatron's ``uneven_dtensor_to_full_tensor``
-    all-gathers uneven pieces, which gloo refuses."""
+    all-gathers uneven pieces, which gloo refuses. ``expert``: whether it is sharded over the
+    expert-DP group (None: the param's own mark; an optimizer state tensor carries none)."""
     from megatron.core import parallel_state as ps
     from torch.distributed.tensor import Shard
 
@@ -710,7 +711,7 @@ def gather_fsdp_rows(param) -> torch.Tensor:
     dp_dims = [i for i, n in enumerate(names) if n.startswith("dp")] if names else [0]
     if not any(isinstance(param.placements[i], Shard) for i in dp_dims):
         return local  # no_shard: every DP rank holds all of it
-    group = (ps.get_expert_data_parallel_group() if is_expert(param)
+    group = (ps.get_expert_data_parallel_group() if (is_expert(param) if expert is None else expert)
              else ps.get_data_parallel_group(with_context_parallel=True))
     pieces = [None] * dist.get_world_size(group)
     dist.all_gather_object(pieces, local, group=group)

@@ -85,17 +85,22 @@ def is_expert_parallel(param: torch.nn.Parameter) -> bool:
 
 
 def tag_fsdp_experts(model_chunks) -> None:
-    """Give Megatron-FSDP's DTensor params the expert mark of the params they replace.
+    """Under Megatron-FSDP, mark the params it shards over the expert-DP group as Megatron marks
+    expert-parallel params (``allreduce = False``).
 
-    Megatron-FSDP copies a fixed list of attributes onto each DTensor param
-    (``reset_attribute``), and ``allreduce`` (Megatron's expert-parallel mark) is not among them,
-    while its own buffers shard an expert's param over the expert-DP group. Megatron's
+    Megatron-FSDP puts every param under ``.experts.`` in buckets of its own, sharded over the
+    expert-DP group, while Megatron marks an expert's param only when it uses the expert groups
+    (not at EP1 with the dense TP size), and its DTensor params carry no mark at all: it copies a
+    fixed list of attributes (``reset_attribute``), ``allreduce`` not among them. Megatron's
     ``_get_param_groups_and_buffers`` reads the mark to split dense from expert params; without
-    it the experts would join the dense optimizer, whose DP group is not theirs."""
+    it an expert would join the dense optimizer, whose DP group is not the one sharding it."""
     for chunk in model_chunks:
+        buffer = getattr(chunk, "param_and_grad_buffer", None)
+        if buffer is None or not hasattr(buffer, "parameter_groups"):  # not Megatron-FSDP
+            continue
+        sharded_as_experts = {id(p) for group in buffer.parameter_groups if group.is_expert_param for p in group.params}
         for p in chunk.parameters():
-            orig = getattr(p, "orig_param", None)
-            if orig is not None and is_expert_parallel(orig):
+            if id(getattr(p, "orig_param", None)) in sharded_as_experts:
                 p.allreduce = False
 
 

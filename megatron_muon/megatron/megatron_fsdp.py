@@ -34,7 +34,8 @@ import torch
 from megatron.core.optimizer import DistributedOptimizer
 from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
 
-__all__ = ["MuonFSDPOptimizer", "check_own_range", "fsdp_item_ranges", "optimizer_buffer"]
+__all__ = ["MuonFSDPOptimizer", "check_own_range", "fsdp_dtensor_part", "fsdp_item_ranges", "is_fsdp_dtensor_state",
+           "merge_fsdp_dtensor_states", "optimizer_buffer"]
 
 
 def fsdp_item_ranges(bucket_start: int, bucket_size: int, item_start: int, item_size: int,
@@ -99,6 +100,11 @@ class MuonFSDPOptimizer(DistributedOptimizer):
         instead (``MuonWithAdamW.init_state``: zeros shaped like the DTensor params)."""
         self.optimizer.init_state()
 
+    def param_names(self) -> set[str]:
+        """The global names (``_param_name``: experts under their global numbers) of this
+        optimizer's params: what its part of an ``fsdp_dtensor`` state dict is keyed by."""
+        return {self._param_name(p) for g in self.optimizer.param_groups for p in g["params"]}
+
     def _muon_param_names(self) -> set[str]:
         return {self._param_name(p) for g in self.optimizer.param_groups if g["algorithm"] == "muon"
                 for p in g["params"]}
@@ -117,8 +123,14 @@ class MuonFSDPOptimizer(DistributedOptimizer):
         state_dict = super().sharded_param_state_fsdp_dtensor(is_loading)
         muon = self._muon_param_names()
         steps = float(self.optimizer.muon_steps)
-        state_dict["state"] = {name: _canonical(state, name in muon, steps)
-                               for name, state in state_dict["state"].items()}
+        # In param-group order, the same on every rank. Megatron's inherits the state's insertion
+        # order, and a param whose shard is empty on a rank has its state made last there (by
+        # init_state above, never having had a grad); the save's per-key collectives (the SwiGLU
+        # split's chunk metadata, over the DP group) then pair different params across ranks
+        # (found at EP2 x expert-DP2: an expert fc1 cut between the expert-DP ranks).
+        order = [self._param_name(p) for g in self.optimizer.param_groups for p in g["params"]]
+        state = state_dict["state"]
+        state_dict["state"] = {name: _canonical(state[name], name in muon, steps) for name in order if name in state}
         return state_dict
 
     def load_state_dict(self, state_dict):
@@ -132,6 +144,36 @@ class MuonFSDPOptimizer(DistributedOptimizer):
             state_dict["state"] = {name: (_from_canonical(state) if name in muon else state)
                                    for name, state in state_dict["state"].items()}
         return super().load_state_dict(state_dict)
+
+
+def is_fsdp_dtensor_state(state_dict) -> bool:
+    """Whether ``state_dict`` is one optimizer's ``fsdp_dtensor`` state (``sharded_param_state_fsdp_dtensor``:
+    per-param state and group settings keyed by param name)."""
+    return isinstance(state_dict, dict) and "state" in state_dict and "param_to_group_meta" in state_dict
+
+
+def merge_fsdp_dtensor_states(parts: list[dict]) -> dict:
+    """The ``fsdp_dtensor`` states of a chain's optimizers (dense and expert) as one optimizer's: their
+    params are disjoint, so the name-keyed entries are their union. Megatron's own fsdp_dtensor
+    save and load read this one dict (``handle_swiglu_in_state_dict``), and a checkpoint keeps
+    one key per param, whatever the chain."""
+    merged = {"state": {}, "param_to_group_meta": {}}
+    for part in parts:
+        for key in merged:
+            overlap = merged[key].keys() & part[key].keys()
+            if overlap:
+                raise RuntimeError(f"Megatron-FSDP checkpoint: {sorted(overlap)[:3]} in two optimizers of the chain")
+            merged[key].update(part[key])
+    return merged
+
+
+def fsdp_dtensor_part(state_dict: dict, names: set[str]) -> dict:
+    """The entries of a merged ``fsdp_dtensor`` state that belong to the params named ``names``
+    (one optimizer of the chain): torch's ``load_state_dict`` would keep another optimizer's
+    entries as state keyed by their names."""
+    return {**state_dict,
+            "state": {k: v for k, v in state_dict["state"].items() if k in names},
+            "param_to_group_meta": {k: v for k, v in state_dict["param_to_group_meta"].items() if k in names}}
 
 
 def _canonical(state: dict, muon: bool, steps: float) -> dict:

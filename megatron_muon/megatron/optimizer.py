@@ -54,7 +54,7 @@ from .checkpoint import (
     rechain_loaded_state,
 )
 from .cli import muon_config_from_args
-from .megatron_fsdp import MuonFSDPOptimizer
+from .megatron_fsdp import MuonFSDPOptimizer, fsdp_dtensor_part, is_fsdp_dtensor_state, merge_fsdp_dtensor_states
 from .qk_clip import build_qk_clip
 from .report import print_startup_report
 from .resharding import BALANCED_FROM_DP_RESHARDABLE
@@ -153,6 +153,12 @@ class MuonChainedOptimizer(ChainedOptimizer):
 
     def sharded_state_dict(self, model_sharded_state_dict, is_loading: bool = False, **kwargs):
         metadata = kwargs.get("metadata")
+        if (metadata or {}).get("distrib_optim_sharding_type") == "fsdp_dtensor" and len(self.chained_optimizers) > 1:
+            # Megatron-FSDP's format is one optimizer's, keyed by global param name: Megatron's
+            # fsdp_dtensor code (handle_swiglu_in_state_dict) reads its "state"; a chain's
+            # {0: ..., 1: ...} would not be found there
+            return merge_fsdp_dtensor_states([o.sharded_state_dict(model_sharded_state_dict, is_loading, **kwargs)
+                                              for o in self.chained_optimizers])
         if (not is_loading and metadata is not None and metadata.get("distrib_optim_sharding_type") == "dp_reshardable"
                 and any(getattr(o, "saves_fully_reshardable", False) and not getattr(o, "is_stub_optimizer", False)
                         for o in self.chained_optimizers)):
@@ -163,6 +169,10 @@ class MuonChainedOptimizer(ChainedOptimizer):
         """Megatron's, after ``checkpoint.rechain_loaded_state``: a checkpoint of a chain of another
         length (saved at EP2, dense and experts, loaded at EP1, one optimizer; or the reverse) is
         given to each optimizer as its own state dict; the same length passes through unchanged."""
+        if is_fsdp_dtensor_state(state_dict) and len(self.chained_optimizers) > 1:
+            for optimizer in self.chained_optimizers:  # each its own params' part, by name
+                optimizer.load_state_dict(fsdp_dtensor_part(state_dict, optimizer.param_names()))
+            return
         groups = [o.optimizer.state_dict()["param_groups"] if not getattr(o, "is_stub_optimizer", False) else []
                   for o in self.chained_optimizers]
         super().load_state_dict(rechain_loaded_state(state_dict, groups))

@@ -341,9 +341,6 @@ def _megatron_fsdp_rejections(args) -> list[tuple[bool, str]]:
          f"--use-megatron-fsdp with --pipeline-model-parallel-size {args.pipeline_model_parallel_size}: "
          "megatron-core 0.19.2's Megatron-FSDP lays every rank of the job out as DP x TP (x EP) and fails on "
          "a pipeline (an einops shape error); use --use-distributed-optimizer"),
-        (getattr(args, "num_experts", None) is not None,
-         "--use-megatron-fsdp with --num-experts: experts under Muon need --use-distributed-optimizer (the "
-         "expert-DP owner exchange); Megatron-FSDP with Muon is dense-only for now"),
         (args.ckpt_format != "fsdp_dtensor",
          f"--use-megatron-fsdp: --ckpt-format {args.ckpt_format}; Megatron-FSDP saves with --ckpt-format "
          "fsdp_dtensor"),

@@ -204,6 +204,34 @@ def test_fsdp_demo_config_trains_and_resumes(tmp_path, demo_data):
     assert [int(m) for m in re.findall(r"iteration\s+(\d+)/\s*33", out)] == [31, 32, 33]
 
 
+def test_fsdp_moe_demo_config_resumes_exactly(tmp_path, demo_data):
+    """configs/moe-tiny-cpu-fsdp.yaml as a user runs it: an MoE GPT under Megatron-FSDP
+    (optim_grads_params, bf16, fsdp_dtensor checkpoints), the dense params and the experts' both
+    sharded over the 2 ranks, a dense and an expert optimizer chained (the startup report). 6
+    iterations with a save after the 3rd; a resume from it logs the uninterrupted run's
+    iterations 4 to 6 exactly, as printed: every grad norm, and the losses of iterations 4 and 6
+    (Megatron's training_log keeps its loss accumulator across a resumed process's first logged
+    iteration, so the resumed line of iteration 5 is the mean of 4 and 5: checked as such); the
+    experts' momentum restored from their own shards."""
+    run = _config_job("moe-tiny-cpu-fsdp.yaml", tmp_path, demo_data, env=dict(CUDA_DEVICE_MAX_CONNECTIONS=None))
+    common = ("--train-iters", "6", "--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "2")
+    out = run(*common, "--save-interval", "3")
+    assert "experts: EP 1 x expert-TP 1 x expert-DP 2" in out, out[-6000:]
+    assert "expert DP 2: Megatron-FSDP optim_grads_params layout" in out, out[-6000:]
+    assert "in fsdp_dtensor format" in out
+    logged = re.compile(r"iteration\s+(\d+)/\s*6 \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|")
+    straight = {int(it): (loss, norm) for it, loss, norm in logged.findall(out)}
+    assert sorted(straight) == [1, 2, 3, 4, 5, 6], out[-4000:]
+    out = run(*common, "--ckpt-step", "3", "--save-interval", "1000")
+    assert re.search(r"successfully loaded checkpoint from \S+ .* at iteration 3", out), out[-4000:]
+    resumed = {int(it): (loss, norm) for it, loss, norm in logged.findall(out)}
+    assert sorted(resumed) == [4, 5, 6], out[-4000:]
+    assert all(resumed[it][1] == straight[it][1] for it in (4, 5, 6)), (resumed, straight)
+    assert resumed[4][0] == straight[4][0] and resumed[6][0] == straight[6][0], (resumed, straight)
+    mean = (float(straight[4][0]) + float(straight[5][0])) / 2  # printed to 7 digits: within 1 in the last
+    assert abs(float(resumed[5][0]) - mean) <= 1e-6 * mean, (resumed, straight)
+
+
 def test_fsdp2_demo_config_trains(tmp_path, demo_data):
     """configs/tiny-cpu-fsdp2.yaml as a user runs it: torch FSDP2 over 2 ranks (Megatron's
     ``TorchFullyShardedDataParallel``, its non-distributed bf16 optimizer over the DTensor shards),

@@ -210,7 +210,7 @@ def test_checkpoint_restores_the_optimizer_state_bitwise(checkpointed, strategy)
         assert saved.keys() == loaded.keys()
         assert any(k.endswith("momentum_buffer") for k in saved)
         for key, value in saved.items():
-            if key == "muon_steps":
+            if key.startswith("muon_steps"):
                 assert loaded[key] == value
             else:
                 assert torch.equal(loaded[key], value), key
@@ -226,7 +226,7 @@ def test_bitwise_resume(checkpointed, strategy):
         for name in full:
             assert torch.equal(full_resumed[name], full[name]), name
         for key in state:
-            if key == "muon_steps":
+            if key.startswith("muon_steps"):
                 assert state_resumed[key] == state[key]
             else:
                 assert torch.equal(state_resumed[key], state[key]), key

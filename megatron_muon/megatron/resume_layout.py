@@ -49,9 +49,11 @@ def virtual_stages(run) -> int:
 def experts_chained(run) -> bool:
     """Whether Megatron gives the experts an optimizer of their own (a chain of two): when they use
     the expert groups, at EP > 1 or an expert-TP size other than TP (megatron-core's linear layers
-    mark them ``allreduce`` False); otherwise the dense optimizer holds them."""
+    mark them ``allreduce`` False); otherwise the dense optimizer holds them. Under Megatron-FSDP
+    always: it shards every expert over the expert-DP group (``catalogue.tag_fsdp_experts``)."""
     return bool(getattr(run, "num_experts", None)) and (
-        getattr(run, "expert_model_parallel_size", 1) > 1
+        getattr(run, "use_megatron_fsdp", False)
+        or getattr(run, "expert_model_parallel_size", 1) > 1
         or expert_tp(run) != getattr(run, "tensor_model_parallel_size", 1))
 
 

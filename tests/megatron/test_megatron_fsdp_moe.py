@@ -204,12 +204,13 @@ def checkpoint_runs(rank: int, world: int, path: str, strategy: str) -> dict:
     return out
 
 
-def resume_at_dp1(rank: int, world: int, path: str, strategy: str) -> dict:
-    """The world-4 checkpoint (EP2 x expert-DP2, dense DP4) loaded on 2 ranks (EP2 x expert-DP1,
-    dense DP2) into a model from another init seed, then 2 steps: rank 0's full weights."""
+def resume_on_two_ranks(rank: int, world: int, path: str, strategy: str, ep: int) -> dict:
+    """The world-4 checkpoint (EP2 x expert-DP2, dense DP4) loaded on 2 ranks (dense DP2; EP2 x
+    expert-DP1, or EP1 x expert-DP2) into a model from another init seed, then 2 steps: rank 0's
+    full weights."""
     from megatron.core import parallel_state as ps
 
-    run = Run(sharding=strategy, seed=999, **CKPT)
+    run = Run(sharding=strategy, seed=999, **dict(CKPT, ep=ep))
     start(run)
     model, optimizer, scheduler = build(run)
     load_fsdp_dtensor(path, model, optimizer)
@@ -232,9 +233,10 @@ def checkpointed(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def resumed_at_dp1(checkpointed):
-    """{strategy: rank 0's full weights after the DP4 -> DP2 (expert-DP2 -> 1) resume}."""
-    return {s: run_world(2, resume_at_dp1, checkpointed[s][0], s, timeout=TIMEOUT)[0] for s in CKPT_STRATEGIES}
+def resumed_on_two_ranks(checkpointed):
+    """{(strategy, EP): rank 0's full weights after the 4 -> 2 ranks resume}."""
+    return {(s, ep): run_world(2, resume_on_two_ranks, checkpointed[s][0], s, ep, timeout=TIMEOUT)[0]
+            for s in CKPT_STRATEGIES for ep in (2, 1)}
 
 
 def _assert_state_equal(a: dict, b: dict, what: str) -> None:
@@ -304,15 +306,18 @@ def test_saved_state_equals_live(checkpointed, strategy, tmp_path):
     assert len(experts) == 2 * 2 * MOE["experts"], sorted(experts)  # fc1 and fc2 of 4 experts in 2 layers
 
 
+@pytest.mark.parametrize("ep", [2, 1], ids=["ep2-expert-dp1", "ep1-expert-dp2"])
 @pytest.mark.parametrize("strategy", CKPT_STRATEGIES)
-def test_resume_across_a_dp_change(checkpointed, resumed_at_dp1, strategy):
-    """Saved on 4 ranks (dense DP4, expert-DP2), resumed on 2 (dense DP2, expert-DP1: every expert
-    whole on its EP rank): torch's DCP reshards every DTensor, Megatron-FSDP's and Muon's alike,
-    and 2 more steps give the uninterrupted run's weights. Every DP rank trains on the whole batch
-    here, so each DP mean averages equal grads (a mean of 2 or 4 equal fp32 values is exact) and
-    the owner exchange only moves rows: bitwise."""
+def test_resume_across_a_dp_or_ep_change(checkpointed, resumed_on_two_ranks, strategy, ep):
+    """Saved on 4 ranks (dense DP4, EP2 x expert-DP2), resumed on 2: dense DP2 and either EP2 x
+    expert-DP1 (every expert whole on its EP rank) or EP1 x expert-DP2 (all 4 experts on each rank,
+    sharded over both). torch's DCP reshards every DTensor, Megatron-FSDP's and Muon's alike, the
+    experts under their global numbers, and 2 more steps give the uninterrupted run's weights.
+    Every DP rank trains on the whole batch here, so each DP mean averages equal grads (a mean of
+    2 or 4 equal fp32 values is exact), the owner exchange only moves rows, and the allgather
+    dispatcher sums each token's top-2 expert outputs in expert order at any EP: bitwise."""
     full, _ = checkpointed[strategy][1][0]["straight"]
-    resumed = resumed_at_dp1[strategy]
+    resumed = resumed_on_two_ranks[(strategy, ep)]
     assert resumed.keys() == full.keys()
     for name in full:
         assert torch.equal(resumed[name], full[name]), name

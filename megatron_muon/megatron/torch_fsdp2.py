@@ -104,12 +104,12 @@ def fsdp2_mesh_refusal(name: str, mesh_group, dp_group, expert: bool) -> str | N
         return None
     if expert:
         return (f"--use-torch-fsdp2: expert {name} is sharded by FSDP2 over global ranks {mesh} (megatron-core "
-                f"0.19.2's TorchFullyShardedDataParallel: every param over its one DP-CP mesh), but its grads are "
+                f"0.19.2's TorchFullyShardedDataParallel: every param over its one DP-CP mesh), but its grads must be "
                 f"averaged over its expert-DP group, global ranks {want}; FSDP2 holds experts exactly only where "
                 "the two are the same ranks (expert-TP x EP = TP: EP1 with the expert-TP size at the TP size, or e.g. "
                 "TP2 x EP2 x expert-TP1)")
-    return (f"--use-torch-fsdp2: {name} is sharded by FSDP2 over global ranks {mesh}, but its grads are averaged over "
-            f"Megatron's DP-CP group, global ranks {want}; wrap the model over the DP-CP group")
+    return (f"--use-torch-fsdp2: {name} is sharded by FSDP2 over global ranks {mesh}, but its grads must be averaged "
+            f"over Megatron's DP-CP group, global ranks {want}; wrap the model over the DP-CP group")
 
 
 def fsdp2_checkpoint_refusal(named_params, gated: bool) -> str | None:

@@ -37,7 +37,7 @@ from ..core.matrix_layout import MatrixLayout
 from ..optimizer import MatrixCatalogue
 from ..plan.param_marks import ParamMarks, RowSplits, matrix_layout
 from .megatron_fsdp import check_own_range, fsdp_item_ranges, optimizer_buffer
-from .torch_fsdp2 import torch_fsdp2_ranges
+from .torch_fsdp2 import fsdp2_mesh_refusal, torch_fsdp2_ranges
 
 __all__ = ["MatrixOf", "describe_megatron_fsdp", "describe_whole", "describe_zero1", "is_expert_parallel",
            "is_muon_matrix", "layout_of", "marks_of", "mla_heads_of", "packed_in_backprop_order", "param_names",
@@ -324,7 +324,8 @@ def describe_whole(model_chunks, dp_group, tp_group, muon_config: MuonConfig, *,
     """Without the distributed optimizer every DP rank holds every matrix whole (of the dense
     params, or of the expert-parallel ones), except under ``--use-torch-fsdp2``: there every
     matrix is a DTensor cut by rows over FSDP2's DP mesh (``torch_fsdp2.py``), described by each
-    DP rank's range and exchanged over the mesh's group. The tensor updated is the param's fp32
+    DP rank's range and exchanged over the mesh's group, which must hold the ranks of ``dp_group``
+    (the expert-DP group for experts: ``fsdp2_mesh_refusal``). The tensor updated is the param's fp32
     ``main_param`` when Megatron's wrapper made one (bf16), else the param itself."""
     tp_size = _tp_size(tp_group)
     names = param_names(model_chunks)
@@ -338,6 +339,8 @@ def describe_whole(model_chunks, dp_group, tp_group, muon_config: MuonConfig, *,
             ranges = None
             if getattr(p, "is_torch_fsdp2_param", False):  # --use-torch-fsdp2: rows cut over DP
                 ranges, group = torch_fsdp2_ranges(names[id(p)], p)
+                if group is not fsdp2_group and (refusal := fsdp2_mesh_refusal(names[id(p)], group, dp_group, expert)):
+                    raise ValueError(refusal)
                 if fsdp2_group is not None and group is not fsdp2_group:
                     raise ValueError(f"--use-torch-fsdp2: {names[id(p)]} is sharded over another mesh than "
                                      "the other Muon matrices (HSDP is not supported with Muon)")

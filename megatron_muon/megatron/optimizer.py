@@ -58,6 +58,7 @@ from .megatron_fsdp import MuonFSDPOptimizer, fsdp_dtensor_part, is_fsdp_dtensor
 from .qk_clip import build_qk_clip
 from .report import print_startup_report
 from .resharding import BALANCED_FROM_DP_RESHARDABLE
+from .torch_fsdp2 import keep_fsdp2_expert_rows_main
 
 __all__ = ["MuonChainedOptimizer", "MuonDistributedOptimizer", "get_megatron_muon_optimizer"]
 
@@ -310,6 +311,7 @@ def get_megatron_muon_optimizer(
     muon_config = _muon_config(config, muon_config)
     _check_supported(config, model_chunks)
     tag_fsdp_experts(model_chunks)
+    keep_fsdp2_expert_rows_main(model_chunks)  # torch FSDP2 with experts: their checkpoint rows
     tag_qkv(model_chunks)
     tag_grouped_experts(model_chunks)
     tag_routing(model_chunks, muon_config)

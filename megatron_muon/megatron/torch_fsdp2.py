@@ -17,14 +17,26 @@ DP owner through the owner exchange, as under Megatron-FSDP and ZeRO-1 (``megatr
 With TP the module FSDP2 shards already holds TP-local weights: a param's DTensor shape is its
 TP-local shape and its mesh is the DP mesh alone (TP stays outside DTensor), so the layout's
 TP description comes from the param's Megatron attributes as without FSDP2.
+
+Experts: megatron-core 0.19.2's ``TorchFullyShardedDataParallel`` calls ``fully_shard`` with its one
+mesh, the DP-CP group's, on every ``TransformerLayer``, experts included; FSDP2 then all-gathers an
+expert's rows and averages its grads over that mesh. That is right exactly where the mesh's ranks
+are the expert-DP group's: expert-TP x EP = TP, i.e. EP1 with the expert-TP size left at the TP size
+(Megatron then treats experts as dense params), or e.g. TP2 x EP2 x expert-TP1, whose expert-DP
+group is the DP group. Elsewhere the mesh's ranks hold other experts (TP1 x EP2: the all-gathered
+weight of local expert 0 is rows of global experts 0 and 2 in turn, and the two EP ranks' grads are
+averaged into it) or the expert-DP group has ranks the mesh lacks (TP2 x EP1 x expert-TP1: the TP
+peer's tokens' grads never arrive); ``fsdp2_mesh_refusal`` refuses both at the optimizer's build.
+Megatron's own ``validate_args`` (0.19.2, and Megatron-LM main) refuses ``--use-torch-fsdp2`` with
+EP > 1 outright, so from the command line only the EP1 case is reachable.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["fsdp2_checkpoint_refusal", "fsdp2_flat_start", "fsdp2_row_ranges", "fsdp2_shard_rows",
-           "torch_fsdp2_ranges"]
+__all__ = ["fsdp2_checkpoint_refusal", "fsdp2_flat_start", "fsdp2_mesh_refusal", "fsdp2_row_ranges",
+           "fsdp2_shard_rows", "keep_fsdp2_expert_rows_main", "torch_fsdp2_ranges"]
 
 
 def fsdp2_row_ranges(rows: int, cols: int, dp_size: int) -> tuple[tuple[int, int], ...]:
@@ -79,6 +91,64 @@ def torch_fsdp2_ranges(name: str, param: torch.Tensor):
                            f"({local_rows} local) of {name} {tuple(param.shape)}, computed flat range "
                            f"[{start}, {end}); FSDP2 changed?")
     return ranges, mesh.get_group()
+
+
+def fsdp2_mesh_refusal(name: str, mesh_group, dp_group, expert: bool) -> str | None:
+    """The line for an FSDP2 param whose mesh is not the DP group its grads must be averaged over
+    (``dp_group``: Megatron's DP-CP group, or for an expert the expert-DP group), or None. Compared
+    as sets of global ranks: the owner exchange runs over the mesh's own group either way."""
+    import torch.distributed as dist
+
+    mesh, want = dist.get_process_group_ranks(mesh_group), dist.get_process_group_ranks(dp_group)
+    if sorted(mesh) == sorted(want):
+        return None
+    if expert:
+        return (f"--use-torch-fsdp2: expert {name} is sharded by FSDP2 over global ranks {mesh} (megatron-core "
+                f"0.19.2's TorchFullyShardedDataParallel: every param over its one DP-CP mesh), but its grads must be "
+                f"averaged over its expert-DP group, global ranks {want}; FSDP2 holds experts exactly only where "
+                "the two are the same ranks (expert-TP x EP = TP: EP1 with the expert-TP size at the TP size, or e.g. "
+                "TP2 x EP2 x expert-TP1)")
+    return (f"--use-torch-fsdp2: {name} is sharded by FSDP2 over global ranks {mesh}, but its grads must be averaged "
+            f"over Megatron's DP-CP group, global ranks {want}; wrap the model over the DP-CP group")
+
+
+def keep_fsdp2_expert_rows_main(model_chunks) -> None:
+    """Make each ``SequentialMLP`` of an FSDP2 model save every DP rank's expert rows as a main replica.
+
+    Under FSDP2 megatron-core 0.19.2 writes each DP rank's ``Shard(0)`` rows as a fragment of their
+    own, each a main replica (``make_sharded_tensor_for_checkpoint``: "When using FSDP2, every DP
+    shard is a main replica", DP replica id 0). ``SequentialMLP.sharded_state_dict``
+    (transformer/moe/experts.py) then sets every expert tensor's DP replica id to the expert-DP
+    rank, which is right for whole experts replicated over expert-DP, not for FSDP2's rows: the
+    rows of DP ranks >= 1 have no main replica, and the torch_dist save fails at its validation
+    ("Invalid access pattern for ShardedTensor(key='decoder.layers.mlp.experts.experts.
+    linear_fc1.weight', ...)"), the optimizer state's keys too (they take the model's replica ids).
+    Each instance's ``sharded_state_dict`` whose params are FSDP2's is wrapped to put id 0 back on
+    every tensor it returns (a gated fc1's ``ShardedTensorFactory`` too: its gate and up halves take
+    the factory's replica id when built; not the extra state's ``ShardedObject``s, whole on every
+    DP rank), on this model only; a model without FSDP2 params is left as it is."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    for chunk in model_chunks:
+        for module in chunk.modules():
+            if not isinstance(module, SequentialMLP) or "sharded_state_dict" in vars(module):
+                continue
+            if not all(getattr(p, "is_torch_fsdp2_param", False) for p in module.parameters()):
+                continue
+            module.sharded_state_dict = _fsdp2_rows_main(module.sharded_state_dict)
+
+
+def _fsdp2_rows_main(sharded_state_dict):
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    def wrapper(*args, **kwargs):
+        out = sharded_state_dict(*args, **kwargs)
+        for item in out.values():  # not the ShardedObjects (extra state): those are replicas over DP
+            if isinstance(item, (ShardedTensor, ShardedTensorFactory)):
+                item.replica_id = (*item.replica_id[:2], 0)
+        return out
+
+    return wrapper
 
 
 def fsdp2_checkpoint_refusal(named_params, gated: bool) -> str | None:

@@ -7,11 +7,11 @@ and the optimizer's ``load_state_dict`` is never called, so its counters (AdamW'
 (called by the ``load_checkpoint`` hook) restores them from the checkpoint's common state.
 ``checkpoint_harness.load_torch_dist_in_place`` replays that load.
 
-Each case (TP1 x DP2 in fp32 and bf16, TP2 x DP2 in fp32 with the distributed TP mode; MuonBP
-period 3) trains the tiny GPT under FSDP2 (each DP rank on its own slice of a fresh global batch
-every step) 4 steps without interruption, and 2 steps, a save, a load into a model built from
-other weights in new processes, and 2 more steps. Compared bitwise: the state right after the
-load with the state saved (every rank's rows of the weights, fp32 main params, Muon momentum,
+Each case (TP1 x DP2 in fp32 and bf16, TP2 x DP2 in fp32 with the distributed TP mode; a MoE model
+at EP1, TP1 x DP2 and TP2 x DP2; MuonBP period 3) trains the tiny GPT under FSDP2 (each DP rank on
+its own slice of a fresh global batch every step) 4 steps without interruption, and 2 steps, a save,
+a load into a model built from other weights in new processes, and 2 more steps. Compared bitwise:
+the state right after the load with the state saved (every rank's rows of the weights, fp32 main params, Muon momentum,
 Adam moments, the step counters, ``muon_steps``), the last state and the losses of steps 3 and 4
 with the uninterrupted run's. The checkpoint read back by torch's own DCP reader, in one process,
 equals the saved live state (TP1). A load at another DP size (DP2 -> DP1, DP4) restores the same state.
@@ -29,7 +29,7 @@ import torch
 from checkpoint_harness import load_torch_dist_in_place, read_offline, save_torch_dist, torch_dist_metadata, unwrap
 from dist_harness import run_world
 from megatron_harness import GLOBAL_BATCH, destroy_megatron, gather_fsdp_rows
-from training_harness import ATOL, Run, build, start, steps
+from training_harness import ATOL, MOE, Run, build, start, steps
 
 SAVED_AT, STEPS = 2, 4
 FSDP2 = dict(wrap="fsdp2", batch=GLOBAL_BATCH, split_batch=True, schedule=True, fresh_batches=True, steps=STEPS)
@@ -38,8 +38,11 @@ RUNS = {
     "fp32": Run(tp=1, tp_mode="owner", muon=dict(muonbp_period=3), **FSDP2),
     "bf16": Run(tp=1, tp_mode="owner", bf16=True, muon=dict(muonbp_period=3, fp32_matmul_prec="medium"), **FSDP2),
     "tp2": Run(tp=2, tp_mode="distributed", muon=dict(muonbp_period=3), **FSDP2),
+    # MoE experts at EP1 (what --use-torch-fsdp2 takes): SequentialMLP's own sharded state dict
+    "moe": Run(tp=1, tp_mode="owner", moe=MOE, muon=dict(muonbp_period=3), **FSDP2),
+    "moe-tp2": Run(tp=2, tp_mode="owner", moe=MOE, muon=dict(muonbp_period=3), **FSDP2),
 }
-WORLDS = {"fp32": 2, "bf16": 2, "tp2": 4}  # TP1 x DP2; TP2 x DP2
+WORLDS = {"fp32": 2, "bf16": 2, "tp2": 4, "moe": 2, "moe-tp2": 4}  # TP1 x DP2; TP2 x DP2
 WORLD = 2
 
 
@@ -225,6 +228,48 @@ def test_checkpoint_read_back_by_torch_equals_the_live_state(saved, case, tmp_pa
     common = dist_checkpointing.load_common_state_dict(path)["optimizer"]
     inner = common.get("optimizer", common)
     assert float(inner["state"]["common_step"]) == SAVED_AT and inner["muon_steps"] == SAVED_AT
+
+
+def _expert_replica_ids(rank: int, world: int) -> dict:
+    """For the MoE case's model: {expert tensor key: (replica id, global offset)} of this rank's expert
+    rows, as the factory leaves ``SequentialMLP.sharded_state_dict`` (wrapped:
+    ``torch_fsdp2.keep_fsdp2_expert_rows_main``) and as megatron-core 0.19.2 alone gives them (the
+    wrap removed)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    run = RUNS["moe"]
+    start(run)
+    model, _, _ = build(run)
+
+    def ids() -> dict:
+        items = nested_values(unwrap(model[0]).sharded_state_dict(metadata=torch_dist_metadata(None)))
+        return {(t.key, t.global_offset): t.replica_id for t in items
+                if isinstance(t, ShardedTensor) and ".experts.experts." in t.key}
+
+    out = {"wrapped": ids()}
+    for module in model[0].modules():
+        if isinstance(module, SequentialMLP):
+            del module.sharded_state_dict
+    out["upstream"] = ids()
+    destroy_megatron(release_groups=False)
+    return out
+
+
+def test_expert_rows_are_each_a_main_replica():
+    """FSDP2 gives each DP rank its own rows of an expert (no two ranks write the same fragment), so
+    each must be a main replica (DP replica id 0, as ``make_sharded_tensor_for_checkpoint`` gives
+    FSDP2 rows). megatron-core 0.19.2's ``SequentialMLP.sharded_state_dict`` sets the expert-DP rank
+    instead: DP rank 1's rows then have no main replica, and the torch_dist save fails its validation
+    (measured: "Invalid access pattern for ShardedTensor(key='decoder.layers.mlp.experts.experts.
+    linear_fc1.weight', ...)"). The MoE cases above save through the factory's wrap."""
+    results = run_world(WORLD, _expert_replica_ids, fresh=True)
+    for rank, out in enumerate(results):
+        assert out["wrapped"] and out["wrapped"].keys() == out["upstream"].keys()
+        assert {rid[2] for rid in out["wrapped"].values()} == {0}, (rank, out["wrapped"])
+        assert {rid[2] for rid in out["upstream"].values()} == {rank}, (rank, out["upstream"])
+    assert not set(results[0]["wrapped"]) & set(results[1]["wrapped"])  # each DP rank's own fragments
 
 
 # ----------------------------------------------------------------------------- another DP size

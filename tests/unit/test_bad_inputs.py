@@ -32,6 +32,7 @@ CHECKED_ELSEWHERE = {  # rows checked by another test file (a torchrun job, a Me
     **{row: "e2e/test_layout_change_resume.py" for row in ("resume-ep-dp-reshardable", "resume-ep-torch-format")},
     "api-block-grid-divides": "dist/test_block_grid_steps.py", "api-plan-mismatch": "dist/test_step_setup.py",
     "api-ddp-outside-hooks": "megatron/test_model_config_ddp.py",
+    "api-fsdp2-expert-mesh": "megatron/test_fsdp2_moe.py",
     # Python API rows: raised by the factory (in a Megatron world) or by MuonWithAdamW itself
     **{row: "megatron/test_api_inputs.py" for row in ("api-muon-config-type", "api-tp-mode", "api-3d-muon",
                                                        "api-algorithm", "api-negative-lr", "api-qk-clip-mla-cache")},

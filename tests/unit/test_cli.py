@@ -352,9 +352,13 @@ REJECTED = [
     ("--optimizer muon --use-megatron-fsdp --ckpt-format fsdp_dtensor --num-experts 4",
      "--use-megatron-fsdp with --num-experts"),
     # torch FSDP2 trains with Muon (tests/megatron/test_torch_fsdp2.py) and resumes from torch_dist
-    # (tests/megatron/test_fsdp2_checkpoint.py); the legacy torch format and experts are refused
+    # (tests/megatron/test_fsdp2_checkpoint.py), experts at EP1 too (tests/megatron/test_fsdp2_moe.py); the legacy
+    # torch format, EP > 1 (Megatron's validate_args refuses it) and another expert-TP size are refused
     ("--optimizer muon --use-torch-fsdp2 --ckpt-format torch --save x", "--use-torch-fsdp2 with --ckpt-format torch"),
-    ("--optimizer muon --use-torch-fsdp2 --num-experts 4", "--use-torch-fsdp2 with --num-experts"),
+    ("--optimizer muon --use-torch-fsdp2 --num-experts 4 --expert-model-parallel-size 2",
+     "--use-torch-fsdp2 with --expert-model-parallel-size 2"),
+    ("--optimizer muon --use-torch-fsdp2 --num-experts 4 --expert-tensor-parallel-size 2",
+     "--use-torch-fsdp2 with --expert-tensor-parallel-size 2 at TP 1"),
     ("--optimizer muon --ckpt-format torch_dcp", "--ckpt-format"),
     ("--optimizer muon --dump-param-to-param-group-map x.json", "--dump-param-to-param-group-map"),
     ("--optimizer muon --use-distributed-optimizer --muon-dp-mode redundant", "--muon-dp-mode"),
@@ -381,6 +385,15 @@ def test_per_head_is_accepted_with_multi_latent_attention(installed, monkeypatch
     args = _parse_and_validate(arguments, monkeypatch,
                                "--optimizer muon --muon-split-qkv-per-head --multi-latent-attention")
     assert muon_config_from_args(args).split_qkv_per_head
+
+
+def test_fsdp2_with_experts_at_ep1_is_accepted(installed, monkeypatch):
+    """Experts under torch FSDP2 at EP1, the expert-TP size at the TP size (docs/fsdp.md): exact, so
+    neither our checks nor Megatron's validate_args stop them."""
+    arguments, _ = installed
+    args = _parse_and_validate(arguments, monkeypatch, "--optimizer muon --use-torch-fsdp2 --num-experts 4 "
+                               "--no-gradient-accumulation-fusion --untie-embeddings-and-output-weights")
+    assert args.use_torch_fsdp2 and args.num_experts == 4 and args.expert_model_parallel_size == 1
 
 
 def test_dispatcher(megatron, monkeypatch):

@@ -95,6 +95,12 @@ def test_logits_are_each_ranks_heads(trained, reference, tp, index):
             assert result.heads_over[step] == int((result.logits[step] > TAU).sum())
 
 
+# Measured (2 cores, fp32, K = 3 steps): max |run - reference| over all params 2.7e-6 at TP2 and
+# 1.7e-6 at TP4 (the embedding, AdamW), on the QKVs 1.6e-7 to 3.0e-7, per head and whole alike;
+# with the MAX over TP removed (each rank's η from its own heads) the QKVs are off by 1.6e-3 to
+# 8.1e-3, 270 x ATOL or more.
+
+
 @pytest.mark.parametrize("tp,index", ALL, ids=[f"tp{tp}-{i}" for tp, i in ALL])
 def test_matches_single_process_reference(trained, reference, tp, index):
     # fp32: the same steps in another summation order (TP's split GEMMs, DP's reductions, the
@@ -103,7 +109,9 @@ def test_matches_single_process_reference(trained, reference, tp, index):
     run = RUNS[tp][index]
     result = trained[tp][0][index]
     worst = worst_param(result, reference[run.per_head][0])
-    print(f"\n{run}: max |run - reference| = {worst[0]:.3e} ({worst[1]})")
+    qkv = max((result.full[n] - reference[run.per_head][0].full[n]).abs().max().item()
+              for n in result.full if "linear_qkv" in n)
+    print(f"\n{run}: max |run - reference| = {worst[0]:.3e} ({worst[1]}), on the QKVs {qkv:.3e}")
     assert worst[0] <= ATOL, f"{run}: {worst[1]} off by {worst[0]:.2e}"
     if run.dist_opt and tp == 2:
         cut = [len(lay.holders(r[index].dp_size)) for r in trained[tp] for lay in r[index].layouts

@@ -521,7 +521,7 @@ def _mla_config(mla: dict | None) -> dict:
     return dict(MLA, **mla, rope_type="rope")
 
 
-def reference_param_groups(chunk, per_head: bool = False) -> tuple[list[dict], list, list]:
+def reference_param_groups(chunk, per_head: bool = False, whole_qkv: bool = False) -> tuple[list[dict], list, list]:
     """How the one-process references (TP1) split a tiny GPT's params, as megatron-muon routes them:
     Muon groups (a fused QKV split per query group into q, k and v, or with ``per_head`` into its
     heads, each query head and each group's k and v head of head_dim rows, contiguous in
@@ -535,6 +535,7 @@ def reference_param_groups(chunk, per_head: bool = False) -> tuple[list[dict], l
 
     config = _unwrap(chunk).config
     groups, kv = config.num_query_groups, config.kv_channels  # MLA: no fused QKV, kv_channels unused
+    # whole_qkv (--muon-no-split-qkv): a fused QKV is one matrix
     muon_groups, decay, no_decay = [], [], []
     for name, p in chunk.named_parameters():
         if is_muon_matrix(p):
@@ -542,6 +543,8 @@ def reference_param_groups(chunk, per_head: bool = False) -> tuple[list[dict], l
                      else RowSplit(1, (p.shape[0] // 2,) * 2) if "linear_fc1" in name else None)
             if per_head and "linear_qkv" in name:
                 split = RowSplit(1, (kv,) * (p.shape[0] // kv))
+            if whole_qkv and "linear_qkv" in name:
+                split = None
             if per_head and name.endswith(("linear_q_proj.weight", "linear_q_up_proj.weight")):
                 cfg = chunk.config  # MLA: per head its [nope; rope] query rows, one matrix
                 split = RowSplit(1, (cfg.qk_head_dim + cfg.qk_pos_emb_head_dim,) * HEADS)

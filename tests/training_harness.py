@@ -251,6 +251,9 @@ class Run:
     per_head: bool = False
     """``--muon-split-qkv-per-head``: the run's ``MuonConfig`` and the reference's row split of a
     QKV, every head its own matrix."""
+    whole_qkv: bool = False
+    """``--muon-no-split-qkv``: the run's ``MuonConfig`` and the reference orthogonalize a fused
+    QKV as one matrix."""
 
     def __post_init__(self):
         object.__setattr__(self, "muon", _settings(self.muon, MUON_KEYS, "muon"))
@@ -269,6 +272,8 @@ class Run:
             raise TypeError("Run: nan_step plants a NaN before DDP's reduction, which overlap starts in the backward")
         if self.qk_log_only and self.qk_clip is None:
             raise TypeError("Run.qk_log_only: needs qk_clip (its τ counts the heads over it)")
+        if self.whole_qkv and self.per_head:
+            raise TypeError("Run: whole_qkv and per_head are two different QKV splits")
         if self.hybrid is not None and len(self.hybrid) != self.layers:
             raise TypeError(f"Run.hybrid {self.hybrid!r}: expected layers={len(self.hybrid)}, got {self.layers}")
 
@@ -284,7 +289,8 @@ class Run:
 
 
 REFERENCE_FIELDS = ("layers", "seed", "steps", "batch", "data_seed", "fresh_batches", "microbatches", "clip", "moe",
-                    "mla", "attention", "qk_clip", "qk_log_only", "hybrid", "per_head")
+                    "mla", "attention", "qk_clip", "qk_log_only", "hybrid", "per_head",
+                    "whole_qkv")
 """The fields ``reference`` reads; the others describe how a distributed run gets there."""
 
 
@@ -420,7 +426,8 @@ def build(run: Run):
 
     from megatron_muon.megatron.optimizer import get_megatron_muon_optimizer
 
-    muon_config = MuonConfig(tp_mode=run.tp_mode, **{**MUON, "split_qkv_per_head": run.per_head, **dict(run.muon)})
+    muon_config = MuonConfig(tp_mode=run.tp_mode, **{**MUON, "split_qkv_per_head": run.per_head,
+                                                    "split_qkv": not run.whole_qkv, **dict(run.muon)})
     model = build_tiny_gpt(run.tp, run.pp, bf16=run.bf16, use_distributed_optimizer=run.dist_opt,
                            bucket_size=run.bucket_size, seed=run.seed, num_layers=run.layers, dp_layout=run.layout,
                            muon_config=muon_config, vpp=run.vpp, overlap=run.overlap,
@@ -678,7 +685,8 @@ def _reference(run: Run) -> Trace:
     assert not any(is_expert(p) for p in model[0].parameters())  # one process: every expert is local
     initial = gather_full_params(model, ps.get_tensor_model_parallel_group(), 1)
     qk_clip = _ReferenceClip(model[0], run) if run.qk_clip is not None else None
-    muon_groups, decay, no_decay = reference_param_groups(model[0], per_head=run.per_head)
+    muon_groups, decay, no_decay = reference_param_groups(model[0], per_head=run.per_head,
+                                                     whole_qkv=run.whole_qkv)
     muon = Muon(muon_groups, lr=LR, weight_decay=WD, momentum=MUON["momentum"], nesterov=MUON["nesterov"],
                 ns_dtype=torch.float32, coefficients=MUON["coefficient_type"], scale_mode=MUON["scale_mode"],
                 extra_scale_factor=MUON["extra_scale_factor"])

@@ -41,6 +41,13 @@ one of the layer is over τ: a negative ``m`` gives a negative η, whose ``η^α
 MLA's rotary query rows, × η flips their sign); a NaN ``m`` gives NaN rows. For ``m ≥ 0``
 both give the same factors, bitwise.
 
+**Fewer query groups than TP ranks** (megatron-core 0.19.2, ``num_query_groups`` < TP): each TP
+rank holds a contiguous 1/TP of the whole weight's rows above, which may cut a group's q block or
+its k head, and computes 1/TP of the query heads (TP rank ``r``: heads ``[r·heads/TP,
+(r+1)·heads/TP)``). The rule is the same on the whole weight: η per query group from all of the
+group's heads (gathered from the TP ranks that hold them), and each rank multiplies its own rows by
+their factors (``qkv_row_scale``'s ``rows``), bitwise what one process does to those rows.
+
 The scale is a per-row vector (``qkv_row_scale``, ``mla_q_row_scale``, ``mla_kv_row_scale``),
 applied either to the whole TP-local matrix (``scale_rows_``) or to a flat range of it
 (``scale_rows_flat_``): the distributed optimizer's fp32 shard holds elements ``[start, end)`` of
@@ -86,16 +93,25 @@ def _blocks(factors: list[tuple[torch.Tensor, int]]) -> torch.Tensor:
     return torch.cat([f[:, None].expand(groups, rows) for f, rows in factors], dim=1).reshape(-1)
 
 
-def qkv_row_scale(eta: torch.Tensor, alpha: float, q_rows: int, kv_rows: int) -> torch.Tensor:
+def qkv_row_scale(eta: torch.Tensor, alpha: float, q_rows: int, kv_rows: int,
+                  rows: tuple[int, int] | None = None) -> torch.Tensor:
     """The per-row factor of a fused QKV weight: fp32 ``[groups · (q_rows + 2·kv_rows)]``.
 
     Group ``g``'s ``q_rows`` query rows get ``η_g^α``, its ``kv_rows`` key rows ``η_g^(1−α)``, its
-    value rows 1. ``alpha`` in (0, 1) (``--qk-clip-alpha``).
+    value rows 1. ``alpha`` in (0, 1) (``--qk-clip-alpha``). ``rows`` ``(lo, hi)``: only the
+    factors of rows ``[lo, hi)`` of the weight (``eta`` still every group's): a TP rank's contiguous
+    row slice of the whole QKV when there are fewer query groups than TP ranks.
     """
     _check_alpha(alpha)
     eta = eta.float()
-    return _blocks([(torch.pow(eta, alpha), q_rows), (torch.pow(eta, 1.0 - alpha), kv_rows),
-                    (torch.ones_like(eta), kv_rows)])
+    scale = _blocks([(torch.pow(eta, alpha), q_rows), (torch.pow(eta, 1.0 - alpha), kv_rows),
+                     (torch.ones_like(eta), kv_rows)])
+    if rows is None:
+        return scale
+    lo, hi = rows
+    if not 0 <= lo <= hi <= scale.numel():
+        raise ValueError(f"qk-clip: rows [{lo}, {hi}) are not rows of a QKV of {scale.numel()} rows")
+    return scale[lo:hi]
 
 
 def mla_q_row_scale(eta: torch.Tensor, alpha: float, nope_rows: int, pe_rows: int) -> torch.Tensor:

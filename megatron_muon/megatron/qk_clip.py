@@ -26,7 +26,12 @@ the distributed optimizer's flat fp32 shards are not. Here, with the same flags 
   ``main.to(bf16)`` as after any step, and nothing is clipped twice). Every layer's max logits
   go into one vector, all-reduced with MAX over the data-parallel × context-parallel group
   (upstream reduces over the same group, one collective per layer; here one per step); TP
-  ranks hold different heads and PP stages different layers, so neither is reduced. Then, per
+  ranks hold different heads and PP stages different layers, so neither is reduced, except
+  where a layer has fewer query groups than TP ranks: there a rank's rows of the whole QKV need
+  the η of a group whose heads other TP ranks track, and one MAX all-reduce over the TP group
+  per step (every such layer's heads) gives every rank the whole layer's (``_spread_attention``
+  says how megatron-core 0.19.2 lays them out; its own ``clip_qk`` asserts there a head count
+  that its core attention does not report). Then, per
   layer, ``core/qk_clip.py``'s rule on this rank's main param of each weight it scales —
   ``linear_qkv.weight`` (η per query group), or for MLA (``MLASelfAttention``, η per head) the
   q projection (``linear_q_proj``, or ``linear_q_up_proj`` with a q LoRA rank) and
@@ -62,6 +67,7 @@ from ..core.qk_clip import (
     scale_rows_flat_,
 )
 from ..optimizer import to_local
+from ..parallel.comm import group_rank
 from ..parallel.devices import resolve_device
 from .torch_fsdp2 import fsdp2_flat_start
 
@@ -134,6 +140,11 @@ class ClippedAttention:
     """groups η is taken over on this TP rank: query groups (GQA), or ``heads`` (MHA, MLA)."""
     weights: list[ClippedWeight]
     """``linear_qkv.weight``; MLA: the q projection and ``linear_kv_up_proj.weight``."""
+    spread: tuple[int, int] | None = None
+    """fewer query groups than TP ranks: (this rank's first head among the layer's, the layer's
+    query heads). Each TP rank tracks ``heads`` of them and holds a 1/TP row slice of the whole
+    QKV; ``groups`` is then the layer's query groups, η taken over all its heads (``QKClip.step``
+    gathers them over TP). None: this rank's heads and groups are its own."""
 
 
 class QKClip:
@@ -145,10 +156,12 @@ class QKClip:
         threshold, alpha: τ and α (``--qk-clip-threshold``, ``--qk-clip-alpha``).
         clip: False for ``--log-max-attention-logit`` alone: reduce and report, change nothing.
         log_group: the model-parallel (TP × PP) group over which ``log_values`` sums the model's heads.
+        tp_group: the TP group of the layers whose heads are ``spread`` over it (fewer query groups
+            than TP ranks); None when there are none.
     """
 
     def __init__(self, attentions: list[ClippedAttention], group, threshold: float, alpha: float, clip: bool,
-                 log_group=None):
+                 log_group=None, tp_group=None):
         if clip and not threshold > 0:
             raise ValueError(f"--qk-clip-threshold: expected a value > 0, got {threshold}")
         if clip and not 0.0 < alpha < 1.0:
@@ -159,6 +172,9 @@ class QKClip:
         self.alpha = float(alpha)
         self.clip = clip
         self.log_group = log_group
+        self.tp_group = tp_group
+        if any(a.spread is not None for a in attentions) and tp_group is None:
+            raise ValueError("qk-clip: attention heads spread over TP ranks need the TP group")
         self.heads = sum(a.heads for a in attentions)
         """heads on this rank (all its layers)."""
         self.last_logits: torch.Tensor | None = None
@@ -177,7 +193,11 @@ class QKClip:
         """Reduce this step's max logits, clip (when ``clip``), keep the stats, reset the trackers.
 
         Every rank of ``group`` calls it once per applied optimizer step: one all-reduce, the
-        same size everywhere (a layer that saw no forward contributes -inf, which never wins)."""
+        same size everywhere (a layer that saw no forward contributes -inf, which never wins).
+        With layers whose heads are ``spread`` over TP ranks, every rank of ``tp_group`` then
+        makes one more, MAX over TP of every such layer's whole head vector (each rank's own heads
+        in place, -inf elsewhere; the same size on every TP rank: the stage's layers): the
+        per-group max takes heads tracked on other TP ranks, exactly (MAX rounds nothing)."""
         if not self.attentions:
             return
         tracked = [a.core.current_max_attn_logits for a in self.attentions]
@@ -187,12 +207,13 @@ class QKClip:
             for a, t in zip(self.attentions, tracked)])
         if self.group is not None and dist.get_world_size(self.group) > 1:
             dist.all_reduce(logits, op=dist.ReduceOp.MAX, group=self.group)
-        for a, head_max in zip(self.attentions, logits.split([a.heads for a in self.attentions])):
+        whole = self._whole_heads(logits) if self.clip else {}
+        for i, (a, head_max) in enumerate(zip(self.attentions, logits.split([a.heads for a in self.attentions]))):
             a.core.current_max_attn_logits = None
             held = [w for w in a.weights if w.main is not None]
             if not self.clip or not held:
                 continue
-            eta = group_eta(head_max, a.groups, self.threshold)
+            eta = group_eta(whole.get(i, head_max), a.groups, self.threshold)
             for w in held:
                 scale = w.row_scale(eta, self.alpha).to(w.main.device)
                 if w.start is None:
@@ -202,6 +223,25 @@ class QKClip:
         self.last_logits = logits
         self.last_max_logit = logits.max()
         self.last_heads_over = (logits > self.threshold).sum()
+
+    def _whole_heads(self, logits: torch.Tensor) -> dict[int, torch.Tensor]:
+        """{layer index: the layer's every head's max logit} for the layers ``spread`` over TP,
+        from ``logits`` (this rank's heads of every layer, DP-reduced) and one MAX all-reduce over
+        ``tp_group``; {} when there are none (and no collective)."""
+        spread = [i for i, a in enumerate(self.attentions) if a.spread is not None]
+        if not spread:
+            return {}
+        own = logits.split([a.heads for a in self.attentions])
+        whole = torch.full((sum(self.attentions[i].spread[1] for i in spread),), float("-inf"), device=logits.device)
+        at, out = 0, {}
+        for i in spread:
+            first, heads = self.attentions[i].spread
+            whole[at + first:at + first + own[i].numel()] = own[i]
+            out[i] = whole[at:at + heads]
+            at += heads
+        if dist.get_world_size(self.tp_group) > 1:
+            dist.all_reduce(whole, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return out
 
     def log_values(self) -> tuple[float, int, int] | None:
         """(max logit, heads over τ, heads) of the whole model at the last step, reduced over the
@@ -264,7 +304,7 @@ def build_qk_clip(model_chunks, matrix_of: dict, group, dp_rank: int, log_group=
     if not (clip or log):
         return None
     flag = "--qk-clip" if clip else "--log-max-attention-logit"
-    attentions = []
+    attentions, tp_groups = [], []  # tp_groups: of the layers spread over TP (fewer query groups)
     for c, chunk in enumerate(model_chunks):
         for name, module in _attention_layers(chunk):
             name = f"chunk{c}.{name}"
@@ -286,11 +326,10 @@ def build_qk_clip(model_chunks, matrix_of: dict, group, dp_rank: int, log_group=
                     module, name, flag, matrix_of, dp_rank)))
                 continue
             weight = module.linear_qkv.weight
-            query_groups = module.config.num_query_groups
-            if query_groups < getattr(module, "world_size", 1):
-                raise ValueError(f"{flag}: {name}.linear_qkv.weight: --num-query-groups {query_groups} below "
-                                 f"--tensor-model-parallel-size {module.world_size} is not supported (each TP rank "
-                                 "holds a 1/TP row slice of the whole QKV, not whole query groups)")
+            if module.config.num_query_groups < getattr(module, "world_size", 1):
+                attentions.append(_spread_attention(module, name, flag, core, matrix_of, dp_rank))
+                tp_groups.append(module.pg_collection.tp)
+                continue
             groups = module.num_query_groups_per_partition
             head_dim = module.hidden_size_per_attention_head
             q_rows = heads // groups * head_dim
@@ -301,7 +340,38 @@ def build_qk_clip(model_chunks, matrix_of: dict, group, dp_rank: int, log_group=
             attentions.append(ClippedAttention(name, core, heads, groups, [_clipped(
                 f"{name}.linear_qkv.weight", weight, matrix_of, dp_rank,
                 partial(qkv_row_scale, q_rows=q_rows, kv_rows=head_dim))]))
-    return QKClip(attentions, group, threshold, alpha, clip, log_group)
+    if any(g is not tp_groups[0] for g in tp_groups):
+        raise ValueError(f"{flag}: the attention layers of this rank are not on one TP group")
+    return QKClip(attentions, group, threshold, alpha, clip, log_group, tp_group=tp_groups[0] if tp_groups else None)
+
+
+def _spread_attention(module, name: str, flag: str, core, matrix_of: dict, dp_rank: int) -> ClippedAttention:
+    """A self-attention with fewer query groups than TP ranks, as megatron-core 0.19.2 lays it out
+    (``Attention.get_query_key_value_tensors``): TP rank ``r`` holds rows ``[r·R/TP, (r+1)·R/TP)``
+    of the whole QKV (``R = groups · (heads / groups + 2) · head_dim``, ``[q heads; k; v]`` per
+    group), all-gathers the projection's output, and its core attention computes query heads
+    ``[r·heads/TP, (r+1)·heads/TP)`` of its group (``num_attention_heads_per_partition`` reports
+    the group's heads, not these), which its max logits are of. Refuses what does not fit that."""
+    config = module.config
+    tp, query_groups, heads = module.world_size, config.num_query_groups, config.num_attention_heads
+    head_dim = module.hidden_size_per_attention_head
+    weight_name = f"{name}.linear_qkv.weight"
+    if tp % query_groups or heads % tp:
+        raise ValueError(f"{flag}: {weight_name}: --num-query-groups {query_groups} and --num-attention-heads "
+                         f"{heads} with --tensor-model-parallel-size {tp}: expected TP a multiple of the query "
+                         "groups and the heads a multiple of TP (megatron-core's head split below the query groups)")
+    q_rows = heads // query_groups * head_dim
+    rows = query_groups * (q_rows + 2 * head_dim)
+    shape = _tp_local_shape(module.linear_qkv.weight, matrix_of)
+    if len(shape) != 2 or shape[0] * tp != rows:
+        raise ValueError(f"{flag}: {weight_name} of shape {shape} is not 1/{tp} of the rows of [q; k; v] x "
+                         f"{query_groups} query groups ({rows} rows; an attention output gate is not supported)")
+    rank = group_rank(module.pg_collection.tp)
+    local = heads // tp
+    row_scale = partial(qkv_row_scale, q_rows=q_rows, kv_rows=head_dim, rows=(rank * shape[0], (rank + 1) * shape[0]))
+    return ClippedAttention(name, core, local, query_groups,
+                            [_clipped(weight_name, module.linear_qkv.weight, matrix_of, dp_rank, row_scale)],
+                            spread=(rank * local, heads))
 
 
 def _mla_weights(module, name: str, flag: str, matrix_of: dict, dp_rank: int) -> list[ClippedWeight]:

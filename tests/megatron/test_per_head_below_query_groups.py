@@ -119,13 +119,11 @@ def test_per_head_reference_is_not_the_per_group_one():
     assert worst > 100 * ATOL, f"per head moves the QKV weights by only {worst:.2e} from per group"
 
 
-def _refusals_worker(rank: int, world: int) -> list[str]:
-    """The TP4 cut run built (1) with the query heads counted per TP rank (heads / TP, as
-    megatron-core counts them at TP up to the query groups) instead of the group's, a planted bug,
-    and (2) with QK-clip, which needs whole query groups on a rank: the errors they raise."""
-    import dataclasses
-
-    from training_harness import build, refusal_of, start
+def _refusals_worker(rank: int, world: int) -> str:
+    """The TP4 cut run built with the query heads counted per TP rank (heads / TP, as
+    megatron-core counts them at TP up to the query groups) instead of the group's, a planted bug:
+    the error it raises. (QK-clip there: tests/megatron/test_qk_clip_below_query_groups.py.)"""
+    from training_harness import refusal_of
 
     from megatron_muon.megatron import catalogue
 
@@ -135,26 +133,11 @@ def _refusals_worker(rank: int, world: int) -> list[str]:
         groups, _, head_dim = honest(attention)
         return groups, attention.config.num_attention_heads // 4, head_dim
 
-    planted = refusal_of(RUNS_TP4[0], catalogue, "qkv_heads_of", per_tp_rank)
-    clipped = dataclasses.replace(RUNS_TP4[0], qk_clip=(1.0, 0.5))
-    start(clipped)
-    try:
-        build(clipped)
-        clip = "built"
-    except ValueError as err:
-        clip = str(err)
-    finally:
-        from megatron_harness import destroy_megatron
-
-        destroy_megatron()
-    return [planted, clip]
+    return refusal_of(RUNS_TP4[0], catalogue, "qkv_heads_of", per_tp_rank)
 
 
 def test_refusals_below_tp_query_groups():
-    """Head counts that do not describe the row slice, in one line naming the weight and the flag;
-    QK-clip, whose per-group rule needs whole query groups on a rank, naming the flags."""
-    for planted, clip in run_world(4, _refusals_worker, timeout=TIMEOUT, fresh=True):
+    """Head counts that do not describe the row slice, in one line naming the weight and the flag."""
+    for planted in run_world(4, _refusals_worker, timeout=TIMEOUT, fresh=True):
         assert "linear_qkv" in planted and "--muon-split-qkv-per-head" in planted, planted
         assert "after TP sharding" in planted and "\n" not in planted
-        assert clip.startswith("--qk-clip: ") and "--num-query-groups 1 below --tensor-model-parallel-size 4" in clip
-        assert "\n" not in clip

@@ -101,11 +101,24 @@ def test_flat_range_equals_the_whole_matrix_bitwise(start, end):
     assert torch.equal(flat, whole.reshape(-1)[start:end])
 
 
+@pytest.mark.parametrize("tp", [2, 3, 4, 6])
+def test_a_tp_ranks_rows_are_the_whole_weights_bitwise(tp):
+    """Fewer query groups than TP ranks: each rank's contiguous row slice of the whole QKV (cut
+    anywhere, mid-head included) gets exactly the whole weight's factors of those rows."""
+    eta = torch.tensor([0.5, 0.8])
+    whole = qkv_row_scale(eta, 0.3, 4 * HEAD_DIM, HEAD_DIM)  # 2 groups of 4 query heads: 12 heads
+    rows = whole.numel() // tp
+    parts = [qkv_row_scale(eta, 0.3, 4 * HEAD_DIM, HEAD_DIM, rows=(r * rows, (r + 1) * rows)) for r in range(tp)]
+    assert torch.equal(torch.cat(parts), whole)
+
+
 def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="do not split into 3 query groups"):
         group_eta(torch.zeros(4), 3, 1.0)
     with pytest.raises(ValueError, match="alpha must be in"):
         qkv_row_scale(torch.ones(2), 1.0, 4, 2)
+    with pytest.raises(ValueError, match="rows \\[4, 9\\) are not rows of a QKV of 8 rows"):
+        qkv_row_scale(torch.ones(1), 0.5, 4, 2, rows=(4, 9))
     with pytest.raises(ValueError, match="does not fit a matrix of 4 rows x 3 columns"):
         scale_rows_flat_(torch.zeros(5), 9, torch.ones(4), 3)
 

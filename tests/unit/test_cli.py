@@ -349,8 +349,6 @@ REJECTED = [
     ("--optimizer muon --use-megatron-fsdp --ckpt-format torch_dist", "--use-megatron-fsdp: --ckpt-format"),
     ("--optimizer muon --use-megatron-fsdp --ckpt-format fsdp_dtensor --distributed-backend gloo",
      "--use-megatron-fsdp with --distributed-backend gloo: add --no-gradient-reduce-div-fusion"),
-    ("--optimizer muon --use-megatron-fsdp --ckpt-format fsdp_dtensor --num-experts 4",
-     "--use-megatron-fsdp with --num-experts"),
     # torch FSDP2 trains with Muon (tests/megatron/test_torch_fsdp2.py) and resumes from torch_dist
     # (tests/megatron/test_fsdp2_checkpoint.py), experts at EP1 too (tests/megatron/test_fsdp2_moe.py); the legacy
     # torch format, EP > 1 (Megatron's validate_args refuses it) and another expert-TP size are refused

@@ -373,6 +373,18 @@ def test_fsdp_config_is_what_it_says(installed, monkeypatch):
 
 
 
+def test_fsdp_moe_config_is_what_it_says(installed, monkeypatch):
+    """The CPU MoE Megatron-FSDP demo: 4 experts at EP1 and TP1, so the dense DP group and the
+    expert-DP group are both ranks (experts sharded over them); Megatron's validate_args accepts
+    experts under Megatron-FSDP, and so do ours (docs/fsdp.md#experts-moe)."""
+    _as_on_a_gpu_node(installed, monkeypatch)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    args = _parse_and_validate(installed, monkeypatch, load_yaml_args(ROOT / "configs" / "moe-tiny-cpu-fsdp.yaml"))
+    assert args.use_megatron_fsdp and args.num_experts == 4 and args.expert_model_parallel_size == 1
+    assert (args.tensor_model_parallel_size, args.ckpt_format, args.bf16) == (1, "fsdp_dtensor", True)
+    assert args.save == "checkpoints/moe-tiny-cpu-fsdp" and args.load == args.save
+
+
 def test_per_head_config_is_what_it_says(installed, monkeypatch):
     """The per-head demo: tiny-cpu.yaml with GQA (4 heads in 2 query groups, one group per TP rank at
     TP2, so every rank holds whole heads) and --muon-split-qkv-per-head, its own checkpoint directory."""

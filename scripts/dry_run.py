@@ -755,8 +755,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     args.dp_layout = args.dp_layout or MuonConfig().dp_layout
     shape = MODELS[args.model]
-    if args.fsdp is not None and (shape.num_experts or args.ep > 1):
-        parser.error(f"--fsdp: {args.model} has experts; experts under Muon need the distributed optimizer (DDP)")
     if args.vpp > 1 and (shape.num_experts or args.pp < 2 or args.fsdp is not None):
         parser.error(f"--vpp {args.vpp}: virtual stages need --pp >= 2, DDP and a dense model here")
     if args.fsdp is not None and args.pp > 1:

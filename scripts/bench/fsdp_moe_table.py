@@ -18,8 +18,7 @@ import json
 
 from scripts.bench.record_dry_runs import path_of
 
-PAIRS = (("Mixtral-8x7B", "moe_mixtral_tp1_ep8_dp64_auto"), ("DeepSeek-V3 (PP1, all 61 layers)",
-                                                             "moe_dsv3_tp1_ep8_dp64_auto"))
+PAIRS = (("Mixtral-8x7B", "moe_mixtral_tp1_ep8_dp64_auto"), ("DeepSeek-V3 (PP1)", "moe_dsv3_tp1_ep8_dp64_auto"))
 """(model, the ZeRO-1 run's record name); the Megatron-FSDP run's is the same with ``_fsdp``."""
 
 

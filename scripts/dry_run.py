@@ -6,6 +6,7 @@
     python scripts/dry_run.py --model mixtral-8x7b --tp 2 --ep 8 --dp 64 --tp-mode duplicated
     python scripts/dry_run.py --model deepseek-v3 --tp 1 --ep 8 --pp 16 --dp 64
     python scripts/dry_run.py --model llama3-70b --tp 8 --dp 8 --fsdp optim_grads_params
+    python scripts/dry_run.py --model mixtral-8x7b --tp 1 --ep 8 --dp 64 --fsdp optim_grads_params
     python scripts/dry_run.py --model nemotron-h-8b --tp 8 --dp 64 --tp-mode auto
 
 For each chosen rank it builds what a Megatron job builds on that rank — the real megatron-core

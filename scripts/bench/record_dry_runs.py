@@ -1,7 +1,7 @@
 """Regenerate every recorded dry run, ``docs/perf-results/dry_run_*.json``, with one command.
 
-    python -m scripts.bench.record_dry_runs            # all of them (about 35 minutes on 2 cores; the two
-                                                       # DeepSeek-V3 runs at PP1 about 11 each)
+    python -m scripts.bench.record_dry_runs            # all of them (about 20 minutes on 2 cores; DeepSeek-V3
+                                                       # under Megatron-FSDP at PP1 about 6 of them)
     python -m scripts.bench.record_dry_runs 405b_tp8   # those whose name contains any of the words
 
 ``RUNS`` is the list: each recorded file's name and the ``scripts/dry_run.py`` arguments that write
@@ -27,7 +27,8 @@ _DSV3 = ["--model", "deepseek-v3", "--tp", "1", "--ep", "8", "--etp", "1", "--pp
 _MIXTRAL = ["--model", "mixtral-8x7b", "--ep", "8", "--dp", "64"]
 _NEMOTRON = ["--model", "nemotron-h-8b", "--tp", "8"]
 # Issue 44 item 5 (scripts/bench/fsdp_moe_table.py): default flags, ZeRO-1 and Megatron-FSDP, at PP1 (Megatron-FSDP
-# has no pipeline). DeepSeek-V3 whole on one stage: about 5 minutes a simulated rank, so its first and last only.
+# has no pipeline). DeepSeek-V3 whole on one stage: about 3 minutes a simulated rank under Megatron-FSDP, so its
+# first and last only.
 _MOE_DP64 = [("moe_mixtral_tp1_ep8_dp64_auto", [*_MIXTRAL, "--tp", "1", "--tp-mode", "auto"]),
              ("moe_dsv3_tp1_ep8_dp64_auto", ["--model", "deepseek-v3", "--tp", "1", "--ep", "8", "--dp", "64",
                                              "--tp-mode", "auto", "--ranks", "first,last"])]

@@ -6,6 +6,7 @@
     python scripts/dry_run.py --model mixtral-8x7b --tp 2 --ep 8 --dp 64 --tp-mode duplicated
     python scripts/dry_run.py --model deepseek-v3 --tp 1 --ep 8 --pp 16 --dp 64
     python scripts/dry_run.py --model llama3-70b --tp 8 --dp 8 --fsdp optim_grads_params
+    python scripts/dry_run.py --model mixtral-8x7b --tp 1 --ep 8 --dp 64 --fsdp optim_grads_params
     python scripts/dry_run.py --model nemotron-h-8b --tp 8 --dp 64 --tp-mode auto
 
 For each chosen rank it builds what a Megatron job builds on that rank — the real megatron-core
@@ -34,10 +35,15 @@ experts over the expert-DP and expert-TP groups) step, and each is measured and 
 The cost model prices both plans (``plan.stage_params`` lists the experts and MLA's projections;
 ``plan.stage_layouts`` lays out the experts' own buffer).
 
-Megatron-FSDP (``--fsdp STRATEGY``, issue 15; dense models): Megatron-FSDP's
+Megatron-FSDP (``--fsdp STRATEGY``, issue 15; PP1): Megatron-FSDP's
 ``FullyShardedDataParallel`` (its own buckets and equal DP shards, device meta) wraps the model
 instead of DDP, and our ``MuonFSDPOptimizer`` steps its DTensor shards; the same checks, next to
-the planner table's "ours (Megatron-FSDP)" row (``planner_quality.fsdp_layouts``). Three
+the planner table's "ours (Megatron-FSDP)" row for a dense GQA model
+(``planner_quality.fsdp_layouts``). With experts (``--ep``; issue 44) the chain is Megatron-FSDP's
+too: a dense ``MuonFSDPOptimizer`` over the DP group and an expert one over Megatron-FSDP's
+expert-DP group (its expert mesh, EP x expert-TP x expert-DP, is Megatron's expert grid), both
+stepped and measured apart as under DDP; the expert one, last in the chain, is the one that
+installs the model's weights (``installs_model_weights``, reported per optimizer). Three
 Megatron-FSDP steps need the meta device / fake backend let through
 (``cpu_patches.patch_megatron_fsdp_dry_run``). No cost-model row: it knows DDP's layouts only.
 
@@ -322,17 +328,19 @@ def build_rank(shape: ModelShape, tp: int, pp: int, dp: int, rank: int, tp_mode:
     group_ranks = lambda g: list(dist.get_process_group_ranks(g))  # noqa: E731
     slot = dict(tp=ps.get_tensor_model_parallel_rank(), dp=ps.get_data_parallel_rank(),
                 pp=ps.get_pipeline_model_parallel_rank())
-    parts = [dict(part="dense", inner=optimizer.chained_optimizers[0].optimizer, tp=tp,
+    parts = [dict(part="dense", outer=optimizer.chained_optimizers[0], tp=tp,
                   dp=ps.get_data_parallel_world_size(), tp_rank=slot["tp"], dp_rank=slot["dp"])]
     if shape.num_experts:
         slot.update(ep=ps.get_expert_model_parallel_rank(), etp=ps.get_expert_tensor_parallel_rank(),
                     edp=ps.get_expert_data_parallel_rank(),
                     expert_dp_group=group_ranks(ps.get_expert_data_parallel_group()),
                     expert_tp_group=group_ranks(ps.get_expert_tensor_parallel_group()))
-        experts = [o.optimizer for o in optimizer.chained_optimizers[1:]]
+        experts = optimizer.chained_optimizers[1:]
         if experts:  # a stage of dense layers only has no expert optimizer
-            parts.append(dict(part="experts", inner=experts[0], tp=etp, dp=ps.get_expert_data_parallel_world_size(),
+            parts.append(dict(part="experts", outer=experts[0], tp=etp, dp=ps.get_expert_data_parallel_world_size(),
                               tp_rank=slot["etp"], dp_rank=slot["edp"]))
+    for part in parts:  # the Megatron optimizer of the chain, and our MuonWithAdamW inside it
+        part["inner"] = part["outer"].optimizer
     return parts, slot
 
 
@@ -461,6 +469,9 @@ def _step_part(part: dict, recorder: Recorder) -> dict:
                 largest_send_bytes=recorder.largest_send,
                 bytes_sent=stats.bytes_sent, peak_extra_bytes=meter.peak, state_bytes=state.live,
                 device=str(inner.device),
+                # Megatron-FSDP: whether this optimizer of the chain installs and gathers the model's
+                # weights (the chain's last only); None under DDP
+                installs_model_weights=getattr(part["outer"], "installs_model_weights", None),
                 plan_ns_flops=plan.ns_flops[here], plan_bytes_sent=plan.bytes_sent[here],
                 plan_grid=dict(ranks=tp * dp, ns_flops_max=max(plan.ns_flops),
                                ns_flops_mean=sum(plan.ns_flops) / (tp * dp), bytes_sent_max=max(plan.bytes_sent),
@@ -728,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
                            "training (priced on the h100-sxm profile)")
     wrap.add_argument("--fsdp", default=None, choices=("optim_grads_params", "optim_grads", "optim", "no_shard"),
                       help="Megatron-FSDP (--use-megatron-fsdp) with this --data-parallel-sharding-strategy "
-                           "instead of DDP (dense models only)")
+                           "instead of DDP (PP1; with experts, Megatron-FSDP's expert-DP group for them)")
     parser.add_argument("--ranks", default=None,
                         help=f"comma-separated rank numbers or kinds {RANK_KINDS}; default first,last,no-first-piece,"
                              "idle-dp-owner,pp-stages,tp-group,team (and expert-dp-group,expert-tp-group for an MoE "
@@ -755,8 +766,6 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     args.dp_layout = args.dp_layout or MuonConfig().dp_layout
     shape = MODELS[args.model]
-    if args.fsdp is not None and (shape.num_experts or args.ep > 1):
-        parser.error(f"--fsdp: {args.model} has experts; experts under Muon need the distributed optimizer (DDP)")
     if args.vpp > 1 and (shape.num_experts or args.pp < 2 or args.fsdp is not None):
         parser.error(f"--vpp {args.vpp}: virtual stages need --pp >= 2, DDP and a dense model here")
     if args.fsdp is not None and args.pp > 1:

@@ -15,6 +15,7 @@ Run each from the repository root as a module, e.g. ``python -m scripts.bench.be
     iteration_table        the real DDP's buckets priced over a whole iteration (plan.iteration)
     ddp_overlap            Megatron's DDP overlap measured on this CPU: many buckets, one, none
     record_dry_runs        regenerates every docs/perf-results/dry_run_*.json (scripts/dry_run.py)
+    fsdp_moe_table         experts under Megatron-FSDP beside ZeRO-1: the table of docs/fsdp.md (recorded dry runs)
     launch                 the one rank launcher (file:// rendezvous, gloo or NCCL)
     collectives            the one byte meter over every torch.distributed collective
 """

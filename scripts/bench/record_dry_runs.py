@@ -1,6 +1,7 @@
 """Regenerate every recorded dry run, ``docs/perf-results/dry_run_*.json``, with one command.
 
-    python -m scripts.bench.record_dry_runs            # all of them (about 10 minutes on 2 cores)
+    python -m scripts.bench.record_dry_runs            # all of them (about 20 minutes on 2 cores; DeepSeek-V3
+                                                       # under Megatron-FSDP at PP1 about 6 of them)
     python -m scripts.bench.record_dry_runs 405b_tp8   # those whose name contains any of the words
 
 ``RUNS`` is the list: each recorded file's name and the ``scripts/dry_run.py`` arguments that write
@@ -25,6 +26,12 @@ _DEEP = ["--model", "llama3-405b", "--tp", "8", "--pp", "16", "--dp", "64"]
 _DSV3 = ["--model", "deepseek-v3", "--tp", "1", "--ep", "8", "--etp", "1", "--pp", "16", "--dp", "64"]
 _MIXTRAL = ["--model", "mixtral-8x7b", "--ep", "8", "--dp", "64"]
 _NEMOTRON = ["--model", "nemotron-h-8b", "--tp", "8"]
+# Issue 44 item 5 (scripts/bench/fsdp_moe_table.py): default flags, ZeRO-1 and Megatron-FSDP, at PP1 (Megatron-FSDP
+# has no pipeline). DeepSeek-V3 whole on one stage: about 3 minutes a simulated rank under Megatron-FSDP, so its
+# first and last only.
+_MOE_DP64 = [("moe_mixtral_tp1_ep8_dp64_auto", [*_MIXTRAL, "--tp", "1", "--tp-mode", "auto"]),
+             ("moe_dsv3_tp1_ep8_dp64_auto", ["--model", "deepseek-v3", "--tp", "1", "--ep", "8", "--dp", "64",
+                                             "--tp-mode", "auto", "--ranks", "first,last"])]
 
 RUNS: tuple[tuple[str, list[str]], ...] = (
     *_LLAMA,
@@ -41,6 +48,8 @@ RUNS: tuple[tuple[str, list[str]], ...] = (
     ("moe_mixtral_tp2_ep8_dp64_owner", [*_MIXTRAL, "--tp", "2", "--tp-mode", "owner"]),
     ("moe_mixtral_tp2_etp1_ep8_dp64_duplicated", [*_MIXTRAL, "--tp", "2", "--etp", "1", "--tp-mode", "duplicated"]),
     ("moe_mixtral_tp2_etp1_ep8_dp64_owner", [*_MIXTRAL, "--tp", "2", "--etp", "1", "--tp-mode", "owner"]),
+    *_MOE_DP64,
+    *[(f"{name}_fsdp", [*argv, "--fsdp", "optim_grads_params"]) for name, argv in _MOE_DP64],
     ("nemotron-h-8b_tp8_dp8", [*_NEMOTRON, "--dp", "8", "--tp-mode", "owner"]),
     ("nemotron-h-8b_tp8_dp64", [*_NEMOTRON, "--dp", "64", "--tp-mode", "owner"]),
     ("nemotron-h-8b_tp8_dp64_auto", [*_NEMOTRON, "--dp", "64", "--tp-mode", "auto"]),

@@ -7,7 +7,8 @@ ranks and runs the inner step; a tensor on another device, or collectives whose 
 line up across the simulated ranks, make it exit 1. Before the device rule, the rank holding no
 piece of the first matrix (CPU exchange buffers) and the DP owner whose TP group owns nothing
 (a CPU shape-check header) both failed here; see tests/unit/test_device_rule.py for the rule itself.
-``--fsdp`` (issue 15) runs the same step under Megatron-FSDP's own wrapper and layout (about 30 s).
+``--fsdp`` (issue 15) runs the same step under Megatron-FSDP's own wrapper and layout (about 30 s),
+with experts too (issue 44: its dense and expert optimizers, about 15 s).
 """
 
 from __future__ import annotations
@@ -391,6 +392,35 @@ def test_megatron_fsdp_step_matches_plan_and_planner(tmp_path):
     # megatron-core 0.19.2's Megatron-FSDP cannot be built with PP > 1 (its mesh is every rank of the job)
     proc = _script("--model", "llama3-405b", "--pp", "16", "--dp", "64", "--fsdp", "optim_grads_params")
     assert proc.returncode == 2 and "cannot be built with pipeline parallelism" in proc.stderr
+
+
+def test_megatron_fsdp_experts_step_over_the_expert_dp_group(tmp_path):
+    """--fsdp optim_grads_params with experts (issue 44): Mixtral-8x7B at TP1 x EP8 x DP16
+    (expert-DP 2; about 12 s). Megatron-FSDP's chain of two MuonFSDPOptimizers, dense over the DP
+    group of 16 and experts over Megatron-FSDP's expert-DP group, both step on meta. Each layer's
+    bucket holds one local expert (fc1: 2 units, fc2: 1) cut in two equal shards, so its fc1 is cut
+    between the two expert-DP ranks and travels to one owner; both steps do what their plans say,
+    and only the chain's last (expert) optimizer installs the model's weights."""
+    proc, report = _dry_run(tmp_path, "--model", "mixtral-8x7b", "--tp", "1", "--ep", "8", "--dp", "16",
+                            "--fsdp", "optim_grads_params", "--ranks", "first,expert-dp-group")
+    assert report["errors"] == [] and report["fsdp"] == "optim_grads_params"
+    assert "EP8 x expert-TP1 x expert-DP2" in proc.stdout and "Megatron-FSDP optim_grads_params" in proc.stdout
+    ranks = report["ranks"]
+    assert set(ranks) == {"0", "8"}  # rank 0 and its expert-DP peer (EP fastest)
+    dense, experts = _moe_counts("mixtral-8x7b", 8, range(32))
+    for rank, res in ranks.items():
+        ex = res["experts"]
+        assert res["matrices"] == dense and ex["matrices"] == experts == 64, rank
+        assert ex["device"] == "meta" and ex["cut_across_dp"] == 32, rank  # every layer's fc1
+        for part in (res, ex):
+            assert part["ns_flops"] == part["plan_ns_flops"] > 0, rank
+            assert part["bytes_by_collective"]["all_to_all"] == part["plan_bytes_sent"] > 0, rank
+        assert (res["installs_model_weights"], ex["installs_model_weights"]) == (False, True), rank
+        # the momentum of this rank's half of its local experts' fp32 main weights (DTensor local size)
+        assert ex["state_bytes"] == pytest.approx(32 * 3 * 4096 * 14336 * 4 / 2, rel=0.01), rank
+    groups = {tuple(g) for g in ranks["0"]["groups"]}
+    assert (0, 8) in groups and tuple(range(16)) in groups  # the expert-DP group and the dense DP group
+    assert report["cost_model"] is None
 
 
 def test_megatron_fsdp_no_shard_exchanges_over_the_dp_group(tmp_path):

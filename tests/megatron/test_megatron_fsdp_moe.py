@@ -88,16 +88,21 @@ def trained():
 def test_matches_single_process_reference(trained, reference, index):
     """ATOL and NORM_RTOL (training_harness): the dense test's bounds, which the MoE runs under
     ZeRO-1 meet (tests/megatron/test_moe.py: the routing's and the sequence-parallel sums' order
-    moves the last bits). Every param, AdamW's included, is held to ATOL: the output layer's
-    AdamW update is the one test_moe.py needs 1e-4 for at TP2, where sequence parallelism
-    reorders its sums."""
+    moves the last bits). Measured: Muon matrices 3.4e-7 to 4.2e-7 at TP1, 4.9e-7 to 6.9e-7 at TP2;
+    grad norms 1.0e-7 to 3.9e-7 relative. AdamW params are held to ATOL at TP1 (2.4e-7 measured).
+    At TP2 the output layer's AdamW update turns a last-bit change of a near-zero grad of a
+    rare-token row (sequence parallelism reorders its sums) into a visible change: 5.7e-5 to 6.4e-5
+    measured here, 2.6e-5 under ZeRO-1 in test_moe.py, which bounds it by 1e-4. Not derived (Adam's
+    m / (sqrt(v) + eps) has no useful bound near a zero grad), so 2e-4: 3x the largest seen and
+    still 100x below one AdamW step (lr 0.02), the size of what a wrong install or a missed
+    reduction does to every element."""
     result = trained[0][index]
     run = result.run
     want = reference[run]
     assert result.chained == 2, "the experts must have their own optimizer (Megatron-FSDP's expert-DP buffers)"
     assert set(result.full) == set(want.full)
     assert any(".local_experts.3." in n for n in want.full)
-    atol_adamw = 1e-4 if run.tp > 1 else ATOL
+    atol_adamw = 2e-4 if run.tp > 1 else ATOL
     for name, expected in want.full.items():
         muon = expected.dim() == 2 and "embedding" not in name and "output_layer" not in name
         torch.testing.assert_close(result.full[name], expected, rtol=0, atol=ATOL if muon else atol_adamw,

@@ -272,11 +272,26 @@ def run_name(name: str, lr: float, seed: int) -> str:
     return f"{name}_lr{lr:g}" + ("" if seed == DEFAULT_SEED else f"_seed{seed}")
 
 
+PORT_TAKEN = "EADDRINUSE"
+"""In a run's log when its rendezvous port was taken between ``free_port`` and the bind (runs
+started side by side, as the MuonBP study starts them, can draw the same freed port)."""
+
+
 def run_training(flags: list[str], log_path: Path, timeout: float, nproc: int = 2) -> dict:
     """One run of Megatron's loop (``scripts/pretrain_gpt.py`` with ``flags``) on CPU, its stdout
     and stderr in ``log_path``: returncode, wall_s, status (ok = exit 0, logged losses, all finite),
     the parsed curves and best_val_loss. ``nproc`` ranks under torchrun; one rank runs the entry
-    directly with torchrun's variables set (no launcher interpreter to import torch in)."""
+    directly with torchrun's variables set (no launcher interpreter to import torch in). A run
+    whose rendezvous port was taken before it bound it is started again on another port (up to
+    three times): it never began training."""
+    for _ in range(3):
+        result = _run_training_once(flags, log_path, timeout, nproc)
+        if result["returncode"] == 0 or PORT_TAKEN not in log_path.read_text(errors="replace"):
+            break
+    return result
+
+
+def _run_training_once(flags: list[str], log_path: Path, timeout: float, nproc: int) -> dict:
     port = str(free_port())
     if nproc == 1:
         cmd = [sys.executable, str(ENTRY), *flags]

@@ -21,7 +21,7 @@ from megatron_harness import gather_fsdp_rows, global_name, unshard
 
 __all__ = ["LR", "MUON", "SMALL_BUCKET", "WD", "adam_config", "fsdp_optimizer_state", "load_fsdp_dtensor",
            "load_torch_dist", "load_torch_dist_in_place", "read_offline", "save_fsdp_dtensor", "save_torch_dist",
-           "torch_dist_keys", "unwrap", "zero1_full_state"]
+           "torch_dist_keys", "unwrap", "zero1_full_state", "fsdp_saved_beside_live"]
 
 
 LR, WD, BETAS, EPS = 0.02, 0.1, (0.9, 0.95), 1e-8
@@ -185,6 +185,37 @@ def read_offline(ckpt_dir: str, scratch: str) -> dict[str, torch.Tensor]:
 
     walk(torch.load(scratch, weights_only=False), "")
     return flat
+
+
+def _plain(name: str) -> str:
+    while name.startswith("module."):
+        name = name[len("module."):]
+    return name
+
+
+def fsdp_saved_beside_live(ckpt_dir: str, scratch: str, live: dict) -> list[tuple]:
+    """An ``fsdp_dtensor`` save read back by torch's DCP reader (``read_offline``), paired with the
+    live optimizer state ``live`` (``fsdp_optimizer_state``'s, or a union of ranks' of it):
+    ``(param name, state key, saved tensor, live tensor)`` per state tensor, the step counters left
+    out. Muon's momentum is saved under ``exp_avg``; a SwiGLU fc1's state as its gate and up
+    halves (``weight_w`` / ``weight_v``), put back together here."""
+    saved = {}
+    for key, value in read_offline(ckpt_dir, scratch).items():
+        if key.startswith("optimizer/state/"):
+            name, part = key[len("optimizer/state/"):].rsplit("/", 1)
+            saved[(_plain(name), part)] = value
+    out = []
+    for key, value in live.items():
+        if key.startswith("muon_steps") or key.endswith(".step"):
+            continue
+        name, part = key.rsplit(".", 1)
+        name, part = _plain(name), "exp_avg" if part == "momentum_buffer" else part
+        if (name, part) in saved:
+            stored = saved[(name, part)]
+        else:  # the gated fc1: [gate; up] saved as two halves
+            stored = torch.cat([saved[(name + "_w", part)], saved[(name + "_v", part)]])
+        out.append((name, part, stored, value))
+    return out
 
 
 def torch_dist_keys(model) -> dict[int, tuple[str, int | None]]:

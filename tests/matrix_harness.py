@@ -12,7 +12,7 @@ from megatron_muon import newton_schulz
 from megatron_muon.core.matrix_layout import MatrixLayout, RowSplit
 from megatron_muon.core.scaling import muon_scale
 
-__all__ = ["PARAMS", "expected_bound", "expected_local", "global_matrix", "layouts", "tp_local"]
+__all__ = ["PARAMS", "expected_bound", "expected_local", "global_matrix", "layouts", "local_pieces", "tp_local"]
 
 # name, TP-local shape, partition_dim, row split (groups, sizes) or None
 PARAMS = [
@@ -68,6 +68,17 @@ def global_matrix(i: int, tp: int) -> torch.Tensor:
 
 def tp_local(full: torch.Tensor, pdim, tp: int, tp_rank: int) -> torch.Tensor:
     return full if pdim is None else full.chunk(tp, dim=pdim)[tp_rank]
+
+
+def local_pieces(lays, full_of, tp: int, tp_rank: int, dp_rank: int) -> list[torch.Tensor]:
+    """This rank's piece of each matrix, as a step hands it over: the TP rank's shard of the full
+    update ``full_of(i)`` (all of it where the layout is not TP-split), flattened, cut to the
+    DP range the layout gives ``dp_rank``."""
+    out = []
+    for i, lay in enumerate(lays):
+        s, e = lay.local_range(dp_rank)
+        out.append(tp_local(full_of(i), lay.partition_dim, tp, tp_rank).reshape(-1)[s:e].clone())
+    return out
 
 
 def _global_subs(i: int, layout: MatrixLayout, tp: int) -> list[torch.Tensor]:

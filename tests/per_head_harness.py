@@ -13,8 +13,34 @@ from __future__ import annotations
 import torch
 from rounding_bounds import ns_bound, sum_bound, unit_roundoff
 
-from megatron_muon import newton_schulz
+from megatron_muon import comm_stats, newton_schulz
+from megatron_muon.core.newton_schulz import NSOptions
 from megatron_muon.core.scaling import muon_scale
+from megatron_muon.parallel import comm
+from megatron_muon.plan.hardware import hardware_profile
+from megatron_muon.plan.step_plan import PlanSettings
+
+NS = NSOptions(5, "jordan", dtype=torch.float32)
+"""The per-head tests' Newton–Schulz: fp32, so ``ns_bound``'s fp32 rounding applies."""
+
+
+def plan_settings(mode: str) -> PlanSettings:
+    """A per-head test's plan settings in TP mode ``mode`` (``auto`` on the CPU profile)."""
+    return PlanSettings(mode, NS, hardware=hardware_profile("cpu-gloo") if mode == "auto" else None)
+
+
+def tp_traffic(step, tp_group) -> tuple[int, object]:
+    """Run ``step()`` and count what it hands the TP group's collectives: (elements, the step's
+    ``comm_stats``)."""
+    payload = []
+
+    def observe(event):
+        if event.group is tp_group:
+            payload.append(sum(t.numel() for t in event.inputs))
+
+    with comm_stats() as stats, comm.observe_collectives(observe):
+        step()
+    return sum(payload), stats
 
 
 def per_head_reference(full: torch.Tensor, head_dim: int, tp: int, tp_rank: int) -> tuple[torch.Tensor, float]:

@@ -568,6 +568,42 @@ def resumed_params(run: Run, path: str, sharding: str) -> dict:
     return params
 
 
+def fsdp_resumed(run: Run, path: str) -> dict:
+    """Megatron-FSDP's ``fsdp_dtensor`` round trip of ``run`` (``run.steps`` steps before the save
+    and after the load), in an initialized world: ``saved`` (the optimizer state at the save,
+    ``checkpoint_harness.fsdp_optimizer_state``), ``straight`` (full weights and state after the
+    uninterrupted 2 x ``run.steps``), ``loaded`` (the state of a rebuild from another init seed
+    right after the load) and ``resumed`` (full weights and state after its ``run.steps`` more)."""
+    from checkpoint_harness import fsdp_optimizer_state, load_fsdp_dtensor, save_fsdp_dtensor
+    from megatron.core import parallel_state as ps
+
+    def state(model, optimizer):
+        return gather_full_params(model, ps.get_tensor_model_parallel_group(), 1), fsdp_optimizer_state(optimizer)
+
+    out = {}
+    start(run)
+    model, optimizer, scheduler = build(run)
+    steps(run, model, optimizer, scheduler)
+    save_fsdp_dtensor(path, model, optimizer)
+    out["saved"] = fsdp_optimizer_state(optimizer)
+    steps(run, model, optimizer, scheduler, first=run.steps)
+    out["straight"] = state(model, optimizer)
+    # Groups stay alive: DTensor device meshes are cached by torch and keep naming them
+    destroy_megatron(release_groups=False)
+
+    run = dataclasses.replace(run, seed=999)
+    start(run)
+    model, optimizer, scheduler = build(run)
+    load_fsdp_dtensor(path, model, optimizer)
+    out["loaded"] = fsdp_optimizer_state(optimizer)
+    for _ in range(run.steps):
+        scheduler.step(1)  # the scheduler's own state is saved apart (opt_param_scheduler); constant lr here
+    steps(run, model, optimizer, scheduler, first=run.steps)
+    out["resumed"] = state(model, optimizer)
+    destroy_megatron()
+    return out
+
+
 def train(run: Run) -> Trace:
     """``run`` in this (initialized) world, from Megatron's parallel state to its teardown."""
     start(run)

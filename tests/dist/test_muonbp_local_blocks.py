@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import grid_groups, run_world
-from matrix_harness import PARAMS, global_matrix, layouts, tp_local
+from matrix_harness import PARAMS, global_matrix, layouts, local_pieces, tp_local
 from rounding_bounds import ns_bound
 
 from megatron_muon import comm_stats, newton_schulz
@@ -50,10 +50,7 @@ def _worker(rank: int, world: int, tp: int) -> dict:
     out = {}
     for cut in (True, False):
         lays = _odd_cut_layouts(tp, dp) if cut else layouts(tp, dp, False)
-        pieces = []
-        for i, lay in enumerate(lays):
-            s, e = lay.local_range(dp_rank)
-            pieces.append(tp_local(global_matrix(i, tp), lay.partition_dim, tp, tp_rank).reshape(-1)[s:e].clone())
+        pieces = local_pieces(lays, lambda i: global_matrix(i, tp), tp, tp_rank, dp_rank)
         for local in (True, False):
             plan = build_step_plan(lays, dp_size=dp, tp_size=tp, settings=_settings(local))
             with comm_stats() as stats:

@@ -14,7 +14,7 @@ import dataclasses
 import pytest
 import torch
 from dist_harness import grid_groups, run_world
-from matrix_harness import expected_bound, expected_local, global_matrix, layouts, tp_local
+from matrix_harness import expected_bound, expected_local, global_matrix, layouts, local_pieces, tp_local
 from step_harness import run_step
 
 from megatron_muon import comm_stats, ns_flops
@@ -41,10 +41,7 @@ def _worker(rank: int, world: int, tp: int) -> dict:
     results = {}
     for cut in (True, False):
         lays = layouts(tp, dp, cut)
-        pieces = []
-        for i, lay in enumerate(lays):
-            s, e = lay.local_range(dp_rank)
-            pieces.append(tp_local(global_matrix(i, tp), lay.partition_dim, tp, tp_rank).reshape(-1)[s:e].clone())
+        pieces = local_pieces(lays, lambda i: global_matrix(i, tp), tp, tp_rank, dp_rank)
         for tp_mode in ("duplicated", "distributed", "owner", "blockwise", "auto"):
             dp_modes = ("owner", "redundant") if not cut else ("owner",)
             for dp_mode in dp_modes:
@@ -180,10 +177,7 @@ def _rounds_worker(rank: int, world: int, tp: int) -> dict:
     dp = world // tp
     tp_rank, dp_rank, tp_group, dp_group = grid_groups(rank, world, tp)
     lays = layouts(tp, dp, cut=True)
-    pieces = []
-    for i, lay in enumerate(lays):
-        s, e = lay.local_range(dp_rank)
-        pieces.append(tp_local(global_matrix(i, tp), lay.partition_dim, tp, tp_rank).reshape(-1)[s:e].clone())
+    pieces = local_pieces(lays, lambda i: global_matrix(i, tp), tp, tp_rank, dp_rank)
     out = {}
     for bucket_bytes in (1, 2**30):  # one matrix per exchange round, or a single round
         with comm_stats() as stats:

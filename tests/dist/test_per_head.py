@@ -16,7 +16,9 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import grid_groups, run_world
-from per_head_harness import flat_ranges, per_head_reference, residual64, residual_tolerance, whole_reference
+from matrix_harness import local_pieces
+from per_head_harness import (NS, flat_ranges, per_head_reference, plan_settings, residual64, residual_tolerance,
+                              tp_traffic, whole_reference)
 from rounding_bounds import ns_bound, sum_bound, unit_roundoff
 
 from megatron_muon import comm_stats, newton_schulz
@@ -30,7 +32,6 @@ from megatron_muon.plan.hardware import hardware_profile
 from megatron_muon.plan.param_marks import ParamMarks, RowSplits, matrix_layout
 from megatron_muon.plan.step_plan import PlanSettings, build_step_plan
 
-NS = NSOptions(5, "jordan", dtype=torch.float32)
 HIDDEN, HEAD_DIM, GROUPS = 16, 4, 4
 # name, query heads (MHA: one per group; GQA: two per group)
 ATTENTIONS = [("mha.linear_qkv", 4), ("gqa.linear_qkv", 8)]
@@ -86,10 +87,6 @@ def reference(k: int, tp: int, tp_rank: int) -> tuple[torch.Tensor, float]:
                                                                                              tp_rank)
 
 
-def _settings(mode: str) -> PlanSettings:
-    return PlanSettings(mode, NS, hardware=hardware_profile("cpu-gloo") if mode == "auto" else None)
-
-
 def _worker(rank: int, world: int, tp: int) -> dict:
     dp = world // tp
     tp_rank, dp_rank, tp_group, dp_group = grid_groups(rank, world, tp)
@@ -97,28 +94,17 @@ def _worker(rank: int, world: int, tp: int) -> dict:
     out = {}
     for cut in (True, False):
         lays = model_layouts(tp, dp, cut)
-        pieces = []
-        for k, lay in enumerate(lays):
-            s, e = lay.local_range(dp_rank)
-            local = full_update(k).chunk(tp, dim=lay.partition_dim)[tp_rank] if lay.partition_dim is not None \
-                else full_update(k)
-            pieces.append(local.reshape(-1)[s:e].clone())
+        pieces = local_pieces(lays, full_update, tp, tp_rank, dp_rank)
         for mode in MODES:
-            plan = build_step_plan(lays, dp_size=dp, tp_size=tp, settings=_settings(mode))
-            qkv_only = build_step_plan(lays[: len(ATTENTIONS)], dp_size=dp, tp_size=tp, settings=_settings(mode))
+            plan = build_step_plan(lays, dp_size=dp, tp_size=tp, settings=plan_settings(mode))
+            qkv_only = build_step_plan(lays[: len(ATTENTIONS)], dp_size=dp, tp_size=tp, settings=plan_settings(mode))
             records = []
             probe = ResidualProbe(frozenset(range(len(lays))), lambda w, x: records.append((w, float(x))))
             got = orthogonalize_updates(pieces, plan, groups, residuals=probe)
             orthogonalize_updates(pieces[: len(ATTENTIONS)], qkv_only, groups)  # binds and checks: not counted
-            tp_payload = []
-
-            def observe(event, tp_group=groups.tp):
-                if event.group is tp_group:
-                    tp_payload.append(sum(t.numel() for t in event.inputs))
-
-            with comm_stats() as stats, comm.observe_collectives(observe):
-                orthogonalize_updates(pieces[: len(ATTENTIONS)], qkv_only, groups)
-            out[(cut, mode)] = dict(out=got, tp_elements=sum(tp_payload), bytes=stats.bytes_sent,
+            tp_elements, stats = tp_traffic(lambda: orthogonalize_updates(pieces[: len(ATTENTIONS)], qkv_only, groups),
+                                            groups.tp)
+            out[(cut, mode)] = dict(out=got, tp_elements=tp_elements, bytes=stats.bytes_sent,
                                     flops=stats.ns_flops, plan_tp_bytes=qkv_only.tp_bytes[rank],
                                     plan_flops=qkv_only.ns_flops[rank],
                                     modes={m for w in qkv_only.work for m in w.modes},

@@ -20,7 +20,9 @@ from __future__ import annotations
 import pytest
 import torch
 from dist_harness import grid_groups, run_world
-from per_head_harness import flat_ranges, per_head_reference, residual64, residual_tolerance, whole_reference
+from matrix_harness import local_pieces
+from per_head_harness import (NS, flat_ranges, per_head_reference, plan_settings, residual64, residual_tolerance,
+                              tp_traffic, whole_reference)
 from rounding_bounds import ns_bound, sum_bound, unit_roundoff
 
 from megatron_muon import comm_stats, newton_schulz
@@ -34,7 +36,6 @@ from megatron_muon.plan.hardware import hardware_profile
 from megatron_muon.plan.param_marks import ParamMarks, RowSplits, matrix_layout
 from megatron_muon.plan.step_plan import PlanSettings, build_step_plan
 
-NS = NSOptions(5, "jordan", dtype=torch.float32)
 HIDDEN, HEAD_DIM = 16, 4
 # name, query heads, query groups: at TP4 "cut" is 6 heads over 4 ranks (1.5 each), "aligned" 12
 # heads (3 each), "wide" 10 heads (2.5 each); at TP2 all three are cut on head boundaries
@@ -101,10 +102,6 @@ def moved_rows(k: int, tp: int, tp_rank: int) -> int:
     return sent
 
 
-def _settings(mode: str) -> PlanSettings:
-    return PlanSettings(mode, NS, hardware=hardware_profile("cpu-gloo") if mode == "auto" else None)
-
-
 def _worker(rank: int, world: int, tp: int) -> dict:
     dp = world // tp
     tp_rank, dp_rank, tp_group, dp_group = grid_groups(rank, world, tp)
@@ -112,30 +109,20 @@ def _worker(rank: int, world: int, tp: int) -> dict:
     out = {}
     for cut in (True, False):
         lays = model_layouts(tp, dp, cut)
-        pieces = []
-        for k, lay in enumerate(lays):
-            s, e = lay.local_range(dp_rank)
-            local = full_update(k).chunk(tp, dim=lay.partition_dim)[tp_rank]
-            pieces.append(local.reshape(-1)[s:e].clone())
+        pieces = local_pieces(lays, full_update, tp, tp_rank, dp_rank)
         for mode in MODES:
-            plan = build_step_plan(lays, dp_size=dp, tp_size=tp, settings=_settings(mode))
+            plan = build_step_plan(lays, dp_size=dp, tp_size=tp, settings=plan_settings(mode))
             records = []
             probe = ResidualProbe(frozenset(range(len(ATTENTIONS))), lambda w, x: records.append((w, float(x))))
             got = orthogonalize_updates(pieces, plan, groups, residuals=probe)
             per_qkv = []
             for k in range(len(ATTENTIONS)):  # one QKV at a time: its own TP traffic
-                alone = build_step_plan(lays[k:k + 1], dp_size=dp, tp_size=tp, settings=_settings(mode))
+                alone = build_step_plan(lays[k:k + 1], dp_size=dp, tp_size=tp, settings=plan_settings(mode))
                 orthogonalize_updates(pieces[k:k + 1], alone, groups)  # binds and checks: not counted
-                tp_payload = []
-
-                def observe(event, tp_group=groups.tp, payload=tp_payload):
-                    if event.group is tp_group:
-                        payload.append(sum(t.numel() for t in event.inputs))
-
-                with comm_stats() as stats, comm.observe_collectives(observe):
-                    orthogonalize_updates(pieces[k:k + 1], alone, groups)
+                tp_elements, stats = tp_traffic(
+                    lambda k=k, alone=alone: orthogonalize_updates(pieces[k:k + 1], alone, groups), groups.tp)
                 owner_dp = alone.owner_of[alone.units_of(0)[0]]
-                per_qkv.append(dict(tp_elements=sum(tp_payload), flops=stats.ns_flops,
+                per_qkv.append(dict(tp_elements=tp_elements, flops=stats.ns_flops,
                                     plan_tp_bytes=alone.tp_bytes[rank], plan_flops=alone.ns_flops[rank],
                                     owns=owner_dp == dp_rank, modes=alone.tp_modes_of(0),
                                     per_rank=lays[k].per_rank, tp_blocks=lays[k].tp_blocks is not None))

@@ -30,6 +30,7 @@ import pytest
 import torch
 from checkpoint_harness import (
     fsdp_optimizer_state,
+    fsdp_saved_beside_live,
     load_fsdp_dtensor,
     load_torch_dist,
     read_offline,
@@ -175,12 +176,6 @@ def test_saved_state_equals_live(runs, case, tmp_path):
     assert compared == 4 * len(live)
 
 
-def _plain(name: str) -> str:
-    while name.startswith("module."):
-        name = name[len("module."):]
-    return name
-
-
 @pytest.mark.parametrize("case", [c for c in CASES if c[2] == "fsdp" and c[0] == 1], ids=_ids)
 def test_fsdp_saved_state_equals_live(runs, case, tmp_path):
     """Megatron-FSDP's ``fsdp_dtensor`` save, read back by torch's DCP reader: every optimizer
@@ -189,24 +184,10 @@ def test_fsdp_saved_state_equals_live(runs, case, tmp_path):
     tensor is the whole one."""
     root, results = runs
     live = results[case][0]["live"]
-    saved = {}
-    for key, value in read_offline(str(root / _ids(case)), str(tmp_path / "ckpt.pt")).items():
-        if key.startswith("optimizer/state/"):
-            name, part = key[len("optimizer/state/"):].rsplit("/", 1)
-            saved[(_plain(name), part)] = value
-    compared = 0
-    for key, value in live.items():
-        if key.startswith("muon_steps") or key.endswith(".step"):
-            continue
-        name, part = key.rsplit(".", 1)
-        name, part = _plain(name), "exp_avg" if part == "momentum_buffer" else part
-        if (name, part) in saved:
-            stored = saved[(name, part)]
-        else:  # the gated fc1: [gate; up] saved as two halves
-            stored = torch.cat([saved[(name + "_w", part)], saved[(name + "_v", part)]])
+    pairs = fsdp_saved_beside_live(str(root / _ids(case)), str(tmp_path / "ckpt.pt"), live)
+    for name, part, stored, value in pairs:
         _assert_equal(stored, value, f"{_ids(case)}: {part} of {name}")
-        compared += 1
-    assert compared >= 15, compared
+    assert len(pairs) >= 15, len(pairs)
 
 
 @pytest.mark.parametrize("case", CASES, ids=_ids)

@@ -20,17 +20,13 @@ ranks (asserted), so their rows travel to one owner and back every step.
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
-from checkpoint_harness import fsdp_optimizer_state as _optimizer_state
-from checkpoint_harness import load_fsdp_dtensor as _load_fsdp
-from checkpoint_harness import save_fsdp_dtensor as _save_fsdp
 from dist_harness import WorldsOnDemand, run_world
-from megatron_harness import GLOBAL_BATCH, destroy_megatron, gather_full_params
-from training_harness import ATOL, MUON, K, Run, build, references, start, steps, train_all
+from megatron_harness import GLOBAL_BATCH
+from training_harness import ATOL, MUON, K, Run, fsdp_resumed, references, train_all
 
 TIMEOUT = 1800
 
@@ -168,33 +164,8 @@ CKPT = dict(FSDP, tp=1, bf16=True, muon=dict(fp32_matmul_prec="medium"), data_se
 
 def checkpoint_runs(rank: int, world: int, path: str, strategy: str) -> dict:
     """Uninterrupted 2 + 2 steps vs 2 steps, save, a new model and optimizer from another init
-    seed, load, 2 steps."""
-    from megatron.core import parallel_state as ps
-
-    run = Run(sharding=strategy, **CKPT)
-    out = {}
-    start(run)
-    model, optimizer, scheduler = build(run)
-    steps(run, model, optimizer, scheduler)
-    _save_fsdp(path, model, optimizer)
-    saved = _optimizer_state(optimizer)
-    steps(run, model, optimizer, scheduler, first=CKPT_STEPS)
-    out["straight"] = (gather_full_params(model, ps.get_tensor_model_parallel_group(), 1), _optimizer_state(optimizer))
-    # Groups stay alive: DTensor device meshes are cached by torch and keep naming them
-    destroy_megatron(release_groups=False)
-
-    run = dataclasses.replace(run, seed=999)
-    start(run)
-    model, optimizer, scheduler = build(run)
-    _load_fsdp(path, model, optimizer)
-    out["loaded"] = _optimizer_state(optimizer)
-    out["saved"] = saved
-    for _ in range(CKPT_STEPS):
-        scheduler.step(1)  # the scheduler's own state is saved apart (opt_param_scheduler); constant lr here
-    steps(run, model, optimizer, scheduler, first=CKPT_STEPS)
-    out["resumed"] = (gather_full_params(model, ps.get_tensor_model_parallel_group(), 1), _optimizer_state(optimizer))
-    destroy_megatron()
-    return out
+    seed, load, 2 steps (``training_harness.fsdp_resumed``)."""
+    return fsdp_resumed(Run(sharding=strategy, **CKPT), path)
 
 
 @pytest.fixture(scope="module")

@@ -27,14 +27,12 @@ bitwise.
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
-from checkpoint_harness import fsdp_optimizer_state, load_fsdp_dtensor, read_offline, save_fsdp_dtensor
+from checkpoint_harness import fsdp_saved_beside_live, load_fsdp_dtensor
 from dist_harness import run_world
 from megatron_harness import destroy_megatron, gather_full_params
-from training_harness import ATOL, MOE, NORM_RTOL, Run, build, references, start, steps, train
+from training_harness import ATOL, MOE, NORM_RTOL, Run, build, fsdp_resumed, references, start, steps, train
 
 TIMEOUT = 1800
 STRATEGIES = ("optim_grads_params", "optim_grads", "optim", "no_shard")
@@ -180,33 +178,8 @@ CKPT_STRATEGIES = ("optim_grads_params", "optim")
 
 def checkpoint_runs(rank: int, world: int, path: str, strategy: str) -> dict:
     """2 + 2 steps uninterrupted vs 2 steps, save, a new model and optimizer from another init seed,
-    load, 2 steps."""
-    from megatron.core import parallel_state as ps
-
-    run = Run(sharding=strategy, **CKPT)
-    out = {}
-    start(run)
-    model, optimizer, scheduler = build(run)
-    steps(run, model, optimizer, scheduler)
-    save_fsdp_dtensor(path, model, optimizer)
-    out["saved"] = fsdp_optimizer_state(optimizer)
-    steps(run, model, optimizer, scheduler, first=CKPT_STEPS)
-    out["straight"] = (gather_full_params(model, ps.get_tensor_model_parallel_group(), 1),
-                       fsdp_optimizer_state(optimizer))
-    destroy_megatron(release_groups=False)  # DTensor meshes cached by torch keep naming the groups
-
-    run = dataclasses.replace(run, seed=999)
-    start(run)
-    model, optimizer, scheduler = build(run)
-    load_fsdp_dtensor(path, model, optimizer)
-    out["loaded"] = fsdp_optimizer_state(optimizer)
-    for _ in range(CKPT_STEPS):
-        scheduler.step(1)  # the scheduler's state is saved apart (opt_param_scheduler); constant lr here
-    steps(run, model, optimizer, scheduler, first=CKPT_STEPS)
-    out["resumed"] = (gather_full_params(model, ps.get_tensor_model_parallel_group(), 1),
-                      fsdp_optimizer_state(optimizer))
-    destroy_megatron()
-    return out
+    load, 2 steps (``training_harness.fsdp_resumed``)."""
+    return fsdp_resumed(Run(sharding=strategy, **CKPT), path)
 
 
 def resume_on_two_ranks(rank: int, world: int, path: str, strategy: str, ep: int) -> dict:
@@ -276,12 +249,6 @@ def test_bitwise_resume(checkpointed, strategy):
         _assert_state_equal(state, state_resumed, strategy)
 
 
-def _plain(name: str) -> str:
-    while name.startswith("module."):
-        name = name[len("module."):]
-    return name
-
-
 @pytest.mark.parametrize("strategy", CKPT_STRATEGIES)
 def test_saved_state_equals_live(checkpointed, strategy, tmp_path):
     """The save read back by torch's own DCP reader (no Megatron loader): every optimizer state
@@ -290,21 +257,8 @@ def test_saved_state_equals_live(checkpointed, strategy, tmp_path):
     SwiGLU fc1 as its gate and up halves (``weight_w`` / ``weight_v``)."""
     path, results = checkpointed[strategy]
     live = {k: v for result in results for k, v in result["saved"].items()}
-    saved = {}
-    for key, value in read_offline(path, str(tmp_path / "ckpt.pt")).items():
-        if key.startswith("optimizer/state/"):
-            name, part = key[len("optimizer/state/"):].rsplit("/", 1)
-            saved[(_plain(name), part)] = value
     compared = set()
-    for key, value in live.items():
-        if key.startswith("muon_steps") or key.endswith(".step"):
-            continue
-        name, part = key.rsplit(".", 1)
-        name, part = _plain(name), "exp_avg" if part == "momentum_buffer" else part
-        if (name, part) in saved:
-            stored = saved[(name, part)]
-        else:  # the gated fc1: [gate; up] saved as two halves
-            stored = torch.cat([saved[(name + "_w", part)], saved[(name + "_v", part)]])
+    for name, part, stored, value in fsdp_saved_beside_live(path, str(tmp_path / "ckpt.pt"), live):
         assert torch.equal(stored, value), f"{strategy}: {part} of {name}"
         compared.add(name)
     experts = {n for n in compared if ".local_experts." in n}

@@ -49,6 +49,11 @@ Figures, from untimed steps:
   memory    CUDA: ``max_memory_allocated`` above the start; CPU: the peak of the cumulative sum
             of allocations / frees during one step under ``torch.profiler(profile_memory)``;
             optimizer state MiB per rank (momentum, exp_avg(_sq), steps, main-param copies).
+  hardware  the cost model's constants (``calibrate_hardware.measure``'s probes) measured by the
+            same ranks just before the warm-up rounds and again after the timed rounds, their
+            mean recorded per layout (``hardware``): ``validate_cost_model`` predicts each row on
+            the machine as the rows found it, not as a separate calibration run found it minutes
+            earlier (on a shared host the two differ by more than the model's error).
   exactness after the first step, the params of ours owner / duplicated / distributed must agree
             with each other and with Megatron duplicated (fc1 excepted for Megatron: it
             orthogonalizes [gate; up] as one matrix), Megatron layer-wise with Megatron
@@ -63,6 +68,7 @@ CPU workarounds for megatron-core 0.19.2's layer-wise optimizer (this script onl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -74,6 +80,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from . import calibrate_hardware as calibrate
 from . import optimizer_step_setup as setup
 from .collectives import CollectiveCounter
 from .launch import backend_for, launch
@@ -189,7 +196,11 @@ def bench_rank(tp: int, args, device) -> dict:
     grads = setup.make_grads(built[REFERENCE][0].module, ps.get_tensor_model_parallel_rank(), tp, device)
     exact = exactness(built, grads, device)
     measured = {row.label: measure_steps(row, *built[row.label], grads, device) for row in ROWS}
+    probe_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the NS dtype
+    world = dist.get_world_size()
+    probes = [calibrate.measure(dist.get_rank(), world, device, probe_dtype, args.repeats)]
     rounds = timed_rounds(built, grads, args, device)
+    probes.append(calibrate.measure(dist.get_rank(), world, device, probe_dtype, args.repeats))
     times = {row.label: [r[i] for r in rounds] for i, row in enumerate(ROWS)}
     from megatron_muon.megatron.catalogue import is_muon_matrix
 
@@ -197,7 +208,8 @@ def bench_rank(tp: int, args, device) -> dict:
                    numel=p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1),
                    partition_dim=p.partition_dim if getattr(p, "tensor_model_parallel", False) else None,
                    muon=is_muon_matrix(p)) for n, p in built[REFERENCE][0].module.named_parameters()]
-    return dict(exactness=exact, measured=measured, times=times, params=params)
+    return dict(exactness=exact, measured=measured, times=times, params=params,
+                probes=calibrate.mean_probes(probes))
 
 
 def rank_main(rank: int, world: int, device, tp: int, args) -> dict:
@@ -352,7 +364,10 @@ def main() -> None:
         tol = EXACT_TOL[report["ns_dtype"]]
         failed = {k: v for k, v in exact.items() if v > tol and FC1_DIFFERS not in k}
         exact_failed |= bool(failed)
+        hardware = calibrate.hardware_from_probes(results[0]["probes"], world, backend,
+                                                  "scripts/bench/bench_optimizer_step.py (in-run probes)")
         report["layouts"].append(dict(name=name, tp=tp, dp=dp, world=world, rows=summarize_layout(results),
+                                      hardware=dataclasses.asdict(hardware),
                                       exactness=dict(max_abs_diff=exact, tolerance=tol, passed=not failed),
                                       wall_s=time.perf_counter() - started))
         notes.append(f"{name}: exactness after step 1 (max |Δparam| over ranks): "

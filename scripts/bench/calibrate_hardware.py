@@ -139,6 +139,37 @@ def measure(rank: int, nproc: int, device: torch.device, dtype: torch.dtype, rep
     )
 
 
+def mean_probes(results: list[dict]) -> dict:
+    """Several ``measure`` results of one world, field by field (nested dicts alike): the mean, so
+    probes taken before and after a benchmark's timed rounds describe the machine as the rounds
+    found it on average."""
+    first = results[0]
+    return {k: mean_probes([r[k] for r in results]) if isinstance(v, dict) else statistics.fmean(r[k] for r in results)
+            for k, v in first.items()}
+
+
+def hardware_from_probes(raw: dict, nproc: int, backend: str, command: str) -> Hardware:
+    """The ``Hardware`` record of one ``measure`` result on ``nproc`` ranks (every rank's is the
+    same); ``command`` says what ran the probes, for the record's ``source``."""
+    gather_rate = raw["collective_rates"]["all_gather"]
+    device = torch.cuda.get_device_name(0) if backend == "nccl" else f"cpu ({os.cpu_count()} cores)"
+    return Hardware(
+        name=f"{'gpu' if backend == 'nccl' else 'cpu'}-{backend}-{nproc}proc",
+        source=f"{command} on {device}, {datetime.date.today().isoformat()}",
+        matmul_flops=raw["matmul_flops"],
+        memory_bandwidth=raw["memory_bandwidth"],
+        intra_node_bandwidth=gather_rate,
+        inter_node_bandwidth=gather_rate,  # one host: there is no second level
+        collective_latency_s=raw["collective_latency_s"],
+        all_reduce_step_s=raw["all_reduce_step_s"],
+        kernel_overhead_s=raw["kernel_overhead_s"],
+        ranks_per_node=nproc,
+        all_gather_efficiency=1.0,
+        all_reduce_efficiency=raw["collective_rates"]["all_reduce"] / gather_rate,
+        all_to_all_efficiency=raw["collective_rates"]["all_to_all"] / gather_rate,
+    )
+
+
 def rank_main(rank: int, nproc: int, device: torch.device, repeats: int) -> dict:
     """One rank (started by ``_launch.launch``, the benchmarks' launcher and thread policy)."""
     return measure(rank, nproc, device, torch.bfloat16 if device.type == "cuda" else torch.float32, repeats)
@@ -157,24 +188,7 @@ def main() -> None:
         raw = launch(args.nproc, rank_main, args.repeats, tag="calibrate")[0]  # identical on every rank
     except RuntimeError as err:  # a rank's traceback is the useful part, not the parent's
         raise SystemExit(f"calibration failed: {err}") from None
-    gather_rate = raw["collective_rates"]["all_gather"]
-    device = torch.cuda.get_device_name(0) if backend == "nccl" else f"cpu ({os.cpu_count()} cores)"
-    hw = Hardware(
-        name=f"{'gpu' if backend == 'nccl' else 'cpu'}-{backend}-{args.nproc}proc",
-        source=f"scripts/bench/calibrate_hardware.py --nproc {args.nproc} on {device}, "
-        f"{datetime.date.today().isoformat()}",
-        matmul_flops=raw["matmul_flops"],
-        memory_bandwidth=raw["memory_bandwidth"],
-        intra_node_bandwidth=gather_rate,
-        inter_node_bandwidth=gather_rate,  # one host: there is no second level
-        collective_latency_s=raw["collective_latency_s"],
-        all_reduce_step_s=raw["all_reduce_step_s"],
-        kernel_overhead_s=raw["kernel_overhead_s"],
-        ranks_per_node=args.nproc,
-        all_gather_efficiency=1.0,
-        all_reduce_efficiency=raw["collective_rates"]["all_reduce"] / gather_rate,
-        all_to_all_efficiency=raw["collective_rates"]["all_to_all"] / gather_rate,
-    )
+    hw = hardware_from_probes(raw, args.nproc, backend, f"scripts/bench/calibrate_hardware.py --nproc {args.nproc}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(dataclasses.asdict(hw), indent=2) + "\n")
     print("| constant | value |\n|---|---:|")

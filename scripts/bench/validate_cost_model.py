@@ -1,14 +1,16 @@
 """Predict the optimizer-step benchmark's rows with the cost model and report the error per row.
 
-    python -m scripts.bench.calibrate_hardware --nproc 2 --out bench-results/hardware-2proc.json
-    python -m scripts.bench.calibrate_hardware --nproc 4 --out bench-results/hardware-4proc.json
     python -m scripts.bench.bench_optimizer_step --out-dir bench-results
-    python -m scripts.bench.validate_cost_model --bench bench-results/optimizer_step.json \
-        --hardware 2=bench-results/hardware-2proc.json --hardware 4=bench-results/hardware-4proc.json
+    python -m scripts.bench.validate_cost_model --bench bench-results/optimizer_step.json
+    python -m scripts.bench.validate_cost_model --bench OLD/optimizer_step.json \
+        --hardware 2=OLD/hardware-2proc.json --hardware 4=OLD/hardware-4proc.json
 
-The hardware constants come only from the micro-measurements (``--hardware WORLD=FILE`` per
-process count, since a 4-process layout on 2 cores has half the compute per rank); nothing is
-fitted to the benchmark's times. Each row's prediction is ``cost_model.optimizer_step_cost`` on
+The hardware constants come only from micro-measurements (``calibrate_hardware``'s probes),
+per process count, since a 4-process layout on 2 cores has half the compute per rank. By
+default they are the ones the benchmark's own ranks measured around its timed rounds (each
+layout's ``hardware``); ``--hardware WORLD=FILE`` replaces them by a separate calibration run's
+(needed for a benchmark file recorded before the in-run probes). Nothing is fitted to the
+benchmark's times. Each row's prediction is ``cost_model.optimizer_step_cost`` on
 the benchmark's own shapes and layout; the MuonBP period average is (full + (P−1)·block)/P of the
 predicted full and block steps. Error = (predicted − measured) / measured.
 """
@@ -70,8 +72,9 @@ def predict_row(row: dict, model: ModelShape, tp: int, dp: int, hw: Hardware, ns
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--bench", type=Path, required=True, help="optimizer_step.json of the benchmark")
-    parser.add_argument("--hardware", action="append", required=True, metavar="WORLD=FILE",
-                        help="calibrated constants for a process count (repeat per layout size)")
+    parser.add_argument("--hardware", action="append", default=[], metavar="WORLD=FILE",
+                        help="a separate calibration's constants for a process count (repeat per layout "
+                             "size); default: the benchmark's in-run probes")
     parser.add_argument("--period", type=int, default=5, help="the MuonBP period of the benchmark")
     parser.add_argument("--json", type=Path, help="also write the per-row table here")
     args = parser.parse_args()
@@ -88,9 +91,13 @@ def main() -> None:
 
     table, errors = [], []
     for layout in bench["layouts"]:
-        if layout["world"] not in hardware:
-            raise SystemExit(f"--hardware: no constants for {layout['world']} processes (layout {layout['name']})")
-        hw = hardware[layout["world"]]
+        if layout["world"] in hardware:
+            hw = hardware[layout["world"]]
+        elif "hardware" in layout:
+            hw = Hardware(**layout["hardware"])
+        else:
+            raise SystemExit(f"--hardware: no constants for {layout['world']} processes (layout {layout['name']}; "
+                             f"the benchmark file has no in-run probes)")
         for row in layout["rows"]:
             predicted = predict_row(row, model, layout["tp"], layout["dp"], hw, ns_bytes, args.period, clip_grad,
                                     bench.get("bucket_size"))

@@ -56,6 +56,11 @@ class Hardware:
     micro-group pipeline, ``comm.pipelined``). 0 on the CPU: measured on the 2-core benchmark,
     where gloo's transport threads take the cores the GEMMs need, so the pipeline gains nothing;
     the GPU profiles assume 0.8 (NCCL runs on its own SMs beside cuBLAS; not measured here)."""
+    fused_adam: bool = True
+    """Adam runs as a fused multi-tensor kernel (Transformer Engine's or apex's ``FusedAdam``, what
+    Megatron picks wherever they are installed: every GPU profile); False: torch's single-tensor
+    ``AdamW``, megatron-core's fallback without them (a CPU rank: ``CPU_GLOO``, and what
+    ``calibrate_hardware`` writes on gloo). ``step_cost`` counts each one's passes."""
 
     def bandwidth(self, group_size: int, spans_nodes: bool | None = None) -> float:
         """Per-rank bandwidth of a group: intra-node unless it cannot fit in one node."""
@@ -107,6 +112,7 @@ CPU_GLOO = Hardware(
     collective_latency_s=50e-6,
     kernel_overhead_s=10e-6,
     ranks_per_node=1024,
+    fused_adam=False,
 )
 
 _FLAG = "--muon-auto-hardware"

@@ -46,13 +46,16 @@ MEGATRON_SPLITS = RowSplits(qkv=True, fc1=False, in_proj=False)
 
 # Elementwise bytes per element (fp32 state, ``ns`` = NS dtype bytes) and kernels per tensor.
 # Muon: momentum lerp (read g, read+write m), cast to the NS dtype, scale back to fp32, update
-# with weight decay (read+write p twice, read u). Adam: torch's single-tensor AdamW (grad,
-# exp_avg, exp_avg_sq read+write, param read+write, two temporaries). Grad norm: one read,
-# clipping: one read+write.
+# with weight decay (read+write p twice, read u). Grad norm: one read, clipping: one read+write.
+# Adam as Megatron runs it (``Hardware.fused_adam``): fused, one kernel reads grad, param,
+# exp_avg and exp_avg_sq and writes the last three; torch's single-tensor AdamW, one kernel per
+# op: weight decay (r+w p), lerp (r g, r+w m), mul and addcmul (r+w v, then r v, r g, w v), sqrt
+# and the bias-correction division (each a temporary: r, w), add eps (r+w), addcdiv (r p, m and
+# the temporary, w p).
 _MUON_BYTES = lambda ns: 3 * 4 + (4 + ns) + (ns + 8) + 5 * 4  # noqa: E731
 _MUON_KERNELS = 8
-_ADAM_BYTES = 10 * 4
-_ADAM_KERNELS = 12
+_FUSED_ADAM = (7 * 4, 1)
+_TORCH_ADAM = (20 * 4, 8)
 _NORM_BYTES, _NORM_KERNELS = 4 + 8, 4
 _DEFAULT_NS = NSOptions()
 
@@ -179,6 +182,7 @@ def optimizer_step_cost(
         seconds = memory_time(nbytes, kernels, hw)
         cost += Cost(memory_s=seconds, parts=Counter({label: seconds}))
 
+    adam_bytes, adam_kernels = _FUSED_ADAM if hw.fused_adam else _TORCH_ADAM
     plans: list[StepPlan | None] = []
     gather = 0.0
     for group in groups:
@@ -187,12 +191,12 @@ def optimizer_step_cost(
         muon_local, adam_local = sum(p.numel for p in muon), sum(p.numel for p in params if not p.is_muon)
         plan = None
         if optimizer == "adam":
-            elementwise("adam", (muon_local + adam_local) / g.dp * _ADAM_BYTES, len(params) * _ADAM_KERNELS)
+            elementwise("adam", (muon_local + adam_local) / g.dp * adam_bytes, len(params) * adam_kernels)
         else:
             shard = 1 if optimizer == "megatron-muon" else g.dp  # DDP Muon: every DP rank updates everything
             elementwise("muon elementwise", muon_local / shard * _MUON_BYTES(ns.dtype_bytes),
                         len(muon) * _MUON_KERNELS)
-            elementwise("adam", adam_local / shard * _ADAM_BYTES, (len(params) - len(muon)) * _ADAM_KERNELS)
+            elementwise("adam", adam_local / shard * adam_bytes, (len(params) - len(muon)) * adam_kernels)
             # ours on the buffer's DP ranges; megatron-core's Muon under plain DDP on whole matrices, every
             # DP rank alike (DP 1); its layer-wise optimizer on whole matrices, each on one DP home
             matrices = group.laid.matrices if ours else whole_layouts(params, g.tp, settings.splits)

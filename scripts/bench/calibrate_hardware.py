@@ -20,10 +20,14 @@ Probes (fp32 on the CPU, the NS dtype the benchmark uses there; bf16 on GPUs):
                           the benchmark's scale), batches of 4 repeated to ~4 GFLOP per call;
                           the geometric mean of the three rates
     kernel_overhead_s     an in-place add on a 16-element tensor (dispatch cost, no data)
-    memory_bandwidth      ``c = a + b`` on 32 MiB tensors, 8 times per call: 3 × 32 MiB touched
-                          per add, the result freshly allocated each time, as optimizer code
-                          allocates its temporaries (on a CPU the page faults of fresh memory
-                          cost more than the copy: an in-place add reaches ~5× this rate)
+    memory_bandwidth      ``c = a + b`` on 8 MiB tensors, 64 times per call (3 × 8 MiB touched per
+                          add), each result dropped at the next add, as a step drops its
+                          temporaries, so the allocator hands the freed memory back (8 MiB: past a
+                          core's L2, under glibc's 32 MiB mmap ceiling). Until 2026-12-07 the probe
+                          kept all its results alive (32 MiB each), so every add wrote fresh pages
+                          and paid their faults: one process on the 2-core machine, 12 GB/s kept
+                          against 27 dropped at 8 MiB; 3.6-6 GB/s per rank at 2 processes, a rate
+                          none of the benchmark's tensors (at most 1 MiB) pays
     collective_latency_s  a 4-byte all-reduce (the mean of 20 in a row)
     all_reduce_step_s     a 256 KiB all-reduce (a 256 × 256 fp32 Gram: what the distributed mode
                           all-reduces at the benchmark's scale; the mean of 20 in a row) less its
@@ -58,8 +62,8 @@ from .launch import backend_for, launch
 GEMM_SIZES = (128, 256, 512)
 GEMM_TARGET_FLOPS = 4e9  # per timed call: tens of ms, so that concurrent ranks overlap
 GEMM_BATCH = 4  # matrices per bmm
-MEMORY_ELEMENTS = 8 * 2**20  # 32 MiB in fp32
-MEMORY_PASSES = 8  # adds per timed call
+MEMORY_ELEMENTS = 2 * 2**20  # 8 MiB in fp32: past L2, under glibc's mmap ceiling (docstring)
+MEMORY_PASSES = 64  # adds per timed call: tens of ms, so that concurrent ranks overlap
 COLLECTIVE_ELEMENTS = (2**18, 2**21)  # 1 MiB and 8 MiB in fp32
 LATENCY_CALLS = 20  # scalar all-reduces per timed call
 GRAM_ELEMENTS = 2**16  # 256 KiB in fp32: the benchmark's 256 x 256 Grams
@@ -101,8 +105,12 @@ def measure(rank: int, nproc: int, device: torch.device, dtype: torch.dtype, rep
 
     x = torch.ones(MEMORY_ELEMENTS, device=device)
     y = torch.ones(MEMORY_ELEMENTS, device=device)
-    memory_bandwidth = MEMORY_PASSES * 3 * x.numel() * 4 / _timed(
-        lambda: [x + y for _ in range(MEMORY_PASSES)], device, repeats)
+
+    def adds():
+        for _ in range(MEMORY_PASSES):
+            _ = x + y  # dropped at the next add, as a step drops its temporaries
+
+    memory_bandwidth = MEMORY_PASSES * 3 * x.numel() * 4 / _timed(adds, device, repeats)
 
     scalar = torch.zeros(1, device=device)
     latency = _timed(lambda: [dist.all_reduce(scalar) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
@@ -167,6 +175,7 @@ def hardware_from_probes(raw: dict, nproc: int, backend: str, command: str) -> H
         all_gather_efficiency=1.0,
         all_reduce_efficiency=raw["collective_rates"]["all_reduce"] / gather_rate,
         all_to_all_efficiency=raw["collective_rates"]["all_to_all"] / gather_rate,
+        fused_adam=backend == "nccl",  # Megatron's Adam on GPUs is TE's / apex's; on gloo, torch's
     )
 
 

@@ -32,7 +32,7 @@ from megatron_muon.plan.step_cost import optimizer_step_cost
 NS_DTYPES = {2: torch.bfloat16, 4: torch.float32}
 """the benchmark's NS element size → its dtype."""
 
-TARGET = 0.25  # the issue's target: every row within 25%
+TARGET = 0.20  # issue 42: every row within 20% (the first validation issue asked 25%)
 
 
 def model_from_bench(bench: dict) -> ModelShape:

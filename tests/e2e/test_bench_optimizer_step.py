@@ -84,6 +84,27 @@ def test_every_row_with_positive_times(report):
     assert rows["megatron duplicated"]["ratio_vs_megatron_duplicated"] == 1.0
 
 
+def test_the_ranks_probed_the_machine_around_their_rounds(report, tmp_path):
+    """The layout carries the cost model's constants its own ranks measured, and the validation
+    predicts every row on them with no separate calibration file."""
+    from megatron_muon.plan.hardware import Hardware
+
+    (layout,) = report["layouts"]
+    hw = Hardware(**layout["hardware"])  # every field present, nothing extra
+    assert (hw.name, hw.ranks_per_node, hw.fused_adam) == ("cpu-gloo-2proc", 2, False)
+    for value in (hw.matmul_flops, hw.memory_bandwidth, hw.intra_node_bandwidth, hw.collective_latency_s,
+                  hw.kernel_overhead_s, hw.all_reduce_efficiency, hw.all_to_all_efficiency):
+        assert value > 0
+    bench = tmp_path / "optimizer_step.json"
+    bench.write_text(json.dumps(report))
+    out = tmp_path / "validation.json"
+    done = subprocess.run([sys.executable, "-m", "scripts.bench.validate_cost_model", "--bench", str(bench),
+                           "--json", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert {r["label"] for r in rows} == EXPECTED_LABELS and all(r["predicted_ms"] > 0 for r in rows)
+
+
 def test_model_inventory(report):
     m = report["model"]
     assert (m["hidden"], m["ffn"], m["heads"], m["query_groups"], m["head_dim"], m["layers"]) == (64, 224, 8, 2, 8, 1)

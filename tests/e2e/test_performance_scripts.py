@@ -32,6 +32,7 @@ def test_calibration_writes_a_complete_hardware_record(tmp_path):
     table = _run("-m", "scripts.bench.calibrate_hardware", "--nproc", "2", "--repeats", "1", "--out", str(out))
     hw = Hardware(**json.loads(out.read_text()))  # every field present, nothing extra
     assert hw.ranks_per_node == 2 and hw.name == "cpu-gloo-2proc"
+    assert not hw.fused_adam  # Megatron's Adam on gloo is torch's single-tensor AdamW
     for value in (hw.matmul_flops, hw.memory_bandwidth, hw.intra_node_bandwidth, hw.collective_latency_s,
                   hw.kernel_overhead_s, hw.all_reduce_efficiency, hw.all_to_all_efficiency):
         assert value > 0

@@ -21,14 +21,13 @@ TP description comes from the param's Megatron attributes as without FSDP2.
 Experts: megatron-core 0.19.2's ``TorchFullyShardedDataParallel`` calls ``fully_shard`` with its one
 mesh, the DP-CP group's, on every ``TransformerLayer``, experts included; FSDP2 then all-gathers an
 expert's rows and averages its grads over that mesh. That is right exactly where the mesh's ranks
-are the expert-DP group's: expert-TP x EP = TP, i.e. EP1 with the expert-TP size left at the TP size
-(Megatron then treats experts as dense params), or e.g. TP2 x EP2 x expert-TP1, whose expert-DP
-group is the DP group. Elsewhere the mesh's ranks hold other experts (TP1 x EP2: the all-gathered
-weight of local expert 0 is rows of global experts 0 and 2 in turn, and the two EP ranks' grads are
-averaged into it) or the expert-DP group has ranks the mesh lacks (TP2 x EP1 x expert-TP1: the TP
-peer's tokens' grads never arrive); ``fsdp2_mesh_refusal`` refuses both at the optimizer's build.
-Megatron's own ``validate_args`` (0.19.2, and Megatron-LM main) refuses ``--use-torch-fsdp2`` with
-EP > 1 outright, so from the command line only the EP1 case is reachable.
+are the expert-DP group's (expert-TP x EP = TP). Elsewhere the mesh's ranks hold other experts (TP1 x
+EP2: the all-gathered weight of local expert 0 is rows of global experts 0 and 2 in turn, and the two
+EP ranks' grads are averaged into it) or the expert-DP group has ranks the mesh lacks (TP2 x EP1 x
+expert-TP1: the TP peer's tokens' grads never arrive); ``fsdp2_mesh_refusal`` refuses both at the
+optimizer's build. ``TorchFSDP2WithExpertMesh`` (what the command line builds, through the hooks)
+shards each MoE layer's experts over their own expert-DP group first, as torchtitan shards its
+experts over its ``edp`` mesh, so that layout is then exact too.
 """
 
 from __future__ import annotations

@@ -150,6 +150,7 @@ def _wrap_validate_args(validate_args):
             hidden = {}
         for name in hidden:
             setattr(args, name, False)
+        expert_parallel = _hide_fsdp2_expert_parallelism(args)
         try:
             result = validate_args(args, defaults)
         except (AssertionError, ValueError, TypeError) as err:
@@ -160,6 +161,10 @@ def _wrap_validate_args(validate_args):
             args.optimizer = "muon"
             for name, value in hidden.items():
                 setattr(args, name, value)
+            if expert_parallel:
+                args.expert_model_parallel_size = expert_parallel
+        if expert_parallel:
+            _check_fsdp2_expert_parallelism(args)
         check_model_shapes(args)  # needs the sizes validate_args fills in
         check_resume_config(args, check_resume(args))
         check_load_flags(args)
@@ -174,6 +179,38 @@ def _wrap_validate_args(validate_args):
 
     setattr(wrapper, _ORIGINAL, validate_args)
     return wrapper
+
+
+def _hide_fsdp2_expert_parallelism(args) -> int:
+    """``--use-torch-fsdp2`` with ``--expert-model-parallel-size`` > 1: set EP to 1 for Megatron's
+    ``validate_args`` and return the EP size to restore after it (0: nothing hidden).
+
+    megatron-core 0.19.2's ``validate_args`` asserts '--use-torch-fsdp2 is not supported with expert
+    parallelism' because its ``TorchFullyShardedDataParallel`` shards experts over the DP-CP mesh;
+    under megatron-muon the model is wrapped in ``TorchFSDP2WithExpertMesh`` (``fsdp2_experts``), which
+    shards them over their expert-DP group. Nothing else in that ``validate_args`` derives a value
+    from the EP size: it checks ``num_experts`` against it and, under FSDP2, adds ``ep_dp`` to
+    ``high_priority_stream_groups``; ``_check_fsdp2_expert_parallelism`` does both after it."""
+    ep = getattr(args, "expert_model_parallel_size", 1)
+    if not getattr(args, "use_torch_fsdp2", False) or ep <= 1:
+        return 0
+    args.expert_model_parallel_size = 1
+    return ep
+
+
+def _check_fsdp2_expert_parallelism(args) -> None:
+    """What Megatron's ``validate_args`` does with an EP size > 1 and did not see (the EP was hidden
+    from it, ``_hide_fsdp2_expert_parallelism``): its two checks, in its words, and the expert-DP
+    group among the high-priority stream groups of an FSDP run."""
+    ep = args.expert_model_parallel_size
+    if args.num_experts is None:
+        raise UserInputError("Megatron's validate_args: num_experts must be non None to use expert model parallelism")
+    if args.num_experts % ep:
+        raise UserInputError("Megatron's validate_args: Number of experts should be a multiple of expert model "
+                             "parallel_size.")
+    groups = args.high_priority_stream_groups
+    if groups is not None and "ep_dp" not in groups:
+        groups.append("ep_dp")
 
 
 def _wrap_validate_yaml(validate_yaml):
@@ -522,6 +559,10 @@ def _wrap_wrap_model_chunks_with_ddp(wrap_model_chunks_with_ddp):
             from .catalogue import tag_routing
 
             tag_routing(model_chunks, muon_config_from_args(margs))
+        if getattr(margs, ACTIVE, False) and training.HAVE_FSDP2 and dp_class is training.torch_FSDP:
+            from .fsdp2_experts import TorchFSDP2WithExpertMesh
+
+            kwargs["DP"] = TorchFSDP2WithExpertMesh
         if (getattr(margs, ACTIVE, False) and dp_class is training.DDP and ddp_config.use_distributed_optimizer
                 and not kwargs.get("use_layer_wise_distributed_optimizer", False)):
             muon_config = muon_config_from_args(margs)
@@ -557,6 +598,15 @@ def _wrap_ddp_wrap(ddp_wrap):
             from .catalogue import tag_routing
 
             tag_routing(call["model"], muon_config_from_args(margs))
+        if getattr(margs, ACTIVE, False) and call.get("use_torch_fsdp2"):
+            from .fsdp2_experts import TorchFSDP2WithExpertMesh
+
+            megatron_fsdp2 = dist_utils.TorchFullyShardedDataParallel
+            dist_utils.TorchFullyShardedDataParallel = TorchFSDP2WithExpertMesh
+            try:
+                return ddp_wrap(*args, **kwargs)
+            finally:
+                dist_utils.TorchFullyShardedDataParallel = megatron_fsdp2
         if (getattr(margs, ACTIVE, False) and call["ddp_config"].use_distributed_optimizer
                 and not any(call.get(name) for name in other_wrappers)):
             muon_config = muon_config_from_args(margs)

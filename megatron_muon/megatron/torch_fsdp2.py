@@ -125,7 +125,14 @@ def keep_fsdp2_expert_rows_main(model_chunks) -> None:
     Each instance's ``sharded_state_dict`` whose params are FSDP2's is wrapped to put id 0 back on
     every tensor it returns (a gated fc1's ``ShardedTensorFactory`` too: its gate and up halves take
     the factory's replica id when built; not the extra state's ``ShardedObject``s, whole on every
-    DP rank), on this model only; a model without FSDP2 params is left as it is."""
+    DP rank), on this model only; a model without FSDP2 params is left as it is.
+
+    The same wrapper describes the rows over the group FSDP2 sharded them over: megatron-core cuts
+    each FSDP2 tensor into ``metadata['dp_cp_group']``'s size of fragments at that group's rank
+    (``make_tp_sharded_tensor_for_checkpoint``, ``apply_swiglu_sharded_factory``), the DP-CP group
+    unless told otherwise; experts that ``TorchFSDP2WithExpertMesh`` sharded over their expert-DP
+    group are described with that group instead (the DP-CP group's own ranks where the two are
+    the same, as under megatron-core's wrapper)."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     for chunk in model_chunks:
@@ -134,14 +141,16 @@ def keep_fsdp2_expert_rows_main(model_chunks) -> None:
                 continue
             if not all(getattr(p, "is_torch_fsdp2_param", False) for p in module.parameters()):
                 continue
-            module.sharded_state_dict = _fsdp2_rows_main(module.sharded_state_dict)
+            mesh_group = next(module.parameters()).device_mesh.get_group()
+            module.sharded_state_dict = _fsdp2_rows_main(module.sharded_state_dict, mesh_group)
 
 
-def _fsdp2_rows_main(sharded_state_dict):
+def _fsdp2_rows_main(sharded_state_dict, mesh_group):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    def wrapper(*args, **kwargs):
-        out = sharded_state_dict(*args, **kwargs)
+    def wrapper(prefix="", sharded_offsets=(), metadata=None):
+        metadata = {**(metadata or {}), "dp_cp_group": mesh_group}  # the rows' group, this module only
+        out = sharded_state_dict(prefix, sharded_offsets, metadata)
         for item in out.values():  # not the ShardedObjects (extra state): those are replicas over DP
             if isinstance(item, (ShardedTensor, ShardedTensorFactory)):
                 item.replica_id = (*item.replica_id[:2], 0)

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 EXPECTED_CONFIGS = {"tiny-cpu", "gpt-125m-muon", "llama3-8b-tp8-owner", "llama3-8b-tp8-muonbp",
                     "llama3-70b-tp8-pp4-owner", "moe-tiny-cpu", "moonlight-16b-a3b-ep8", "tiny-cpu-fsdp",
-                    "tiny-cpu-fsdp2", "hybrid-tiny-cpu", "tiny-cpu-per-head", "moe-tiny-cpu-fsdp"}
+                    "tiny-cpu-fsdp2", "hybrid-tiny-cpu", "tiny-cpu-per-head", "moe-tiny-cpu-fsdp",
+                    "moe-tiny-cpu-fsdp2"}
 
 
 @pytest.fixture(scope="module")

@@ -379,9 +379,6 @@ def _torch_fsdp2_rejections(args) -> list[tuple[bool, str]]:
     if not getattr(args, "use_torch_fsdp2", False):
         return []
     checkpoints = getattr(args, "save", None) is not None or getattr(args, "load", None) is not None
-    experts = getattr(args, "num_experts", None) is not None
-    ep, etp = getattr(args, "expert_model_parallel_size", 1), getattr(args, "expert_tensor_parallel_size", None)
-    tp = getattr(args, "tensor_model_parallel_size", 1)
     return [
         (getattr(args, "muon_dp_mode", flag_default("muon_dp_mode")) == "redundant",
          "--muon-dp-mode redundant with --use-torch-fsdp2: FSDP2 cuts every matrix by rows over DP, so no rank "

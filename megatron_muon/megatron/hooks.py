@@ -46,6 +46,10 @@ exit code 2); each exists because Megatron itself would do something else:
    chunk's buffer gets our layout (every Muon matrix whole in one DP shard) instead of
    ``DistributedOptimizer.compute_full_param_layout``'s. Megatron's own seam: DDP accepts a
    ``full_param_layout``, which is how its layer-wise optimizer lays out its buffers.
+   With ``--use-torch-fsdp2`` it is handed ``fsdp2_experts.TorchFSDP2WithExpertMesh`` instead of
+   megatron-core's ``TorchFullyShardedDataParallel``: each MoE layer's experts sharded over their
+   expert-DP group, which makes experts exact at any EP and expert-TP size (2. shows Megatron's
+   ``validate_args``, which refuses EP > 1 under FSDP2, EP1 for that, ``_hide_fsdp2_expert_parallelism``).
    ``megatron.training.models.dist_utils._ddp_wrap`` (10.) is the same seam on the other path.
    Before the optimizer is built, ``check_balanced_layout_applied`` refuses in one line a DDP
    chunk that neither hook laid out, so the layout asked for is never silently megatron-core's.
@@ -81,8 +85,8 @@ exit code 2); each exists because Megatron itself would do something else:
     ``pretrain_hybrid.py`` on core_r0.19.0 and main, and ``scripts/pretrain_gpt.py``),
     ``setup_model_and_optimizer`` builds the model with the config's builder and wraps it in DDP
     here, not in ``get_model``. For the call, the module's ``DistributedDataParallel`` is
-    ``layout.ddp_with_balanced_layout`` (as 5.); Megatron-FSDP, FSDP2 and the layer-wise optimizer
-    keep theirs.
+    ``layout.ddp_with_balanced_layout`` (as 5.); under FSDP2 its ``TorchFullyShardedDataParallel`` is
+    ``TorchFSDP2WithExpertMesh`` (as 5.); Megatron-FSDP and the layer-wise optimizer keep theirs.
 
 ``--optimizer dist_muon`` (deprecated upstream) and the other emerging optimizers keep upstream's
 implementations, and none of the checks above applies to them.

@@ -65,9 +65,9 @@ class TorchFSDP2WithExpertMesh(TorchFullyShardedDataParallel):
         saved = {name: dict(vars(p)) for e in experts for name, p in _named(module, e)}
         # the device type of megatron-core's mesh: "cuda", which cpu_patches makes "cpu" without CUDA
         device_type = "cuda" if torch.cuda.is_available() else "cpu"
-        self.expert_device_mesh = DeviceMesh.from_group(expert_dp, device_type) if experts else None
+        mesh = DeviceMesh.from_group(expert_dp, device_type) if experts else None
         for e in experts:
-            fully_shard(e, mesh=self.expert_device_mesh,
+            fully_shard(e, mesh=mesh,
                         reshard_after_forward=getattr(ddp_config, "reshard_after_forward", True))
             e.set_gradient_divide_factor(float(dp_cp.size()))
             # FSDP2 divides by a factor other than its mesh size with NCCL's PreMulSum, which gloo
@@ -75,6 +75,8 @@ class TorchFSDP2WithExpertMesh(TorchFullyShardedDataParallel):
             # and divides once in its copy (a forced SUM would divide there and again after).
             e.set_force_sum_reduction_for_comms(expert_dp.size() > 1)
         super().__init__(config, ddp_config, module, **kwargs)
+        self.expert_device_mesh = mesh
+        """The experts' FSDP2 mesh (the expert-DP group's), or None where megatron-core's is theirs."""
         params = dict(self.module.named_parameters())
         for name, attrs in saved.items():
             for key, value in attrs.items():

@@ -244,6 +244,7 @@ def build_tiny_gpt(
     fsdp: str | None = None,
     mla: dict | None = None,
     fsdp2: bool = False,
+    fsdp2_expert_mesh: bool = False,
     hybrid: str | None = None,
     attention: dict | None = None,
 ) -> list:
@@ -284,6 +285,9 @@ def build_tiny_gpt(
     makes (``TorchFullyShardedDataParallelConfig``, reshard after forward), over the DP group;
     every param becomes a DTensor sharded along dim 0 (``fully_shard`` on each transformer layer
     and the embedding, then the root), and Megatron's optimizer is the non-distributed one.
+    ``fsdp2_expert_mesh``: with ``fsdp2``, megatron-muon's ``TorchFSDP2WithExpertMesh`` (each MoE
+    layer's experts sharded over the expert-DP group first; what the command line builds) instead
+    of megatron-core's class as it is.
     ``mla``: multi-latent attention in every layer (``MLATransformerConfig``, the local spec's
     ``MLASelfAttention`` around ``mla_attention.MLACoreAttention``, plain RoPE), its sizes:
     ``q_lora_rank`` (None: one ``linear_q_proj``), ``kv_lora_rank``, ``qk_head_dim``,
@@ -374,8 +378,10 @@ def build_tiny_gpt(
 
             _forget_dtensor_specs()
 
-            return TorchFullyShardedDataParallel(config=config, ddp_config=TorchFullyShardedDataParallelConfig(),
-                                                 module=model)
+            wrapper = TorchFullyShardedDataParallel
+            if fsdp2_expert_mesh:
+                from megatron_muon.megatron.fsdp2_experts import TorchFSDP2WithExpertMesh as wrapper
+            return wrapper(config=config, ddp_config=TorchFullyShardedDataParallelConfig(), module=model)
         if fsdp is not None:
             from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 

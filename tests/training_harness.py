@@ -222,6 +222,9 @@ class Run:
     """DDP's bucket size in elements (honoured with ``overlap``)."""
     wrap: str = "ddp"
     """the data-parallel wrapper: ``ddp`` (Megatron's DDP), ``megatron_fsdp`` or ``fsdp2`` (torch's)."""
+    expert_mesh: bool = False
+    """with ``wrap="fsdp2"``: each MoE layer's experts sharded over their expert-DP group
+    (``TorchFSDP2WithExpertMesh``, what the command line builds); False: megatron-core's wrapper as it is."""
     sharding: str | None = None
     """Megatron-FSDP's ``--data-parallel-sharding-strategy`` (with ``wrap="megatron_fsdp"`` only)."""
     moe: Settings | None = None
@@ -266,6 +269,8 @@ class Run:
             raise TypeError(f"Run.sharding: one of {SHARDINGS} with wrap='megatron_fsdp' only, got {self.sharding!r}")
         if self.wrap == "megatron_fsdp" and not self.dist_opt:
             raise TypeError("Run: Megatron-FSDP implies dist_opt=True")
+        if self.expert_mesh and self.wrap != "fsdp2":
+            raise TypeError("Run.expert_mesh: with wrap='fsdp2' only")
         if self.layout not in LAYOUTS:
             raise TypeError(f"Run.layout: expected one of {LAYOUTS}, got {self.layout!r}")
         if self.nan_step is not None and self.overlap:
@@ -432,7 +437,8 @@ def build(run: Run):
                            bucket_size=run.bucket_size, seed=run.seed, num_layers=run.layers, dp_layout=run.layout,
                            muon_config=muon_config, vpp=run.vpp, overlap=run.overlap,
                            layout_bucket_size=run.layout_bucket_size, moe=_dict(run.moe), fsdp=run.sharding,
-                           mla=_dict(run.mla), fsdp2=run.wrap == "fsdp2", hybrid=run.hybrid,
+                           mla=_dict(run.mla), fsdp2=run.wrap == "fsdp2", fsdp2_expert_mesh=run.expert_mesh,
+                           hybrid=run.hybrid,
                            attention=_dict(run.attention))
     if run.overlap:  # megatron.training hands the schedule no_sync only with --overlap-grad-reduce
         no_sync = [chunk.no_sync for chunk in model]

@@ -46,6 +46,10 @@ exit code 2); each exists because Megatron itself would do something else:
    chunk's buffer gets our layout (every Muon matrix whole in one DP shard) instead of
    ``DistributedOptimizer.compute_full_param_layout``'s. Megatron's own seam: DDP accepts a
    ``full_param_layout``, which is how its layer-wise optimizer lays out its buffers.
+   With ``--use-torch-fsdp2`` it is handed ``fsdp2_experts.TorchFSDP2WithExpertMesh`` instead of
+   megatron-core's ``TorchFullyShardedDataParallel``: each MoE layer's experts sharded over their
+   expert-DP group, which makes experts exact at any EP and expert-TP size (2. shows Megatron's
+   ``validate_args``, which refuses EP > 1 under FSDP2, EP1 for that, ``_hide_fsdp2_expert_parallelism``).
    ``megatron.training.models.dist_utils._ddp_wrap`` (10.) is the same seam on the other path.
    Before the optimizer is built, ``check_balanced_layout_applied`` refuses in one line a DDP
    chunk that neither hook laid out, so the layout asked for is never silently megatron-core's.
@@ -81,8 +85,8 @@ exit code 2); each exists because Megatron itself would do something else:
     ``pretrain_hybrid.py`` on core_r0.19.0 and main, and ``scripts/pretrain_gpt.py``),
     ``setup_model_and_optimizer`` builds the model with the config's builder and wraps it in DDP
     here, not in ``get_model``. For the call, the module's ``DistributedDataParallel`` is
-    ``layout.ddp_with_balanced_layout`` (as 5.); Megatron-FSDP, FSDP2 and the layer-wise optimizer
-    keep theirs.
+    ``layout.ddp_with_balanced_layout`` (as 5.); under FSDP2 its ``TorchFullyShardedDataParallel`` is
+    ``TorchFSDP2WithExpertMesh`` (as 5.); Megatron-FSDP and the layer-wise optimizer keep theirs.
 
 ``--optimizer dist_muon`` (deprecated upstream) and the other emerging optimizers keep upstream's
 implementations, and none of the checks above applies to them.
@@ -150,6 +154,7 @@ def _wrap_validate_args(validate_args):
             hidden = {}
         for name in hidden:
             setattr(args, name, False)
+        expert_parallel = _hide_fsdp2_expert_parallelism(args)
         try:
             result = validate_args(args, defaults)
         except (AssertionError, ValueError, TypeError) as err:
@@ -160,6 +165,10 @@ def _wrap_validate_args(validate_args):
             args.optimizer = "muon"
             for name, value in hidden.items():
                 setattr(args, name, value)
+            if expert_parallel:
+                args.expert_model_parallel_size = expert_parallel
+        if expert_parallel:
+            _check_fsdp2_expert_parallelism(args)
         check_model_shapes(args)  # needs the sizes validate_args fills in
         check_resume_config(args, check_resume(args))
         check_load_flags(args)
@@ -174,6 +183,38 @@ def _wrap_validate_args(validate_args):
 
     setattr(wrapper, _ORIGINAL, validate_args)
     return wrapper
+
+
+def _hide_fsdp2_expert_parallelism(args) -> int:
+    """``--use-torch-fsdp2`` with ``--expert-model-parallel-size`` > 1: set EP to 1 for Megatron's
+    ``validate_args`` and return the EP size to restore after it (0: nothing hidden).
+
+    megatron-core 0.19.2's ``validate_args`` asserts '--use-torch-fsdp2 is not supported with expert
+    parallelism' because its ``TorchFullyShardedDataParallel`` shards experts over the DP-CP mesh;
+    under megatron-muon the model is wrapped in ``TorchFSDP2WithExpertMesh`` (``fsdp2_experts``), which
+    shards them over their expert-DP group. Nothing else in that ``validate_args`` derives a value
+    from the EP size: it checks ``num_experts`` against it and, under FSDP2, adds ``ep_dp`` to
+    ``high_priority_stream_groups``; ``_check_fsdp2_expert_parallelism`` does both after it."""
+    ep = getattr(args, "expert_model_parallel_size", 1)
+    if not getattr(args, "use_torch_fsdp2", False) or ep <= 1:
+        return 0
+    args.expert_model_parallel_size = 1
+    return ep
+
+
+def _check_fsdp2_expert_parallelism(args) -> None:
+    """What Megatron's ``validate_args`` does with an EP size > 1 and did not see (the EP was hidden
+    from it, ``_hide_fsdp2_expert_parallelism``): its two checks, in its words, and the expert-DP
+    group among the high-priority stream groups of an FSDP run."""
+    ep = args.expert_model_parallel_size
+    if args.num_experts is None:
+        raise UserInputError("Megatron's validate_args: num_experts must be non None to use expert model parallelism")
+    if args.num_experts % ep:
+        raise UserInputError("Megatron's validate_args: Number of experts should be a multiple of expert model "
+                             "parallel_size.")
+    groups = args.high_priority_stream_groups
+    if groups is not None and "ep_dp" not in groups:
+        groups.append("ep_dp")
 
 
 def _wrap_validate_yaml(validate_yaml):
@@ -522,6 +563,10 @@ def _wrap_wrap_model_chunks_with_ddp(wrap_model_chunks_with_ddp):
             from .catalogue import tag_routing
 
             tag_routing(model_chunks, muon_config_from_args(margs))
+        if getattr(margs, ACTIVE, False) and training.HAVE_FSDP2 and dp_class is training.torch_FSDP:
+            from .fsdp2_experts import TorchFSDP2WithExpertMesh
+
+            kwargs["DP"] = TorchFSDP2WithExpertMesh
         if (getattr(margs, ACTIVE, False) and dp_class is training.DDP and ddp_config.use_distributed_optimizer
                 and not kwargs.get("use_layer_wise_distributed_optimizer", False)):
             muon_config = muon_config_from_args(margs)
@@ -557,6 +602,15 @@ def _wrap_ddp_wrap(ddp_wrap):
             from .catalogue import tag_routing
 
             tag_routing(call["model"], muon_config_from_args(margs))
+        if getattr(margs, ACTIVE, False) and call.get("use_torch_fsdp2"):
+            from .fsdp2_experts import TorchFSDP2WithExpertMesh
+
+            megatron_fsdp2 = dist_utils.TorchFullyShardedDataParallel
+            dist_utils.TorchFullyShardedDataParallel = TorchFSDP2WithExpertMesh
+            try:
+                return ddp_wrap(*args, **kwargs)
+            finally:
+                dist_utils.TorchFullyShardedDataParallel = megatron_fsdp2
         if (getattr(margs, ACTIVE, False) and call["ddp_config"].use_distributed_optimizer
                 and not any(call.get(name) for name in other_wrappers)):
             muon_config = muon_config_from_args(margs)

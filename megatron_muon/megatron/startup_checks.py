@@ -372,26 +372,14 @@ def _torch_fsdp2_rejections(args) -> list[tuple[bool, str]]:
     ``check_supported_args``). ``--muon-load-upstream-optimizer`` finds upstream's state by the model
     params' sharded tensors, which under FSDP2 hold the DTensors' local rows, not the params.
 
-    Experts: exact at EP1 with the expert-TP size at the TP size, where FSDP2's one DP-CP mesh is the
-    expert-DP group (``tests/megatron/test_fsdp2_moe.py``). EP > 1 is refused by Megatron's own
-    ``validate_args`` (refused here first, in one line); another expert-TP size would average the
-    experts' grads over the wrong ranks (``torch_fsdp2`` module docstring)."""
+    Experts: exact at any EP and expert-TP size: the hooks wrap the model in
+    ``TorchFSDP2WithExpertMesh``, which shards each MoE layer's experts over their expert-DP group
+    (``fsdp2_experts.py``; ``tests/megatron/test_fsdp2_expert_parallel.py``), and the ``validate_args``
+    hook hides EP > 1 from Megatron's own refusal of it under FSDP2."""
     if not getattr(args, "use_torch_fsdp2", False):
         return []
     checkpoints = getattr(args, "save", None) is not None or getattr(args, "load", None) is not None
-    experts = getattr(args, "num_experts", None) is not None
-    ep, etp = getattr(args, "expert_model_parallel_size", 1), getattr(args, "expert_tensor_parallel_size", None)
-    tp = getattr(args, "tensor_model_parallel_size", 1)
     return [
-        (experts and ep > 1,
-         f"--use-torch-fsdp2 with --expert-model-parallel-size {ep}: megatron-core 0.19.2 refuses expert "
-         "parallelism under FSDP2 (validate_args: '--use-torch-fsdp2 is not supported with expert parallelism'; "
-         "Megatron-LM main too); use --use-distributed-optimizer, or EP1 (experts under FSDP2 are exact there)"),
-        (experts and etp is not None and etp != tp,
-         f"--use-torch-fsdp2 with --expert-tensor-parallel-size {etp} at TP {tp}: megatron-core 0.19.2's "
-         "TorchFullyShardedDataParallel shards and averages every param, experts included, over the DP-CP "
-         "group, while an expert's grads must be averaged over its expert-DP group, other ranks at this size; "
-         "leave --expert-tensor-parallel-size at the TP size, or use --use-distributed-optimizer"),
         (getattr(args, "muon_dp_mode", flag_default("muon_dp_mode")) == "redundant",
          "--muon-dp-mode redundant with --use-torch-fsdp2: FSDP2 cuts every matrix by rows over DP, so no rank "
          "holds whole matrices; use owner"),

@@ -21,14 +21,13 @@ TP description comes from the param's Megatron attributes as without FSDP2.
 Experts: megatron-core 0.19.2's ``TorchFullyShardedDataParallel`` calls ``fully_shard`` with its one
 mesh, the DP-CP group's, on every ``TransformerLayer``, experts included; FSDP2 then all-gathers an
 expert's rows and averages its grads over that mesh. That is right exactly where the mesh's ranks
-are the expert-DP group's: expert-TP x EP = TP, i.e. EP1 with the expert-TP size left at the TP size
-(Megatron then treats experts as dense params), or e.g. TP2 x EP2 x expert-TP1, whose expert-DP
-group is the DP group. Elsewhere the mesh's ranks hold other experts (TP1 x EP2: the all-gathered
-weight of local expert 0 is rows of global experts 0 and 2 in turn, and the two EP ranks' grads are
-averaged into it) or the expert-DP group has ranks the mesh lacks (TP2 x EP1 x expert-TP1: the TP
-peer's tokens' grads never arrive); ``fsdp2_mesh_refusal`` refuses both at the optimizer's build.
-Megatron's own ``validate_args`` (0.19.2, and Megatron-LM main) refuses ``--use-torch-fsdp2`` with
-EP > 1 outright, so from the command line only the EP1 case is reachable.
+are the expert-DP group's (expert-TP x EP = TP). Elsewhere the mesh's ranks hold other experts (TP1 x
+EP2: the all-gathered weight of local expert 0 is rows of global experts 0 and 2 in turn, and the two
+EP ranks' grads are averaged into it) or the expert-DP group has ranks the mesh lacks (TP2 x EP1 x
+expert-TP1: the TP peer's tokens' grads never arrive); ``fsdp2_mesh_refusal`` refuses both at the
+optimizer's build. ``TorchFSDP2WithExpertMesh`` (what the command line builds, through the hooks)
+shards each MoE layer's experts over their own expert-DP group first, as torchtitan shards its
+experts over its ``edp`` mesh, so that layout is then exact too.
 """
 
 from __future__ import annotations
@@ -126,7 +125,14 @@ def keep_fsdp2_expert_rows_main(model_chunks) -> None:
     Each instance's ``sharded_state_dict`` whose params are FSDP2's is wrapped to put id 0 back on
     every tensor it returns (a gated fc1's ``ShardedTensorFactory`` too: its gate and up halves take
     the factory's replica id when built; not the extra state's ``ShardedObject``s, whole on every
-    DP rank), on this model only; a model without FSDP2 params is left as it is."""
+    DP rank), on this model only; a model without FSDP2 params is left as it is.
+
+    The same wrapper describes the rows over the group FSDP2 sharded them over: megatron-core cuts
+    each FSDP2 tensor into ``metadata['dp_cp_group']``'s size of fragments at that group's rank
+    (``make_tp_sharded_tensor_for_checkpoint``, ``apply_swiglu_sharded_factory``), the DP-CP group
+    unless told otherwise; experts that ``TorchFSDP2WithExpertMesh`` sharded over their expert-DP
+    group are described with that group instead (the DP-CP group's own ranks where the two are
+    the same, as under megatron-core's wrapper)."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
     for chunk in model_chunks:
@@ -135,14 +141,16 @@ def keep_fsdp2_expert_rows_main(model_chunks) -> None:
                 continue
             if not all(getattr(p, "is_torch_fsdp2_param", False) for p in module.parameters()):
                 continue
-            module.sharded_state_dict = _fsdp2_rows_main(module.sharded_state_dict)
+            mesh_group = next(module.parameters()).device_mesh.get_group()
+            module.sharded_state_dict = _fsdp2_rows_main(module.sharded_state_dict, mesh_group)
 
 
-def _fsdp2_rows_main(sharded_state_dict):
+def _fsdp2_rows_main(sharded_state_dict, mesh_group):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    def wrapper(*args, **kwargs):
-        out = sharded_state_dict(*args, **kwargs)
+    def wrapper(prefix="", sharded_offsets=(), metadata=None):
+        metadata = {**(metadata or {}), "dp_cp_group": mesh_group}  # the rows' group, this module only
+        out = sharded_state_dict(prefix, sharded_offsets, metadata)
         for item in out.values():  # not the ShardedObjects (extra state): those are replicas over DP
             if isinstance(item, (ShardedTensor, ShardedTensorFactory)):
                 item.replica_id = (*item.replica_id[:2], 0)

@@ -7,6 +7,7 @@ Two gloo ranks under torchrun (TP=2, the CPU patches, CUDA hidden), a tiny GPT o
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -251,6 +252,35 @@ def test_fsdp2_demo_config_trains(tmp_path, demo_data):
     losses = [float(m) for m in re.findall(r"lm loss: ([0-9.E+-]+)", out)]
     assert len(losses) == 11 and losses[-1] < losses[0] - 1.0, losses
     assert len(re.findall(r"muon bytes sent: 0\.0[0-9]+ MB", out)) == 11  # every matrix's rows, every step
+
+
+def test_fsdp2_moe_expert_parallel_config_trains_and_resumes_exactly(tmp_path, demo_data):
+    """configs/moe-tiny-cpu-fsdp2.yaml as a user runs it: torch FSDP2 at EP2 over 2 ranks, which
+    megatron-core 0.19.2's validate_args refuses and megatron-muon runs (TorchFSDP2WithExpertMesh:
+    the experts sharded over their expert-DP group, here each rank alone; the dense params cut by
+    rows over both ranks). 6 iterations with a torch_dist save after the 3rd, every loss finite and
+    falling; a resume from it logs the uninterrupted run's iterations 4 to 6 exactly (every grad
+    norm; the losses of iterations 4 and 6, and 5 as the mean Megatron's first resumed log line
+    prints, as in test_fsdp_moe_demo_config_resumes_exactly). Exactness against one process:
+    tests/megatron/test_fsdp2_expert_parallel.py."""
+    run = _config_job("moe-tiny-cpu-fsdp2.yaml", tmp_path, demo_data, env=dict(CUDA_DEVICE_MAX_CONNECTIONS=None))
+    common = ("--train-iters", "6", "--log-interval", "1", "--eval-iters", "0", "--lr-warmup-iters", "2")
+    out = run(*common, "--save-interval", "3")
+    assert "experts: EP 2 x expert-TP 1 x expert-DP 1" in out, out[-6000:]
+    assert "DP 2: torch FSDP2 layout (every param cut by rows over DP, torch.chunk): 6 of 6 matrices cut" in out
+    logged = re.compile(r"iteration\s+(\d+)/\s*6 \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|")
+    straight = {int(it): (loss, norm) for it, loss, norm in logged.findall(out)}
+    assert sorted(straight) == [1, 2, 3, 4, 5, 6], out[-4000:]
+    losses = [float(straight[it][0]) for it in range(1, 7)]
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.3, losses
+    out = run(*common, "--ckpt-step", "3", "--save-interval", "1000")
+    assert re.search(r"loaded checkpoint from \S+ .* at iteration 3", out), out[-4000:]
+    resumed = {int(it): (loss, norm) for it, loss, norm in logged.findall(out)}
+    assert sorted(resumed) == [4, 5, 6], out[-4000:]
+    assert all(resumed[it][1] == straight[it][1] for it in (4, 5, 6)), (resumed, straight)
+    assert resumed[4][0] == straight[4][0] and resumed[6][0] == straight[6][0], (resumed, straight)
+    mean = (float(straight[4][0]) + float(straight[5][0])) / 2  # printed to 7 digits: within 1 in the last
+    assert abs(float(resumed[5][0]) - mean) <= 1e-6 * mean, (resumed, straight)
 
 
 def test_block_grid_through_megatrons_loop_resumes_bitwise(tmp_path):

@@ -8,9 +8,11 @@ and the optimizer's ``load_state_dict`` is never called, so its counters (AdamW'
 ``checkpoint_harness.load_torch_dist_in_place`` replays that load.
 
 Each case (TP1 x DP2 in fp32 and bf16, TP2 x DP2 in fp32 with the distributed TP mode; a MoE model
-at EP1, TP1 x DP2 and TP2 x DP2; MuonBP period 3) trains the tiny GPT under FSDP2 (each DP rank on
-its own slice of a fresh global batch every step) 4 steps without interruption, and 2 steps, a save,
-a load into a model built from other weights in new processes, and 2 more steps. Compared bitwise:
+at EP1, TP1 x DP2 and TP2 x DP2, and at TP1 x EP2 x expert-DP2 under ``TorchFSDP2WithExpertMesh``, the
+experts cut by rows over their expert-DP group and stepped by the chain's expert optimizer; MuonBP
+period 3) trains the tiny GPT under FSDP2 (each DP rank on its own slice of a fresh global batch every
+step) 4 steps without interruption, and 2 steps, a save, a load into a model built from other weights
+in new processes, and 2 more steps. Compared bitwise:
 the state right after the load with the state saved (every rank's rows of the weights, fp32 main params, Muon momentum,
 Adam moments, the step counters, ``muon_steps``), the last state and the losses of steps 3 and 4
 with the uninterrupted run's. The checkpoint read back by torch's own DCP reader, in one process,
@@ -41,17 +43,20 @@ RUNS = {
     # MoE experts at EP1 (what --use-torch-fsdp2 takes): SequentialMLP's own sharded state dict
     "moe": Run(tp=1, tp_mode="owner", moe=MOE, muon=dict(muonbp_period=3), **FSDP2),
     "moe-tp2": Run(tp=2, tp_mode="owner", moe=MOE, muon=dict(muonbp_period=3), **FSDP2),
+    # EP2 x expert-DP2 at TP1 (DP4): the experts cut by rows over their expert-DP group
+    # (TorchFSDP2WithExpertMesh, what the command line builds), a dense and an expert optimizer
+    "moe-ep2": Run(tp=1, ep=2, tp_mode="owner", moe=MOE, muon=dict(muonbp_period=3), expert_mesh=True, **FSDP2),
 }
-WORLDS = {"fp32": 2, "bf16": 2, "tp2": 4, "moe": 2, "moe-tp2": 4}  # TP1 x DP2; TP2 x DP2
+WORLDS = {"fp32": 2, "bf16": 2, "tp2": 4, "moe": 2, "moe-tp2": 4, "moe-ep2": 4}  # TP1 x DP2; TP2 x DP2; TP1 x DP4
 WORLD = 2
 
 
 # ----------------------------------------------------------------------------- on every rank
 
 
-def _names(model, optimizer) -> dict[int, str]:
-    """id(optimizer param) -> its model param's name (bf16: the fp32 main param of a bf16 param)."""
-    wrapper = optimizer.chained_optimizers[0]
+def _names(wrapper, model) -> dict[int, str]:
+    """id(optimizer param) -> its model param's name (bf16: the fp32 main param of a bf16 param),
+    for one optimizer of the chain."""
     names = {id(p): n for n, p in model[0].named_parameters()}
     out = {id(p): names[id(p)] for g in wrapper.optimizer.param_groups for p in g["params"] if id(p) in names}
     for main_group, model_group in zip(getattr(wrapper, "fp32_from_float16_groups", []),
@@ -63,21 +68,20 @@ def _names(model, optimizer) -> dict[int, str]:
 def _state(model, optimizer, *, whole: bool) -> dict:
     """``{name/key: tensor}``: every param's weight, fp32 main param (bf16), optimizer state tensors
     and step; ``muon_steps``. ``whole``: every DP rank's rows gathered (TP1), else this rank's."""
-    def rows(t):
-        return gather_fsdp_rows(t) if whole else t._local_tensor.detach().clone()
+    def rows(t, expert=None):
+        return gather_fsdp_rows(t, expert) if whole else t._local_tensor.detach().clone()
 
-    wrapper = optimizer.chained_optimizers[0]
-    inner = wrapper.optimizer
-    names = _names(model, optimizer)
     out = {f"{n}/weight": rows(p) for n, p in model[0].named_parameters()}
-    for group in inner.param_groups:
-        for p in group["params"]:
-            name = names[id(p)]
-            if hasattr(wrapper, "float16_groups"):
-                out[f"{name}/main"] = rows(p)
-            for key, value in inner.state[p].items():
-                out[f"{name}/{key}"] = rows(value) if key != "step" else value.clone()
-    out["muon_steps"] = inner.muon_steps
+    for index, wrapper in enumerate(optimizer.chained_optimizers):  # the experts' second at EP > 1
+        inner, names, expert = wrapper.optimizer, _names(wrapper, model), index == 1
+        for group in inner.param_groups:
+            for p in group["params"]:
+                name = names[id(p)]
+                if hasattr(wrapper, "float16_groups"):
+                    out[f"{name}/main"] = rows(p, expert)
+                for key, value in inner.state[p].items():
+                    out[f"{name}/{key}"] = rows(value, expert) if key != "step" else value.clone()
+    out["muon_steps"] = optimizer.chained_optimizers[0].optimizer.muon_steps
     return out
 
 

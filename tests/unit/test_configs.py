@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 EXPECTED_CONFIGS = {"tiny-cpu", "gpt-125m-muon", "llama3-8b-tp8-owner", "llama3-8b-tp8-muonbp",
                     "llama3-70b-tp8-pp4-owner", "moe-tiny-cpu", "moonlight-16b-a3b-ep8", "tiny-cpu-fsdp",
-                    "tiny-cpu-fsdp2", "hybrid-tiny-cpu", "tiny-cpu-per-head", "moe-tiny-cpu-fsdp"}
+                    "tiny-cpu-fsdp2", "hybrid-tiny-cpu", "tiny-cpu-per-head", "moe-tiny-cpu-fsdp",
+                    "moe-tiny-cpu-fsdp2"}
 
 
 @pytest.fixture(scope="module")
@@ -405,6 +406,20 @@ def test_fsdp2_config_is_what_it_says(installed, monkeypatch):
     assert args.use_torch_fsdp2 and not args.use_distributed_optimizer and not args.use_megatron_fsdp
     assert (args.tensor_model_parallel_size, args.bf16, args.distributed_backend) == (1, True, "gloo")
     assert args.save is None and args.load is None
+
+
+def test_fsdp2_moe_config_is_what_it_says(installed, monkeypatch):
+    """The CPU torch FSDP2 MoE demo: EP2 over its 2 ranks, which megatron-core's validate_args refuses
+    under FSDP2 and the validate_args hook lets through (Megatron sees EP1; the EP size is back after
+    it, with what Megatron would have done with it: the expert-DP group among the high-priority
+    stream groups of an FSDP run)."""
+    _as_on_a_gpu_node(installed, monkeypatch)
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    args = _parse_and_validate(installed, monkeypatch, load_yaml_args(ROOT / "configs" / "moe-tiny-cpu-fsdp2.yaml"))
+    assert args.use_torch_fsdp2 and not args.use_distributed_optimizer
+    assert (args.num_experts, args.moe_router_topk, args.expert_model_parallel_size) == (4, 2, 2)
+    assert (args.tensor_model_parallel_size, args.expert_tensor_parallel_size, args.data_parallel_size) == (1, 1, 2)
+    assert {"dp_cp", "ep_dp"} <= set(args.high_priority_stream_groups)
 
 
 # --- docs/flags.md ---------------------------------------------------------------------------

@@ -49,11 +49,12 @@ Figures, from untimed steps:
   memory    CUDA: ``max_memory_allocated`` above the start; CPU: the peak of the cumulative sum
             of allocations / frees during one step under ``torch.profiler(profile_memory)``;
             optimizer state MiB per rank (momentum, exp_avg(_sq), steps, main-param copies).
-  hardware  the cost model's constants (``calibrate_hardware.measure``'s probes) measured by the
-            same ranks just before the warm-up rounds and again after the timed rounds, their
-            mean recorded per layout (``hardware``): ``validate_cost_model`` predicts each row on
-            the machine as the rows found it, not as a separate calibration run found it minutes
-            earlier (on a shared host the two differ by more than the model's error).
+  hardware  the cost model's constants, measured by the same ranks (``calibrate_hardware``'s
+            probes, one sample each after every timed round) and recorded per layout
+            (``hardware``), each the median over the rounds. ``validate_cost_model`` predicts each
+            row on the machine as the rows found it, not as a separate calibration run found it
+            minutes earlier: on the shared 2-core host the GEMM rate moved from 64 to 133 GFLOP/s
+            per rank between runs, more than the model's error.
   exactness after the first step, the params of ours owner / duplicated / distributed must agree
             with each other and with Megatron duplicated (fc1 excepted for Megatron: it
             orthogonalizes [gate; up] as one matrix), Megatron layer-wise with Megatron
@@ -158,8 +159,9 @@ def measure_steps(row, ddp, opt, grads, device) -> list[dict]:
     return [dict(s, peak_bytes=peaks[s["kind"]], state_bytes=state) for s in steps]
 
 
-def timed_rounds(built, grads, args, device) -> list[list[list[tuple[str, float]]]]:
-    """Per row, per round, the (kind, seconds) of each step; the slowest rank's seconds."""
+def timed_rounds(built, grads, args, device) -> tuple[list[list[list[tuple[str, float]]]], list[dict]]:
+    """Per row, per round, the (kind, seconds) of each step (the slowest rank's seconds), and the
+    probes (``calibrate_hardware.measure``, one sample each) taken after each timed round."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = [(row, *built[row.label]) for row in ROWS]
 
@@ -180,10 +182,14 @@ def timed_rounds(built, grads, args, device) -> list[list[list[tuple[str, float]
 
     for _ in range(args.warmup):
         one_round()
-    rounds = [one_round() for _ in range(args.repeats)]
+    probe_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the NS dtype
+    rounds, probes = [], []
+    for _ in range(args.repeats):
+        rounds.append(one_round())
+        probes.append(calibrate.measure(dist.get_rank(), dist.get_world_size(), device, probe_dtype, repeats=1))
     flat = _max_over_ranks([t for r in rounds for row in r for _, t in row], device)
     it = iter(flat)
-    return [[[(kind, next(it)) for kind, _ in row] for row in r] for r in rounds]
+    return [[[(kind, next(it)) for kind, _ in row] for row in r] for r in rounds], probes
 
 
 def bench_rank(tp: int, args, device) -> dict:
@@ -196,11 +202,10 @@ def bench_rank(tp: int, args, device) -> dict:
     grads = setup.make_grads(built[REFERENCE][0].module, ps.get_tensor_model_parallel_rank(), tp, device)
     exact = exactness(built, grads, device)
     measured = {row.label: measure_steps(row, *built[row.label], grads, device) for row in ROWS}
-    probe_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # the NS dtype
-    world = dist.get_world_size()
-    probes = [calibrate.measure(dist.get_rank(), world, device, probe_dtype, args.repeats)]
-    rounds = timed_rounds(built, grads, args, device)
-    probes.append(calibrate.measure(dist.get_rank(), world, device, probe_dtype, args.repeats))
+    rounds, probes = timed_rounds(built, grads, args, device)
+    # the median over the rounds, as each row's time is: on a shared host the machine's speed
+    # drifts by tens of percent within a minute, so a probe far from the rounds would miss it
+    probes = calibrate.median_probes(probes)
     times = {row.label: [r[i] for r in rounds] for i, row in enumerate(ROWS)}
     from megatron_muon.megatron.catalogue import is_muon_matrix
 
@@ -209,7 +214,7 @@ def bench_rank(tp: int, args, device) -> dict:
                    partition_dim=p.partition_dim if getattr(p, "tensor_model_parallel", False) else None,
                    muon=is_muon_matrix(p)) for n, p in built[REFERENCE][0].module.named_parameters()]
     return dict(exactness=exact, measured=measured, times=times, params=params,
-                probes=calibrate.mean_probes(probes))
+                probes=probes)
 
 
 def rank_main(rank: int, world: int, device, tp: int, args) -> dict:

@@ -88,6 +88,12 @@ def _timed(fn, device, repeats: int) -> float:
 
 def measure(rank: int, nproc: int, device: torch.device, dtype: torch.dtype, repeats: int) -> dict:
     """Every probe on every rank at once; returns the constants (identical on all ranks)."""
+    return compute_probes(device, dtype, repeats) | collective_probes(nproc, device, repeats)
+
+
+def compute_probes(device: torch.device, dtype: torch.dtype, repeats: int) -> dict:
+    """The per-rank compute constants (GEMM rate, kernel overhead, memory bandwidth), every rank
+    at once."""
     rates = []
     for n in GEMM_SIZES:
         # a small batch (as NS batches a few same-shape matrices) repeated up to the FLOP target,
@@ -111,7 +117,12 @@ def measure(rank: int, nproc: int, device: torch.device, dtype: torch.dtype, rep
             _ = x + y  # dropped at the next add, as a step drops its temporaries
 
     memory_bandwidth = MEMORY_PASSES * 3 * x.numel() * 4 / _timed(adds, device, repeats)
+    return dict(matmul_flops=matmul_flops, gemm_rates={str(n): r for n, r in zip(GEMM_SIZES, rates)},
+                kernel_overhead_s=overhead, memory_bandwidth=memory_bandwidth)
 
+
+def collective_probes(nproc: int, device: torch.device, repeats: int) -> dict:
+    """The collective constants over the default group of ``nproc`` ranks."""
     scalar = torch.zeros(1, device=device)
     latency = _timed(lambda: [dist.all_reduce(scalar) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
 
@@ -140,20 +151,15 @@ def measure(rank: int, nproc: int, device: torch.device, dtype: torch.dtype, rep
     gram = torch.ones(GRAM_ELEMENTS, device=device)
     gram_s = _timed(lambda: [dist.all_reduce(gram) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
     fixed = max(gram_s - 2 * (nproc - 1) * gram.numel() * 4 / nproc / rate["all_reduce"], latency)
-    return dict(all_reduce_step_s=fixed / (2 * (nproc - 1)),
-        matmul_flops=matmul_flops, gemm_rates={str(n): r for n, r in zip(GEMM_SIZES, rates)},
-        kernel_overhead_s=overhead, memory_bandwidth=memory_bandwidth, collective_latency_s=latency,
-        collective_seconds=seconds, collective_rates=rate,
-    )
+    return dict(all_reduce_step_s=fixed / (2 * (nproc - 1)), collective_latency_s=latency,
+                collective_seconds=seconds, collective_rates=rate)
 
 
-def mean_probes(results: list[dict]) -> dict:
-    """Several ``measure`` results of one world, field by field (nested dicts alike): the mean, so
-    probes taken before and after a benchmark's timed rounds describe the machine as the rounds
-    found it on average."""
+def median_probes(results: list[dict]) -> dict:
+    """Several probe results, field by field (nested dicts alike): the median."""
     first = results[0]
-    return {k: mean_probes([r[k] for r in results]) if isinstance(v, dict) else statistics.fmean(r[k] for r in results)
-            for k, v in first.items()}
+    return {k: median_probes([r[k] for r in results]) if isinstance(v, dict)
+            else statistics.median(r[k] for r in results) for k, v in first.items()}
 
 
 def hardware_from_probes(raw: dict, nproc: int, backend: str, command: str) -> Hardware:

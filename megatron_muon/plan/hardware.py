@@ -195,6 +195,8 @@ def _hardware_from_dict(data, where: str) -> Hardware:
             ok, want = value is None or (_number(value) and value >= 0), "a number >= 0 or null"
         elif n == "comm_overlap":
             ok, want = _number(value) and 0 <= value <= 1, "a number in [0, 1]"
+        elif n == "fused_adam":
+            ok, want = isinstance(value, bool), "true or false"
         else:
             ok, want = _number(value) and value > 0, "a number > 0"
         if not ok:

@@ -350,13 +350,9 @@ REJECTED = [
     ("--optimizer muon --use-megatron-fsdp --ckpt-format fsdp_dtensor --distributed-backend gloo",
      "--use-megatron-fsdp with --distributed-backend gloo: add --no-gradient-reduce-div-fusion"),
     # torch FSDP2 trains with Muon (tests/megatron/test_torch_fsdp2.py) and resumes from torch_dist
-    # (tests/megatron/test_fsdp2_checkpoint.py), experts at EP1 too (tests/megatron/test_fsdp2_moe.py); the legacy
-    # torch format, EP > 1 (Megatron's validate_args refuses it) and another expert-TP size are refused
+    # (tests/megatron/test_fsdp2_checkpoint.py), experts at any EP and expert-TP size too
+    # (tests/megatron/test_fsdp2_moe.py, test_fsdp2_expert_parallel.py); the legacy torch format is refused
     ("--optimizer muon --use-torch-fsdp2 --ckpt-format torch --save x", "--use-torch-fsdp2 with --ckpt-format torch"),
-    ("--optimizer muon --use-torch-fsdp2 --num-experts 4 --expert-model-parallel-size 2",
-     "--use-torch-fsdp2 with --expert-model-parallel-size 2"),
-    ("--optimizer muon --use-torch-fsdp2 --num-experts 4 --expert-tensor-parallel-size 2",
-     "--use-torch-fsdp2 with --expert-tensor-parallel-size 2 at TP 1"),
     ("--optimizer muon --ckpt-format torch_dcp", "--ckpt-format"),
     ("--optimizer muon --dump-param-to-param-group-map x.json", "--dump-param-to-param-group-map"),
     ("--optimizer muon --use-distributed-optimizer --muon-dp-mode redundant", "--muon-dp-mode"),

@@ -405,6 +405,30 @@ def worst_param(result, reference) -> tuple[float, str]:
     return max(((result.full[n] - reference.full[n]).abs().max().item(), n) for n in reference.full)
 
 
+def assert_matches_reference(result, want, *, clip: float, adamw_atol: float, label: str) -> None:
+    """A trained MoE model against the one-process reference: the largest |difference| of a Muon
+    matrix within ``ATOL`` (``ATOL_CLIP`` with clipping), of an AdamW param (embedding, output
+    layer, 1-D) within ``adamw_atol`` (the caller's bound, with its reason), and every step's grad
+    norm within ``NORM_RTOL`` relative; prints the measured figures under ``label``. With
+    clipping every grad norm must exceed ``clip``, so that every step clipped."""
+
+    def is_muon(name: str, tensor: torch.Tensor) -> bool:
+        return tensor.dim() == 2 and "embedding" not in name and "output_layer" not in name
+
+    assert set(result.full) == set(want.full) and any(".local_experts.3." in n for n in want.full)
+    diffs = {n: (result.full[n] - want.full[n]).abs().max().item() for n in want.full}
+    muon = max((d, n) for n, d in diffs.items() if is_muon(n, want.full[n]))
+    adamw = max((d, n) for n, d in diffs.items() if not is_muon(n, want.full[n]))
+    norms = max(abs(a - b) / b for a, b in zip(result.grad_norms, want.grad_norms))
+    print(f"MEASURED {label}: Muon {muon[0]:.3e} ({muon[1]}), AdamW {adamw[0]:.3e} ({adamw[1]}), "
+          f"grad norms rel. {norms:.2e}")
+    assert muon[0] <= (ATOL_CLIP if clip else ATOL), f"{muon[1]} off by {muon[0]:.2e}"
+    assert adamw[0] <= adamw_atol, f"{adamw[1]} off by {adamw[0]:.2e}"
+    assert norms <= NORM_RTOL, (result.grad_norms, want.grad_norms)
+    if clip:
+        assert all(n > clip for n in result.grad_norms), result.grad_norms
+
+
 def refusal_of(run: Run, module, name: str, planted: Callable) -> str:
     """Builds ``run`` with ``module.name`` replaced by ``planted`` (a planted bug) and puts it back:
     the one-line ``ValueError`` the build raised, or ``"built"`` when nothing refused it."""

@@ -205,6 +205,26 @@ def test_fsdp_demo_config_trains_and_resumes(tmp_path, demo_data):
     assert [int(m) for m in re.findall(r"iteration\s+(\d+)/\s*33", out)] == [31, 32, 33]
 
 
+def _logged(out: str, iters: int) -> dict[int, tuple[str, str]]:
+    """{iteration: (lm loss, grad norm)} as Megatron's training_log printed them (strings: compared
+    as printed)."""
+    line = re.compile(rf"iteration\s+(\d+)/\s*{iters} \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|")
+    return {int(it): (loss, norm) for it, loss, norm in line.findall(out)}
+
+
+def _assert_resumed_exactly(resumed: dict, straight: dict, out: str) -> None:
+    """A resume from the checkpoint of iteration 3 of a 6-iteration run logs iterations 4 to 6 with
+    the uninterrupted run's grad norms and its losses at 4 and 6, as printed. Megatron's
+    training_log keeps its loss accumulator across a resumed process's first logged iteration, so
+    the resumed line of iteration 5 is the mean of 4 and 5, printed to 7 digits: within 1 in the
+    last."""
+    assert sorted(resumed) == [4, 5, 6], out[-4000:]
+    assert all(resumed[it][1] == straight[it][1] for it in (4, 5, 6)), (resumed, straight)
+    assert resumed[4][0] == straight[4][0] and resumed[6][0] == straight[6][0], (resumed, straight)
+    mean = (float(straight[4][0]) + float(straight[5][0])) / 2
+    assert abs(float(resumed[5][0]) - mean) <= 1e-6 * mean, (resumed, straight)
+
+
 def test_fsdp_moe_demo_config_resumes_exactly(tmp_path, demo_data):
     """configs/moe-tiny-cpu-fsdp.yaml as a user runs it: an MoE GPT under Megatron-FSDP
     (optim_grads_params, bf16, fsdp_dtensor checkpoints), the dense params and the experts' both
@@ -220,17 +240,11 @@ def test_fsdp_moe_demo_config_resumes_exactly(tmp_path, demo_data):
     assert "experts: EP 1 x expert-TP 1 x expert-DP 2" in out, out[-6000:]
     assert "expert DP 2: Megatron-FSDP optim_grads_params layout" in out, out[-6000:]
     assert "in fsdp_dtensor format" in out
-    logged = re.compile(r"iteration\s+(\d+)/\s*6 \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|")
-    straight = {int(it): (loss, norm) for it, loss, norm in logged.findall(out)}
+    straight = _logged(out, 6)
     assert sorted(straight) == [1, 2, 3, 4, 5, 6], out[-4000:]
     out = run(*common, "--ckpt-step", "3", "--save-interval", "1000")
     assert re.search(r"successfully loaded checkpoint from \S+ .* at iteration 3", out), out[-4000:]
-    resumed = {int(it): (loss, norm) for it, loss, norm in logged.findall(out)}
-    assert sorted(resumed) == [4, 5, 6], out[-4000:]
-    assert all(resumed[it][1] == straight[it][1] for it in (4, 5, 6)), (resumed, straight)
-    assert resumed[4][0] == straight[4][0] and resumed[6][0] == straight[6][0], (resumed, straight)
-    mean = (float(straight[4][0]) + float(straight[5][0])) / 2  # printed to 7 digits: within 1 in the last
-    assert abs(float(resumed[5][0]) - mean) <= 1e-6 * mean, (resumed, straight)
+    _assert_resumed_exactly(_logged(out, 6), straight, out)
 
 
 def test_fsdp2_demo_config_trains(tmp_path, demo_data):
@@ -268,19 +282,13 @@ def test_fsdp2_moe_expert_parallel_config_trains_and_resumes_exactly(tmp_path, d
     out = run(*common, "--save-interval", "3")
     assert "experts: EP 2 x expert-TP 1 x expert-DP 1" in out, out[-6000:]
     assert "DP 2: torch FSDP2 layout (every param cut by rows over DP, torch.chunk): 6 of 6 matrices cut" in out
-    logged = re.compile(r"iteration\s+(\d+)/\s*6 \|.*?lm loss: ([0-9.E+-]+) \|.*?grad norm: ([0-9.]+) \|")
-    straight = {int(it): (loss, norm) for it, loss, norm in logged.findall(out)}
+    straight = _logged(out, 6)
     assert sorted(straight) == [1, 2, 3, 4, 5, 6], out[-4000:]
     losses = [float(straight[it][0]) for it in range(1, 7)]
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0] - 0.3, losses
     out = run(*common, "--ckpt-step", "3", "--save-interval", "1000")
     assert re.search(r"loaded checkpoint from \S+ .* at iteration 3", out), out[-4000:]
-    resumed = {int(it): (loss, norm) for it, loss, norm in logged.findall(out)}
-    assert sorted(resumed) == [4, 5, 6], out[-4000:]
-    assert all(resumed[it][1] == straight[it][1] for it in (4, 5, 6)), (resumed, straight)
-    assert resumed[4][0] == straight[4][0] and resumed[6][0] == straight[6][0], (resumed, straight)
-    mean = (float(straight[4][0]) + float(straight[5][0])) / 2  # printed to 7 digits: within 1 in the last
-    assert abs(float(resumed[5][0]) - mean) <= 1e-6 * mean, (resumed, straight)
+    _assert_resumed_exactly(_logged(out, 6), straight, out)
 
 
 def test_block_grid_through_megatrons_loop_resumes_bitwise(tmp_path):

@@ -26,8 +26,9 @@ Probes (fp32 on the CPU, the NS dtype the benchmark uses there; bf16 on GPUs):
                           core's L2, under glibc's 32 MiB mmap ceiling). Until 2026-12-07 the probe
                           kept all its results alive (32 MiB each), so every add wrote fresh pages
                           and paid their faults: one process on the 2-core machine, 12 GB/s kept
-                          against 27 dropped at 8 MiB; 3.6-6 GB/s per rank at 2 processes, a rate
-                          none of the benchmark's tensors (at most 1 MiB) pays
+                          against 27 dropped at 8 MiB; 3.4-4.4 GB/s per rank at 2 processes in the
+                          recorded calibrations, a rate none of the benchmark's tensors (at most
+                          1 MiB) pays
     collective_latency_s  a 4-byte all-reduce (the mean of 20 in a row)
     all_reduce_step_s     a 256 KiB all-reduce (a 256 × 256 fp32 Gram: what the distributed mode
                           all-reduces at the benchmark's scale; the mean of 20 in a row) less its

@@ -7,9 +7,9 @@
 
 The hardware constants come only from micro-measurements (``calibrate_hardware``'s probes),
 per process count, since a 4-process layout on 2 cores has half the compute per rank. By
-default they are the ones the benchmark's own ranks measured around its timed rounds (each
-layout's ``hardware``); ``--hardware WORLD=FILE`` replaces them by a separate calibration run's
-(needed for a benchmark file recorded before the in-run probes). Nothing is fitted to the
+default they are the ones the benchmark's own ranks measured after each of its timed rounds
+(their median: each layout's ``hardware``); ``--hardware WORLD=FILE`` replaces them by a
+separate calibration run's (needed for a benchmark file recorded before the in-run probes). Nothing is fitted to the
 benchmark's times. Each row's prediction is ``cost_model.optimizer_step_cost`` on
 the benchmark's own shapes and layout; the MuonBP period average is (full + (P−1)·block)/P of the
 predicted full and block steps. Error = (predicted − measured) / measured.

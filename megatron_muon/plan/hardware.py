@@ -58,9 +58,11 @@ class Hardware:
     the GPU profiles assume 0.8 (NCCL runs on its own SMs beside cuBLAS; not measured here)."""
     fused_adam: bool = True
     """Adam runs as a fused multi-tensor kernel (Transformer Engine's or apex's ``FusedAdam``, what
-    Megatron picks wherever they are installed: every GPU profile); False: torch's single-tensor
-    ``AdamW``, megatron-core's fallback without them (a CPU rank: ``CPU_GLOO``, and what
-    ``calibrate_hardware`` writes on gloo). ``step_cost`` counts each one's passes."""
+    Megatron picks wherever they are installed: every GPU profile), and the grad clip's scale as
+    their multi-tensor scale; False: torch's single-tensor ``AdamW`` and megatron-core's
+    ``local_multi_tensor_scale`` (a product into a temporary, copied back), its fallbacks without
+    them (a CPU rank: ``CPU_GLOO``, and what ``calibrate_hardware`` writes on gloo). ``step_cost``
+    counts each one's passes."""
 
     def bandwidth(self, group_size: int, spans_nodes: bool | None = None) -> float:
         """Per-rank bandwidth of a group: intra-node unless it cannot fit in one node."""

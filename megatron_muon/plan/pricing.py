@@ -8,7 +8,9 @@ price in ``sub_price`` and nowhere else.
 
 A ``Price`` is one rank's share: NS FLOPs, the bytes it sends (``comm.py``'s convention: what
 leaves the rank, what the plan reports), per collective primitive the bytes over the rank's
-busier link direction, the calls that pay a latency, and the bytes its copies touch. Links are
+busier link direction, the calls that pay a latency, the bytes its copies touch, and the bytes
+NS's own elementwise work touches (``core.ns_traffic``: the normalization, the batch, the
+products' accumulator copies). Links are
 full duplex, so an exchange in which a rank sends and receives as much costs it one direction's
 bytes: an owner receives t − 1 shards and sends t − 1 results back, max(sent, received) = (t − 1)
 shards; prices of different sub-matrices add, and the sum of per-sub maxima equals the max of the
@@ -34,6 +36,7 @@ from ..core.newton_schulz import (
     sharded_runs_gram,
     splits_gram,
 )
+from ..core.ns_traffic import pass_bytes, sharded_pass_bytes
 from .cost_model import Cost, call_latency, collective_time, link_time, memory_time, ns_time
 from .hardware import Hardware
 from .teams import team_blocks, team_layout
@@ -71,12 +74,15 @@ class Price:
     """all-reduces of a few numbers (the distributed mode's scale and norm)."""
     memory: float = 0.0
     """bytes touched by the copies around the collectives (packing, joining, cutting)."""
+    ns_bytes: float = 0.0
+    """bytes its Newton–Schulz touches outside the GEMMs (``core.ns_traffic``)."""
 
     def __add__(self, other: Price) -> Price:
         return Price(self.flops + other.flops, self.sent + other.sent,
                      tuple(a + b for a, b in zip(self.link, other.link)),
                      tuple(a + b for a, b in zip(self.calls, other.calls)),
-                     self.scalar_calls + other.scalar_calls, self.memory + other.memory)
+                     self.scalar_calls + other.scalar_calls, self.memory + other.memory,
+                     self.ns_bytes + other.ns_bytes)
 
 
 ZERO = Price()
@@ -107,6 +113,7 @@ def sub_price(sub: MatrixLayout, mode: str, ns: NSOptions, *, tp: int, rank: int
     """
     local, full, elem = sub.local_shape, sub.full_shape, ns.dtype_bytes
     local_n, full_n = sub.numel, full[0] * full[1]
+    run = lambda shape, times=1: dict(flops=times * ns.flops(*shape), ns_bytes=times * pass_bytes(ns, *shape))  # noqa: E731
     if mode == "team":
         return sub_price(sub, "distributed", ns, tp=sub.tp_size, rank=0)
     if sub.tp_rows is not None and tp > 1:
@@ -115,19 +122,19 @@ def sub_price(sub: MatrixLayout, mode: str, ns: NSOptions, *, tp: int, rank: int
         held = [(hi - lo) * local[1] * elem for lo, hi in sub.tp_rows]
         moved = held[rank] if rank != owner else sum(held) - held[owner]
         sent, link, _ = _one(_A2A, moved, moved, 0)
-        return Price(ns.flops(*full) if rank == owner else 0, sent, link, memory=2 * 2 * moved)
+        return Price(sent=sent, link=link, memory=2 * 2 * moved, **(run(full) if rank == owner else {}))
     if mode == "blockwise":  # NS of what the rank holds, block by block
-        return Price(flops=grid[0] * grid[1] * ns.flops(*block_shape(local, grid)))
+        return Price(**run(block_shape(local, grid), grid[0] * grid[1]))
     sharded = sub.is_sharded and tp > 1
     if not sharded and mode in ("duplicated", "distributed") and tp > 1:
         # computed on its owner, the result broadcast: every rank's link carries it
         sent, link, calls = _one(_CAST, full_n * elem if rank == owner else 0, full_n * elem)
-        return Price(ns.flops(*full) if rank == owner else 0, sent, link, calls)
+        return Price(sent=sent, link=link, calls=calls, **(run(full) if rank == owner else {}))
     if not sharded and mode != "owner" or tp == 1:  # NS of what the rank holds (a TP group of one)
-        return Price(flops=ns.flops(*local))
+        return Price(**run(local))
     if mode == "duplicated":  # gathered, NS everywhere; join the shards and cut the result back
         sent, link, calls = _one(_GATHER, (tp - 1) * local_n * elem, (tp - 1) * local_n * elem)
-        return Price(ns.flops(*full), sent, link, calls, memory=2 * 2 * full_n * elem)
+        return Price(sent=sent, link=link, calls=calls, memory=2 * 2 * full_n * elem, **run(full))
     if mode == "distributed":
         return _distributed_price(sub, tp, ns)
     if mode != "owner":
@@ -142,7 +149,7 @@ def sub_price(sub: MatrixLayout, mode: str, ns: NSOptions, *, tp: int, rank: int
     out = (tp - 1) * (local_n if sub.is_sharded else full_n) * elem
     received = (tp - 1) * local_n * elem if sub.is_sharded else 0
     sent, link, _ = _one(_A2A, out, max(out, received), 0)
-    return Price(ns.flops(*full), sent, link, memory=2 * (out + received))
+    return Price(sent=sent, link=link, memory=2 * (out + received), **run(full))
 
 
 def _distributed_price(sub: MatrixLayout, tp: int, ns: NSOptions) -> Price:
@@ -156,11 +163,12 @@ def _distributed_price(sub: MatrixLayout, tp: int, ns: NSOptions) -> Price:
         grams = len(gram_blocks([None] * ns.steps, ns.restarts))
         reduced = ring * (grams * k * k + 1)
         return Price(sharded_gram_flops(k, cols, ns.steps, ns.restarts), reduced, (0.0, 0.0, reduced, 0.0),
-                     (0, 0, grams, 0), scalar_calls=1)
+                     (0, 0, grams, 0), scalar_calls=1, ns_bytes=sharded_pass_bytes(ns, k, cols, tp))
     reduced = ring * (ns.steps * k * k + 2)
     gathered = ns.steps * (tp - 1) * gram_block_rows(k, tp) * k * ns.dtype_bytes if splits_gram(k, cols, tp) else 0
     return Price(sharded_ns_flops(k, cols, ns.steps, tp), reduced + gathered, (0.0, gathered, reduced, 0.0),
-                 (0, ns.steps if gathered else 0, ns.steps, 0), scalar_calls=2)
+                 (0, ns.steps if gathered else 0, ns.steps, 0), scalar_calls=2,
+                 ns_bytes=sharded_pass_bytes(ns, k, cols, tp))
 
 
 def seconds(price: Price, hw: Hardware, link: Link, *, batches: int, steps: int) -> float:
@@ -170,7 +178,7 @@ def seconds(price: Price, hw: Hardware, link: Link, *, batches: int, steps: int)
 
 
 def _compute_s(price: Price, hw: Hardware, batches: int, steps: int) -> float:
-    return ns_time(price.flops, batches, hw, steps) if price.flops else 0.0
+    return ns_time(price.flops, batches, hw, steps) + memory_time(price.ns_bytes, 0, hw) if price.flops else 0.0
 
 
 def _comm_s(price: Price, hw: Hardware, link: Link) -> float:
@@ -252,7 +260,9 @@ def team_widths(unit: MatrixLayout, team: int, hw: Hardware, ns: NSOptions) -> W
     node and returned), or wide as the team's blocks (each member receives its block and runs its
     share of the distributed mode); one task per unit, since a unit goes whole to one rank."""
     link = Link(team, False)  # a team is one node's DP ranks (teams.team_size)
-    compute = seconds(Price(flops=sum(ns.flops(*sub.full_shape) for sub in unit.sub_matrices())), hw, link,
+    subs = unit.sub_matrices()
+    compute = seconds(Price(flops=sum(ns.flops(*sub.full_shape) for sub in subs),
+                            ns_bytes=sum(pass_bytes(ns, *sub.full_shape) for sub in subs)), hw, link,
                       batches=1, steps=ns.steps)
     gather = moved_s(unit.numel * ns.dtype_bytes * (team - 1) / team, hw, link)
     block = moved_s(unit.numel * ns.dtype_bytes / team, hw, link)
@@ -351,7 +361,9 @@ def plan_cost(plan, hw: Hardware, *, batched: bool = True) -> Cost:
     if plan.local_blocks is not None:
         flops = max(plan.ns_flops, default=0)
         batches = max((sum(len(r.batches) for r in rounds) for rounds in plan.local_blocks), default=0)
-        compute = ns_time(flops, batches, hw, ns.steps) if flops else 0.0
+        passes = max((sum(len(items) * pass_bytes(ns, *shape) for r in rounds for shape, items in r.batches)
+                      for rounds in plan.local_blocks), default=0)
+        compute = ns_time(flops, batches, hw, ns.steps) + memory_time(passes, 0, hw) if flops else 0.0
         return Cost(compute_s=compute, ns_flops_max=flops, parts=Counter({"ns": compute}))
     _, _, dp_link = rank_prices(plan)
     topo = plan.settings.topology_for(plan.dp_size, plan.tp_size)
@@ -380,6 +392,7 @@ def plan_cost(plan, hw: Hardware, *, batched: bool = True) -> Cost:
                         runs += 1
             flops = tp_price.flops + team_price.flops
             compute = ns_time(flops, len(keys) if batched else runs, hw, ns.steps) if flops else 0.0
+            compute += memory_time(tp_price.ns_bytes + team_price.ns_bytes, 0, hw)
             comm = _comm_s(_with_calls(tp_price, calls["tp"]), hw, tp_link)
             comm += _comm_s(_with_calls(team_price, calls["team"]), hw, team_link)
             if exchanges:
@@ -401,7 +414,7 @@ def plan_cost(plan, hw: Hardware, *, batched: bool = True) -> Cost:
 
 
 def _with_calls(price: Price, calls: tuple[tuple[int, ...], int]) -> Price:
-    return Price(price.flops, price.sent, price.link, calls[0], calls[1], price.memory)
+    return Price(price.flops, price.sent, price.link, calls[0], calls[1], price.memory, price.ns_bytes)
 
 
 def _group_calls(plan, work, group_of: dict[int, int], batched: bool) -> dict:

@@ -46,7 +46,11 @@ MEGATRON_SPLITS = RowSplits(qkv=True, fc1=False, in_proj=False)
 
 # Elementwise bytes per element (fp32 state, ``ns`` = NS dtype bytes) and kernels per tensor.
 # Muon: momentum lerp (read g, read+write m), cast to the NS dtype, scale back to fp32, update
-# with weight decay (read+write p twice, read u). Grad norm: one read, clipping: one read+write.
+# with weight decay (read+write p twice, read u). Grad norm: one read; clipping: one read+write with
+# Megatron's fused multi-tensor scale (apex / Transformer Engine, installed wherever the fused Adam
+# is: ``Hardware.fused_adam``), else megatron-core's ``local_multi_tensor_scale``, a product into a
+# temporary copied back (r, w, r, w). Megatron's distributed optimizer then copies each updated
+# main-param shard into the param buffer it all-gathers (r fp32, w the param dtype).
 # Adam as Megatron runs it (``Hardware.fused_adam``): fused, one kernel reads grad, param,
 # exp_avg and exp_avg_sq and writes the last three; torch's single-tensor AdamW, one kernel per
 # op: weight decay (r+w p), lerp (r g, r+w m), mul and addcmul (r+w v, then r v, r g, w v), sqrt
@@ -56,7 +60,7 @@ _MUON_BYTES = lambda ns: 3 * 4 + (4 + ns) + (ns + 8) + 5 * 4  # noqa: E731
 _MUON_KERNELS = 8
 _FUSED_ADAM = (7 * 4, 1)
 _TORCH_ADAM = (20 * 4, 8)
-_NORM_BYTES, _NORM_KERNELS = 4 + 8, 4
+_NORM = {True: (4 + 8, 4), False: (4 + 16, 5)}  # by Hardware.fused_adam: (bytes, kernels) per element, tensor
 _DEFAULT_NS = NSOptions()
 
 
@@ -190,6 +194,10 @@ def optimizer_step_cost(
         muon = [p for p in params if p.is_muon]
         muon_local, adam_local = sum(p.numel for p in muon), sum(p.numel for p in params if not p.is_muon)
         plan = None
+        if optimizer in ("ours", "adam"):  # megatron-core's distributed optimizer, every param through it
+            elementwise("param copy", (muon_local + adam_local) / g.dp * (4 + param_bytes), len(params))
+        elif optimizer == "megatron-layerwise":  # its Adam params only
+            elementwise("param copy", adam_local / g.dp * (4 + param_bytes), len(params) - len(muon))
         if optimizer == "adam":
             elementwise("adam", (muon_local + adam_local) / g.dp * adam_bytes, len(params) * adam_kernels)
         else:
@@ -212,8 +220,8 @@ def optimizer_step_cost(
         plans.append(plan)
         if clip_grad:
             shard = 1 if optimizer == "megatron-muon" else g.dp
-            elementwise("grad norm + clip", (muon_local + adam_local) / shard * _NORM_BYTES,
-                        len(params) * _NORM_KERNELS)
+            norm_bytes, norm_kernels = _NORM[hw.fused_adam]
+            elementwise("grad norm + clip", (muon_local + adam_local) / shard * norm_bytes, len(params) * norm_kernels)
         group_gather = 0.0
         if g.dp > 1 and optimizer in ("ours", "adam"):
             # ZeRO-1: every rank's shard of the updated params (padding included) is all-gathered

@@ -55,6 +55,13 @@ Figures, from untimed steps:
             row on the machine as the rows found it, not as a separate calibration run found it
             minutes earlier: on the shared 2-core host the GEMM rate moved from 64 to 133 GFLOP/s
             per rank between runs, more than the model's error.
+  host floor every row timed again, in rounds after the timed ones, on a copy of the model with
+            hidden and ffn divided by ``--floor-scale`` (default 128: hidden 32, ffn 112, vocab
+            128) and the same layers, layout and optimizer (``host_floor_ms``, the median): a step
+            whose arithmetic is a few percent of its time, so what it measures is the step's path
+            through Python, the dispatcher and Megatron's bookkeeping, which the cost model does
+            not price (on a GPU that path runs ahead of the device's kernels; on the CPU it is the
+            same thread's time).
   exactness after the first step, the params of ours owner / duplicated / distributed must agree
             with each other and with Megatron duplicated (fc1 excepted for Megatron: it
             orthogonalizes [gate; up] as one matrix), Megatron layer-wise with Megatron
@@ -159,9 +166,11 @@ def measure_steps(row, ddp, opt, grads, device) -> list[dict]:
     return [dict(s, peak_bytes=peaks[s["kind"]], state_bytes=state) for s in steps]
 
 
-def timed_rounds(built, grads, args, device) -> tuple[list[list[list[tuple[str, float]]]], list[dict]]:
+def timed_rounds(built, grads, args, device, *,
+                 probe: bool = True) -> tuple[list[list[list[tuple[str, float]]]], list[dict]]:
     """Per row, per round, the (kind, seconds) of each step (the slowest rank's seconds), and the
-    probes (``calibrate_hardware.measure``, one sample each) taken after each timed round."""
+    probes (``calibrate_hardware.measure``, one sample each) taken after each timed round
+    (``probe=False``: none)."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     rows = [(row, *built[row.label]) for row in ROWS]
 
@@ -186,7 +195,8 @@ def timed_rounds(built, grads, args, device) -> tuple[list[list[list[tuple[str, 
     rounds, probes = [], []
     for _ in range(args.repeats):
         rounds.append(one_round())
-        probes.append(calibrate.measure(dist.get_rank(), dist.get_world_size(), device, probe_dtype, repeats=1))
+        if probe:
+            probes.append(calibrate.measure(dist.get_rank(), dist.get_world_size(), device, probe_dtype, repeats=1))
     flat = _max_over_ranks([t for r in rounds for row in r for _, t in row], device)
     it = iter(flat)
     return [[[(kind, next(it)) for kind, _ in row] for row in r] for r in rounds], probes
@@ -213,8 +223,24 @@ def bench_rank(tp: int, args, device) -> dict:
                    numel=p.numel() * (tp if getattr(p, "tensor_model_parallel", False) else 1),
                    partition_dim=p.partition_dim if getattr(p, "tensor_model_parallel", False) else None,
                    muon=is_muon_matrix(p)) for n, p in built[REFERENCE][0].module.named_parameters()]
-    return dict(exactness=exact, measured=measured, times=times, params=params,
+    del built
+    floor_times = None
+    if args.floor_scale:
+        # the host floor: every row again on a copy of the model too small for its arithmetic to count
+        floor = {row.label: setup.build_row(row, floor_shape(args), tp, device, ns_precision, ours_precision,
+                                            args.bucket_size) for row in ROWS}
+        floor_grads = setup.make_grads(floor[REFERENCE][0].module, ps.get_tensor_model_parallel_rank(), tp, device)
+        floor_rounds, _ = timed_rounds(floor, floor_grads, args, device, probe=False)
+        floor_times = {row.label: [r[i] for r in floor_rounds] for i, row in enumerate(ROWS)}
+    return dict(exactness=exact, measured=measured, times=times, floor_times=floor_times, params=params,
                 probes=probes)
+
+
+def floor_shape(args):
+    """The host floor's model: the benchmark's layers, hidden and ffn divided by ``--floor-scale``
+    instead of ``--scale``, the vocabulary by as much more (at least 16)."""
+    return setup.scaled_llama3_8b(args.floor_scale, args.layers, max(16, args.vocab * args.scale // args.floor_scale),
+                                  flag="--floor-scale")
 
 
 def rank_main(rank: int, world: int, device, tp: int, args) -> dict:
@@ -267,18 +293,27 @@ def _figures(row, step_kind, per_rank_steps, times_s) -> dict:
     )
 
 
+def _round_seconds(row, rounds) -> dict:
+    """Per step kind of ``row`` (None: its one kind), the seconds of each round: MuonBP's full and
+    block steps apart (block: the mean of the round's) and the period's average."""
+    if row.muonbp_period is None:
+        return {None: [r[0][1] for r in rounds]}
+    out = {kind: [statistics.mean(t for k, t in r if k == kind) for r in rounds] for kind in ("full", "block")}
+    return out | {"period_avg": [sum(t for _, t in r) / len(r) for r in rounds]}
+
+
 def summarize_layout(results: list[dict]) -> list[dict]:
     rows = []
     for row in ROWS:
         steps = [r["measured"][row.label] for r in results]
-        rounds = results[0]["times"][row.label]  # already the max over ranks
-        if row.muonbp_period is None:
-            rows.append(_figures(row, None, steps, [r[0][1] for r in rounds]))
-            continue
-        for kind in ("full", "block"):
-            per_round = [statistics.mean(t for k, t in r if k == kind) for r in rounds]
-            rows.append(_figures(row, kind, steps, per_round))
-        rows.append(_figures(row, "period_avg", steps, [sum(t for _, t in r) / len(r) for r in rounds]))
+        # the rounds' times are already the max over ranks
+        floor = results[0]["floor_times"]
+        floor = _round_seconds(row, floor[row.label]) if floor else {}
+        for kind, seconds in _round_seconds(row, results[0]["times"][row.label]).items():
+            figures = _figures(row, kind, steps, seconds)
+            if kind in floor:
+                figures["host_floor_ms"] = 1e3 * statistics.median(floor[kind])
+            rows.append(figures)
     baseline = next(r["median_ms"] for r in rows if r["label"] == REFERENCE)
     for r in rows:
         r["ratio_vs_megatron_duplicated"] = r["median_ms"] / baseline
@@ -289,13 +324,14 @@ def markdown_table(layouts: list[dict]) -> str:
     lines = []
     for layout in layouts:
         lines += [f"\n### {layout['name']} (TP {layout['tp']} × DP {layout['dp']}, {layout['world']} ranks)\n",
-                  "| row | median ms | min–max ms | vs Megatron dup | sent/rank MiB max | package MiB max "
-                  "| NS GFLOP/rank max | mean | peak MiB max | state MiB max |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| row | median ms | min–max ms | host floor ms | vs Megatron dup | sent/rank MiB max "
+                  "| package MiB max | NS GFLOP/rank max | mean | peak MiB max | state MiB max |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for r in layout["rows"]:
             package = "–" if r["package_bytes_per_rank"] is None else f"{max(r['package_bytes_per_rank']) / MIB:.3f}"
+            floor = f"{r['host_floor_ms']:.1f}" if "host_floor_ms" in r else "–"
             lines.append(
-                f"| {r['label']} | {r['median_ms']:.1f} | {r['min_ms']:.1f}–{r['max_ms']:.1f} "
+                f"| {r['label']} | {r['median_ms']:.1f} | {r['min_ms']:.1f}–{r['max_ms']:.1f} | {floor} "
                 f"| {r['ratio_vs_megatron_duplicated']:.2f}× | {r['bytes_sent_max'] / MIB:.3f} | {package} "
                 f"| {r['ns_flops_max'] / 1e9:.3f} | {r['ns_flops_mean'] / 1e9:.3f} "
                 f"| {max(r['peak_mib_per_rank']):.2f} | {max(r['state_mib_per_rank']):.2f} |")
@@ -329,6 +365,9 @@ def main() -> None:
                              "megatron-core's layout")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds before timing")
     parser.add_argument("--repeats", type=int, default=7, help="timed rounds (one step per row each)")
+    parser.add_argument("--floor-scale", type=int, default=128,
+                        help="also time every row on Llama-3-8B / this (its host floor, what "
+                             "validate_cost_model adds to the cost model's arithmetic); 0: not")
     parser.add_argument("--timeout", type=float, default=1200.0, help="seconds to wait for one layout's ranks")
     parser.add_argument("--out-dir", type=Path, default=Path("bench-results"),
                         help="writes optimizer_step.json and optimizer_step.md here")
@@ -338,6 +377,8 @@ def main() -> None:
         parser.error(f"--layouts: expected names from {sorted(LAYOUTS)}, got {args.layouts!r}")
     if min(args.scale, args.layers, args.repeats, args.vocab) < 1 or args.warmup < 0:
         parser.error("--scale, --layers, --repeats, --vocab must be >= 1 and --warmup >= 0")
+    if args.floor_scale and args.floor_scale <= args.scale:
+        parser.error(f"--floor-scale: expected 0 or more than --scale ({args.scale}), got {args.floor_scale}")
     import megatron.core
 
     os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the CPU profiler's "no GPU" errors, per rank
@@ -350,6 +391,11 @@ def main() -> None:
                              query_groups=shape.num_query_groups, head_dim=shape.head_dim, vocab=shape.vocab,
                              layers=shape.num_layers),
                   layouts=[])
+    if args.floor_scale:
+        tiny = floor_shape(args)
+        report["floor_model"] = dict(hidden=tiny.hidden, ffn=tiny.ffn_hidden, heads=tiny.num_heads,
+                                     query_groups=tiny.num_query_groups, head_dim=tiny.head_dim, vocab=tiny.vocab,
+                                     layers=tiny.num_layers)
     notes, exact_failed = [], False
     wall = time.perf_counter()
     for name in layouts:

@@ -27,13 +27,14 @@ LR, WEIGHT_DECAY = 1e-3, 0.01
 HEADS, QUERY_GROUPS = 8, 2
 
 
-def scaled_llama3_8b(scale: int, layers: int, vocab: int) -> ModelShape:
-    """Llama-3-8B with hidden and ffn divided by ``scale``: the benchmark's model."""
+def scaled_llama3_8b(scale: int, layers: int, vocab: int, flag: str = "--scale") -> ModelShape:
+    """Llama-3-8B with hidden and ffn divided by ``scale`` (the command-line ``flag`` that set it):
+    the benchmark's model."""
     try:
         return LLAMA3["8B"].scaled(scale, num_layers=layers, vocab=vocab, num_heads=HEADS,
                                    num_query_groups=QUERY_GROUPS)
     except ValueError as e:
-        raise SystemExit(f"error: --scale {scale}: {e}") from None
+        raise SystemExit(f"error: {flag} {scale}: {e}") from None
 
 
 # ---- model ---------------------------------------------------------------------------------

@@ -248,8 +248,11 @@ def _mixed_cases(t: int) -> list[tuple[tuple[int, int], int | None]]:
     """Tall-thin split along the long side (both dims), several same-shape squares, small wide
     ones, one replicated matrix: NO_LATENCY picks distributed, owner and duplicated for them.
     The squares are 320 wide: below ~256 at TP2, on NO_LATENCY's constants, a square costs less
-    to compute on every rank than to send there and back, and duplicated takes them too."""
-    cases = [((64 * t, 8), 0), ((8, 64 * t), 1)]
+    to compute on every rank than to send there and back, and duplicated takes them too. The
+    tall-thin ones are 128·t long: at 64·t and TP2 the distributed mode's own passes (each rank
+    normalizes, stacks and files its shard, ``core.ns_traffic``) cost more than sending the
+    shard to one owner."""
+    cases = [((128 * t, 8), 0), ((8, 128 * t), 1)]
     cases += [((320, 320), 0)] * (2 * t) + [((4 * t, 12 * t), 1)] * (2 * t)
     cases += [((24, 40), None), ((32 * t, 8), 0)]
     return cases

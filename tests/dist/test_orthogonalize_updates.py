@@ -27,12 +27,13 @@ from megatron_muon.plan.units import split_units
 # split sub-matrices then cost the same rank-seconds wide as narrow and run distributed, the
 # replicated router another way; so one step mixes modes across DP groups
 # (test_auto_mixes_modes_across_the_grid).
-# NS at 1 MFLOP/s and communication free: the grid widens what NS alone decides, and its plan is
-# priced no higher than owner's (auto runs owner's plan where owner's prices lower), so the auto
-# runs below execute the mixed plan
+# NS at 1 MFLOP/s, communication and memory passes free (the distributed mode's own passes,
+# ``core.ns_traffic``, would otherwise tip the tie to narrow): the grid widens what NS alone
+# decides, and its plan is priced no higher than owner's (auto runs owner's plan where owner's
+# prices lower), so the auto runs below execute the mixed plan
 AUTO_HARDWARE = dataclasses.replace(CPU_GLOO, name="compute-bound", matmul_flops=1e6, collective_latency_s=0.0,
                                     kernel_overhead_s=0.0, intra_node_bandwidth=1e18, inter_node_bandwidth=1e18,
-                                    all_reduce_step_s=None)
+                                    memory_bandwidth=1e18, all_reduce_step_s=None)
 
 
 def _worker(rank: int, world: int, tp: int) -> dict:

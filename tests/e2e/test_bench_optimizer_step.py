@@ -103,6 +103,20 @@ def test_the_ranks_probed_the_machine_around_their_rounds(report, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert {r["label"] for r in rows} == EXPECTED_LABELS and all(r["predicted_ms"] > 0 for r in rows)
+    # the prediction is the model's figure plus the row's unpriced host path, never negative
+    for r in rows:
+        assert r["host_ms"] >= 0 and r["predicted_ms"] == pytest.approx(r["model_ms"] + r["host_ms"]), r["label"]
+    assert "predicted: " in done.stdout and "the model alone: " in done.stdout
+
+
+def test_every_row_has_its_host_floor(report):
+    """Each row timed again on the host floor's tiny model (Llama-3-8B / 128 by default, the same
+    layers), in every round, each step kind apart; its sizes are recorded beside the model's."""
+    tiny, m = report["floor_model"], report["model"]
+    assert (tiny["hidden"], tiny["ffn"], tiny["layers"]) == (4096 // 128, 14336 // 128, m["layers"])
+    assert tiny["vocab"] == max(16, VOCAB * 64 // 128)
+    for r in _rows(report).values():
+        assert r["host_floor_ms"] > 0, r["label"]
 
 
 def test_model_inventory(report):

@@ -6,7 +6,8 @@ the pure replay of the same buffers (``plan.stage_layouts``: megatron-core's pac
 default ``priced`` layout as the hook hands it to DDP, chosen on the dry run's price), bucket by
 bucket and param by param; the table's
 rows adding up (pipeline + exposed step, all-gather and reduce-scatter = the iteration) and
-the command printed with it.
+the command printed with it; and issue 42's iteration goals at Llama-3 405B TP8 × PP16 × DP64
+with default flags (about a minute).
 """
 
 from __future__ import annotations
@@ -72,3 +73,27 @@ def test_buckets_are_the_real_ddps(tmp_path, pp, layers):
     assert report["rows"][1]["iteration"]["iteration_s"] <= report["rows"][2]["iteration"]["iteration_s"] * (1 + 1e-9)
     assert "| Adam | megatron |" in proc.stdout
     assert "command: python -m scripts.bench.iteration_table " + " ".join(args) in proc.stdout
+
+
+def test_the_default_meets_issue_42s_iteration_goals_at_405b_pp16_dp64(tmp_path):
+    """Issue 42's goals at Llama-3 405B TP8 × PP16 × DP64 with default flags (h100-sxm, a 4M-token
+    batch): what Muon adds to the predicted iteration over Adam on megatron-core's layout
+    ≤ 1.5 % (2026-12-07: +1.39 %), its exposed DDP communication ≤ 1.1 × Adam's (1.00), and the
+    default never predicted slower than ``--muon-dp-layout megatron --muon-tp-mode owner``
+    (+6.38 %). This replaced issue 24's bound on the step alone (Muon's step minus Adam's
+    ≤ 100 ms, 63 ms on that day's model): with Newton–Schulz's own memory passes and Megatron's
+    param copy priced the same plan's step is 107 ms over Adam's, of which the iteration hides
+    none, and the iteration is what the user pays."""
+    out = tmp_path / "iteration.json"
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.iteration_table", "--model", "llama3-405b", "--tp",
+                           "8", "--pp", "16", "--dp", "64", "--json", str(out)], cwd=REPO, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    adam, default, baseline = (r["iteration"] for r in json.loads(out.read_text())["rows"])
+
+    def exposed_ddp(it):
+        return it["exposed_all_gather_s"] + it["exposed_reduce_scatter_s"]
+
+    assert default["iteration_s"] <= 1.015 * adam["iteration_s"]
+    assert exposed_ddp(default) <= 1.1 * exposed_ddp(adam)
+    assert default["iteration_s"] <= baseline["iteration_s"]

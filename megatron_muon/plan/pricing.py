@@ -113,7 +113,11 @@ def sub_price(sub: MatrixLayout, mode: str, ns: NSOptions, *, tp: int, rank: int
     """
     local, full, elem = sub.local_shape, sub.full_shape, ns.dtype_bytes
     local_n, full_n = sub.numel, full[0] * full[1]
-    run = lambda shape, times=1: dict(flops=times * ns.flops(*shape), ns_bytes=times * pass_bytes(ns, *shape))  # noqa: E731
+
+    def run(shape: tuple[int, int], times: int = 1) -> dict:
+        """NS of ``times`` matrices of ``shape`` on this rank: its FLOPs and its own passes."""
+        return dict(flops=times * ns.flops(*shape), ns_bytes=times * pass_bytes(ns, *shape))
+
     if mode == "team":
         return sub_price(sub, "distributed", ns, tp=sub.tp_size, rank=0)
     if sub.tp_rows is not None and tp > 1:

@@ -59,6 +59,29 @@ def test_validation_predicts_every_recorded_row(tmp_path):
     assert sum("✗" in line for line in table.splitlines()) == len(rows) - within
 
 
+def test_validation_of_the_recorded_host_floor_run_is_the_documented_table(tmp_path):
+    """docs/perf-results/host-floor/ (performance.md §3.2.3): the validation of the recorded
+    benchmark, on its in-run probes, prints the table the docs quote, to the letter; and every
+    row's unpriced host time is its host floor less the model's figure on the floor's tiny model,
+    never below zero (recomputed here from the recorded file, row by row)."""
+    recorded = RECORDED / "host-floor"
+    out = tmp_path / "validation.json"
+    table = _run("-m", "scripts.bench.validate_cost_model", "--bench", str(recorded / "optimizer_step.json"),
+                 "--json", str(out))
+    assert table == (recorded / "cost_model_validation.md").read_text()
+    assert table.strip() in (REPO / "docs" / "performance.md").read_text()
+    bench = json.loads((recorded / "optimizer_step.json").read_text())
+    tiny = vcm.model_from_bench(bench, "floor_model")
+    rows = iter(json.loads(out.read_text())["rows"])
+    for layout in bench["layouts"]:
+        hw = Hardware(**layout["hardware"])
+        for row in layout["rows"]:
+            got = next(rows)
+            floor = vcm.predict_row(row, tiny, layout["tp"], layout["dp"], hw, 4, 5, True, bench.get("bucket_size"))
+            assert got["host_ms"] == pytest.approx(max(0.0, row["host_floor_ms"] - 1e3 * floor)), got["label"]
+            assert got["measured_ms"] == row["median_ms"] and got["host_ms"] < row["host_floor_ms"]
+
+
 def test_validation_names_a_missing_hardware_file(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "scripts.bench.validate_cost_model", "--bench",
                            str(RECORDED / "optimizer_step.json"),

@@ -63,6 +63,11 @@ class Hardware:
     ``local_multi_tensor_scale`` (a product into a temporary, copied back), its fallbacks without
     them (a CPU rank: ``CPU_GLOO``, and what ``calibrate_hardware`` writes on gloo). ``step_cost``
     counts each one's passes."""
+    solo_gather_bandwidth: float | None = None
+    """bytes/s of an all-gather over a group of one rank, in place: Megatron's param all-gather
+    at DP 1, which its distributed optimizer still calls. Gloo copies the buffer through its own
+    (about 2 ms for 8 MiB per rank with two ranks on the 2-core benchmark machine); None: free,
+    as NCCL copies nothing for an in-place all-gather on one rank (every vendor profile)."""
 
     def bandwidth(self, group_size: int, spans_nodes: bool | None = None) -> float:
         """Per-rank bandwidth of a group: intra-node unless it cannot fit in one node."""
@@ -195,6 +200,8 @@ def _hardware_from_dict(data, where: str) -> Hardware:
             ok, want = _number(value) and value >= 0, "a number >= 0"
         elif n == "all_reduce_step_s":
             ok, want = value is None or (_number(value) and value >= 0), "a number >= 0 or null"
+        elif n == "solo_gather_bandwidth":
+            ok, want = value is None or (_number(value) and value > 0), "a number > 0 or null"
         elif n == "comm_overlap":
             ok, want = _number(value) and 0 <= value <= 1, "a number in [0, 1]"
         elif n == "fused_adam":

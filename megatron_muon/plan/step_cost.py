@@ -233,6 +233,13 @@ def optimizer_step_cost(
             layouts = whole_layouts(params, g.tp, MEGATRON_SPLITS)
             largest = max(sum(layouts[i].numel for i in home) for home in _dp_homes(layouts, g.dp, ns))
             group_gather = (adam_local / g.dp + largest) * param_bytes * (g.dp - 1)
+        if g.dp == 1 and optimizer != "megatron-muon" and hw.solo_gather_bandwidth:
+            # Megatron's param all-gather still runs at DP 1, over a group of one: a copy of each
+            # buffer through the backend (free on NCCL, in place; gloo copies). Layer-wise: both buffers.
+            numel = (group.laid.buffer.numel if ours else buffer_layout(params, g, settings).numel
+                     if optimizer == "adam" else muon_local + adam_local)
+            seconds = numel * param_bytes / hw.solo_gather_bandwidth
+            cost += Cost(comm_s=seconds, parts=Counter({"param all-gather, DP 1": seconds}))
         if group_gather:  # over the group's DP ranks, where Megatron's grid puts them
             spans = group_topology(grid, experts=group.experts, ranks_per_node=hw.ranks_per_node).dp_spans_nodes
             cost += collective_cost("all_gather", group_gather, 1, g.dp, hw, spans)

@@ -35,6 +35,9 @@ Probes (fp32 on the CPU, the NS dtype the benchmark uses there; bf16 on GPUs):
                           bytes at the all-reduce rate below, over its 2(nproc − 1) ring steps:
                           gloo's ring takes that many dependent steps per call, so a payload's
                           fixed cost is several scalar latencies, and grows with the group
+    solo_gather_bandwidth an in-place all-gather of 8 MiB over a group of one rank (each rank its
+                          own, all at once), 8 per call: Megatron's param all-gather at DP 1,
+                          which its distributed optimizer still calls and gloo runs as a copy
     bandwidths            all-gather, all-reduce and all-to-all of 1 MiB and 8 MiB per rank:
                           the extra bytes sent (``megatron_muon/parallel/comm.py``'s convention) over the
                           extra time; the all-gather rate is the bandwidth, the others are its
@@ -46,6 +49,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -68,6 +72,7 @@ MEMORY_PASSES = 64  # adds per timed call: tens of ms, so that concurrent ranks 
 COLLECTIVE_ELEMENTS = (2**18, 2**21)  # 1 MiB and 8 MiB in fp32
 LATENCY_CALLS = 20  # scalar all-reduces per timed call
 GRAM_ELEMENTS = 2**16  # 256 KiB in fp32: the benchmark's 256 x 256 Grams
+SOLO_CALLS = 8  # one-rank all-gathers of MEMORY_ELEMENTS per timed call: tens of ms on gloo
 
 
 def _timed(fn, device, repeats: int) -> float:
@@ -152,8 +157,20 @@ def collective_probes(nproc: int, device: torch.device, repeats: int) -> dict:
     gram = torch.ones(GRAM_ELEMENTS, device=device)
     gram_s = _timed(lambda: [dist.all_reduce(gram) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
     fixed = max(gram_s - 2 * (nproc - 1) * gram.numel() * 4 / nproc / rate["all_reduce"], latency)
+    solo, own = _solo_group(nproc), torch.ones(MEMORY_ELEMENTS, device=device)
+    solo_s = _timed(lambda: [dist.all_gather_into_tensor(own, own, group=solo) for _ in range(SOLO_CALLS)],
+                    device, repeats) / SOLO_CALLS
     return dict(all_reduce_step_s=fixed / (2 * (nproc - 1)), collective_latency_s=latency,
-                collective_seconds=seconds, collective_rates=rate)
+                collective_seconds=seconds, collective_rates=rate,
+                solo_gather_bandwidth=own.numel() * own.element_size() / solo_s)
+
+
+@functools.cache
+def _solo_group(nproc: int):
+    """This rank's group of one (every rank makes all ``nproc`` of them, in rank order, the first
+    time the probes run: ``new_group`` is collective over the default group)."""
+    groups = [dist.new_group([r]) for r in range(nproc)]
+    return groups[dist.get_rank()]
 
 
 def median_probes(results: list[dict]) -> dict:
@@ -182,6 +199,7 @@ def hardware_from_probes(raw: dict, nproc: int, backend: str, command: str) -> H
         all_gather_efficiency=1.0,
         all_reduce_efficiency=raw["collective_rates"]["all_reduce"] / gather_rate,
         all_to_all_efficiency=raw["collective_rates"]["all_to_all"] / gather_rate,
+        solo_gather_bandwidth=raw["solo_gather_bandwidth"],
         fused_adam=backend == "nccl",  # Megatron's Adam on GPUs is TE's / apex's; on gloo, torch's
     )
 
@@ -213,6 +231,7 @@ def main() -> None:
     print(f"| memory bandwidth | {hw.memory_bandwidth / 1e9:.2f} GB/s |")
     print(f"| kernel overhead | {hw.kernel_overhead_s * 1e6:.1f} µs |")
     print(f"| collective latency | {hw.collective_latency_s * 1e6:.1f} µs |")
+    print(f"| all-gather over a group of one, in place (8 MiB) | {hw.solo_gather_bandwidth / 1e9:.2f} GB/s |")
     print(f"| all-reduce ring step with a payload (256 KiB over {2 * (args.nproc - 1)} steps) | "
           f"{hw.all_reduce_step_s * 1e6:.1f} µs |")
     for k, r in raw["collective_rates"].items():

@@ -35,7 +35,9 @@ class Hardware:
     inter_node_bandwidth: float
     """bytes/s one rank sends to peers in other nodes (its NIC share, InfiniBand on GPUs)."""
     collective_latency_s: float
-    """fixed seconds per collective call (synchronisation, protocol, launch)."""
+    """fixed seconds per collective call (synchronisation, protocol, launch), as a step pays it:
+    after compute, where the ranks arrive apart (``calibrate_hardware`` times each call after a
+    GEMM)."""
     kernel_overhead_s: float
     """fixed seconds per compute kernel (launch latency on GPUs, dispatch on CPUs)."""
     ranks_per_node: int

@@ -29,12 +29,18 @@ Probes (fp32 on the CPU, the NS dtype the benchmark uses there; bf16 on GPUs):
                           against 27 dropped at 8 MiB; 3.4-4.4 GB/s per rank at 2 processes in the
                           recorded calibrations, a rate none of the benchmark's tensors (at most
                           1 MiB) pays
-    collective_latency_s  a 4-byte all-reduce (the mean of 20 in a row)
+    collective_latency_s  a 4-byte all-reduce, each called right after a GEMM on every rank, as a
+                          step calls its collectives (20 such pairs, less the 20 GEMMs alone):
+                          what a call costs where it follows compute. On the 2-core machine that
+                          is up to 0.2 ms more than the same calls back to back (2026-12-07:
+                          0.28-0.35 → 0.31-0.51 ms), as the ranks reach it at different times
+                          and gloo's threads wake; a step never calls its collectives back to back
     all_reduce_step_s     a 256 KiB all-reduce (a 256 × 256 fp32 Gram: what the distributed mode
-                          all-reduces at the benchmark's scale; the mean of 20 in a row) less its
-                          bytes at the all-reduce rate below, over its 2(nproc − 1) ring steps:
-                          gloo's ring takes that many dependent steps per call, so a payload's
-                          fixed cost is several scalar latencies, and grows with the group
+                          all-reduces at the benchmark's scale), each after a GEMM as above, less
+                          its bytes at the all-reduce rate below, over its 2(nproc − 1) ring
+                          steps: gloo's ring takes that many dependent steps per call, so a
+                          payload's fixed cost is several scalar latencies, and grows with the
+                          group
     solo_gather_bandwidth an in-place all-gather of 8 MiB over a group of one rank (each rank its
                           own, all at once), 8 per call: Megatron's param all-gather at DP 1,
                           which its distributed optimizer still calls and gloo runs as a copy
@@ -70,7 +76,7 @@ GEMM_BATCH = 4  # matrices per bmm
 MEMORY_ELEMENTS = 2 * 2**20  # 8 MiB in fp32: past L2, under glibc's mmap ceiling (docstring)
 MEMORY_PASSES = 64  # adds per timed call: tens of ms, so that concurrent ranks overlap
 COLLECTIVE_ELEMENTS = (2**18, 2**21)  # 1 MiB and 8 MiB in fp32
-LATENCY_CALLS = 20  # scalar all-reduces per timed call
+LATENCY_CALLS = 20  # (GEMM, collective) pairs per timed call of the latency probes
 GRAM_ELEMENTS = 2**16  # 256 KiB in fp32: the benchmark's 256 x 256 Grams
 SOLO_CALLS = 8  # one-rank all-gathers of MEMORY_ELEMENTS per timed call: tens of ms on gloo
 
@@ -94,7 +100,7 @@ def _timed(fn, device, repeats: int) -> float:
 
 def measure(rank: int, nproc: int, device: torch.device, dtype: torch.dtype, repeats: int) -> dict:
     """Every probe on every rank at once; returns the constants (identical on all ranks)."""
-    return compute_probes(device, dtype, repeats) | collective_probes(nproc, device, repeats)
+    return compute_probes(device, dtype, repeats) | collective_probes(nproc, device, dtype, repeats)
 
 
 def compute_probes(device: torch.device, dtype: torch.dtype, repeats: int) -> dict:
@@ -127,10 +133,11 @@ def compute_probes(device: torch.device, dtype: torch.dtype, repeats: int) -> di
                 kernel_overhead_s=overhead, memory_bandwidth=memory_bandwidth)
 
 
-def collective_probes(nproc: int, device: torch.device, repeats: int) -> dict:
-    """The collective constants over the default group of ``nproc`` ranks."""
+def collective_probes(nproc: int, device: torch.device, dtype: torch.dtype, repeats: int) -> dict:
+    """The collective constants over the default group of ``nproc`` ranks (``dtype``: the GEMMs'
+    that the latencies are measured after)."""
     scalar = torch.zeros(1, device=device)
-    latency = _timed(lambda: [dist.all_reduce(scalar) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
+    latency = _after_gemms(lambda: dist.all_reduce(scalar), device, dtype, repeats)
 
     # Bandwidth from the slope between two payload sizes, so the latency (jittery when ranks
     # share cores) cancels instead of being subtracted.
@@ -155,7 +162,7 @@ def collective_probes(nproc: int, device: torch.device, repeats: int) -> dict:
             for k in sent[large]}
     seconds = seconds[large]
     gram = torch.ones(GRAM_ELEMENTS, device=device)
-    gram_s = _timed(lambda: [dist.all_reduce(gram) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
+    gram_s = _after_gemms(lambda: dist.all_reduce(gram), device, dtype, repeats)
     fixed = max(gram_s - 2 * (nproc - 1) * gram.numel() * 4 / nproc / rate["all_reduce"], latency)
     solo, own = _solo_group(nproc), torch.ones(MEMORY_ELEMENTS, device=device)
     solo_s = _timed(lambda: [dist.all_gather_into_tensor(own, own, group=solo) for _ in range(SOLO_CALLS)],
@@ -163,6 +170,23 @@ def collective_probes(nproc: int, device: torch.device, repeats: int) -> dict:
     return dict(all_reduce_step_s=fixed / (2 * (nproc - 1)), collective_latency_s=latency,
                 collective_seconds=seconds, collective_rates=rate,
                 solo_gather_bandwidth=own.numel() * own.element_size() / solo_s)
+
+
+def _after_gemms(collective, device: torch.device, dtype: torch.dtype, repeats: int) -> float:
+    """Seconds of one ``collective()`` called right after a GEMM on every rank: ``LATENCY_CALLS``
+    (GEMM, collective) pairs less as many GEMMs alone (a batch of 4 of the middle GEMM size: NS at
+    the benchmark's scale), never below zero."""
+    n = GEMM_SIZES[1]
+    a = torch.randn(GEMM_BATCH, n, n, device=device, dtype=dtype)
+
+    def gemms(with_collective: bool) -> None:
+        for _ in range(LATENCY_CALLS):
+            torch.bmm(a, a)
+            if with_collective:
+                collective()
+
+    both, alone = (_timed(lambda c=c: gemms(c), device, repeats) for c in (True, False))
+    return max(0.0, both - alone) / LATENCY_CALLS
 
 
 @functools.cache

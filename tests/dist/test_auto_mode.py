@@ -204,9 +204,11 @@ def test_json_round_trip(tmp_path):
         (json.dumps({**dataclasses.asdict(CPU_GLOO), "matmul_flops": -1}), r"field matmul_flops must be a number > 0"),
         (json.dumps({**dataclasses.asdict(CPU_GLOO), "ranks_per_node": 1.5}), r"ranks_per_node must be an integer"),
         (json.dumps({**dataclasses.asdict(CPU_GLOO), "fused_adam": 1}), r"field fused_adam must be true or false"),
+        (json.dumps({**dataclasses.asdict(CPU_GLOO), "solo_gather_bandwidth": 0}),
+         r"field solo_gather_bandwidth must be a number > 0 or null"),
     ],
     ids=["unknown_name", "bad_syntax", "not_object", "missing", "unknown_field", "negative", "float_ranks",
-         "fused_adam_not_bool"],
+         "fused_adam_not_bool", "solo_gather_zero"],
 )
 def test_bad_profiles_name_the_flag(tmp_path, content, match):
     path = tmp_path / "bad.json"

@@ -19,7 +19,7 @@ from megatron_muon.core.models import LLAMA3
 from megatron_muon.core.newton_schulz import NSOptions
 from megatron_muon.plan.hardware import GPU_PROFILES, Hardware
 from megatron_muon.plan.mode_cost import tp_mode_cost
-from megatron_muon.plan.stage_params import model_numel
+from megatron_muon.plan.stage_params import StageGrid, model_numel, stage_params
 from megatron_muon.plan.step_cost import optimizer_step_cost
 
 H100 = GPU_PROFILES["h100-sxm"]
@@ -187,3 +187,25 @@ def test_the_param_all_gather_moves_the_params_dtype():
     assert gather(4) == 2 * gather(2) > 0
     with pytest.raises(ValueError, match="param_bytes 3; expected 1, 2 or 4"):
         gather(3)
+
+
+def test_the_param_all_gather_at_dp_1_costs_what_the_backend_copies():
+    """At DP 1 Megatron's distributed optimizer still all-gathers its param buffer, over a group of
+    one: gloo copies it (``solo_gather_bandwidth``, measured), NCCL does nothing in place (None).
+    Ours and Adam copy their buffer, the layer-wise optimizer both of its buffers, and
+    megatron-core's Muon under plain DDP gathers nothing; at DP > 1 the real all-gather stands."""
+    model = LLAMA3["8B"].scaled(16, num_layers=4, vocab=1024, num_heads=8, num_query_groups=2)
+    gloo = dataclasses.replace(H100, solo_gather_bandwidth=1e9)
+
+    def part(optimizer: str, hw: Hardware, dp: int = 1) -> float:
+        cost = optimizer_step_cost(model, optimizer=optimizer, tp=2, dp=dp, hw=hw, tp_mode="owner",
+                                   dp_layout="megatron", param_bytes=4)
+        return cost.parts.get("param all-gather, DP 1", 0.0)
+
+    local = sum(p.numel for p in stage_params(model, StageGrid(tp=2)))  # one TP rank's params
+    for optimizer in ("ours", "adam", "megatron-layerwise"):
+        # the buffer holds the TP rank's params, fp32, and megatron-core's bucket padding (none
+        # at DP 1 for this model; 2 % allows for it)
+        assert local * 4 / 1e9 <= part(optimizer, gloo) <= 1.02 * local * 4 / 1e9, optimizer
+        assert part(optimizer, H100) == 0 and part(optimizer, gloo, dp=2) == 0
+    assert part("megatron-muon", gloo) == 0

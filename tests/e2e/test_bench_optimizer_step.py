@@ -93,7 +93,7 @@ def test_the_ranks_probed_the_machine_around_their_rounds(report, tmp_path):
     hw = Hardware(**layout["hardware"])  # every field present, nothing extra
     assert (hw.name, hw.ranks_per_node, hw.fused_adam) == ("cpu-gloo-2proc", 2, False)
     for value in (hw.matmul_flops, hw.memory_bandwidth, hw.intra_node_bandwidth, hw.collective_latency_s,
-                  hw.kernel_overhead_s, hw.all_reduce_efficiency, hw.all_to_all_efficiency):
+                  hw.kernel_overhead_s, hw.all_reduce_efficiency, hw.all_to_all_efficiency, hw.solo_gather_bandwidth):
         assert value > 0
     bench = tmp_path / "optimizer_step.json"
     bench.write_text(json.dumps(report))

@@ -51,7 +51,9 @@ Figures, from untimed steps:
             optimizer state MiB per rank (momentum, exp_avg(_sq), steps, main-param copies).
   hardware  the cost model's constants, measured by the same ranks (``calibrate_hardware``'s
             probes, one sample each after every timed round) and recorded per layout
-            (``hardware``), each the median over the rounds. ``validate_cost_model`` predicts each
+            (``hardware``), each the median over the rounds, with the collective latencies also
+            as timed back to back (``back_to_back``: what the host floor's steps pay, whose
+            collectives follow next to no compute). ``validate_cost_model`` predicts each
             row on the machine as the rows found it, not as a separate calibration run found it
             minutes earlier: on the shared 2-core host the GEMM rate moved from 64 to 133 GFLOP/s
             per rank between runs, more than the model's error.
@@ -419,6 +421,7 @@ def main() -> None:
                                                   "scripts/bench/bench_optimizer_step.py (in-run probes)")
         report["layouts"].append(dict(name=name, tp=tp, dp=dp, world=world, rows=summarize_layout(results),
                                       hardware=dataclasses.asdict(hardware),
+                                      back_to_back=results[0]["probes"]["back_to_back"],
                                       exactness=dict(max_abs_diff=exact, tolerance=tol, passed=not failed),
                                       wall_s=time.perf_counter() - started))
         notes.append(f"{name}: exactness after step 1 (max |Δparam| over ranks): "

@@ -35,6 +35,8 @@ Probes (fp32 on the CPU, the NS dtype the benchmark uses there; bf16 on GPUs):
                           is up to 0.2 ms more than the same calls back to back (2026-12-07:
                           0.28-0.35 → 0.31-0.51 ms), as the ranks reach it at different times
                           and gloo's threads wake; a step never calls its collectives back to back
+                          (the same calls back to back are kept beside, ``back_to_back``: what
+                          the benchmark's host floor, a step with next to no compute, pays)
     all_reduce_step_s     a 256 KiB all-reduce (a 256 × 256 fp32 Gram: what the distributed mode
                           all-reduces at the benchmark's scale), each after a GEMM as above, less
                           its bytes at the all-reduce rate below, over its 2(nproc − 1) ring
@@ -163,12 +165,19 @@ def collective_probes(nproc: int, device: torch.device, dtype: torch.dtype, repe
     seconds = seconds[large]
     gram = torch.ones(GRAM_ELEMENTS, device=device)
     gram_s = _after_gemms(lambda: dist.all_reduce(gram), device, dtype, repeats)
-    fixed = max(gram_s - 2 * (nproc - 1) * gram.numel() * 4 / nproc / rate["all_reduce"], latency)
+    ring_bytes_s = 2 * (nproc - 1) * gram.numel() * 4 / nproc / rate["all_reduce"]
+    fixed = max(gram_s - ring_bytes_s, latency)
+    # the same two calls back to back, as a step on a model too small for its compute to count
+    # runs them (the host floor's, which validate_cost_model prices on these)
+    alone = _timed(lambda: [dist.all_reduce(scalar) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
+    gram_alone = _timed(lambda: [dist.all_reduce(gram) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
+    back_to_back = dict(collective_latency_s=alone,
+                        all_reduce_step_s=max(gram_alone - ring_bytes_s, alone) / (2 * (nproc - 1)))
     solo, own = _solo_group(nproc), torch.ones(MEMORY_ELEMENTS, device=device)
     solo_s = _timed(lambda: [dist.all_gather_into_tensor(own, own, group=solo) for _ in range(SOLO_CALLS)],
                     device, repeats) / SOLO_CALLS
     return dict(all_reduce_step_s=fixed / (2 * (nproc - 1)), collective_latency_s=latency,
-                collective_seconds=seconds, collective_rates=rate,
+                collective_seconds=seconds, collective_rates=rate, back_to_back=back_to_back,
                 solo_gather_bandwidth=own.numel() * own.element_size() / solo_s)
 
 

@@ -95,6 +95,9 @@ def test_the_ranks_probed_the_machine_around_their_rounds(report, tmp_path):
     for value in (hw.matmul_flops, hw.memory_bandwidth, hw.intra_node_bandwidth, hw.collective_latency_s,
                   hw.kernel_overhead_s, hw.all_reduce_efficiency, hw.all_to_all_efficiency, hw.solo_gather_bandwidth):
         assert value > 0
+    # the same latencies back to back, for the host floor's pricing (a step with next to no compute)
+    assert set(layout["back_to_back"]) == {"collective_latency_s", "all_reduce_step_s"}
+    assert min(layout["back_to_back"].values()) > 0
     bench = tmp_path / "optimizer_step.json"
     bench.write_text(json.dumps(report))
     out = tmp_path / "validation.json"

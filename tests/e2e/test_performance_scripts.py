@@ -6,6 +6,7 @@ script produces its table from real inputs, with the rows and fields the docs re
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -65,8 +66,9 @@ def test_validation_of_a_recorded_host_floor_run_is_the_documented_table(tmp_pat
     the validation of the recorded benchmark, on its in-run probes, prints the table the docs
     quote, to the letter; and every row's unpriced host time is its host floor less the model's
     figure on the floor's tiny model, never below zero (recomputed here from the recorded file,
-    row by row). The first was recorded before the probes measured a one-rank all-gather: its
-    constants price none, as it ran."""
+    row by row, its collectives at the latencies probed back to back where the run recorded
+    them). The first was recorded before the probes measured a one-rank all-gather or kept the
+    back-to-back latencies: its constants price neither, as it ran."""
     recorded = RECORDED / run
     out = tmp_path / "validation.json"
     table = _run("-m", "scripts.bench.validate_cost_model", "--bench", str(recorded / "optimizer_step.json"),
@@ -78,6 +80,8 @@ def test_validation_of_a_recorded_host_floor_run_is_the_documented_table(tmp_pat
     rows = iter(json.loads(out.read_text())["rows"])
     for layout in bench["layouts"]:
         hw = Hardware(**layout["hardware"])
+        # the tiny model's collectives priced back to back, where the probes recorded them so
+        hw = dataclasses.replace(hw, **layout.get("back_to_back", {}))
         for row in layout["rows"]:
             got = next(rows)
             floor = vcm.predict_row(row, tiny, layout["tp"], layout["dp"], hw, 4, 5, True, bench.get("bucket_size"))

@@ -26,14 +26,14 @@ _DEFAULT_NS = NSOptions()
 
 
 def tp_mode_cost(matrices: Sequence[MatrixLayout], mode: str, tp: int, hw: Hardware, ns: NSOptions = _DEFAULT_NS,
-                 *, batched: bool = True) -> Cost:
+                 *, megatron_core: bool = False) -> Cost:
     """Cost of ``orthogonalize_sharded(mode=...)`` over ``matrices`` on a TP group of ``tp`` ranks.
 
     ``matrices``: the sub-matrices Newton–Schulz runs on (``MatrixLayout.sub_matrices``), each
     split over ``tp`` ranks or held whole (any ``tp_size``: a matrix no TP rank splits is whole on
-    each of the ``tp``). ``batched=False`` models an implementation that calls NS and its
-    collective once per matrix (megatron-core's ``TensorParallelMuon``) instead of once per
-    same-shape group.
+    each of the ``tp``). ``megatron_core`` models megatron-core's ``TensorParallelMuon``: NS and
+    its collectives once per matrix instead of once per same-shape group, and its own distributed
+    mode (``pricing.plan_cost``).
     """
     if mode not in SUB_MODES:
         raise ValueError(f"tp_mode_cost: unknown mode {mode!r}; expected one of {SUB_MODES}")
@@ -46,4 +46,5 @@ def tp_mode_cost(matrices: Sequence[MatrixLayout], mode: str, tp: int, hw: Hardw
         return Cost()
     # the profile's ranks per node decide whether the TP group leaves a node
     settings = dataclasses.replace(call_settings(mode, ns, None), hardware=hw)
-    return plan_cost(build_step_plan(layouts, dp_size=1, tp_size=tp, settings=settings), hw, batched=batched)
+    return plan_cost(build_step_plan(layouts, dp_size=1, tp_size=tp, settings=settings), hw,
+                     megatron_core=megatron_core)

@@ -103,13 +103,15 @@ def _one(primitive: int, sent: float, link: float, calls: int = 1) -> tuple[floa
 
 
 def sub_price(sub: MatrixLayout, mode: str, ns: NSOptions, *, tp: int, rank: int, owner: int | None = None,
-              grid: tuple[int, int] = (1, 1)) -> Price:
+              grid: tuple[int, int] = (1, 1), megatron_core: bool = False) -> Price:
     """TP rank ``rank``'s price of one sub-matrix in ``mode`` on a TP group of ``tp``.
 
     ``owner``: the TP rank running it in owner mode, or a replicated one in duplicated and
     distributed mode at TP > 1 (the others receive its result). ``team``: the sub-matrix is a
     DP team's block, run in the distributed mode over ``sub.tp_size`` members. The owner mode's
     all-to-all calls are the micro-group's, shared by its matrices: not in a sub-matrix's price.
+    ``megatron_core``: the distributed mode as megatron-core 0.19.2's ``TensorParallelMuon`` runs
+    it (``_megatron_core_distributed``), not ours.
     """
     local, full, elem = sub.local_shape, sub.full_shape, ns.dtype_bytes
     local_n, full_n = sub.numel, full[0] * full[1]
@@ -140,7 +142,7 @@ def sub_price(sub: MatrixLayout, mode: str, ns: NSOptions, *, tp: int, rank: int
         sent, link, calls = _one(_GATHER, (tp - 1) * local_n * elem, (tp - 1) * local_n * elem)
         return Price(sent=sent, link=link, calls=calls, memory=2 * 2 * full_n * elem, **run(full))
     if mode == "distributed":
-        return _distributed_price(sub, tp, ns)
+        return _megatron_core_distributed(sub, tp, ns) if megatron_core else _distributed_price(sub, tp, ns)
     if mode != "owner":
         raise ValueError(f"sub_price: unknown TP mode {mode!r}; expected duplicated, distributed, blockwise, "
                          f"owner or team")
@@ -173,6 +175,19 @@ def _distributed_price(sub: MatrixLayout, tp: int, ns: NSOptions) -> Price:
     return Price(sharded_ns_flops(k, cols, ns.steps, tp), reduced + gathered, (0.0, gathered, reduced, 0.0),
                  (0, ns.steps if gathered else 0, ns.steps, 0), scalar_calls=2,
                  ns_bytes=sharded_pass_bytes(ns, k, cols, tp))
+
+
+def _megatron_core_distributed(sub: MatrixLayout, tp: int, ns: NSOptions) -> Price:
+    """megatron-core 0.19.2's distributed mode (emerging-optimizers' ``newton_schulz`` with a TP
+    group): the squared norm all-reduced in fp32, then per step the k × k Gram all-reduced in the
+    NS dtype and the quintic formed whole on every rank, A·A (2k³) and B·X (2k²·cols) beside the
+    Gram's 2k²·cols: no split products, no all-gather, one scalar call."""
+    local = sub.local_shape
+    k, cols = (local[1], local[0]) if sub.partition_dim == 0 else local
+    ring = 2 * (tp - 1) / tp
+    reduced = ring * (ns.steps * k * k * ns.dtype_bytes + DISTRIBUTED_SUM_BYTES)
+    return Price(ns.steps * (4 * k * k * cols + 2 * k ** 3), reduced, (0.0, 0.0, reduced, 0.0), (0, 0, ns.steps, 0),
+                 scalar_calls=1, ns_bytes=sharded_pass_bytes(ns, k, cols, tp))
 
 
 def seconds(price: Price, hw: Hardware, link: Link, *, batches: int, steps: int) -> float:
@@ -352,10 +367,11 @@ def rank_prices(plan) -> tuple[tuple[Price, ...], tuple[float, ...], tuple[float
             tuple(dp_link[i // tp] for i in range(dp * tp)))
 
 
-def plan_cost(plan, hw: Hardware, *, batched: bool = True) -> Cost:
+def plan_cost(plan, hw: Hardware, *, megatron_core: bool = False) -> Cost:
     """The busiest rank's seconds of ``plan``'s (a ``step_plan.StepPlan``) orthogonalization on
     ``hw``: its Newton–Schulz in batched calls (one per mode, shape and micro-group;
-    ``batched=False``: one per matrix, as megatron-core's ``TensorParallelMuon`` calls it), its
+    ``megatron_core``: one per matrix, and the distributed mode as megatron-core's
+    ``TensorParallelMuon`` runs it, ``_megatron_core_distributed``), its
     TP collectives (the owner exchange's two all-to-alls per micro-group, the blocking modes'
     calls per mode, shape and micro-group), a DP team's all-reduces on the team (inside a node),
     its copies and its DP exchange, with ``hw.comm_overlap`` of the owner pipeline's communication
@@ -378,7 +394,7 @@ def plan_cost(plan, hw: Hardware, *, batched: bool = True) -> Cost:
     exchanges = plan.dp_owners is not None and plan.dp_size > 1
     busiest, worst = Cost(), -1.0
     for d, work in enumerate(plan.work):
-        calls = _group_calls(plan, work, group_of, batched)
+        calls = _group_calls(plan, work, group_of, megatron_core)
         for j in range(plan.tp_size):
             i = d * plan.tp_size + j
             tp_price, team_price, keys, runs = ZERO, ZERO, set(), 0
@@ -386,7 +402,7 @@ def plan_cost(plan, hw: Hardware, *, batched: bool = True) -> Cost:
                 for p in work.sub_positions.get(u, ()):
                     sub, mode, owner = work.subs[p], work.modes[p], work.tp_owners[p]
                     price = sub_price(sub, mode, ns, tp=plan.tp_size, rank=j, owner=owner,
-                                      grid=plan.settings.block_grid)
+                                      grid=plan.settings.block_grid, megatron_core=megatron_core)
                     if mode == "team":
                         team_price = team_price + price
                     else:
@@ -395,7 +411,7 @@ def plan_cost(plan, hw: Hardware, *, batched: bool = True) -> Cost:
                         keys.add((group_of.get(u, 0), mode, sub.full_shape, sub.partition_dim))
                         runs += 1
             flops = tp_price.flops + team_price.flops
-            compute = ns_time(flops, len(keys) if batched else runs, hw, ns.steps) if flops else 0.0
+            compute = ns_time(flops, runs if megatron_core else len(keys), hw, ns.steps) if flops else 0.0
             compute += memory_time(tp_price.ns_bytes + team_price.ns_bytes, 0, hw)
             comm = _comm_s(_with_calls(tp_price, calls["tp"]), hw, tp_link)
             comm += _comm_s(_with_calls(team_price, calls["team"]), hw, team_link)
@@ -421,13 +437,13 @@ def _with_calls(price: Price, calls: tuple[tuple[int, ...], int]) -> Price:
     return Price(price.flops, price.sent, price.link, calls[0], calls[1], price.memory, price.ns_bytes)
 
 
-def _group_calls(plan, work, group_of: dict[int, int], batched: bool) -> dict:
+def _group_calls(plan, work, group_of: dict[int, int], megatron_core: bool) -> dict:
     """One DP owner's collective calls, which every rank of its TP group (or team) joins: per
     primitive the payload calls and the scalar all-reduces, for its TP modes (``tp``) and for its
     team blocks (``team``), and the micro-groups with owner-mode work (``owner groups``).
     Same-shape sub-matrices of one mode (and one TP owner) batch into one call within a
-    micro-group (``batched``); the owner exchange posts two all-to-alls per micro-group with
-    owner-mode work."""
+    micro-group (not ``megatron_core``'s, one call per matrix); the owner exchange posts two
+    all-to-alls per micro-group with owner-mode work."""
     seen: set = set()
     out = {"tp": [[0, 0, 0, 0], 0], "team": [[0, 0, 0, 0], 0]}
     owner_groups: set[int] = set()
@@ -440,10 +456,10 @@ def _group_calls(plan, work, group_of: dict[int, int], batched: bool) -> dict:
                 owner_groups.add(g)
                 continue
             key = (g, mode, sub.full_shape, sub.partition_dim, owner)
-            if batched and key in seen:
+            if not megatron_core and key in seen:
                 continue
             seen.add(key)
-            one = sub_price(sub, mode, ns, tp=plan.tp_size, rank=owner or 0, owner=owner)
+            one = sub_price(sub, mode, ns, tp=plan.tp_size, rank=owner or 0, owner=owner, megatron_core=megatron_core)
             acc = out["team" if mode == "team" else "tp"]
             acc[0] = [a + b for a, b in zip(acc[0], one.calls)]
             acc[1] += one.scalar_calls

@@ -216,7 +216,7 @@ def optimizer_step_cost(
             plan = build_step_plan(matrices, dp_size=plan_dp, tp_size=g.tp,
                                    settings=PlanSettings(tp_mode, ns, hardware=hw,
                                                          topology=topology if plan_dp == g.dp else None))
-            cost += plan_cost(plan, hw, batched=ours)  # megatron-core's Muon: one NS call per matrix
+            cost += plan_cost(plan, hw, megatron_core=not ours)  # one NS call per matrix, its distributed mode
         plans.append(plan)
         if clip_grad:
             shard = 1 if optimizer == "megatron-muon" else g.dp

@@ -209,3 +209,51 @@ def test_the_param_all_gather_at_dp_1_costs_what_the_backend_copies():
         assert local * 4 / 1e9 <= part(optimizer, gloo) <= 1.02 * local * 4 / 1e9, optimizer
         assert part(optimizer, H100) == 0 and part(optimizer, gloo, dp=2) == 0
     assert part("megatron-muon", gloo) == 0
+
+
+def _megatron_core_distributed(rank: int, world: int) -> list:
+    """megatron-core 0.19.2's distributed mode on each sharded shape of ``SHAPES``: emerging-
+    optimizers' ``newton_schulz_tp``, which ``TensorParallelMuon`` calls, with every all-reduce
+    and every GEMM's FLOPs counted."""
+    import torch.distributed as dist
+    from emerging_optimizers.orthogonalized_optimizers.muon_utils import newton_schulz_tp
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for (rows, cols), pdim in SHAPES:
+        full = torch.randn(rows, cols, generator=gen)
+        if pdim is None:
+            continue
+        shard = full.chunk(world, dim=pdim)[rank].contiguous()
+        reduced = []
+        real = dist.all_reduce
+        dist.all_reduce = lambda t, *a, **k: (reduced.append(t.numel() * t.element_size()), real(t, *a, **k))[1]
+        try:
+            with FlopCounterMode(display=False) as flops:
+                newton_schulz_tp(shard, 5, "quintic", dist.group.WORLD, pdim, "distributed")
+        finally:
+            dist.all_reduce = real
+        out.append((len(reduced), sum(reduced), flops.get_total_flops()))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_megatron_cores_distributed_mode_is_priced_as_it_runs(world):
+    """megatron-core's distributed mode (the ``megatron-muon`` and layer-wise rows of
+    ``step_cost``) is priced from its own algorithm, counted on the real call: one norm
+    all-reduce and one Gram all-reduce per step (no split products, no all-gather), and A·A
+    formed whole on every rank. Exact integers: both sides count the same calls, bytes and GEMMs
+    (the price's ring volume is 2(t−1)/t of the bytes all-reduced)."""
+    from megatron_muon.plan.pricing import PRIMITIVES, sub_price
+
+    ns = NSOptions(dtype=torch.float32)
+    measured = run_world(world, _megatron_core_distributed)
+    sharded = [(shape, pdim) for shape, pdim in SHAPES if pdim is not None]
+    for rank_counts in measured:
+        for (shape, pdim), (calls, nbytes, flops) in zip(sharded, rank_counts):
+            price = sub_price(sub(*shape, pdim, world), "distributed", ns, tp=world, rank=0, megatron_core=True)
+            assert calls == price.calls[PRIMITIVES.index("all_reduce")] + price.scalar_calls, shape
+            assert price.sent == pytest.approx(2 * (world - 1) / world * nbytes), shape
+            assert price.flops == flops, shape
+            assert price.calls[PRIMITIVES.index("all_gather")] == 0 and price.scalar_calls == 1, shape

@@ -139,7 +139,12 @@ def collective_probes(nproc: int, device: torch.device, dtype: torch.dtype, repe
     """The collective constants over the default group of ``nproc`` ranks (``dtype``: the GEMMs'
     that the latencies are measured after)."""
     scalar = torch.zeros(1, device=device)
-    latency = _after_gemms(lambda: dist.all_reduce(scalar), device, dtype, repeats)
+    # back to back: what a step on a model too small for its compute to count pays (the host
+    # floor's, which validate_cost_model prices on these), and the least a call after a GEMM
+    # costs (the same call, plus the wait for the ranks' skew): the floor of the after-GEMM
+    # figures, which are a difference of two noisy times
+    alone = _timed(lambda: [dist.all_reduce(scalar) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
+    latency = max(_after_gemms(lambda: dist.all_reduce(scalar), device, dtype, repeats), alone)
 
     # Bandwidth from the slope between two payload sizes, so the latency (jittery when ranks
     # share cores) cancels instead of being subtracted.
@@ -164,13 +169,10 @@ def collective_probes(nproc: int, device: torch.device, dtype: torch.dtype, repe
             for k in sent[large]}
     seconds = seconds[large]
     gram = torch.ones(GRAM_ELEMENTS, device=device)
-    gram_s = _after_gemms(lambda: dist.all_reduce(gram), device, dtype, repeats)
+    gram_alone = _timed(lambda: [dist.all_reduce(gram) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
+    gram_s = max(_after_gemms(lambda: dist.all_reduce(gram), device, dtype, repeats), gram_alone)
     ring_bytes_s = 2 * (nproc - 1) * gram.numel() * 4 / nproc / rate["all_reduce"]
     fixed = max(gram_s - ring_bytes_s, latency)
-    # the same two calls back to back, as a step on a model too small for its compute to count
-    # runs them (the host floor's, which validate_cost_model prices on these)
-    alone = _timed(lambda: [dist.all_reduce(scalar) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
-    gram_alone = _timed(lambda: [dist.all_reduce(gram) for _ in range(LATENCY_CALLS)], device, repeats) / LATENCY_CALLS
     back_to_back = dict(collective_latency_s=alone,
                         all_reduce_step_s=max(gram_alone - ring_bytes_s, alone) / (2 * (nproc - 1)))
     solo, own = _solo_group(nproc), torch.ones(MEMORY_ELEMENTS, device=device)
@@ -184,7 +186,7 @@ def collective_probes(nproc: int, device: torch.device, dtype: torch.dtype, repe
 def _after_gemms(collective, device: torch.device, dtype: torch.dtype, repeats: int) -> float:
     """Seconds of one ``collective()`` called right after a GEMM on every rank: ``LATENCY_CALLS``
     (GEMM, collective) pairs less as many GEMMs alone (a batch of 4 of the middle GEMM size: NS at
-    the benchmark's scale), never below zero."""
+    the benchmark's scale), never below zero (the caller floors it at the call back to back)."""
     n = GEMM_SIZES[1]
     a = torch.randn(GEMM_BATCH, n, n, device=device, dtype=dtype)
 

@@ -235,9 +235,12 @@ def megatron_layout_price(ddp_config, config, muon_config: MuonConfig, dp_group,
     spans = topology.dp_spans_nodes if topology is not None else tp * dp > hw.ranks_per_node
     micro = args.micro_batch_size
     heads, head_dim = config.num_attention_heads, config.kv_channels or config.hidden_size // config.num_attention_heads
+    value_dim = None
+    if getattr(config, "multi_latent_attention", False):  # QKᵀ over no-RoPE and RoPE channels, AV over values
+        head_dim, value_dim = config.qk_head_dim + config.qk_pos_emb_head_dim, config.v_head_dim
     return LayoutPrice(
         max(1, args.global_batch_size // (micro * dp)), args.seq_length * micro, spans, hw,
-        attention_flops(args.seq_length, micro, heads, head_dim, tp),
+        attention_flops(args.seq_length, micro, heads, head_dim, tp, value_dim=value_dim),
         grad_bytes=4 if ddp_config.grad_reduce_in_fp32 else 2,
         param_bytes=2 if (getattr(args, "bf16", False) or getattr(args, "fp16", False)) else 4,
         exchange_bytes=muon_config.ns_dtype.itemsize, tp=tp, tp_mode=muon_config.tp_mode,

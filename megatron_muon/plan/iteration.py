@@ -47,11 +47,19 @@ distributed optimizer (``--overlap-grad-reduce --overlap-param-gather``, the def
   backward, causal attention ``attention_flops``; no activation recomputation, no TP
   communication in the layers, no kernel overheads. Real layers run below that rate, so the
   compute here is a lower bound and the exposed communication an upper bound.
+* **Experts** (a stage with an expert-parallel buffer): megatron-core keeps the experts' buckets
+  in a DDP buffer of their own, reduced and gathered over the expert-DP group, with its own
+  chain of param all-gathers (its first group gathered when the forward first reaches an expert,
+  each then dispatching the next expert group). The caller merges both buffers' buckets in
+  backprop order; an MoE layer's token all-to-alls (dispatch and combine) lengthen its forward
+  and its backward, on the critical path (``Bucket.token_exchange_s``).
 * **Links**: a bucket's reduce-scatter and all-gather move (DP − 1)/DP of its bytes (grad dtype,
   param dtype) per rank, priced as ``cost_model.collective_time``'s all-gather (a ring; the
-  reduce-scatter is its mirror) on the DP group's link class (``dp_spans_nodes``); the DP link is
-  serial: one collective at a time, and the reduce-scatters and all-gathers never meet (the
-  former end before the step, the latter start after it).
+  reduce-scatter is its mirror) on its DP group's link class (``dp_spans_nodes``, the expert
+  buckets' ``expert_dp_spans_nodes``); the link is serial, one collective at a time, both
+  buffers' collectives sharing it, and the reduce-scatters and all-gathers never meet (the
+  former end before the step, the latter start after it). The token all-to-alls are taken as
+  compute: what they share of a link with the DP collectives is not counted.
 
 The iteration and what it exposes. With every stage's step, all-gather and reduce-scatter at
 zero the simulation gives the pure pipeline (``pipeline_s``: compute plus bubble). Adding the
@@ -84,11 +92,14 @@ def linear_flops(numel: int, tokens: int) -> float:
     return 2.0 * numel * tokens
 
 
-def attention_flops(seq: int, micro_batch: int, heads: int, head_dim: int, tp: int) -> float:
-    """Forward FLOPs of one layer's causal attention core on one TP rank: QKᵀ and AV, 2·s²·d each
-    for the ``heads / tp`` heads of width ``head_dim``, halved by the causal mask (flash
-    attention skips the masked blocks); its backward is priced at twice this."""
-    return 2.0 * micro_batch * seq * seq * heads * head_dim / tp
+def attention_flops(seq: int, micro_batch: int, heads: int, head_dim: int, tp: int,
+                    value_dim: int | None = None) -> float:
+    """Forward FLOPs of one layer's causal attention core on one TP rank: QKᵀ (2·s²·``head_dim``)
+    and AV (2·s²·``value_dim``, default ``head_dim``; MLA's query/key heads are wider than its
+    value heads) for each of the ``heads / tp`` heads, halved by the causal mask (flash attention
+    skips the masked blocks); its backward is priced at twice this."""
+    value_dim = head_dim if value_dim is None else value_dim
+    return 1.0 * micro_batch * seq * seq * heads * (head_dim + value_dim) / tp
 
 
 @dataclass(frozen=True)
@@ -101,6 +112,14 @@ class Bucket:
     """forward FLOPs per micro-batch of the layers whose params the bucket holds."""
     backward_flops: float
     """backward FLOPs per micro-batch of the same layers."""
+    expert: bool = False
+    """a bucket of the expert-parallel buffer: reduced and gathered over the expert-DP group
+    (``IterationSettings.expert_dp_size``), its param all-gathers chained apart from the dense
+    buffer's (megatron-core links each buffer's bucket groups into a chain of its own)."""
+    token_exchange_s: float = 0.0
+    """seconds per micro-batch of the MoE token all-to-alls in the bucket's layers (dispatch and
+    combine), on the layers' critical path in the forward and again in the backward (megatron-core
+    0.19.2 without ``--overlap-moe-expert-parallel-comm`` waits for each)."""
 
 
 @dataclass(frozen=True)
@@ -141,11 +160,15 @@ class IterationSettings:
     align_grad_reduce: bool = True
     """Megatron's ``--align-grad-reduce`` (on by default): a stage after the first reduces its grads
     after its last backward instead of bucket by bucket during it."""
+    expert_dp_size: int | None = None
+    """ranks of the expert-DP group the expert buckets are reduced over; None: no expert buckets."""
+    expert_dp_spans_nodes: bool = False
+    """whether the expert-DP group crosses nodes (it strides by EP × expert TP)."""
 
     def __post_init__(self) -> None:
-        if self.micro_batches < 1 or self.dp_size < 1:
-            raise ValueError(f"IterationSettings: micro_batches {self.micro_batches}, dp_size {self.dp_size}; "
-                             "expected both >= 1")
+        if self.micro_batches < 1 or self.dp_size < 1 or (self.expert_dp_size is not None and self.expert_dp_size < 1):
+            raise ValueError(f"IterationSettings: micro_batches {self.micro_batches}, dp_size {self.dp_size}, "
+                             f"expert_dp_size {self.expert_dp_size}; expected >= 1 (expert_dp_size: or None)")
 
 
 @dataclass(frozen=True)
@@ -205,6 +228,7 @@ class _Timed:
     reduce_scatter: tuple[float, ...]
     all_gather: tuple[float, ...]
     step: float
+    expert: tuple[bool, ...]
 
 
 @dataclass(frozen=True)
@@ -217,27 +241,48 @@ class _Switches:
 
 
 def _timed(stage: Stage, settings: IterationSettings, hw: Hardware) -> _Timed:
-    dp = settings.dp_size
+    if any(b.expert for b in stage.buckets) and settings.expert_dp_size is None:
+        raise ValueError("iteration_time: a stage has expert buckets; expected IterationSettings.expert_dp_size")
 
-    def link(nbytes: float) -> float:
-        return collective_time("all_gather", nbytes * (dp - 1) / dp, 1, dp, hw, settings.dp_spans_nodes)
+    def link(nbytes: float, expert: bool) -> float:
+        dp, spans = ((settings.expert_dp_size, settings.expert_dp_spans_nodes) if expert
+                     else (settings.dp_size, settings.dp_spans_nodes))
+        return collective_time("all_gather", nbytes * (dp - 1) / dp, 1, dp, hw, spans)
 
-    fwd = tuple(b.forward_flops / hw.matmul_flops for b in stage.buckets)
-    bwd = tuple(b.backward_flops / hw.matmul_flops for b in stage.buckets)
-    return _Timed(sum(fwd), sum(bwd), fwd, bwd, tuple(link(b.numel * stage.grad_bytes) for b in stage.buckets),
-                  tuple(link(b.numel * stage.param_bytes) for b in stage.buckets), stage.step_s)
+    fwd = tuple(b.forward_flops / hw.matmul_flops + b.token_exchange_s for b in stage.buckets)
+    bwd = tuple(b.backward_flops / hw.matmul_flops + b.token_exchange_s for b in stage.buckets)
+    return _Timed(sum(fwd), sum(bwd), fwd, bwd,
+                  tuple(link(b.numel * stage.grad_bytes, b.expert) for b in stage.buckets),
+                  tuple(link(b.numel * stage.param_bytes, b.expert) for b in stage.buckets), stage.step_s,
+                  tuple(b.expert for b in stage.buckets))
 
 
 def _first_forward(t: _Timed) -> float:
-    """The first micro-batch's forward with ``--overlap-param-gather``: the first group's
-    all-gather, then each group's forward while the next group's all-gather runs (dispatched when
-    the forward enters the group), waiting where the all-gather is the longer."""
-    forward = t.bucket_forward[::-1]  # groups in forward order: DDP's buckets reversed
-    gathers = t.all_gather[::-1]
-    seconds = gathers[0]
-    for k, compute in enumerate(forward):
-        seconds += max(compute, gathers[k + 1]) if k + 1 < len(forward) else compute
-    return seconds
+    """The first micro-batch's forward with ``--overlap-param-gather``: each buffer's (dense,
+    experts) first group all-gathered when the forward first reaches it, then each group's
+    forward while the next group of the same buffer is gathered (dispatched when the forward
+    enters the group), waiting where the all-gather is the longer; the all-gathers of both
+    buffers take turns on the one link."""
+    order = range(len(t.bucket_forward) - 1, -1, -1)  # groups in forward order: DDP's buckets reversed
+    following = {}
+    for expert in (False, True):
+        chain = [k for k in order if t.expert[k] == expert]
+        following.update(zip(chain, chain[1:]))
+    gathered: dict[int, float] = {}
+    link = clock = 0.0
+
+    def dispatch(k: int) -> None:
+        nonlocal link
+        link = gathered[k] = max(link, clock) + t.all_gather[k]
+
+    for k in order:
+        if k not in gathered:
+            dispatch(k)
+        clock = max(clock, gathered[k])
+        if k in following and following[k] not in gathered:
+            dispatch(following[k])
+        clock += t.bucket_forward[k]
+    return clock
 
 
 def _schedule(stages: Sequence[_Timed], micro_batches: int, ready: Sequence[float],

@@ -121,15 +121,18 @@ class LayoutPrice:
 
     def for_experts(self, routing: ExpertRouting, *, expert_tp: int, dp_spans_nodes: bool) -> LayoutPrice:
         """The price of the stage's expert-parallel buffer, from the job's: an expert weight's FLOPs
-        at the tokens one expert sees per micro-batch on average (``routing.tokens_per_expert``), no
-        attention core, its Newton–Schulz over expert TP, its links over the expert-DP group
+        at the tokens one expert sees per micro-batch on average (``routing.tokens_per_expert`` of
+        the tokens one EP rank routes: its expert-TP group's, each TP rank holding 1/TP of the
+        micro-batch's under sequence parallelism, so ``tokens`` × expert TP / TP), no attention
+        core, its Newton–Schulz over expert TP, its links over the expert-DP group
         (``dp_spans_nodes``: that group's node span, which strides by EP × expert TP).
 
         The buffer is priced alone, as a one-stage pipeline of its own buckets: the dense layers'
         backward, which runs between two experts' buckets too and can hide their reduce-scatter,
         is left out, as is the dense buckets' traffic on the same links. Both act on every
         candidate; the first makes a many-bucket candidate look less overlapped than it is."""
-        return replace(self, tokens=routing.tokens_per_expert(self.tokens), attention_flops=0.0, tp=expert_tp,
+        routed = max(1, self.tokens * expert_tp // self.tp)
+        return replace(self, tokens=routing.tokens_per_expert(routed), attention_flops=0.0, tp=expert_tp,
                        dp_spans_nodes=dp_spans_nodes)
 
 
@@ -202,12 +205,17 @@ class LayoutChoice:
 
 def forward_flops(name: str, numel: int, ndim: int, price: LayoutPrice) -> float:
     """Forward FLOPs per micro-batch of one param: a weight (2-D or more, not an embedding, which
-    is a lookup) its linear FLOPs, a QKV weight its layer's attention core too; norms and biases
-    none. Backward is twice this (``iteration.linear_flops``)."""
+    is a lookup) its linear FLOPs, a QKV weight (MLA: the key/value up-projection) its layer's
+    attention core too; norms and biases none. Backward is twice this (``iteration.linear_flops``)."""
     if ndim < 2 or "embedding" in name:
         return 0.0
     flops = linear_flops(numel, price.tokens)
-    return flops + price.attention_flops if name.endswith("linear_qkv.weight") else flops
+    return flops + price.attention_flops if name.endswith(_ATTENTION_WEIGHTS) else flops
+
+
+_ATTENTION_WEIGHTS = ("linear_qkv.weight", "linear_kv_up_proj.weight")
+"""the one weight per attention layer its core's FLOPs are charged to: GQA's QKV, MLA's key/value
+up-projection (every MLA layer has one, with or without a query LoRA)."""
 
 
 def job_price(shape: ModelShape, tp: int, dp: int, hw: Hardware, *, seq: int = 8192, micro_batch: int = 1,
@@ -223,8 +231,10 @@ def job_price(shape: ModelShape, tp: int, dp: int, hw: Hardware, *, seq: int = 8
     # very wide DP); Megatron itself would refuse it
     micro_batches = max(1, global_batch_tokens // seq // (dp * micro_batch))
     topology = Topology.contiguous(dp, tp, ranks_per_node or hw.ranks_per_node)
+    m = shape.mla  # MLA: QKᵀ over a head's no-RoPE and RoPE channels, AV over its value channels
+    qk, v = (shape.head_dim, None) if m is None else (m.qk_head_dim + m.qk_pos_emb_head_dim, m.v_head_dim)
     return LayoutPrice(micro_batches, seq * micro_batch, topology.dp_spans_nodes, hw,
-                       attention_flops(seq, micro_batch, shape.num_heads, shape.head_dim, tp),
+                       attention_flops(seq, micro_batch, shape.num_heads, qk, tp, value_dim=v),
                        tp=tp, tp_mode=tp_mode, whole_rows=whole_rows, overlap_param_gather=overlap_param_gather)
 
 

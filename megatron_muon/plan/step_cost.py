@@ -75,6 +75,9 @@ class StepCost(Cost):
     param_gather_bytes: float = 0.0
     """bytes the busiest rank sends in Megatron's param all-gather after the step (ZeRO-1's, or
     the layer-wise optimizer's), in none of the figures above."""
+    param_gather_s: float = 0.0
+    """seconds of that all-gather over DP > 1 (each buffer's on its own DP group), in ``comm_s``:
+    what ``plan.iteration`` prices bucket by bucket instead."""
     expert_ns_flops_max: float = 0.0
     """the expert optimizer's plan's ``max(ns_flops)`` (0 without an expert-parallel buffer)."""
     expert_bytes_sent_max: float = 0.0
@@ -188,7 +191,7 @@ def optimizer_step_cost(
 
     adam_bytes, adam_kernels = _FUSED_ADAM if hw.fused_adam else _TORCH_ADAM
     plans: list[StepPlan | None] = []
-    gather = 0.0
+    gather = gather_s = 0.0
     for group in groups:
         params, g = group.params, group.grid
         muon = [p for p in params if p.is_muon]
@@ -242,8 +245,10 @@ def optimizer_step_cost(
             cost += Cost(comm_s=seconds, parts=Counter({"param all-gather, DP 1": seconds}))
         if group_gather:  # over the group's DP ranks, where Megatron's grid puts them
             spans = group_topology(grid, experts=group.experts, ranks_per_node=hw.ranks_per_node).dp_spans_nodes
-            cost += collective_cost("all_gather", group_gather, 1, g.dp, hw, spans)
+            gathered = collective_cost("all_gather", group_gather, 1, g.dp, hw, spans)
+            cost += gathered
             gather += group_gather
+            gather_s += gathered.comm_s
     if clip_grad:  # one scalar all-reduce for the grad norm, whatever the groups
         cost += collective_cost("all_reduce", 0.0, 1, tp * dp * pp, hw, None, scalars=True)
     dense = plans[0]
@@ -251,7 +256,7 @@ def optimizer_step_cost(
     return StepCost(cost.compute_s, cost.comm_s, cost.memory_s,
                     max(dense.bytes_sent, default=0) if dense is not None else 0.0,
                     max(dense.ns_flops, default=0) if dense is not None else 0.0, cost.parts,
-                    param_gather_bytes=gather,
+                    param_gather_bytes=gather, param_gather_s=gather_s,
                     expert_ns_flops_max=max(expert.ns_flops, default=0) if expert is not None else 0.0,
                     expert_bytes_sent_max=max(expert.bytes_sent, default=0) if expert is not None else 0.0)
 

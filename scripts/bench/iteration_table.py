@@ -54,10 +54,10 @@ from megatron_muon.plan.iteration import (
     Iteration,
     IterationSettings,
     Stage,
-    attention_flops,
     iteration_time,
-    linear_flops,
 )
+from megatron_muon.plan.layout_choice import ExpertRouting, LayoutPrice, job_price
+from megatron_muon.plan.stage_params import StageGrid, group_topology
 from megatron_muon.plan.step_cost import optimizer_step_cost
 from megatron_muon.plan.topology import Topology
 
@@ -78,6 +78,14 @@ class RealBucket:
     """(name, TP-local numel, ndim) of each param it holds, in the bucket's order."""
     grad_bytes: int
     param_bytes: int
+    expert: bool = False
+    """a bucket of the expert-parallel buffer (reduced over the expert-DP group)."""
+    span: tuple[tuple[str, int, int], ...] = ()
+    """(name, TP-local numel, ndim) of the module params from this bucket's first in forward
+    order up to the next bucket's first, whichever buffer holds them: the layers the forward runs
+    after entering this bucket's group and before the next, and the backward between the previous
+    bucket's last grad and this one's (where one buffer's buckets cut the model into consecutive
+    ranges, its own params)."""
 
 
 @dataclass(frozen=True)
@@ -86,7 +94,8 @@ class RealStage:
 
     stage: int
     buckets: tuple[RealBucket, ...]
-    """DDP's buckets (over its bucket groups, in order: backprop order)."""
+    """DDP's buckets in backprop order: each buffer's bucket groups in DDP's order, the dense and
+    the expert buffer's merged by when the backward completes them (``_backprop_order``)."""
     bucket_groups: int
     layers: int
     embedding: bool
@@ -117,9 +126,10 @@ def _recording_ddp():
 
 
 def real_stage(shape: ModelShape, tp: int, pp: int, dp: int, stage: int, dp_layout: str,
-               tp_mode: str = "owner") -> RealStage:
+               tp_mode: str = "owner", ep: int = 1, etp: int | None = None) -> RealStage:
     """Build the first rank of pipeline stage ``stage`` on meta (``dry_run.build_rank``: the model,
-    Megatron's DDP on ``dp_layout``, our optimizer in ``tp_mode``) and read its DDP."""
+    Megatron's DDP on ``dp_layout``, our optimizer in ``tp_mode``; with experts at EP ``ep`` and
+    expert TP ``etp``) and read its DDP."""
     import torch
 
     from megatron_muon.megatron.cpu_patches import view_device
@@ -128,16 +138,24 @@ def real_stage(shape: ModelShape, tp: int, pp: int, dp: int, stage: int, dp_layo
     started = time.perf_counter()
     # the optimizer's startup report (printed by global rank 0) is the dry run's business, not this table's
     with _recording_ddp() as built, view_device(torch.device("meta")), contextlib.redirect_stdout(io.StringIO()):
-        dry_run.build_rank(shape, tp, pp, dp, tp * dp * stage, tp_mode, dp_layout)
+        dry_run.build_rank(shape, tp, pp, dp, tp * dp * stage, tp_mode, dp_layout, ep=ep, etp=etp)
         try:
             (ddp,) = built
-            names = {p: n for n, p in ddp.module.named_parameters()}
-            buckets = tuple(
-                RealBucket(bucket.grad_data.numel(),
-                           tuple((names[p], p.numel(), p.dim()) for p in bucket.params_list),
-                           bucket.grad_data.element_size(), bucket.param_data.element_size())
-                for group in ddp.bucket_groups for bucket in group.buckets)
-            groups = len(ddp.bucket_groups)
+            named = list(ddp.module.named_parameters())
+            names = {p: n for n, p in named}
+            position = {p: i for i, (_, p) in enumerate(named)}
+
+            def read(groups, expert: bool) -> list[tuple[int, RealBucket]]:
+                return [(min(position[p] for p in bucket.params_list),
+                         RealBucket(bucket.grad_data.numel(), tuple((names[p], p.numel(), p.dim())
+                                                                    for p in bucket.params_list),
+                                    bucket.grad_data.element_size(), bucket.param_data.element_size(), expert))
+                        for group in groups for bucket in group.buckets]
+
+            every = [(n, p.numel(), p.dim()) for n, p in named]
+            buckets = _backprop_order(read(ddp.bucket_groups, False) + read(ddp.expert_parallel_bucket_groups, True),
+                                      every)
+            groups = len(ddp.bucket_groups) + len(ddp.expert_parallel_bucket_groups)
         finally:
             dry_run.teardown()
     held = [n for b in buckets for n, _, _ in b.params]
@@ -146,17 +164,31 @@ def real_stage(shape: ModelShape, tp: int, pp: int, dp: int, stage: int, dp_layo
                      any("output_layer" in n for n in held), time.perf_counter() - started)
 
 
-def bucket_compute(bucket: RealBucket, shape: ModelShape, tp: int, seq: int, micro_batch: int) -> Bucket:
-    """The bucket's forward / backward FLOPs per micro-batch: a weight's linear FLOPs (the
-    embedding is a lookup, norms are elementwise: none), each layer's attention core with its QKV."""
-    tokens = seq * micro_batch
-    forward = 0.0
-    for name, numel, ndim in bucket.params:
-        if ndim >= 2 and "embedding" not in name:
-            forward += linear_flops(numel, tokens)
-        if name.endswith("linear_qkv.weight"):
-            forward += attention_flops(seq, micro_batch, shape.num_heads, shape.head_dim, tp)
-    return Bucket(bucket.numel, forward, 2 * forward)
+def _backprop_order(buckets: list[tuple[int, RealBucket]], params: list[tuple[str, int, int]]
+                    ) -> tuple[RealBucket, ...]:
+    """Buckets keyed by the forward position (in ``params``, the module's) of their first param, in
+    the order the backward completes them, each with its ``span``: DDP lays each buffer out over
+    its params reversed, so within a buffer this is DDP's own order, and the two buffers' buckets
+    interleave layer by layer. The first bucket in forward order spans from the first param."""
+    forward = sorted(buckets, key=lambda kb: kb[0])
+    starts = [0] + [k for k, _ in forward[1:]] + [len(params)]
+    spanned = [dataclasses.replace(b, span=tuple(params[starts[i]:starts[i + 1]])) for i, (_, b) in enumerate(forward)]
+    return tuple(spanned[::-1])
+
+
+def bucket_compute(bucket: RealBucket, job: Layout, hw: Hardware) -> Bucket:
+    """The bucket's forward / backward FLOPs per micro-batch over its ``span``
+    (``layout_choice.forward_flops`` on the job's price, as the layout was chosen on: a weight's
+    linear FLOPs, the embedding a lookup, norms none, each layer's attention core with its QKV),
+    a routed expert's at the tokens one expert sees (``LayoutPrice.for_experts``); and with each
+    MoE layer's router, that layer's token all-to-alls (``token_exchange_s``)."""
+    from megatron_muon.plan.layout_choice import forward_flops
+
+    price = job.price(hw)
+    forward = sum(forward_flops(name, numel, ndim, job.expert_price(hw) if ".experts." in name else price)
+                  for name, numel, ndim in bucket.span)
+    routers = sum(name.endswith("router.weight") for name, _, _ in bucket.span)
+    return Bucket(bucket.numel, forward, 2 * forward, bucket.expert, routers * job.token_exchange_s(hw))
 
 
 @dataclass(frozen=True)
@@ -168,24 +200,23 @@ class StepSeconds:
     """by (buffer layout, TP mode)."""
 
 
-def step_seconds(shape: ModelShape, stage: int, pp: int, grid: tuple[int, int], hw: Hardware,
-                 runs: tuple[tuple[str, str], ...]) -> StepSeconds:
-    """Stage ``stage``'s step by the cost model, for Adam and for ours in each (layout, TP mode)."""
-    tp, dp = grid
-    common = dict(tp=tp, dp=dp, pp=pp, stage=stage, hw=hw)
+def step_seconds(job: Layout, stage: int, hw: Hardware) -> StepSeconds:
+    """Stage ``stage``'s step by the cost model, for Adam and for ours in each of ``job.runs``."""
+    tp, dp = job.tp, job.dp
+    common = dict(tp=tp, dp=dp, pp=job.pp, stage=stage, hw=hw, ep=job.ep, etp=job.etp)
     # megatron-core's default bucket size; the cost model's layouts drop it after the first stage, as DDP does
     bucket = max(40_000_000, 1_000_000 * dp)
 
     def without_gather(cost) -> float:
-        # The cost model's step ends with Megatron's param all-gather (``param_gather_bytes``, priced
-        # as step_cost prices it: one all-gather on the DP group, across nodes once TP x DP fills
-        # more than one); plan.iteration prices it from the real buckets, so it comes out here.
-        gather = collective_time("all_gather", cost.param_gather_bytes, 1, dp, hw, tp * dp > hw.ranks_per_node)
-        return cost.total_s - gather
+        # the cost model's step ends with Megatron's param all-gather of each buffer, which
+        # plan.iteration prices from the real buckets instead
+        return cost.total_s - cost.param_gather_s
 
-    adam = optimizer_step_cost(shape, optimizer="adam", **common)
+    adam = optimizer_step_cost(job.shape, optimizer="adam", **common)
     from scripts.dry_run import layout_price
 
+    runs = job.runs
+    shape = job.shape
     # priced's layout as build_rank's DDP chose it (plan.layout_choice, on the same price)
     price = layout_price(shape, tp, dp, runs[0][1])
     ours = {(layout, mode): without_gather(optimizer_step_cost(shape, optimizer="ours", tp_mode=mode, dp_layout=layout,
@@ -210,6 +241,43 @@ class Layout:
     """ours' ``--muon-tp-mode``."""
     ours_layout: str = MuonConfig().dp_layout
     """ours' ``--muon-dp-layout`` (``OURS_LAYOUTS``)."""
+    ep: int = 1
+    """``--expert-model-parallel-size``."""
+    etp: int | None = None
+    """``--expert-tensor-parallel-size``; None: TP, Megatron's default."""
+
+    @property
+    def grid(self) -> StageGrid:
+        return StageGrid(self.tp, self.dp, self.pp, 0, self.ep, self.etp)
+
+    def price(self, hw: Hardware) -> LayoutPrice:
+        """The job's price inputs (``layout_choice.job_price``): its tokens, attention, DP link."""
+        return job_price(self.shape, self.tp, self.dp, hw, seq=self.seq, micro_batch=self.micro_batch,
+                         global_batch_tokens=self.global_batch_tokens, overlap_param_gather=self.overlap_param_gather)
+
+    def expert_price(self, hw: Hardware) -> LayoutPrice:
+        """The expert buffer's (``LayoutPrice.for_experts``: the tokens one expert sees, expert TP,
+        the expert-DP group's node span)."""
+        routing = ExpertRouting(self.shape.num_experts, self.shape.moe_topk, self.ep)
+        return self.price(hw).for_experts(routing, expert_tp=self.grid.expert_tp,
+                                          dp_spans_nodes=self.expert_dp_spans_nodes(hw))
+
+    def expert_dp_spans_nodes(self, hw: Hardware) -> bool:
+        return group_topology(self.grid, experts=True, ranks_per_node=hw.ranks_per_node).dp_spans_nodes
+
+    def token_exchange_s(self, hw: Hardware) -> float:
+        """One MoE layer's token all-to-alls per micro-batch, forward (the backward runs them
+        again): dispatch and combine, each sending the (EP − 1)/EP of its tokens' top-k copies
+        routed off the rank (a balanced router), hidden-wide in the params' dtype, over the EP
+        group, which strides by expert TP (node span: whether EP × expert TP ranks fill more than
+        a node, Megatron's default order). The tokens are the rank's share of the micro-batch
+        (sequence parallel at TP > 1)."""
+        if self.ep == 1:
+            return 0.0
+        tokens = self.seq * self.micro_batch // self.tp
+        sent = tokens * self.shape.moe_topk * self.shape.hidden * 2 * (self.ep - 1) / self.ep
+        spans = self.ep * self.grid.expert_tp > hw.ranks_per_node
+        return collective_time("all_to_all", sent, 2, self.ep, hw, spans)
 
     @property
     def layouts(self) -> tuple[str, str]:
@@ -249,18 +317,21 @@ class Row:
 
 def price(job: Layout, reals: dict[str, dict[int, RealStage]], hw: Hardware) -> list[Row]:
     """The three rows: Adam on megatron-core's layout, ours, and the baseline (``Layout.runs``)."""
+    experts = job.shape.num_experts > 0
     settings = IterationSettings(job.micro_batches, job.dp,
                                  Topology.contiguous(job.dp, job.tp, hw.ranks_per_node).dp_spans_nodes,
-                                 overlap_param_gather=job.overlap_param_gather)
+                                 overlap_param_gather=job.overlap_param_gather,
+                                 expert_dp_size=job.grid.expert_dp if experts else None,
+                                 expert_dp_spans_nodes=experts and job.expert_dp_spans_nodes(hw))
     # the cost model lays each run's stage out itself (the same layouts, stage_layouts): one per stage
-    steps = {s: step_seconds(job.shape, s, job.pp, (job.tp, job.dp), hw, job.runs) for s in job.built_stages()}
+    steps = {s: step_seconds(job, s, hw) for s in job.built_stages()}
 
     def stages(layout: str, mode: str | None) -> list[Stage]:
         out = []
         for s in range(job.pp):
             real = reals[layout][job.stand_in(s)]
             step = steps[job.stand_in(s)]
-            buckets = tuple(bucket_compute(b, job.shape, job.tp, job.seq, job.micro_batch) for b in real.buckets)
+            buckets = tuple(bucket_compute(b, job, hw) for b in real.buckets)
             out.append(Stage(buckets, step.adam if mode is None else step.ours[layout, mode],
                              real.buckets[0].grad_bytes, real.buckets[0].param_bytes))
         return out
@@ -311,7 +382,7 @@ def build_all(job: Layout) -> dict[str, dict[int, RealStage]]:
     from megatron_muon.megatron.cpu_patches import apply_cpu_patches
 
     apply_cpu_patches()
-    return {layout: {s: real_stage(job.shape, job.tp, job.pp, job.dp, s, layout, job.tp_mode)
+    return {layout: {s: real_stage(job.shape, job.tp, job.pp, job.dp, s, layout, job.tp_mode, job.ep, job.etp)
                      for s in job.built_stages()}
             for layout in job.layouts}
 
@@ -320,11 +391,14 @@ def main(argv: list[str] | None = None) -> int:
     from scripts.dry_run import MODELS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", choices=sorted(m for m, s in MODELS.items() if not s.num_experts and s.mla is None
-                                                  and s.hybrid_pattern is None), required=True)
+    parser.add_argument("--model", choices=sorted(m for m, s in MODELS.items() if s.hybrid_pattern is None),
+                        required=True)
     parser.add_argument("--tp", type=int, default=8)
     parser.add_argument("--pp", type=int, default=1)
     parser.add_argument("--dp", type=int, default=8)
+    parser.add_argument("--ep", type=int, default=1, help="--expert-model-parallel-size (a model with experts)")
+    parser.add_argument("--etp", type=int, default=None,
+                        help="--expert-tensor-parallel-size (default: --tp, Megatron's default)")
     parser.add_argument("--layers", type=int, default=None, help="build the model with this many layers (tests)")
     parser.add_argument("--seq", type=int, default=8192, help="sequence length")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences per micro-batch")
@@ -341,23 +415,30 @@ def main(argv: list[str] | None = None) -> int:
                              "chosen on the dry run's price, dry_run.layout_price)")
     parser.add_argument("--json", type=Path, help="also write every figure here")
     args = parser.parse_args(argv)
-    for flag in ("tp", "pp", "dp", "seq", "micro_batch", "global_batch_tokens"):
+    for flag in ("tp", "pp", "dp", "ep", "seq", "micro_batch", "global_batch_tokens"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
     shape = MODELS[args.model]
+    etp = args.tp if args.etp is None else args.etp
+    if not shape.num_experts and (args.ep > 1 or args.etp is not None):
+        parser.error(f"--ep {args.ep} / --etp {args.etp}: {args.model} has no experts; expected neither")
+    if shape.num_experts and (etp < 1 or (args.tp * args.dp) % (args.ep * etp) or shape.num_experts % args.ep):
+        parser.error(f"--ep {args.ep} x --etp {etp}: expected EP x expert TP to divide TP x DP = {args.tp * args.dp} "
+                     f"and EP to divide the {shape.num_experts} experts")
     if args.layers is not None:
         if args.layers < args.pp:
             parser.error(f"--layers {args.layers}: fewer layers than --pp {args.pp} stages")
         shape = dataclasses.replace(shape, num_layers=args.layers)
     job = Layout(shape, args.tp, args.pp, args.dp, args.seq, args.micro_batch, args.global_batch_tokens,
-                 not args.no_overlap_param_gather, args.tp_mode, args.dp_layout)
+                 not args.no_overlap_param_gather, args.tp_mode, args.dp_layout, args.ep, args.etp)
     hw = GPU_PROFILES[args.hardware]
     started = time.perf_counter()
     reals = build_all(job)
     rows = price(job, reals, hw)
     command = " ".join(["python -m scripts.bench.iteration_table", *(sys.argv[1:] if argv is None else argv)])
     flags = "--overlap-grad-reduce" + ("" if args.no_overlap_param_gather else " --overlap-param-gather")
-    print(f"Iteration: {args.model} ({shape.num_layers} layers), TP{args.tp} x PP{args.pp} x DP{args.dp}, "
+    experts = f" x EP{args.ep} (expert TP{etp})" if shape.num_experts else ""
+    print(f"Iteration: {args.model} ({shape.num_layers} layers), TP{args.tp} x PP{args.pp} x DP{args.dp}{experts}, "
           f"{args.global_batch_tokens / 2**20:g}M-token global batch of {args.seq}-token sequences, micro-batch "
           f"{args.micro_batch}: M = {job.micro_batches} micro-batches, 1F1B; {flags}; {hw.name}; Muon "
           f"--muon-dp-layout {args.dp_layout} --muon-tp-mode {args.tp_mode}, and the baseline --muon-dp-layout "
@@ -370,9 +451,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nmeta builds: {', '.join(builds)}; total {time.perf_counter() - started:.1f} s\ncommand: {command}")
     if args.json:
         args.json.write_text(json.dumps(dict(
-            model=args.model, layers=shape.num_layers, tp=args.tp, pp=args.pp, dp=args.dp,
+            model=args.model, layers=shape.num_layers, tp=args.tp, pp=args.pp, dp=args.dp, ep=args.ep, etp=etp,
             micro_batches=job.micro_batches, overlap_param_gather=job.overlap_param_gather, hardware=hw.name,
-            stages={layout: {str(s): dict(buckets=[dict(numel=b.numel, params=[n for n, _, _ in b.params],
+            stages={layout: {str(s): dict(buckets=[dict(numel=b.numel, expert=b.expert,
+                                                        params=[n for n, _, _ in b.params],
+                                                        span=[n for n, _, _ in b.span],
                                                         param_numel=sum(k for _, k, _ in b.params))
                                                    for b in r.buckets],
                                           bucket_groups=r.bucket_groups, layers=r.layers, build_s=r.build_s)

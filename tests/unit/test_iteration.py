@@ -9,6 +9,7 @@ fractional terms (``_ROUNDING``).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -128,6 +129,39 @@ def test_first_all_gathers_line_up_along_the_pipeline():
     assert in_step.exposed_all_gather_s == 2
 
 
+def test_expert_buckets_gather_in_a_chain_of_their_own_on_the_shared_link():
+    # Backprop order d0 (dense, 4 elements, forward 2 s), e0 (expert, 8, 3 s), d1 (dense, 2, 1 s);
+    # M = 1, no step. Forward order d1, e0, d0, two chains: dense d1 -> d0, experts e0 alone.
+    #   d1 gathered [0, 1], which dispatches d0 [1, 3]; d1's forward [1, 2]; e0, the expert
+    #   chain's first, dispatched at 2, waits for the link, [3, 7]; e0's forward [7, 10]; d0's,
+    #   gathered at 3, [10, 12]: first forward 12 of 6 computed, AG exposed 6.
+    #   Backward [12, 24]: d0's grads at 16, reduced [16, 18]; e0's at 22, [22, 26]; d1's at 24,
+    #   [26, 27]: RS exposed 3. Iteration 27 = 6 + 12 + 6 + 3.
+    stage = Stage((Bucket(4, 2, 4), Bucket(8, 3, 6, expert=True), Bucket(2, 1, 2)), 0.0, 1, 1)
+    it = iteration_time([stage], _settings(1, expert_dp_size=2), UNIT)
+    assert (it.pipeline_s, it.exposed_all_gather_s, it.exposed_reduce_scatter_s, it.iteration_s) == (18, 6, 3, 27)
+    # the same buckets all dense: one chain, e0 dispatched by d1's pre-hook [1, 5] behind nothing,
+    # d0 by e0's [5, 7]: d1 [1, 2], e0 waits to 5, [5, 8], d0 [8, 10]: AG 4
+    dense = Stage(tuple(dataclasses.replace(b, expert=False) for b in stage.buckets), 0.0, 1, 1)
+    assert iteration_time([dense], _settings(1), UNIT).exposed_all_gather_s == 4
+
+
+def test_expert_buckets_use_the_expert_dp_groups_link():
+    # expert DP 4 across nodes at half the bandwidth: an expert bucket of 8 one-byte elements
+    # moves 8 · 3/4 = 6 bytes in 12 s; the dense one (DP 2, in a node) 4 · 1/2 = 2 bytes in 2 s
+    hw = dataclasses.replace(UNIT, inter_node_bandwidth=0.5)
+    stage = Stage((Bucket(4, 1, 2), Bucket(8, 1, 2, expert=True)), 0.0, 1, 1)
+    settings = _settings(1, expert_dp_size=4, expert_dp_spans_nodes=True)
+    (st,) = iteration_time([stage], settings, hw).stages
+    assert (st.reduce_scatter_s, st.all_gather_s) == (14, 14)
+
+
+def test_token_all_to_alls_lengthen_forward_and_backward():
+    stage = Stage((Bucket(2, 3, 6, token_exchange_s=0.5), Bucket(2, 1, 2)), 0.0, 1, 1)
+    (st,) = iteration_time([stage], _settings(2), UNIT).stages
+    assert (st.forward_s, st.backward_s, st.compute_s) == (4.5, 8.5, 26)
+
+
 def test_iteration_never_below_compute_and_adds_up():
     rng = random.Random(42)
     for _ in range(60):
@@ -149,6 +183,8 @@ def test_flops():
     assert linear_flops(10, 3) == 60
     # 2 · b · s² · heads · head_dim / tp: causal QKᵀ and AV
     assert attention_flops(seq=4, micro_batch=2, heads=8, head_dim=16, tp=2) == 2 * 2 * 16 * 8 * 16 / 2
+    # MLA: QKᵀ at 192 channels (128 + 64 RoPE), AV at 128: s² · (192 + 128) per head and sequence
+    assert attention_flops(seq=4, micro_batch=2, heads=8, head_dim=192, tp=2, value_dim=128) == 2 * 16 * 8 * 320 / 2
 
 
 def test_bad_input_names_the_parameter():
@@ -158,3 +194,7 @@ def test_bad_input_names_the_parameter():
         IterationSettings(0, 2, False)
     with pytest.raises(ValueError, match="no stages"):
         iteration_time([], _settings(1), UNIT)
+    with pytest.raises(ValueError, match="expert_dp_size 0"):
+        IterationSettings(1, 2, False, expert_dp_size=0)
+    with pytest.raises(ValueError, match="expected IterationSettings.expert_dp_size"):
+        iteration_time([Stage((Bucket(2, 1, 2, expert=True),), 0.0)], _settings(1), UNIT)

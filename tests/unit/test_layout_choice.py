@@ -168,8 +168,11 @@ def test_the_experts_see_the_tokens_routed_to_them():
     assert ExpertRouting(8, 2, 8).tokens_per_expert(8192) == 16384
     assert ExpertRouting(256, 1, 1).tokens_per_expert(1) == 1  # never below one token
     price = job_price(LLAMA3["8B"], 2, 8, H100, tp_mode="owner")
+    # TP2 with expert TP2: an EP rank routes its TP pair's 8192 tokens; with expert TP1 its own
+    # sequence-parallel half of them, 4096, so one expert sees 8 x 4096 x 2 / 8
+    assert price.for_experts(ExpertRouting(8, 2, 8), expert_tp=2, dp_spans_nodes=True).tokens == 16384
     experts = price.for_experts(ExpertRouting(8, 2, 8), expert_tp=1, dp_spans_nodes=True)
-    assert (experts.tokens, experts.tp, experts.dp_spans_nodes, experts.attention_flops) == (16384, 1, True, 0.0)
+    assert (experts.tokens, experts.tp, experts.dp_spans_nodes, experts.attention_flops) == (8192, 1, True, 0.0)
     assert (experts.micro_batches, experts.hardware, experts.tp_mode) == (price.micro_batches, H100, "owner")
     with pytest.raises(ValueError, match="ExpertRouting: num_experts 8, topk 9"):
         ExpertRouting(8, 9, 1)

@@ -4,15 +4,21 @@
     python -m scripts.bench.iteration_table --model llama3-70b --tp 8 --dp 8
     python -m scripts.bench.iteration_table --model llama3-8b --tp 8 --dp 8
     python -m scripts.bench.iteration_table --model llama3-405b --tp 8 --pp 16 --dp 64 --no-overlap-param-gather
+    python -m scripts.bench.iteration_table --model deepseek-v3 --tp 1 --ep 8 --pp 16 --dp 64
+    python -m scripts.bench.iteration_table --model mixtral-8x7b --tp 2 --ep 8 --etp 1 --dp 64
 
 For each buffer layout (megatron-core's, ``--muon-dp-layout megatron``, and ours, ``balanced``)
 it builds the stages' model, DDP and optimizer on the meta device the way ``scripts/dry_run.py``'s
 ``build_rank`` does (its function, called here; megatron-core's GPTModel, bf16, the fake process
 group) and reads the DDP's buckets: each bucket's numel (padding included) and the params it
-holds. A pipeline's stages are built once each of the first, a middle one (stage 1: every middle
-stage holds the same layers) and the last. Each bucket's compute is its params' FLOPs per
-micro-batch (``plan.iteration.linear_flops``: 2·numel·tokens forward for a weight, the embedding
-a lookup; ``attention_flops`` with each layer's QKV), backward twice the forward.
+holds; with experts (``--ep``, ``--etp``) both of its buffers, the expert buckets reduced over
+the expert-DP group and merged with the dense ones in backprop order, and each MoE layer's
+token all-to-alls over EP (``Layout.token_exchange_s``). A pipeline's stages are built once
+each of the first, a middle one (stage 1: every middle stage holds the same layers) and the
+last. Each bucket's compute is the FLOPs per micro-batch of the params it spans
+(``layout_choice.forward_flops``: 2·numel·tokens forward for a weight, a routed expert's at the
+tokens one expert sees, the embedding a lookup; the attention core with each layer's QKV or
+MLA's key/value up-projection), backward twice the forward.
 
 The optimizer step's seconds are the cost model's (``step_cost.optimizer_step_cost`` on each
 stage's weights, h100-sxm): Adam's distributed optimizer on megatron-core's layout, and ours on

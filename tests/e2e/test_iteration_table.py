@@ -146,3 +146,16 @@ def test_expert_buckets_are_the_real_ddps_and_reduce_over_expert_dp(tmp_path, mo
         # the same sum in another order: a few ulps of ~0.1 s
         assert stage["forward_s"] == pytest.approx(flops / hw.matmul_flops + moe_layers * a2a, rel=1e-12)
         assert stage["backward_s"] == pytest.approx(2 * flops / hw.matmul_flops + moe_layers * a2a, rel=1e-12)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--model", "llama3-8b", "--ep", "2"], "--ep 2 / --etp None: llama3-8b has no experts; expected neither"),
+    (["--model", "mixtral-8x7b", "--tp", "1", "--dp", "6", "--ep", "3"],
+     "--ep 3 x --etp 1: expected EP x expert TP to divide TP x DP = 6 and EP to divide the 8 experts"),
+    (["--model", "mixtral-8x7b", "--ep", "0"], "--ep must be >= 1, got 0"),
+])
+def test_expert_flags_are_refused_in_one_line_before_anything_is_built(args, message):
+    proc = subprocess.run([sys.executable, "-m", "scripts.bench.iteration_table", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and message in proc.stderr.splitlines()[-1], proc.stderr
+    assert "meta builds" not in proc.stdout

@@ -34,6 +34,8 @@ import torch
 
 __all__ = [
     "FP32_PRECISIONS",
+    "GRAM_CHUNKS",
+    "GRAM_CHUNK_ROWS",
     "NSOptions",
     "COEFFICIENT_SETS",
     "DEFAULT_COEFFICIENTS",
@@ -44,6 +46,8 @@ __all__ = [
     "NS_METHODS",
     "gram_block_rows",
     "gram_blocks",
+    "gram_chunk_bounds",
+    "gram_chunks",
     "gram_iteration",
     "gram_newton_schulz",
     "gram_ns_flops",
@@ -426,6 +430,27 @@ def splits_gram(k: int, cols: int, ranks: int) -> bool:
     TP8: 2048 < 6656). The rule is on shapes only, so every rank decides alike.
     """
     return ranks > 1 and gram_block_rows(k, ranks) < cols
+
+
+GRAM_CHUNK_ROWS = 2048
+"""Fewest rows of a Gram chunk (``gram_chunks``): 2048 × k fp32 is at least 64 MiB at the k
+where chunks start, so each chunk's all-reduce is bandwidth-bound, not latency-bound."""
+GRAM_CHUNKS = 4
+"""Chunks of a large sharded Gram (``gram_chunks``): all but one all-reduce hide under a GEMM."""
+
+
+def gram_chunks(k: int, ranks: int) -> int:
+    """Row chunks in which ``ranks`` ranks form and all-reduce a sharded ``k × k`` Gram: each
+    chunk's all-reduce runs while the next chunk's X·Xᵀ rows are computed, so only the first
+    chunk's GEMM and the last chunk's all-reduce are not overlapped. ``GRAM_CHUNKS`` where every
+    chunk keeps ``GRAM_CHUNK_ROWS`` rows (k ≥ 8192: Llama-3 70B and 405B), else one. The rule is
+    on shapes only, so every rank issues the same collectives."""
+    return GRAM_CHUNKS if ranks > 1 and k >= GRAM_CHUNKS * GRAM_CHUNK_ROWS else 1
+
+
+def gram_chunk_bounds(k: int, chunks: int) -> list[tuple[int, int]]:
+    """The ``[lo, hi)`` rows of each of ``chunks`` chunks of a ``k``-row Gram, as even as can be."""
+    return [(k * i // chunks, k * (i + 1) // chunks) for i in range(chunks)]
 
 
 def sharded_ns_flops(k: int, cols: int, steps: int = 5, ranks: int = 1) -> int:

@@ -210,11 +210,24 @@ def all_gather_into_tensor(output: torch.Tensor, tensor: torch.Tensor, group=Non
 
 def all_reduce(tensor: torch.Tensor, group=None) -> None:
     """In-place sum ``dist.all_reduce`` with ring accounting."""
+    if _counted_all_reduce(tensor, group) > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+
+
+def all_reduce_async(tensor: torch.Tensor, group=None) -> Pending:
+    """``all_reduce`` issued with ``async_op=True``: ``tensor`` holds the sum after ``wait()``.
+    Counted and observed now, when it is issued, as the blocking call is."""
+    if _counted_all_reduce(tensor, group) == 1:
+        return Pending(None)
+    return Pending(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True), tensor)
+
+
+def _counted_all_reduce(tensor: torch.Tensor, group) -> int:
+    """Count and observe one all-reduce of ``tensor`` (ring accounting); returns the group size."""
     t = group_size(group)
     _record("all_reduce", (2 * (t - 1) * _nbytes(tensor)) // t)
     _observe("all_reduce", group, (tensor,), (tensor,))
-    if t > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group)
+    return t
 
 
 def broadcast_async(tensor: torch.Tensor, src: int, group=None) -> Pending:

@@ -54,6 +54,8 @@ from ..core.newton_schulz import (
     coefficient_schedule,
     gram_block_rows,
     gram_blocks,
+    gram_chunk_bounds,
+    gram_chunks,
     gram_iteration,
     max_abs,
     power_of_two_floor,
@@ -218,10 +220,25 @@ def _distributed(out, shards, subs, members: list[int], group, ns: NSOptions) ->
 def _summed_gram(X: torch.Tensor, group, dtype: torch.dtype | None = None) -> torch.Tensor:
     """The whole matrix's Gram, Σ over ``group`` of X·Xᵀ, in ``dtype`` (None: ``X``'s): each rank's
     product rounded once in X's dtype (as the one-device NS rounds its Gram), summed in fp32
-    (``REDUCE_DTYPE``; a half-precision ring would round every hop's partial sum)."""
-    G = (X @ X.mT).to(REDUCE_DTYPE)
-    comm.all_reduce(G, group)
-    return G.to(dtype or X.dtype)
+    (``REDUCE_DTYPE``; a half-precision ring would round every hop's partial sum).
+
+    A large Gram (``gram_chunks``) is formed and summed in row chunks: each chunk's all-reduce is
+    issued as soon as its rows are computed and runs while the next chunk's are (on NCCL, on the
+    communicator's stream beside the GEMM). Every entry is the same dot product either way."""
+    chunks = gram_chunks(X.shape[-2], comm.group_size(group))
+    if chunks == 1:
+        G = (X @ X.mT).to(REDUCE_DTYPE)
+        comm.all_reduce(G, group)
+        return G.to(dtype or X.dtype)
+    G = X.new_empty(X.shape[:-1] + X.shape[-2:-1], dtype=dtype or X.dtype)
+    pending = []
+    for lo, hi in gram_chunk_bounds(X.shape[-2], chunks):
+        rows = (X[..., lo:hi, :] @ X.mT).to(REDUCE_DTYPE)  # contiguous: one buffer per chunk
+        pending.append((lo, hi, rows, comm.all_reduce_async(rows, group)))
+    for lo, hi, rows, work in pending:
+        work.wait()
+        G[..., lo:hi, :] = rows
+    return G
 
 
 def _distributed_gram(X: torch.Tensor, group, size: int, ns: NSOptions, schedule) -> torch.Tensor:

@@ -31,6 +31,7 @@ from ..core.newton_schulz import (
     NSOptions,
     gram_block_rows,
     gram_blocks,
+    gram_chunks,
     sharded_gram_flops,
     sharded_ns_flops,
     sharded_runs_gram,
@@ -42,7 +43,8 @@ from .hardware import Hardware
 from .teams import team_blocks, team_layout
 
 __all__ = ["AUTO_CANDIDATES", "DISTRIBUTED_SUM_BYTES", "PRIMITIVES", "Link", "Price", "Widths", "dp_exchange",
-           "moved_s", "plan_cost", "rank_prices", "seconds", "sub_price", "team_exchange", "team_widths", "widths"]
+           "hidden_s", "moved_s", "plan_cost", "rank_prices", "seconds", "sub_price", "team_exchange", "team_widths",
+           "widths"]
 
 PRIMITIVES = ("all_to_all", "all_gather", "all_reduce", "broadcast")
 _A2A, _GATHER, _REDUCE, _CAST = range(4)
@@ -76,13 +78,16 @@ class Price:
     """bytes touched by the copies around the collectives (packing, joining, cutting)."""
     ns_bytes: float = 0.0
     """bytes its Newton–Schulz touches outside the GEMMs (``core.ns_traffic``)."""
+    overlap: tuple[float, float] = (0.0, 0.0)
+    """(GEMM FLOPs, all-reduce link bytes) that run side by side: a chunked Gram's rows formed
+    while the previous chunk is summed (``gram_chunks``); ``hidden_s`` prices what that hides."""
 
     def __add__(self, other: Price) -> Price:
         return Price(self.flops + other.flops, self.sent + other.sent,
                      tuple(a + b for a, b in zip(self.link, other.link)),
                      tuple(a + b for a, b in zip(self.calls, other.calls)),
                      self.scalar_calls + other.scalar_calls, self.memory + other.memory,
-                     self.ns_bytes + other.ns_bytes)
+                     self.ns_bytes + other.ns_bytes, tuple(a + b for a, b in zip(self.overlap, other.overlap)))
 
 
 ZERO = Price()
@@ -161,20 +166,28 @@ def sub_price(sub: MatrixLayout, mode: str, ns: NSOptions, *, tp: int, rank: int
 def _distributed_price(sub: MatrixLayout, tp: int, ns: NSOptions) -> Price:
     """Each rank's share of NS, the fp32 all-reduces of the Grams (k × k, k the unsharded dim),
     the scale and the norm, and where B's rows are split their all-gathers (Gram NS: one Gram per
-    restart block and one scalar, the k × k iteration whole)."""
+    restart block and one scalar, the k × k iteration whole). A large Gram is summed in
+    ``gram_chunks`` calls, all but the last beside the next chunk's rows of X·Xᵀ (``overlap``)."""
     local = sub.local_shape
     k, cols = (local[1], local[0]) if sub.partition_dim == 0 else local
     ring = 2 * (tp - 1) / tp * DISTRIBUTED_SUM_BYTES
+    chunks = gram_chunks(k, tp)
+
+    def side_by_side(grams: int) -> tuple[float, float]:
+        share = (chunks - 1) / chunks  # the first chunk's rows and the last chunk's sum run alone
+        return grams * 2 * k * k * cols * share, grams * ring * k * k * share
+
     if sharded_runs_gram(ns.method, k, cols, tp):
         grams = len(gram_blocks([None] * ns.steps, ns.restarts))
         reduced = ring * (grams * k * k + 1)
         return Price(sharded_gram_flops(k, cols, ns.steps, ns.restarts), reduced, (0.0, 0.0, reduced, 0.0),
-                     (0, 0, grams, 0), scalar_calls=1, ns_bytes=sharded_pass_bytes(ns, k, cols, tp))
+                     (0, 0, grams * chunks, 0), scalar_calls=1, ns_bytes=sharded_pass_bytes(ns, k, cols, tp),
+                     overlap=side_by_side(grams))
     reduced = ring * (ns.steps * k * k + 2)
     gathered = ns.steps * (tp - 1) * gram_block_rows(k, tp) * k * ns.dtype_bytes if splits_gram(k, cols, tp) else 0
     return Price(sharded_ns_flops(k, cols, ns.steps, tp), reduced + gathered, (0.0, gathered, reduced, 0.0),
-                 (0, ns.steps if gathered else 0, ns.steps, 0), scalar_calls=2,
-                 ns_bytes=sharded_pass_bytes(ns, k, cols, tp))
+                 (0, ns.steps if gathered else 0, ns.steps * chunks, 0), scalar_calls=2,
+                 ns_bytes=sharded_pass_bytes(ns, k, cols, tp), overlap=side_by_side(ns.steps))
 
 
 def _megatron_core_distributed(sub: MatrixLayout, tp: int, ns: NSOptions) -> Price:
@@ -193,7 +206,19 @@ def _megatron_core_distributed(sub: MatrixLayout, tp: int, ns: NSOptions) -> Pri
 def seconds(price: Price, hw: Hardware, link: Link, *, batches: int, steps: int) -> float:
     """Seconds of ``price`` on ``hw`` with its collectives on ``link`` and its NS in ``batches``
     batched calls of ``steps`` iterations."""
-    return _compute_s(price, hw, batches, steps) + _comm_s(price, hw, link) + memory_time(price.memory, 0, hw)
+    return (_compute_s(price, hw, batches, steps) + _comm_s(price, hw, link) - hidden_s(price, hw, link)
+            + memory_time(price.memory, 0, hw))
+
+
+def hidden_s(price: Price, hw: Hardware, link: Link) -> float:
+    """Seconds of ``price``'s all-reduces that run under its GEMMs (``Price.overlap``): the shorter
+    of the two side by side, of which ``hw.comm_overlap`` is hidden (a collective beside a GEMM
+    slows both on a GPU)."""
+    flops, nbytes = price.overlap
+    if link.size <= 1 or not flops or not hw.comm_overlap:
+        return 0.0
+    return hw.comm_overlap * min(flops / hw.matmul_flops,
+                                 link_time("all_reduce", nbytes, link.size, hw, link.spans_nodes))
 
 
 def _compute_s(price: Price, hw: Hardware, batches: int, steps: int) -> float:
@@ -413,8 +438,8 @@ def plan_cost(plan, hw: Hardware, *, megatron_core: bool = False) -> Cost:
             flops = tp_price.flops + team_price.flops
             compute = ns_time(flops, runs if megatron_core else len(keys), hw, ns.steps) if flops else 0.0
             compute += memory_time(tp_price.ns_bytes + team_price.ns_bytes, 0, hw)
-            comm = _comm_s(_with_calls(tp_price, calls["tp"]), hw, tp_link)
-            comm += _comm_s(_with_calls(team_price, calls["team"]), hw, team_link)
+            comm = _comm_s(_with_calls(tp_price, calls["tp"]), hw, tp_link) - hidden_s(tp_price, hw, tp_link)
+            comm += _comm_s(_with_calls(team_price, calls["team"]), hw, team_link) - hidden_s(team_price, hw, team_link)
             if exchanges:
                 comm += collective_time("all_to_all", dp_link[i], 2 * len(plan.micro_groups), dp_group.size, hw,
                                         dp_group.spans_nodes)
@@ -434,7 +459,7 @@ def plan_cost(plan, hw: Hardware, *, megatron_core: bool = False) -> Cost:
 
 
 def _with_calls(price: Price, calls: tuple[tuple[int, ...], int]) -> Price:
-    return Price(price.flops, price.sent, price.link, calls[0], calls[1], price.memory, price.ns_bytes)
+    return Price(price.flops, price.sent, price.link, calls[0], calls[1], price.memory, price.ns_bytes, price.overlap)
 
 
 def _group_calls(plan, work, group_of: dict[int, int], megatron_core: bool) -> dict:

@@ -230,14 +230,19 @@ def _summed_gram(X: torch.Tensor, group, dtype: torch.dtype | None = None) -> to
         G = (X @ X.mT).to(REDUCE_DTYPE)
         comm.all_reduce(G, group)
         return G.to(dtype or X.dtype)
-    G = X.new_empty(X.shape[:-1] + X.shape[-2:-1], dtype=dtype or X.dtype)
     pending = []
     for lo, hi in gram_chunk_bounds(X.shape[-2], chunks):
         rows = (X[..., lo:hi, :] @ X.mT).to(REDUCE_DTYPE)  # contiguous: one buffer per chunk
         pending.append((lo, hi, rows, comm.all_reduce_async(rows, group)))
-    for lo, hi, rows, work in pending:
+    # the result allocated once every chunk is in flight, each chunk freed as it is copied in:
+    # the peak is the unchunked one's (the fp32 sum and the result side by side)
+    G = X.new_empty(X.shape[:-1] + X.shape[-2:-1], dtype=dtype or X.dtype)
+    pending.reverse()
+    while pending:
+        lo, hi, rows, work = pending.pop()
         work.wait()
         G[..., lo:hi, :] = rows
+        del rows, work
     return G
 
 

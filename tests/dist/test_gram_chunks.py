@@ -119,5 +119,5 @@ def test_the_price_counts_the_chunks_and_what_runs_beside_them(world, method):
         assert price.overlap == pytest.approx((grams * 2 * K * K * (COLS // t) * share, grams * ring * share))
         link = Link(t, False)
         h100 = GPU_PROFILES["h100-sxm"]
-        assert 0 < hidden_s(price, h100, link) <= h100.comm_overlap * price.overlap[0] / h100.matmul_flops
+        assert 0 < hidden_s(price, h100, link) <= h100.comm_overlap * (price.overlap[0] / h100.matmul_flops)
         assert hidden_s(price, dataclasses.replace(h100, comm_overlap=0.0), link) == 0.0

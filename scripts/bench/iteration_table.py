@@ -275,14 +275,14 @@ class Layout:
         """One MoE layer's token all-to-alls per micro-batch, forward (the backward runs them
         again): dispatch and combine, each sending the (EP − 1)/EP of its tokens' top-k copies
         routed off the rank (a balanced router), hidden-wide in the params' dtype, over the EP
-        group, which strides by expert TP (node span: whether EP × expert TP ranks fill more than
-        a node, Megatron's default order). The tokens are the rank's share of the micro-batch
-        (sequence parallel at TP > 1)."""
+        group (its node span from its global ranks: in Megatron's expert grid EP rank j of the
+        first group is global rank j × expert TP). The tokens are the rank's share of the
+        micro-batch (sequence parallel at TP > 1)."""
         if self.ep == 1:
             return 0.0
         tokens = self.seq * self.micro_batch // self.tp
         sent = tokens * self.shape.moe_topk * self.shape.hidden * 2 * (self.ep - 1) / self.ep
-        spans = self.ep * self.grid.expert_tp > hw.ranks_per_node
+        spans = len({j * self.grid.expert_tp // hw.ranks_per_node for j in range(self.ep)}) > 1
         return collective_time("all_to_all", sent, 2, self.ep, hw, spans)
 
     @property

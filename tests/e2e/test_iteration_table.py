@@ -99,25 +99,28 @@ def test_the_default_meets_issue_42s_iteration_goals_at_405b_pp16_dp64(tmp_path)
     assert default["iteration_s"] <= baseline["iteration_s"]
 
 
-@pytest.mark.parametrize("model, layers, ep", [("mixtral-8x7b", 2, 2), ("deepseek-v3", 4, 4)])
-def test_expert_buckets_are_the_real_ddps_and_reduce_over_expert_dp(tmp_path, model, layers, ep):
-    """A model with experts at TP1 × EP × DP4 (DeepSeek-V3: three dense layers, then one MoE
-    layer with MLA): the table reads both of the real DDP's buffers. Each buffer's buckets keep
+@pytest.mark.parametrize("model, layers, tp, ep", [("mixtral-8x7b", 2, 1, 2), ("deepseek-v3", 4, 1, 4),
+                                                   ("mixtral-8x7b", 2, 2, 2)])
+def test_expert_buckets_are_the_real_ddps_and_reduce_over_expert_dp(tmp_path, model, layers, tp, ep):
+    """A model with experts at TP × EP × DP4, expert TP1 (DeepSeek-V3: three dense layers, then
+    one MoE layer with MLA; Mixtral at TP2, where an EP rank routes its own sequence-parallel half
+    of the micro-batch): the table reads both of the real DDP's buffers. Each buffer's buckets keep
     DDP's order and sizes (the replay's), merged in backprop order; the spans cover every param
     once; and the stage's forward is its FLOPs at the profile's rate, computed here from the
     params the replay lays out (routed experts at the tokens one expert sees, MLA's attention at
     its own widths), plus each MoE layer's two token all-to-alls over EP."""
     out = tmp_path / "iteration.json"
-    args = ["--model", model, "--tp", "1", "--ep", str(ep), "--dp", "4", "--layers", str(layers), "--json", str(out)]
+    args = ["--model", model, "--tp", str(tp), "--ep", str(ep), "--etp", "1", "--dp", "4", "--layers", str(layers),
+            "--json", str(out)]
     proc = subprocess.run([sys.executable, "-m", "scripts.bench.iteration_table", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"x EP{ep} (expert TP1)" in proc.stdout
     report = json.loads(out.read_text())
     shape = dataclasses.replace(MOE_MODELS[model], num_layers=layers)
-    grid = StageGrid(1, 4, 1, 0, ep, 1)
+    grid = StageGrid(tp, 4, 1, 0, ep, 1)
     hw = GPU_PROFILES["h100-sxm"]
-    price = job_price(shape, 1, 4, hw, tp_mode="auto")
+    price = job_price(shape, tp, 4, hw, tp_mode="auto")
     for layout, stages in report["stages"].items():
         real = stages["0"]["buckets"]
         replay = stage_layouts(shape, grid, BufferSettings(layout, 40_000_000, price=price))
@@ -128,17 +131,20 @@ def test_expert_buckets_are_the_real_ddps_and_reduce_over_expert_dp(tmp_path, mo
             assert all((".experts." in n) == expert for b in mine for n in b["params"])
         spans = [n for b in real for n in b["span"]]
         assert len(spans) == len(set(spans)) == len(replay.params) + len(replay.experts.params)
-    # the forward from the replay's params: 2 · numel · tokens per weight (the embedding a lookup),
-    # a routed expert's at EP × 8192 × top-k / E tokens, one attention core per layer
+    # the forward from the replay's params (TP-local): 2 · numel · tokens per weight (the embedding
+    # a lookup), a routed expert's at EP × (8192 / TP) × top-k / E tokens (expert TP1: each EP rank
+    # routes its own sequence-parallel share), one attention core per layer over the rank's
+    # 1/TP of the heads; the all-to-alls send the rank's 8192 / TP tokens' copies
     tokens = 8192
-    routed = ExpertRouting(shape.num_experts, shape.moe_topk, ep).tokens_per_expert(tokens)
+    routed = ExpertRouting(shape.num_experts, shape.moe_topk, ep).tokens_per_expert(tokens // tp)
     flops = sum(linear_flops(p.numel, routed if p.expert_parallel else tokens)
                 for p in stage_params(shape, grid) if len(p.shape) >= 2 and "embedding" not in p.name)
     m = shape.mla
     width = 2 * shape.head_dim if m is None else m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim
-    flops += layers * tokens * tokens * shape.num_heads * width  # causal: half of 2 · s² per product
+    flops += layers * tokens * tokens * shape.num_heads * width / tp  # causal: half of 2 · s² per product
     moe_layers = sum(map(shape.is_moe_layer, range(layers)))
-    a2a = collective_time("all_to_all", tokens * shape.moe_topk * shape.hidden * 2 * (ep - 1) / ep, 2, ep, hw, False)
+    sent = tokens // tp * shape.moe_topk * shape.hidden * 2 * (ep - 1) / ep
+    a2a = collective_time("all_to_all", sent, 2, ep, hw, False)  # EP ranks 0 and 1 of 8 per node
     for row in report["rows"]:
         (stage,) = row["iteration"]["stages"]
         # the same sum in another order: a few ulps of ~0.1 s

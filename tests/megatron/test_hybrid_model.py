@@ -30,7 +30,7 @@ import os
 import pytest
 import torch
 from dist_harness import run_world
-from training_harness import ATOL, MOE, NORM_RTOL, Run, references, resumed_params, train
+from training_harness import ATOL, MOE, NORM_RTOL, Run, references, resumed_params, train, worst_by_optimizer
 
 # fp32. Muon matrices: the GPT's bound (training_harness.ATOL, 5.9e-6: TP2's reduction order moves
 # grads in the last bits); measured max 6.0e-7 (TP2 × DP2, linear_fc2). Grad norms: NORM_RTOL.
@@ -78,10 +78,6 @@ def train_runs(rank: int, world: int, root: str) -> list[tuple]:
     return out
 
 
-def _is_muon(name: str, tensor: torch.Tensor) -> bool:
-    return tensor.dim() == 2 and "embedding" not in name and "output_layer" not in name
-
-
 @pytest.fixture(scope="module")
 def reference():
     return references(RUNS, timeout=TIMEOUT)
@@ -101,9 +97,7 @@ def test_matches_single_process_reference(trained, reference, index):
     # the hybrid stack's names: attention and MLP in layers of their own, its final norm
     assert "decoder.final_norm.weight" in want.full
     assert ("decoder.layers.1.mlp.linear_fc1.weight" in want.full) != bool(run.moe)
-    diffs = {n: (result.full[n] - want.full[n]).abs().max().item() for n in want.full}
-    muon = max((d, n) for n, d in diffs.items() if _is_muon(n, want.full[n]))
-    adamw = max((d, n) for n, d in diffs.items() if not _is_muon(n, want.full[n]))
+    muon, adamw = worst_by_optimizer(result, want)
     print(f"MEASURED {_run_id(run)}: Muon matrices {muon[0]:.3e} ({muon[1]}), AdamW {adamw[0]:.3e} ({adamw[1]})")
     if run.tp_mode == "blockwise":  # each TP shard orthogonalized on its own: another update
         assert muon[0] > 1e-3, f"blockwise unexpectedly matched the reference ({muon[0]:.2e})"

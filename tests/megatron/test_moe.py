@@ -32,7 +32,7 @@ import os
 import pytest
 import torch
 from dist_harness import run_world
-from training_harness import ATOL, MOE, NORM_RTOL, Run, references, resumed_params, train
+from training_harness import ATOL, MOE, NORM_RTOL, Run, references, resumed_params, train, worst_by_optimizer
 
 # fp32 throughout. The distributed runs sum the same products in another order (TP2's
 # RowParallel all-reduces and vocab-parallel cross entropy, the sequence-parallel reduce-scatters,
@@ -105,10 +105,6 @@ def train_runs(rank: int, world: int, root: str) -> list[tuple]:
     return out
 
 
-def _is_muon(name: str, tensor: torch.Tensor) -> bool:
-    return tensor.dim() == 2 and "embedding" not in name and "output_layer" not in name
-
-
 @pytest.fixture(scope="module")
 def reference():
     """{run: one process, TP1, EP1}."""
@@ -130,9 +126,7 @@ def test_matches_single_process_reference(trained, reference, index):
     assert any(".local_experts.3." in n for n in want)
     if run.etp == 1:  # whole experts; the expert-DP group is not the dense DP group's size here
         assert result.expert_dp == 2 and result.etp_rank == 0
-    diffs = {n: (result.full[n] - want[n]).abs().max().item() for n in want}
-    muon = max((d, n) for n, d in diffs.items() if _is_muon(n, want[n]))
-    adamw = max((d, n) for n, d in diffs.items() if not _is_muon(n, want[n]))
+    muon, adamw = worst_by_optimizer(result, reference[run])
     print(f"MEASURED {_run_id(run)}: Muon matrices {muon[0]:.3e} ({muon[1]}), AdamW {adamw[0]:.3e} ({adamw[1]}); "
           f"grad norms rel. {max(abs(a - b) / b for a, b in zip(result.grad_norms, want_norms)):.2e}")
     if run.tp_mode == "blockwise":
